@@ -1,0 +1,357 @@
+"""Typed configuration for a plait run.
+
+Every field has a docstring (the string literal under it); `plait train --help-config`
+prints them. Each dataclass validates its own fields in ``__post_init__``; checks that
+need several sections (the layout against the world size, the global batch against
+the layout) live in :meth:`Config.validate`, which runs before any process starts.
+
+The **global batch** (``train.global_batch``, in sequences) is the invariant of a run:
+the per-rank micro-batch and the number of accumulation steps are derived from it and
+the data-parallel degree, so changing the layout never changes the math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plait.errors import ConfigError
+
+Backend = Literal["auto", "gloo", "nccl"]
+Device = Literal["auto", "cpu", "cuda"]
+Progress = Literal["auto", "bar", "lines", "none"]
+
+
+def _positive(section: str, **values: float | int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{section}.{name} must be positive, got {value}.")
+
+
+@dataclass
+class ModelConfig:
+    """Size and shape of the built-in decoder-only transformer."""
+
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the built-in byte-level tokenizer."""
+    dim: int = 128
+    """Hidden (model) width h."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads; dim must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads for grouped-query attention (default: n_heads)."""
+    ffn_dim: int | None = None
+    """Hidden width of the SwiGLU MLP (default: 8/3·dim rounded up to multiple_of)."""
+    multiple_of: int = 32
+    """The default ffn_dim is rounded up to a multiple of this."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables are built for."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the token-embedding matrix with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "model",
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            multiple_of=self.multiple_of,
+            max_seq_len=self.max_seq_len,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            init_std=self.init_std,
+        )
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})."
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"the head dimension dim/n_heads = {self.dim // self.n_heads} must be even "
+                "for rotary positions."
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "
+                f"({self.kv_heads}) for grouped-query attention."
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value head count with the default applied."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden width with the default applied."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        raw = (8 * self.dim) // 3
+        return self.multiple_of * ((raw + self.multiple_of - 1) // self.multiple_of)
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout: degrees of the mesh axes and how gradients are reduced."""
+
+    dp: int | None = None
+    """Data-parallel degree (default: world size / (tp·pp·cp))."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel axis: 0 = plain data parallel, 1, 2, 3."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB for the overlapped data-parallel all-reduce."""
+    find_unused_parameters: bool = False
+    """Treat parameters that get no gradient as zero gradients instead of refusing."""
+    backend: Backend = "auto"
+    """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
+    timeout_s: float = 300.0
+    """Every collective raises an error naming rank, axis and operation after this long."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "parallel",
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            bucket_mb=self.bucket_mb,
+            timeout_s=self.timeout_s,
+        )
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}.")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(
+                f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}."
+            )
+
+    def resolved_dp(self, world_size: int) -> int:
+        """The data-parallel degree for a world of ``world_size`` ranks."""
+        if self.dp is not None:
+            return self.dp
+        return max(1, world_size // (self.tp * self.pp * self.cp))
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: batch, schedule, optimizer and evaluation."""
+
+    steps: int = 300
+    """Number of optimizer steps."""
+    global_batch: int = 16
+    """Sequences per optimizer step across all ranks (the invariant of the run)."""
+    micro_batch: int | None = None
+    """Sequences per rank per forward/backward (default: global_batch / dp, no accumulation)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (before the linear scaling rule, if enabled)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr · min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    scale_lr: bool = False
+    """Linear scaling rule: multiply lr by global_batch / base_batch (reported at start)."""
+    base_batch: int = 16
+    """Reference global batch for the linear scaling rule."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    seed: int = 0
+    """Seed for weights, data order and every random generator."""
+    eval_every: int = 100
+    """Compute the validation loss every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Global batches averaged for one validation loss."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "train",
+            steps=self.steps,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            seq_len=self.seq_len,
+            lr=self.lr,
+            base_batch=self.base_batch,
+            eval_batches=self.eval_batches,
+        )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        if self.warmup_steps < 0 or self.eval_every < 0:
+            raise ConfigError("train.warmup_steps and train.eval_every must not be negative.")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("train.weight_decay and train.grad_clip must not be negative.")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
+
+    def effective_lr(self) -> float:
+        """Peak learning rate with the linear scaling rule applied when enabled."""
+        if self.scale_lr:
+            return self.lr * self.global_batch / self.base_batch
+        return self.lr
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: str = "stdlib"
+    """'stdlib' (the running interpreter's standard-library sources, always present),
+    a text file, a folder of text files, or a pre-tokenized .bin/.npy token file."""
+    tokenizer: str = "byte"
+    """'byte' (built in, 256 symbols) or 'tiktoken:<encoding>' (needs tiktoken)."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a raw pre-tokenized .bin file."""
+    max_bytes: int = 8_000_000
+    """Read at most this many bytes of text (0: no limit)."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out (at the end) for the validation loss."""
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("data.source must not be empty.")
+        if self.tokenizer != "byte" and not self.tokenizer.startswith("tiktoken:"):
+            raise ConfigError(
+                f"data.tokenizer must be 'byte' or 'tiktoken:<encoding>', got {self.tokenizer!r}."
+            )
+        if self.token_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype must be uint16 or uint32, got {self.token_dtype!r}.")
+        if self.max_bytes < 0:
+            raise ConfigError(f"data.max_bytes must not be negative, got {self.max_bytes}.")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}.")
+
+
+@dataclass
+class LogConfig:
+    """What a run reports and where."""
+
+    metrics: str | None = None
+    """Write one JSON line of metrics per step to this path."""
+    log_every: int = 10
+    """Print a plain log line every this many steps (when no progress bar is shown)."""
+    progress: Progress = "auto"
+    """'bar' (live progress bar), 'lines' (plain log lines), 'none', or 'auto' (bar on a
+    terminal, lines otherwise)."""
+    peak_tflops: float | None = None
+    """Peak dense FLOP/s per device (in TFLOP/s) for the MFU estimate (default: measured
+    with a short matmul on CPU, the device's datasheet bf16 figure on CUDA)."""
+
+    def __post_init__(self) -> None:
+        _positive("log", log_every=self.log_every, peak_tflops=self.peak_tflops)
+        if self.progress not in ("auto", "bar", "lines", "none"):
+            raise ConfigError(
+                f"log.progress must be auto, bar, lines or none, got {self.progress!r}."
+            )
+
+
+@dataclass
+class LaunchConfig:
+    """How processes are started on this machine."""
+
+    nproc: int = 2
+    """Local processes to start (ignored under torchrun, which sets the world itself)."""
+    device: Device = "auto"
+    """'cpu', 'cuda' (one GPU per local rank) or 'auto' (cuda when available)."""
+    threads: int | None = None
+    """Intra-op CPU threads per process (default: cores / local processes)."""
+
+    def __post_init__(self) -> None:
+        _positive("launch", nproc=self.nproc, threads=self.threads)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"launch.device must be auto, cpu or cuda, got {self.device!r}.")
+
+
+@dataclass
+class Config:
+    """A whole run: one section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The built-in transformer's shape."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The parallel layout."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation and evaluation."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The corpus and tokenizer."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics and progress."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Local process start-up."""
+
+    def validate(self, world_size: int) -> None:
+        """Check the sections against each other for a world of ``world_size`` ranks.
+
+        Raises :class:`ConfigError` with one paragraph saying what is wrong and what
+        would work. Runs before any process starts.
+        """
+        p, t = self.parallel, self.train
+        dp = p.resolved_dp(world_size)
+        product = dp * p.tp * p.pp * p.cp
+        if product != world_size:
+            raise ConfigError(
+                f"the layout dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {product} ranks "
+                f"does not match the world size {world_size}; choose degrees whose product "
+                f"is {world_size} (or start {product} processes)."
+            )
+        if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.zero > 0:
+            raise ConfigError(
+                "this version of plait runs data parallelism (parallel.dp) only; "
+                f"tp={p.tp}, pp={p.pp}, cp={p.cp}, zero={p.zero} are not available yet. "
+                "Use parallel.dp equal to the number of processes."
+            )
+        micro = self.micro_batch(world_size)
+        if t.global_batch % (dp * micro):
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be divisible by dp x micro_batch "
+                f"= {dp} x {micro} = {dp * micro}; for example use global_batch "
+                f"{dp * micro * max(1, t.global_batch // (dp * micro))}."
+            )
+        if t.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len "
+                f"({self.model.max_seq_len}); raise model.max_seq_len or shorten train.seq_len."
+            )
+        if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
+            raise ConfigError(
+                f"the byte tokenizer needs model.vocab_size >= 256, got {self.model.vocab_size}."
+            )
+
+    def micro_batch(self, world_size: int) -> int:
+        """Per-rank micro-batch (sequences) with the default applied."""
+        if self.train.micro_batch is not None:
+            return self.train.micro_batch
+        dp = self.parallel.resolved_dp(world_size)
+        return max(1, self.train.global_batch // dp)
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step: global_batch / (dp · micro_batch)."""
+        dp = self.parallel.resolved_dp(world_size)
+        return self.train.global_batch // (dp * self.micro_batch(world_size))

@@ -1,0 +1,199 @@
+"""The device mesh: named axes dp, pp, cp, tp over one grid of ranks.
+
+Ranks are laid out in the grid ``(pp, dp, cp, tp)`` in row-major order, so ``tp`` is the
+fastest-varying axis (tensor-parallel peers are neighbours, on one node when the world
+spans several) and ``pp`` the slowest::
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+:class:`MeshLayout` is the pure arithmetic (no processes); :class:`Mesh` adds this rank's
+process groups, one per axis and per combination of axes asked for (``mesh.axis("dp",
+"cp")``), all sharing one :class:`~plait.comm.CommStats`. One rank is the same code path
+with every degree 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from plait import comm
+from plait.comm import AxisGroup, CommStats
+from plait.errors import ConfigError
+
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+"""Axis names in grid order, slowest-varying first."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Degrees of the four axes; pure rank arithmetic."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"mesh degree {name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Degrees in grid order (pp, dp, cp, tp)."""
+        return tuple(getattr(self, a) for a in AXES)
+
+    @property
+    def world_size(self) -> int:
+        """Product of the degrees."""
+        return math.prod(self.shape)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` along every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a mesh of {self.world_size} ranks")
+        out: dict[str, int] = {}
+        rest = rank
+        for name, size in zip(reversed(AXES), reversed(self.shape), strict=True):
+            out[name] = rest % size
+            rest //= size
+        return {a: out[a] for a in AXES}
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at the given coordinates (missing axes are 0)."""
+        rank = 0
+        for name, size in zip(AXES, self.shape, strict=True):
+            c = coords.get(name, 0)
+            if not 0 <= c < size:
+                raise ValueError(f"coordinate {name}={c} outside degree {size}")
+            rank = rank * size + c
+        return rank
+
+    def group_of(self, rank: int, axes: tuple[str, ...]) -> list[int]:
+        """The ranks that share every coordinate of ``rank`` except along ``axes``,
+        ordered by their coordinates along ``axes`` (in grid order)."""
+        bad = [a for a in axes if a not in AXES]
+        if bad:
+            raise ValueError(f"unknown mesh axis {bad[0]!r}; axes are {', '.join(AXES)}")
+        mine = self.coords(rank)
+        ordered = [a for a in AXES if a in axes]
+        ranges = [range(getattr(self, a)) for a in ordered]
+        members = []
+        for combo in itertools.product(*ranges):
+            c = dict(mine)
+            c.update(zip(ordered, combo, strict=True))
+            members.append(self.rank_of(**c))
+        return members
+
+    def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Every group of the combination ``axes``, each listed once, in rank order."""
+        seen: dict[tuple[int, ...], None] = {}
+        for r in range(self.world_size):
+            seen.setdefault(tuple(self.group_of(r, axes)), None)
+        return [list(g) for g in seen]
+
+
+def _axis_key(axes: tuple[str, ...]) -> tuple[str, ...]:
+    if not axes:
+        raise ValueError("name at least one mesh axis")
+    bad = [a for a in axes if a not in AXES]
+    if bad:
+        raise ValueError(f"unknown mesh axis {bad[0]!r}; axes are {', '.join(AXES)}")
+    return tuple(a for a in AXES if a in axes)
+
+
+@dataclass
+class Mesh:
+    """This rank's view of the mesh: layout, coordinates, process groups, counters."""
+
+    layout: MeshLayout
+    rank: int
+    timeout_s: float
+    device: torch.device
+    stats: CommStats = field(default_factory=CommStats)
+    _groups: dict[tuple[str, ...], AxisGroup] = field(default_factory=dict, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the mesh."""
+        return self.layout.world_size
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate along every axis."""
+        return self.layout.coords(self.rank)
+
+    def size(self, name: str) -> int:
+        """Degree of one axis."""
+        _axis_key((name,))
+        return int(getattr(self.layout, name))
+
+    def index(self, name: str) -> int:
+        """This rank's coordinate along one axis."""
+        return self.coords[name]
+
+    def axis(self, *names: str) -> AxisGroup:
+        """The group of this rank along ``names`` (one axis or several, e.g. "dp", "cp").
+
+        Groups are created on first use; every member must ask for the same group at the
+        same point of the program (which SPMD code does naturally).
+        """
+        key = _axis_key(names)
+        g = self._groups.get(key)
+        if g is None:
+            members = self.layout.group_of(self.rank, key)
+            g = comm.new_axis_group("_".join(key), members, self.rank, self.timeout_s, self.stats)
+            self._groups[key] = g
+        return g
+
+    def world(self) -> AxisGroup:
+        """The group of every rank of the mesh."""
+        return self.axis(*AXES)
+
+    def describe(self) -> str:
+        """One line: degrees and this rank's coordinates."""
+        degrees = " x ".join(f"{a}{getattr(self.layout, a)}" for a in AXES)
+        coords = ", ".join(f"{a}={c}" for a, c in self.coords.items())
+        return f"mesh {degrees} ({self.world_size} ranks); rank {self.rank}: {coords}"
+
+
+def init_mesh(
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    *,
+    timeout_s: float = 300.0,
+    device: torch.device | str | None = None,
+) -> Mesh:
+    """Build the mesh of this process over the already-joined world.
+
+    ``dp`` defaults to the world size divided by ``tp * pp * cp``. Degrees whose product
+    is not the world size are refused with the numbers. Without a world (one process,
+    nothing initialised) the mesh has one rank and no process groups.
+    """
+    world = comm.world_size()
+    rank = comm.world_rank()
+    other = tp * pp * cp
+    if dp is None:
+        if other <= 0 or world % other:
+            raise ConfigError(
+                f"tp={tp} x pp={pp} x cp={cp} = {other} does not divide the world size {world}"
+            )
+        dp = world // other
+    layout = MeshLayout(dp=dp, pp=pp, cp=cp, tp=tp)
+    if layout.world_size != world:
+        raise ConfigError(
+            f"the mesh dp={dp} x tp={tp} x pp={pp} x cp={cp} = {layout.world_size} ranks does "
+            f"not match the world size {world}; choose degrees whose product is {world}"
+        )
+    if device is None:
+        device = torch.device("cpu")
+    mesh = Mesh(layout=layout, rank=rank, timeout_s=timeout_s, device=torch.device(device))
+    for name in AXES:  # every rank creates its single-axis groups in the same order
+        mesh.axis(name)
+    return mesh
