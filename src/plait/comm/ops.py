@@ -33,7 +33,7 @@ _OPS = {
 }
 
 
-def _reduce_op(op: str) -> dist.ReduceOp:
+def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
     if op not in _OPS:  # validated before calling: an unsupported op can break a gloo group
         raise ValueError(f"unknown reduction {op!r}; use one of {sorted(_OPS)}")
     return _OPS[op]

@@ -82,7 +82,7 @@ def _resolve(body: str) -> Callable[..., Any]:
     fn = getattr(importlib.import_module(module), name)
     if not callable(fn):
         raise TypeError(f"{body} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _worker_main(
@@ -177,7 +177,7 @@ class WorkerPool:
         return results
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
-        pending = {c: r for r, c in enumerate(self._conns)}
+        pending: dict[Any, int] = {c: r for r, c in enumerate(self._conns)}
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
@@ -192,15 +192,15 @@ class WorkerPool:
                     "the pool was stopped and restarts on the next run"
                 )
             for c in ready:
-                r = pending.pop(c)  # type: ignore[call-overload]
+                r = pending.pop(c)
                 try:
-                    kind, value = c.recv()  # type: ignore[union-attr]
+                    kind, value = self._conns[r].recv()
                 except EOFError:
                     code = self._procs[r].exitcode
                     failures[r] = f"worker process exited (exit code {code})"
                     continue
                 if kind == "err":
-                    failures[r] = value
+                    failures[r] = str(value)
                 else:
                     results[r] = value
         if failures:

@@ -1,0 +1,65 @@
+"""What every rank runs: join the world, build the mesh, train, leave."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from plait import comm
+from plait.config import Config
+from plait.launch.local import RankEnv, torchrun_env
+from plait.mesh import init_mesh
+
+
+def resolve_device(cfg: Config, local_rank: int) -> torch.device:
+    """The device of this rank: ``cuda:<local rank>`` or the CPU."""
+    want = cfg.launch.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("launch.device is 'cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def resolve_backend(cfg: Config, device: torch.device) -> str:
+    """gloo on CPU, NCCL on CUDA, unless set explicitly."""
+    if cfg.parallel.backend != "auto":
+        return cfg.parallel.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def run_rank(cfg: Config, env: RankEnv | None, show_progress: bool = True) -> dict[str, Any]:
+    """Train on this rank (``env`` None: one process, no process group)."""
+    from plait.train.trainer import Trainer
+
+    local_rank = env.local_rank if env else 0
+    local_world = env.local_world_size if env else 1
+    device = resolve_device(cfg, local_rank)
+    threads = cfg.launch.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    joined = False
+    if env is not None and env.world_size > 1:
+        comm.init_world(
+            resolve_backend(cfg, device),
+            env.rank,
+            env.world_size,
+            "env://",
+            timeout_s=cfg.parallel.timeout_s,
+        )
+        joined = True
+    try:
+        p = cfg.parallel
+        mesh = init_mesh(
+            dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device
+        )
+        summary = Trainer(cfg, mesh, show_progress=show_progress).run()
+    finally:
+        if joined:
+            comm.destroy_world()
+    return dataclasses.asdict(summary)

@@ -1,0 +1,240 @@
+"""Data parallelism for any ``nn.Module``: bucketed, overlapped gradient all-reduce.
+
+Every rank holds the same weights (broadcast from data-parallel rank 0 at wrap time)
+and sees different micro-batches. Gradients are packed into buckets of about
+``bucket_mb`` MiB in *reverse registration order* (roughly the order backward produces
+them). A post-accumulate-grad hook copies each gradient into its bucket the moment it
+is final; when a bucket's last gradient arrives, its all-reduce (sum, then divided by
+the group size: the mean over ranks) is launched asynchronously, so communication
+overlaps the rest of backward. At the end of backward a callback launches whatever is
+left, waits for every bucket and copies the averaged gradients back into ``.grad``.
+
+Inside :meth:`DataParallel.no_sync` the hooks do nothing: gradients accumulate locally
+and the next backward outside the context reduces the accumulated sum, so k micro-steps
+cost one round of communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm import AxisGroup, Handle
+from plait.errors import PlaitError
+from plait.mesh import Mesh
+
+
+class UnusedParametersError(PlaitError, RuntimeError):
+    """Some parameters received no gradient in a synchronising backward pass."""
+
+
+@dataclass
+class _Bucket:
+    """A flat buffer holding the gradients of a run of parameters (one dtype)."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    buffer: torch.Tensor  # (numel,) flat gradients of every parameter in the bucket
+    ready: set[int] = field(default_factory=set)  # positions whose gradient has arrived
+    handle: Handle | None = None
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+def _make_buckets(
+    named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int
+) -> list[_Bucket]:
+    """Greedy buckets over ``named`` (already in reverse registration order)."""
+    buckets: list[_Bucket] = []
+    cur: list[tuple[str, nn.Parameter]] = []
+    cur_bytes = 0
+
+    def close() -> None:
+        nonlocal cur, cur_bytes
+        if not cur:
+            return
+        offsets, total = [], 0
+        for _, p in cur:
+            offsets.append(total)
+            total += p.numel()
+        first = cur[0][1]
+        buf = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buckets.append(
+            _Bucket(len(buckets), [p for _, p in cur], [n for n, _ in cur], offsets, buf)
+        )
+        cur, cur_bytes = [], 0
+
+    for name, p in named:
+        nbytes = p.numel() * p.element_size()
+        if cur and (
+            cur_bytes + nbytes > bucket_bytes
+            or p.dtype != cur[0][1].dtype
+            or p.device != cur[0][1].device
+        ):
+            close()
+        cur.append((name, p))
+        cur_bytes += nbytes
+    close()
+    return buckets
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data parallelism over ``mesh``'s ``axes`` (default "dp").
+
+    Args:
+        module: any ``nn.Module``; its parameters and buffers are broadcast from the
+            first rank of the group so every replica starts identical.
+        mesh: the device mesh.
+        bucket_mb: bucket size in MiB (the unit of one asynchronous all-reduce).
+        find_unused_parameters: reduce zeros for parameters that get no gradient
+            instead of raising :class:`UnusedParametersError` naming them.
+        axes: the mesh axes gradients are averaged over.
+        record_events: keep :attr:`events` (gradient arrivals, bucket launches and the
+            end of backward, in order) for the last backward pass.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        bucket_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        axes: Sequence[str] = ("dp",),
+        record_events: bool = False,
+    ) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.module = module
+        self.mesh = mesh
+        self.group: AxisGroup = mesh.axis(*axes)
+        self.find_unused_parameters = find_unused_parameters
+        self.record_events = record_events
+        self.events: list[tuple[str, Any]] = []
+        self._sync = True
+        self._in_backward = False
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("DataParallel needs a module with at least one trainable parameter")
+        self.buckets = _make_buckets(list(reversed(named)), int(bucket_mb * 2**20))
+        self._where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+        self._broadcast_state()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+
+    # ------------------------------------------------------------------ set-up
+
+    def _broadcast_state(self) -> None:
+        """Make every replica equal to the group's first rank (one broadcast per dtype)."""
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])  # (total,)
+            comm.broadcast(flat, self.group, src=0)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            if self.record_events:
+                self.events = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket, i = self._where[p]  # type: ignore[index]
+        assert p.grad is not None
+        bucket.view(i).copy_(p.grad)
+        bucket.ready.add(i)
+        if self.record_events:
+            self.events.append(("grad", bucket.names[i]))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.handle = comm.all_reduce(bucket.buffer, self.group, op="avg", async_op=True)
+        if self.record_events:
+            self.events.append(("launch", bucket.index))
+
+    def _finish_backward(self) -> None:
+        """Runs once at the end of a synchronising backward pass."""
+        self._in_backward = False
+        if self.record_events:
+            self.events.append(("backward_end", None))
+        missing = [
+            b.names[i]
+            for b in self.buckets
+            for i in range(len(b.params))
+            if b.handle is None and i not in b.ready
+        ]
+        if missing and not self.find_unused_parameters:
+            for b in self.buckets:  # leave a clean state for the next pass
+                b.ready.clear()
+                if b.handle is not None:
+                    b.handle.wait()
+                    b.handle = None
+            raise UnusedParametersError(
+                f"{len(missing)} parameter(s) received no gradient in this backward pass: "
+                f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every rank "
+                "must reduce the same buckets: pass find_unused_parameters=True to reduce "
+                "zeros for them, or set requires_grad=False on parameters that are never used."
+            )
+        for b in self.buckets:
+            if b.handle is None:
+                for i in range(len(b.params)):
+                    if i not in b.ready:
+                        b.view(i).zero_()
+                self._launch(b)
+        for b in self.buckets:
+            assert b.handle is not None
+            b.handle.wait()
+            for i, p in enumerate(b.params):
+                if p.grad is None:
+                    p.grad = b.view(i).clone()
+                else:
+                    p.grad.copy_(b.view(i))
+            b.ready.clear()
+            b.handle = None
+        if self.record_events:
+            self.events.append(("synced", None))
+
+    # ------------------------------------------------------------------ API
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, with no communication."""
+        old = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def bucket_summary(self) -> list[tuple[int, int, int]]:
+        """``(bucket index, parameter count, bytes)`` for each bucket."""
+        return [
+            (b.index, len(b.params), b.buffer.numel() * b.buffer.element_size())
+            for b in self.buckets
+        ]

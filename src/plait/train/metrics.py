@@ -1,0 +1,139 @@
+"""Per-step metrics: throughput, MFU, communication; JSONL output; progress display."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' datasheets, for the MFU estimate.
+_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
+
+
+def measure_peak_flops(device: torch.device, size: int = 512, reps: int = 5) -> float:
+    """FLOP/s of a fp32 ``size``³ matmul on this process's threads (CPU), best of ``reps``.
+
+    On CPU there is no datasheet figure that matches the threads a rank gets, so MFU on
+    CPU is measured against what a plain matmul achieves here.
+    """
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> float:
+    """Peak FLOP/s of one device: the override, a datasheet figure, or a measurement."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return measure_peak_flops(device)
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step reports (rank 0 writes one JSON line of these)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    mfu: float
+    step_seconds: float
+    comm_bytes: float
+    comm_seconds: float
+    val_loss: float | None = None
+
+    def line(self) -> str:
+        """A plain log line."""
+        s = (
+            f"step {self.step:5d} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
+            f"grad {self.grad_norm:.3f} | {self.tokens_per_s:,.0f} tok/s | "
+            f"mfu {100 * self.mfu:.1f}% | comm {self.comm_bytes / 2**20:.2f} MiB "
+            f"{1000 * self.comm_seconds:.0f} ms"
+        )
+        if self.val_loss is not None:
+            s += f" | val {self.val_loss:.4f}"
+        return s
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to a file (rank 0 only)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._f: IO[str] | None = None
+        if path:
+            p = Path(path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            self._f = p.open("w", encoding="utf-8")
+
+    def write(self, m: StepMetrics | dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(asdict(m) if isinstance(m, StepMetrics) else m) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class Progress:
+    """A live tqdm bar on a terminal, plain log lines otherwise, or nothing."""
+
+    def __init__(self, total: int, mode: str, log_every: int, enabled: bool) -> None:
+        self.enabled = enabled and mode != "none"
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode
+        self.log_every = log_every
+        self.total = total
+        self._bar: Any = None
+        if self.enabled and mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def update(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            post = {"loss": f"{m.loss:.3f}", "tok/s": f"{m.tokens_per_s:,.0f}"}
+            if m.val_loss is not None:
+                post["val"] = f"{m.val_loss:.3f}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+            if m.val_loss is not None:
+                self._bar.write(m.line())
+        elif m.step % self.log_every == 0 or m.step == self.total or m.val_loss is not None:
+            print(m.line(), flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
