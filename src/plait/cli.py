@@ -37,9 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     t.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
-    t.add_argument(
-        "--help-config", action="store_true", help="print every config field and exit"
-    )
+    t.add_argument("--help-config", action="store_true", help="print every config field and exit")
     return p
 
 

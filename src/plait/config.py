@@ -142,9 +142,7 @@ class ParallelConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}.")
         if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(
-                f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}."
-            )
+            raise ConfigError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}.")
 
     def resolved_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of ``world_size`` ranks."""
@@ -242,7 +240,9 @@ class DataConfig:
                 f"data.tokenizer must be 'byte' or 'tiktoken:<encoding>', got {self.tokenizer!r}."
             )
         if self.token_dtype not in ("uint16", "uint32"):
-            raise ConfigError(f"data.token_dtype must be uint16 or uint32, got {self.token_dtype!r}.")
+            raise ConfigError(
+                f"data.token_dtype must be uint16 or uint32, got {self.token_dtype!r}."
+            )
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes must not be negative, got {self.max_bytes}.")
         if not 0.0 < self.val_fraction < 1.0:

@@ -10,7 +10,6 @@ step 1 and weights after the last step (the only difference is summation order).
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable
 
 import pytest
@@ -60,8 +59,9 @@ def _builtin() -> nn.Module:
     from plait.config import ModelConfig
     from plait.model import Transformer
 
-    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      max_seq_len=SEQ)
+    cfg = ModelConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ
+    )
     return Transformer(cfg)
 
 
@@ -111,8 +111,12 @@ def _train(
         opt.step()
         opt.zero_grad(set_to_none=True)
     weights = {k: p.detach().clone() for k, p in model.named_parameters()}
-    return {"losses": losses, "grads1": grads1, "weights": weights,
-            "bytes": mesh.stats.total_bytes("dp")}
+    return {
+        "losses": losses,
+        "grads1": grads1,
+        "weights": weights,
+        "bytes": mesh.stats.total_bytes("dp"),
+    }
 
 
 def _body_train(ctx: WorkerContext, dp: int, model_name: str, accum: int) -> dict[str, object]:

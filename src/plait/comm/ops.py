@@ -87,9 +87,9 @@ def all_reduce(
     )
 
 
-def all_gather(t: torch.Tensor, g: AxisGroup, async_op: bool = False) -> torch.Tensor | tuple[
-    torch.Tensor, Handle
-]:
+def all_gather(
+    t: torch.Tensor, g: AxisGroup, async_op: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, Handle]:
     """Concatenate every rank's ``t`` along dim 0, in axis order (AllGather).
 
     Returns the output, or ``(output, handle)`` when ``async_op``.
@@ -141,9 +141,9 @@ def reduce_scatter(
     return (out, h) if h is not None else out
 
 
-def all_to_all(t: torch.Tensor, g: AxisGroup, async_op: bool = False) -> torch.Tensor | tuple[
-    torch.Tensor, Handle
-]:
+def all_to_all(
+    t: torch.Tensor, g: AxisGroup, async_op: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, Handle]:
     """Chunk ``i`` of dim 0 goes to rank ``i``; the output stacks the chunks received
     from every rank in axis order (AllToAll). ``t.shape[0]`` must divide evenly."""
     if t.shape[0] % g.size:
@@ -167,9 +167,7 @@ def all_to_all(t: torch.Tensor, g: AxisGroup, async_op: bool = False) -> torch.T
     return (out, h) if h is not None else out
 
 
-def broadcast(t: torch.Tensor, g: AxisGroup, src: int = 0, async_op: bool = False) -> (
-    Handle | None
-):
+def broadcast(t: torch.Tensor, g: AxisGroup, src: int = 0, async_op: bool = False) -> Handle | None:
     """In place: every rank ends with ``t`` of the rank at index ``src`` (Broadcast)."""
     if g.pg is None:
         return _run(g, "broadcast", tensor_bytes(t), lambda a: None, async_op)

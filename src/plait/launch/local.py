@@ -80,7 +80,6 @@ def launch_local(nproc: int, args: Sequence[str]) -> None:
     import sys
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the agent's own log lines repeat the child's traceback; we report it ourselves

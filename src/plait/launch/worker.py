@@ -10,7 +10,7 @@ import torch
 
 from plait import comm
 from plait.config import Config
-from plait.launch.local import RankEnv, torchrun_env
+from plait.launch.local import RankEnv
 from plait.mesh import init_mesh
 
 
@@ -55,9 +55,7 @@ def run_rank(cfg: Config, env: RankEnv | None, show_progress: bool = True) -> di
         joined = True
     try:
         p = cfg.parallel
-        mesh = init_mesh(
-            dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device
-        )
+        mesh = init_mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device)
         summary = Trainer(cfg, mesh, show_progress=show_progress).run()
     finally:
         if joined:

@@ -51,9 +51,7 @@ class _Bucket:
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
 
-def _make_buckets(
-    named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int
-) -> list[_Bucket]:
+def _make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[_Bucket]:
     """Greedy buckets over ``named`` (already in reverse registration order)."""
     buckets: list[_Bucket] = []
     cur: list[tuple[str, nn.Parameter]] = []

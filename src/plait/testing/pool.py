@@ -12,6 +12,7 @@ time limit kills the pool (it restarts on the next run) and names the silent ran
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -158,7 +159,11 @@ class WorkerPool:
         self._collect("start-up", self.start_timeout_s)
 
     def run(
-        self, body: str, *args: Any, timeout_s: float = 120.0, restart_after: bool = False,
+        self,
+        body: str,
+        *args: Any,
+        timeout_s: float = 120.0,
+        restart_after: bool = False,
         **kwargs: Any,
     ) -> list[Any]:
         """Run ``body`` on every rank; return the results in rank order.
@@ -211,10 +216,8 @@ class WorkerPool:
     def close(self) -> None:
         """Stop the workers (politely, then by force) and remove the store."""
         for c in self._conns:
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 c.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         deadline = time.monotonic() + 5.0
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

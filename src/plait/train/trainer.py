@@ -15,14 +15,14 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.model import Transformer, flops_per_token, param_count
+from plait.model import Transformer, flops_per_token, lm_loss, param_count
 from plait.parallel.data import DataParallel
 from plait.parallel.parallelize import parallelize
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
@@ -82,8 +82,7 @@ class Trainer:
         self.accum = cfg.accumulation_steps(world)
 
         torch.manual_seed(cfg.train.seed)
-        base = Transformer(cfg.model).to(self.device)
-        base.init_weights(cfg.train.seed)
+        base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base
         self.model = parallelize(base, mesh, cfg.parallel)
         self.optimizer = make_optimizer(base, cfg)
@@ -118,7 +117,7 @@ class Trainer:
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = self.model(x)  # (micro, seq, vocab)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        return lm_loss(logits.float(), y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """Average a scalar over the data-parallel ranks."""
@@ -146,9 +145,7 @@ class Trainer:
         clip = self.cfg.train.grad_clip
         # after the all-reduce every replica holds the same full gradient: the local norm
         # is the global norm
-        norm = nn.utils.clip_grad_norm_(
-            self.base.parameters(), clip if clip > 0 else float("inf")
-        )
+        norm = nn.utils.clip_grad_norm_(self.base.parameters(), clip if clip > 0 else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return self._global_mean(total), float(norm)

@@ -1,0 +1,37 @@
+"""The built-in decoder-only transformer and its size/FLOP accounting."""
+
+from __future__ import annotations
+
+from plait.model.transformer import (
+    IGNORE_INDEX,
+    MODEL_PRESETS,
+    Attention,
+    Block,
+    FeedForward,
+    RMSNorm,
+    Transformer,
+    apply_rotary,
+    flops_per_token,
+    lm_loss,
+    materialize,
+    model_preset,
+    param_count,
+    rope_tables,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MODEL_PRESETS",
+    "Attention",
+    "Block",
+    "FeedForward",
+    "RMSNorm",
+    "Transformer",
+    "apply_rotary",
+    "flops_per_token",
+    "lm_loss",
+    "materialize",
+    "model_preset",
+    "param_count",
+    "rope_tables",
+]

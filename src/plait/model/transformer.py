@@ -1,0 +1,334 @@
+"""A decoder-only transformer (Llama-style) written for one device.
+
+The model is plain PyTorch with no distributed code: pre-norm blocks of RMSNorm,
+grouped-query attention with rotary position embeddings through
+:func:`torch.nn.functional.scaled_dot_product_attention`, and a SwiGLU feed-forward.
+Parallel wrappers shard or wrap it from the outside.
+
+Construction is cheap on the meta device (``with torch.device("meta"): Transformer(cfg)``
+allocates nothing); :func:`materialize` later moves it to a real device and runs
+:meth:`Transformer.init_weights`, which gives exactly the weights a direct build with
+the same seed gives. Every parameter is drawn on the CPU from its own generator, seeded
+from the run seed and the parameter's name, so the weights do not depend on the device,
+on the order modules are materialised in, or on which other parameters exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.config import ModelConfig
+from plait.errors import ConfigError
+
+IGNORE_INDEX = -100
+"""Target value that :func:`lm_loss` skips."""
+
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64
+    ),
+    "small": ModelConfig(),
+    # GPT-2 small sizes; ffn 2048 = 8/3·768 gives the SwiGLU MLP the 4·h GELU MLP's size.
+    "gpt2-124m": ModelConfig(
+        vocab_size=50304,
+        dim=768,
+        n_layers=12,
+        n_heads=12,
+        ffn_dim=2048,
+        max_seq_len=1024,
+        tie_embeddings=True,
+    ),
+    "llama2-7b": ModelConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
+    ),
+    "llama3-8b": ModelConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+}
+"""Named model shapes. Use :func:`model_preset` to get a private copy."""
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A copy of the preset ``name`` from :data:`MODEL_PRESETS`."""
+    if name not in MODEL_PRESETS:
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}."
+        )
+    return dataclasses.replace(MODEL_PRESETS[name])
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned per-channel gain (no bias)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))  # (dim,)
+
+    def reset_parameters(self) -> None:
+        """Set the gain to ones."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension of ``x`` (any leading shape), in float32."""
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos/sin tables, each ``(max_seq_len, head_dim // 2)`` float32 on the CPU.
+
+    Pair ``j`` of a head (channels ``j`` and ``j + head_dim/2``) rotates at frequency
+    ``theta ** (-2j / head_dim)``; the angles are computed in float64.
+    """
+    f64, cpu = torch.float64, torch.device("cpu")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=f64, device=cpu) / head_dim)
+    pos = torch.arange(max_seq_len, dtype=f64, device=cpu)
+    angles = torch.outer(pos, inv_freq)  # (max_seq_len, head_dim // 2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by positions.
+
+    ``cos`` and ``sin`` are ``(seq, head_dim // 2)``: row ``t`` holds the angles of the
+    position of ``x[:, t]``. Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)  # (batch, seq, heads, head_dim // 2) each
+    c = cos[None, :, None, :].float()  # (1, seq, 1, head_dim // 2)
+    s = sin[None, :, None, :].float()
+    out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions.
+
+    The head counts used in :meth:`forward` are read from the projection shapes, so a
+    wrapper may shard ``wq``/``wk``/``wv`` by output rows (whole heads) and ``wo`` by
+    input columns without changing this code.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(batch, seq, dim)``, tables ``(seq, head_dim // 2)`` -> ``(batch, seq, dim)``."""
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)  # (batch, seq, heads, head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        q = q.transpose(1, 2)  # (batch, heads, seq, head_dim)
+        k = k.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
+        v = v.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
+        groups = q.shape[1] // k.shape[1]
+        if groups == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif _SDPA_HAS_GQA:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # torch < 2.5: repeat each KV head for its group of query heads
+            k = k.repeat_interleave(groups, dim=1)  # (batch, heads, seq, head_dim)
+            v = v.repeat_interleave(groups, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, heads * head_dim)
+        return self.wo(o)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # hidden: (batch, seq, hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every target that is not :data:`IGNORE_INDEX`.
+
+    ``logits`` ``(batch, seq, vocab)``, ``targets`` ``(batch, seq)``; computed in float32.
+    """
+    vocab = logits.shape[-1]
+    return F.cross_entropy(
+        logits.reshape(-1, vocab).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from the run seed and a parameter name (no ``hash()``)."""
+    return (seed * 0x9E37_79B9_7F4A_7C15 + zlib.crc32(name.encode())) % (1 << 63)
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: embeddings, ``n_layers`` blocks, norm, output head.
+
+    ``seed`` is passed to :meth:`init_weights` when the model is built on a real device;
+    on the meta device nothing is initialised (see :func:`materialize`).
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Filled by init_weights; not saved in checkpoints (recomputable from cfg).
+        half = cfg.head_dim // 2
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the embedding matrix again when the config ties them.
+
+        ``Module.to_empty`` replaces each module's parameters separately and so unties
+        them; :meth:`init_weights` calls this first.
+        """
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministically (re)initialise every parameter and the rotary tables.
+
+        Linear and embedding weights ~ N(0, init_std²), with the residual output
+        projections (``wo``, ``w2``) scaled by ``1/sqrt(2·n_layers)`` as in GPT-2; norm
+        gains = 1. Each parameter is drawn on the CPU in float32 from a generator seeded
+        by ``seed`` and its name, then copied to its device and dtype. ``seed=None`` draws
+        the base seed from torch's global generator.
+        """
+        self.tie_weights()
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            scaled = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            value = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+            value.normal_(0.0, resid_std if scaled else std, generator=gen)
+            param.copy_(value)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ConfigError(
+                f"sequence length {seq} exceeds model.max_seq_len ({self.cfg.max_seq_len})."
+            )
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
+        h = self.tok_embeddings(tokens)  # (batch, seq, dim)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        return self.output(h)  # (batch, seq, vocab)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:func:`lm_loss`: mean cross-entropy, ``ignore_index=-100``."""
+        return lm_loss(logits, targets)
+
+
+def materialize(
+    model: Transformer, device: torch.device | str, seed: int | None = None
+) -> Transformer:
+    """Allocate a meta-built ``model`` on ``device`` and initialise it with ``seed``.
+
+    Gives the same weights as ``Transformer(cfg, seed=seed)`` built directly.
+    """
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the linear layers of one block."""
+    attn = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
+    return attn + 3 * cfg.dim * cfg.hidden_dim
+
+
+def param_count(cfg: ModelConfig, include_embeddings: bool = True) -> int:
+    """Number of parameters of ``Transformer(cfg)``, computed from the config.
+
+    With ``include_embeddings=False`` the vocabulary-sized matrices (token embedding and,
+    when untied, the output head) are left out, as in the "non-embedding N" of scaling
+    laws; the norms stay in.
+    """
+    per_layer = _layer_matmul_params(cfg) + 2 * cfg.dim  # + two RMSNorm gains
+    body = cfg.n_layers * per_layer + cfg.dim  # + final norm
+    if not include_embeddings:
+        return body
+    vocab = cfg.vocab_size * cfg.dim
+    return body + vocab + (0 if cfg.tie_embeddings else vocab)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+    ``6·N + 12·L·s·h`` (the PaLM paper's appendix B convention), where N counts the
+    weights of every matmul: the blocks' linear layers and the output head (whether or
+    not it is tied), but not the embedding lookup or the norms. The attention term counts
+    ``QKᵀ`` and ``AV`` per layer: forward ``2·2·s·h`` per token, times 3 for
+    forward + backward; the causal mask is *not* discounted (half those products are
+    masked), so MFU figures are comparable with PaLM's.
+    """
+    n_matmul = cfg.n_layers * _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim
+    return float(6 * n_matmul + 12 * cfg.n_layers * seq_len * cfg.dim)

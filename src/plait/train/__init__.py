@@ -1,0 +1,1 @@
+"""Training: data, optimisation and the training loop."""

@@ -1,0 +1,154 @@
+"""`plait train` end to end, and every bad input refused with exit code 2 before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plait.cli import main
+from plait.launch.local import LaunchError, launch_local
+
+TINY = [
+    "--model.dim",
+    "32",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.max_seq_len",
+    "32",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "8",
+    "--data.max_bytes",
+    "200000",
+    "--train.eval_every",
+    "0",
+    "--train.eval_batches",
+    "1",
+    "--progress",
+    "lines",
+    "--log.log_every",
+    "1",
+    "--log.peak_tflops",
+    "1",
+]
+
+
+def _metrics(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "m.jsonl"
+    code = main(["train", *TINY, "--nproc", "1", "--steps", "12", "--metrics", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "dp1" in text and "step    12" in text
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["val_loss"] is not None
+    assert {"lr", "grad_norm", "tokens_per_s", "mfu", "comm_bytes", "comm_seconds"} <= set(rows[0])
+
+
+def _cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "plait", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_train_two_processes_matches_one(tmp_path: Path) -> None:
+    """`plait train --nproc 2` end to end: same losses as one process (fp32, rtol 1e-5)."""
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    r = _cli(["train", *TINY, "--nproc", "2", "--steps", "6", "--metrics", str(two)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "dp2" in r.stdout
+    assert main(["train", *TINY, "--nproc", "1", "--steps", "6", "--metrics", str(one)]) == 0
+    a, b = _metrics(two), _metrics(one)
+    assert [x["loss"] for x in a] == pytest.approx([x["loss"] for x in b], rel=1e-5)
+    assert all(x["comm_bytes"] > 0 for x in a)
+
+
+def test_same_program_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "m.jsonl"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "plait",
+            "train",
+            *TINY,
+            "--steps",
+            "3",
+            "--metrics",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(_metrics(out)) == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_child_failure_names_rank_and_error(tmp_path: Path) -> None:
+    # bypass the parent's checks: each child refuses a CUDA device that is not there
+    with pytest.raises(LaunchError, match=r"rank 0: .*no CUDA device[\s\S]*rank 1: "):
+        launch_local(2, ["train", *TINY, "--steps", "1", "--device", "cuda"])
+
+
+def _bad(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith("plait: error: ")
+    return err
+
+
+def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "does-not-exist" in _bad(["--data", str(tmp_path / "does-not-exist")], capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "empty" in _bad(["--data", str(empty)], capsys)
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[train\nsteps = 3\n")
+    assert "bad.toml" in _bad(["--config", str(bad_toml)], capsys)
+    assert "missing.toml" in _bad(["--config", str(tmp_path / "missing.toml")], capsys)
+    assert "did you mean 'train.steps'" in _bad(["--train.setps", "3"], capsys)
+    err = _bad(["--nproc", "2", "--dp", "3"], capsys)
+    assert "dp=3" in err and "world size 2" in err
+    err = _bad(["--nproc", "2", "--global-batch", "10", "--micro-batch", "4"], capsys)
+    assert "global_batch (10)" in err and "2 x 4" in err
+    assert "no_value" not in _bad(["--steps"], capsys)
+
+
+def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path: Path) -> None:
+    r = _cli(["train", "--data", str(tmp_path / "nothing-here")], tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "nothing-here" in r.stderr
