@@ -86,8 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] not in ("train",):
         _parser().parse_args(args)  # prints usage / version / an error (exit 2)
         return EXIT_BAD_INPUT
+    from plait.launch.local import torchrun_env
+
+    # under the elastic agent, record() writes a failing rank's error for the parent
+    train = record(_train) if torchrun_env() is not None else _train
     try:
-        code = record(_train)(args[1:], args)
+        code = train(args[1:], args)
         return int(code) if code is not None else 0
     except ConfigError as e:  # includes DataError
         print(f"plait: error: {e}", file=sys.stderr)
