@@ -18,6 +18,13 @@ from plait.errors import ConfigError, PlaitError
 
 EXIT_BAD_INPUT = 2
 
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("plait.cli:train_main", "train the built-in transformer"),
+}
+"""Subcommand name -> ("module:function", one-line help). Each function takes the
+arguments after the subcommand name and returns an exit code; it may raise
+ConfigError (reported in one paragraph, exit code 2) or PlaitError (exit code 1)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -26,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"plait {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        if name != "train":
+            sub.add_parser(name, help=help_text, add_help=False)
     t = sub.add_parser(
         "train",
         help="train the built-in transformer",
@@ -78,20 +88,29 @@ def _check_data(cfg: object) -> None:
     check_enough(TokenDataset(val, cfg.train.seq_len), cfg.train.global_batch, "validation")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``plait`` console script; returns the exit code."""
+def train_main(rest: Sequence[str]) -> int:
+    """``plait train``."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("train",):
-        _parser().parse_args(args)  # prints usage / version / an error (exit 2)
-        return EXIT_BAD_INPUT
     from plait.launch.local import torchrun_env
 
     # under the elastic agent, record() writes a failing rank's error for the parent
     train = record(_train) if torchrun_env() is not None else _train
+    return int(train(rest, ["train", *rest]) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``plait`` console script; returns the exit code."""
+    import importlib
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in SUBCOMMANDS:
+        _parser().parse_args(args)  # prints usage / version / an error (exit 2)
+        return EXIT_BAD_INPUT
+    module, _, func = SUBCOMMANDS[args[0]][0].partition(":")
+    run = getattr(importlib.import_module(module), func)
     try:
-        code = train(args[1:], args)
+        code = run(args[1:])
         return int(code) if code is not None else 0
     except ConfigError as e:  # includes DataError
         print(f"plait: error: {e}", file=sys.stderr)
