@@ -12,7 +12,7 @@ return for one rank, and nothing is sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -259,15 +259,29 @@ def send(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
     _run(g, "send", tensor_bytes(t), lambda a: dist.send(t.contiguous(), gdst, group=g.pg), False)
 
 
+def _recv_buffer(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """gloo receives only into contiguous memory: a staging buffer and its copy-back."""
+    if t.is_contiguous():
+        return t, None
+    buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    def then() -> None:
+        t.copy_(buf)
+
+    return buf, then
+
+
 def recv(t: torch.Tensor, g: AxisGroup, src: int) -> None:
     """Receive into ``t`` from the rank at index ``src`` along the axis (blocking)."""
     gsrc = g.global_rank(src)
-    _run(g, "recv", tensor_bytes(t), lambda a: dist.recv(t, gsrc, group=g.pg), False)
+    buf, then = _recv_buffer(t)
+    _run(g, "recv", tensor_bytes(t), lambda a: dist.recv(buf, gsrc, group=g.pg), False, then)
 
 
 def isend(t: torch.Tensor, g: AxisGroup, dst: int) -> Handle:
     """Start sending ``t`` to index ``dst``; wait on the handle before reusing ``t``."""
     gdst = g.global_rank(dst)
+    t = t.contiguous()  # gloo sends only contiguous memory (as in send)
     h = _run(g, "send", tensor_bytes(t), lambda a: dist.isend(t, gdst, group=g.pg), True)
     assert h is not None
     return h
@@ -276,7 +290,8 @@ def isend(t: torch.Tensor, g: AxisGroup, dst: int) -> Handle:
 def irecv(t: torch.Tensor, g: AxisGroup, src: int) -> Handle:
     """Start receiving into ``t`` from index ``src``; wait on the handle before reading."""
     gsrc = g.global_rank(src)
-    h = _run(g, "recv", tensor_bytes(t), lambda a: dist.irecv(t, gsrc, group=g.pg), True)
+    buf, then = _recv_buffer(t)
+    h = _run(g, "recv", tensor_bytes(t), lambda a: dist.irecv(buf, gsrc, group=g.pg), True, then)
     assert h is not None
     return h
 
@@ -295,15 +310,22 @@ def batch_isend_irecv(ops: Sequence[P2P], g: AxisGroup) -> list[Handle]:
     if not ops:
         return []
     p2p = []
+    thens: list[Callable[[], None] | None] = []
     for o in ops:
         if o.kind not in ("send", "recv"):
             raise ValueError(f"P2P kind must be 'send' or 'recv', got {o.kind!r}")
-        fn = dist.isend if o.kind == "send" else dist.irecv
-        p2p.append(dist.P2POp(fn, o.tensor, g.global_rank(o.peer), group=g.pg))
+        peer = g.global_rank(o.peer)
+        if o.kind == "send":  # gloo moves only contiguous memory
+            p2p.append(dist.P2POp(dist.isend, o.tensor.contiguous(), peer, group=g.pg))
+            thens.append(None)
+        else:
+            buf, then = _recv_buffer(o.tensor)
+            p2p.append(dist.P2POp(dist.irecv, buf, peer, group=g.pg))
+            thens.append(then)
     with g.guard("batch_isend_irecv"):
         works = dist.batch_isend_irecv(p2p)
     handles = []
-    for o, w in zip(ops, works, strict=True):
+    for o, w, then in zip(ops, works, thens, strict=True):
         _count(g, o.kind, tensor_bytes(o.tensor))
-        handles.append(Handle(w, g, o.kind))
+        handles.append(Handle(w, g, o.kind, then))
     return handles
