@@ -71,8 +71,9 @@ class CommStats:
             self._ops.setdefault((axis, op), OpStats()).seconds += seconds
 
     def get(self, axis: str, op: str) -> OpStats:
-        """Totals of ``op`` on ``axis`` (zeros when never called)."""
-        return self._ops.get((axis, op), OpStats())
+        """A copy of the totals of ``op`` on ``axis`` (zeros when never called)."""
+        s = self._ops.get((axis, op))
+        return OpStats(s.calls, s.bytes, s.seconds) if s is not None else OpStats()
 
     def total_bytes(self, axis: str | None = None) -> float:
         """Bus bytes over all operations, on one axis or all."""
