@@ -4,8 +4,9 @@ Every rank holds the same weights (broadcast from data-parallel rank 0 at wrap t
 and sees different micro-batches. Gradients are packed into buckets of about
 ``bucket_mb`` MiB in *reverse registration order* (roughly the order backward produces
 them). A post-accumulate-grad hook copies each gradient into its bucket the moment it
-is final; when a bucket's last gradient arrives, its all-reduce (sum, then divided by
-the group size: the mean over ranks) is launched asynchronously, so communication
+is final (divided by the group size on the way in); when a bucket's last gradient
+arrives, its all-reduce (a sum of the pre-divided gradients: the mean over ranks) is
+launched asynchronously, so communication
 overlaps the rest of backward. At the end of backward a callback launches whatever is
 left, waits for every bucket and copies the averaged gradients back into ``.grad``.
 
@@ -52,7 +53,11 @@ class _Bucket:
 
 
 def _make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int) -> list[_Bucket]:
-    """Greedy buckets over ``named`` (already in reverse registration order)."""
+    """Greedy buckets over ``named`` (already in reverse registration order).
+
+    A bucket closes once it holds at least ``bucket_bytes`` (so it may exceed the cap by
+    one tensor), or when the dtype or device changes.
+    """
     buckets: list[_Bucket] = []
     cur: list[tuple[str, nn.Parameter]] = []
     cur_bytes = 0
@@ -73,15 +78,12 @@ def _make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int) 
         cur, cur_bytes = [], 0
 
     for name, p in named:
-        nbytes = p.numel() * p.element_size()
-        if cur and (
-            cur_bytes + nbytes > bucket_bytes
-            or p.dtype != cur[0][1].dtype
-            or p.device != cur[0][1].device
-        ):
+        if cur and (p.dtype != cur[0][1].dtype or p.device != cur[0][1].device):
             close()
         cur.append((name, p))
-        cur_bytes += nbytes
+        cur_bytes += p.numel() * p.element_size()
+        if cur_bytes >= bucket_bytes:  # as DDP: a bucket closes once it reaches the cap
+            close()
     close()
     return buckets
 
@@ -160,7 +162,7 @@ class DataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket, i = self._where[p]  # type: ignore[index]
         assert p.grad is not None
-        bucket.view(i).copy_(p.grad)
+        torch.div(p.grad, self.group.size, out=bucket.view(i))  # pre-divide: the mean
         bucket.ready.add(i)
         if self.record_events:
             self.events.append(("grad", bucket.names[i]))
@@ -168,7 +170,7 @@ class DataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.handle = comm.all_reduce(bucket.buffer, self.group, op="avg", async_op=True)
+        bucket.handle = comm.all_reduce(bucket.buffer, self.group, op="sum", async_op=True)
         if self.record_events:
             self.events.append(("launch", bucket.index))
 
