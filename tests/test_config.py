@@ -17,6 +17,7 @@ from plait.config import (
     LogConfig,
     ModelConfig,
     ParallelConfig,
+    PrecisionConfig,
     TrainConfig,
 )
 from plait.config_io import (
@@ -349,9 +350,9 @@ def test_round_trip(tmp_path: Path, cfg: Config) -> None:
 
 def test_to_dict_omits_none() -> None:
     data = config_to_dict(Config())
-    assert set(data) == {"model", "parallel", "train", "data", "log", "launch"}
+    assert set(data) == {"model", "parallel", "train", "precision", "data", "log", "launch"}
     assert "dp" not in data["parallel"] and "metrics" not in data["log"]
-    assert data["train"]["steps"] == 300
+    assert data["train"]["steps"] == 500
     assert "n_kv_heads = " not in dump_toml(Config())
     assert "n_kv_heads = 2" in dump_toml(_custom())
 
@@ -369,7 +370,7 @@ def test_field_docs_cover_every_field() -> None:
     assert [r[0] for r in rows] == expected
     assert all(doc for _, _, _, doc in rows)
     table = {r[0]: r for r in rows}
-    assert table["train.steps"] == ("train.steps", "int", "300", "Number of optimizer steps.")
+    assert table["train.steps"] == ("train.steps", "int", "500", "Number of optimizer steps.")
     assert table["model.n_kv_heads"][1:3] == ("int | None", "-")
     assert table["parallel.backend"][1:3] == ("auto|gloo|nccl", '"auto"')
     assert "\n" not in table["data.source"][3] and "  " not in table["data.source"][3]
@@ -378,7 +379,7 @@ def test_field_docs_cover_every_field() -> None:
 @pytest.mark.parametrize("width", [80, 200])
 def test_format_field_docs(width: int) -> None:
     text = format_field_docs(width)
-    for section in ("model", "parallel", "train", "data", "log", "launch"):
+    for section in ("model", "parallel", "train", "precision", "data", "log", "launch"):
         assert f"[{section}]" in text
     assert "[train]  Optimisation and evaluation." in text
     assert "train.global_batch" in text and "the invariant of the run" in text
@@ -417,6 +418,14 @@ def test_format_field_docs(width: int) -> None:
         (lambda: ParallelConfig(zero=4), r"parallel\.zero must be 0, 1, 2 or 3, got 4"),
         (lambda: ParallelConfig(zero=-1), r"parallel\.zero must be 0, 1, 2 or 3, got -1"),
         (lambda: ParallelConfig(backend="mpi"), r"parallel\.backend must be auto, gloo or nccl"),
+        (lambda: ParallelConfig(zero_shard_size=0), r"parallel\.zero_shard_size must be positive"),
+        (lambda: ParallelConfig(offload="disk"), r"parallel\.offload must be none, optimizer or"),
+        (lambda: TrainConfig(recompute="some"), r"train\.recompute must be none, selective or"),
+        (lambda: PrecisionConfig(dtype="fp8"), r"precision\.dtype must be fp32, bf16 or fp16"),
+        (lambda: PrecisionConfig(reduce_dtype="fp64"), r"precision\.reduce_dtype must be auto"),
+        (lambda: PrecisionConfig(nonfinite="ignore"), r"precision\.nonfinite must be error or"),
+        (lambda: PrecisionConfig(loss_scale=0.0), r"precision\.loss_scale must be positive"),
+        (lambda: PrecisionConfig(loss_scale_window=0), r"precision\.loss_scale_window must be"),
         (lambda: TrainConfig(steps=0), r"train\.steps must be positive"),
         (lambda: TrainConfig(global_batch=0), r"train\.global_batch must be positive"),
         (lambda: TrainConfig(micro_batch=0), r"train\.micro_batch must be positive"),
@@ -481,10 +490,30 @@ def _cfg(**sections: dict[str, Any]) -> Config:
             2,
             r"dp=1 x tp=4 x pp=1 x cp=1 = 4 ranks does not match the world size 2",
         ),
-        (_cfg(parallel={"dp": 1, "tp": 2}), 2, r"data parallelism .* tp=2, pp=1, cp=1, zero=0"),
-        (_cfg(parallel={"pp": 2}), 2, r"tp=1, pp=2, cp=1, zero=0 are not available yet"),
-        (_cfg(parallel={"cp": 2}), 2, r"tp=1, pp=1, cp=2, zero=0 are not available yet"),
-        (_cfg(parallel={"zero": 1}), 2, r"tp=1, pp=1, cp=1, zero=1 are not available yet"),
+        (_cfg(parallel={"dp": 1, "tp": 2}), 2, r"data parallelism and ZeRO .* tp=2, pp=1, cp=1 "),
+        (_cfg(parallel={"pp": 2}), 2, r"tp=1, pp=2, cp=1 are not available yet"),
+        (_cfg(parallel={"cp": 2}), 2, r"tp=1, pp=1, cp=2 are not available yet"),
+        (
+            _cfg(parallel={"zero": 2, "zero_shard_size": 3}),
+            4,
+            r"zero_shard_size \(F = 3\) must divide the data-parallel degree dp = 4; "
+            r"choose one of \[1, 2, 4\]",
+        ),
+        (
+            _cfg(parallel={"zero_shard_size": 2}),
+            2,
+            r"zero_shard_size = 2 needs parallel\.zero >= 1",
+        ),
+        (
+            _cfg(parallel={"offload": "optimizer"}),
+            2,
+            r"parallel\.offload = 'optimizer' needs ZeRO \(parallel\.zero >= 1\)",
+        ),
+        (
+            _cfg(parallel={"zero": 2, "offload": "params"}),
+            2,
+            r"offload = 'params' needs parallel\.zero = 3 \(got 2\)",
+        ),
         (
             _cfg(train={"global_batch": 16, "micro_batch": 3}),
             2,
@@ -517,6 +546,10 @@ def test_validate_messages(cfg: Config, world: int, pattern: str) -> None:
 def test_validate_passes() -> None:
     Config().validate(2)
     Config().validate(1)
+    for stage in (1, 2, 3):
+        _cfg(parallel={"zero": stage, "zero_shard_size": 2, "offload": "optimizer"}).validate(4)
+    _cfg(parallel={"zero": 3, "offload": "params"}, train={"recompute": "full"}).validate(2)
+    _cfg(parallel={"zero_shard_size": 1}, precision={"dtype": "bf16"}).validate(2)
     _cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}).validate(1)
     _cfg(train={"seq_len": 256}).validate(4)
 

@@ -20,6 +20,10 @@ EXIT_BAD_INPUT = 2
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("plait.cli:train_main", "train the built-in transformer"),
+    "plan": ("plait.plan.cli:plan_main", "predict memory and step time; search layouts"),
+    "calibrate": ("plait.plan.cli:calibrate_main", "measure this machine for `plait plan`"),
+    "bench": ("plait.bench:main", "benchmarks: `plait bench comm` (collective algorithms)"),
+    "ps-train": ("plait.ps_cli:ps_train_main", "parameter-server training (sync/async/bounded)"),
 }
 """Subcommand name -> ("module:function", one-line help). Each function takes the
 arguments after the subcommand name and returns an exit code; it may raise

@@ -20,6 +20,11 @@ from plait.errors import ConfigError
 Backend = Literal["auto", "gloo", "nccl"]
 Device = Literal["auto", "cpu", "cuda"]
 Progress = Literal["auto", "bar", "lines", "none"]
+Offload = Literal["none", "optimizer", "params"]
+Recompute = Literal["none", "selective", "full"]
+DType = Literal["fp32", "bf16", "fp16"]
+ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
+NonFinite = Literal["error", "skip"]
 
 
 def _positive(section: str, **values: float | int | None) -> None:
@@ -119,7 +124,21 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree."""
     zero: int = 0
-    """ZeRO stage over the data-parallel axis: 0 = plain data parallel, 1, 2, 3."""
+    """ZeRO stage over the data-parallel axis: 0 = plain data parallel, 1 = optimizer state
+    sharded, 2 = also gradients, 3 = also parameters (fully sharded)."""
+    zero_shard_size: int | None = None
+    """Hybrid sharding factor F for ZeRO: shard inside groups of F consecutive dp ranks
+    and all-reduce across the dp/F groups (default: dp, full sharding; 1: replicate
+    everything, i.e. plain data parallelism). Must divide dp."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free a unit's gathered parameters after its forward and gather them again
+    for its backward (false: keep them until the backward; less traffic, more memory)."""
+    prefetch: bool = True
+    """ZeRO-3: start gathering the next unit's parameters while the current one computes."""
+    offload: Offload = "none"
+    """CPU offload under ZeRO (zero >= 1): 'optimizer' keeps the fp32 master weights and
+    the optimizer state on the CPU and steps there; 'params' (zero 3) also keeps the
+    parameter shards on the CPU between uses."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for the overlapped data-parallel all-reduce."""
     find_unused_parameters: bool = False
@@ -141,6 +160,11 @@ class ParallelConfig:
         )
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}.")
+        _positive("parallel", zero_shard_size=self.zero_shard_size)
+        if self.offload not in ("none", "optimizer", "params"):
+            raise ConfigError(
+                f"parallel.offload must be none, optimizer or params, got {self.offload!r}."
+            )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}.")
 
@@ -155,7 +179,7 @@ class ParallelConfig:
 class TrainConfig:
     """The optimisation: batch, schedule, optimizer and evaluation."""
 
-    steps: int = 300
+    steps: int = 500
     """Number of optimizer steps."""
     global_batch: int = 16
     """Sequences per optimizer step across all ranks (the invariant of the run)."""
@@ -187,6 +211,9 @@ class TrainConfig:
     """Compute the validation loss every this many steps (0: only at the end)."""
     eval_batches: int = 4
     """Global batches averaged for one validation loss."""
+    recompute: Recompute = "none"
+    """Activation recomputation: 'none', 'selective' (recompute only the attention core
+    of each block in backward), 'full' (recompute each whole block)."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -208,12 +235,48 @@ class TrainConfig:
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0.0 <= beta < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ConfigError(
+                f"train.recompute must be none, selective or full, got {self.recompute!r}."
+            )
 
     def effective_lr(self) -> float:
         """Peak learning rate with the linear scaling rule applied when enabled."""
         if self.scale_lr:
             return self.lr * self.global_batch / self.base_batch
         return self.lr
+
+
+@dataclass
+class PrecisionConfig:
+    """Mixed precision: parameter/compute dtype, gradient-reduction dtype, loss scaling."""
+
+    dtype: DType = "fp32"
+    """Dtype of the parameters and of the compute ('fp32', 'bf16', 'fp16'); with bf16 or
+    fp16 the optimizer keeps fp32 master weights (sharded under ZeRO)."""
+    reduce_dtype: ReduceDType = "auto"
+    """Dtype gradients are reduced in across ranks ('auto': the parameter dtype)."""
+    loss_scale: float = 65536.0
+    """fp16 only: initial dynamic loss scale (2^16)."""
+    loss_scale_window: int = 2000
+    """fp16 only: double the loss scale after this many steps without overflow (K); an
+    overflow halves it and skips the step."""
+    nonfinite: NonFinite = "error"
+    """A non-finite loss or gradient norm under fp32/bf16: 'error' stops the run with an
+    error naming the step, 'skip' skips the step with a warning (weights, optimizer state
+    and schedule untouched). fp16 overflows are always skipped by the loss scaler."""
+
+    def __post_init__(self) -> None:
+        _positive("precision", loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window)
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision.dtype must be fp32, bf16 or fp16, got {self.dtype!r}.")
+        if self.reduce_dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ConfigError(
+                "precision.reduce_dtype must be auto, fp32, bf16 or fp16, "
+                f"got {self.reduce_dtype!r}."
+            )
+        if self.nonfinite not in ("error", "skip"):
+            raise ConfigError(f"precision.nonfinite must be error or skip, got {self.nonfinite!r}.")
 
 
 @dataclass
@@ -299,6 +362,8 @@ class Config:
     """The parallel layout."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimisation and evaluation."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Mixed precision and loss scaling."""
     data: DataConfig = field(default_factory=DataConfig)
     """The corpus and tokenizer."""
     log: LogConfig = field(default_factory=LogConfig)
@@ -321,12 +386,13 @@ class Config:
                 f"does not match the world size {world_size}; choose degrees whose product "
                 f"is {world_size} (or start {product} processes)."
             )
-        if p.tp > 1 or p.pp > 1 or p.cp > 1 or p.zero > 0:
+        if p.tp > 1 or p.pp > 1 or p.cp > 1:
             raise ConfigError(
-                "this version of plait runs data parallelism (parallel.dp) only; "
-                f"tp={p.tp}, pp={p.pp}, cp={p.cp}, zero={p.zero} are not available yet. "
+                "this version of plait runs data parallelism and ZeRO (parallel.dp, "
+                f"parallel.zero) only; tp={p.tp}, pp={p.pp}, cp={p.cp} are not available yet. "
                 "Use parallel.dp equal to the number of processes."
             )
+        self._validate_zero(dp)
         micro = self.micro_batch(world_size)
         if t.global_batch % (dp * micro):
             raise ConfigError(
@@ -343,6 +409,38 @@ class Config:
             raise ConfigError(
                 f"the byte tokenizer needs model.vocab_size >= 256, got {self.model.vocab_size}."
             )
+
+    def _validate_zero(self, dp: int) -> None:
+        """ZeRO, offload and precision checks (the device check needs torch)."""
+        p = self.parallel
+        f = p.zero_shard_size
+        if f is not None:
+            if p.zero == 0 and f != 1:
+                raise ConfigError(
+                    f"parallel.zero_shard_size = {f} needs parallel.zero >= 1 (it is the "
+                    "hybrid sharding factor of ZeRO); leave it unset for plain data parallelism."
+                )
+            if dp % f:
+                divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+                raise ConfigError(
+                    f"parallel.zero_shard_size (F = {f}) must divide the data-parallel degree "
+                    f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
+                )
+        if p.offload != "none" and p.zero == 0:
+            raise ConfigError(
+                f"parallel.offload = {p.offload!r} needs ZeRO (parallel.zero >= 1): the "
+                "offloaded optimizer steps on the shards the ZeRO wrapper owns. Set "
+                "parallel.zero = 1, 2 or 3, or parallel.offload = 'none'."
+            )
+        if p.offload == "params" and p.zero != 3:
+            raise ConfigError(
+                f"parallel.offload = 'params' needs parallel.zero = 3 (got {p.zero}): only "
+                "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
+                "stages 1 and 2."
+            )
+        from plait.train.precision import check_device_supports
+
+        check_device_supports(self.precision.dtype, self.launch.device)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied."""

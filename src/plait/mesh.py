@@ -89,6 +89,25 @@ class MeshLayout:
             members.append(self.rank_of(**c))
         return members
 
+    def split_group_of(self, rank: int, axis: str, factor: int) -> tuple[list[int], list[int]]:
+        """Split ``rank``'s group along ``axis`` into (shard, replicate) sub-groups.
+
+        The shard group holds ``factor`` consecutive coordinates of the axis (the block
+        that contains ``rank``); the replicate group holds the ranks at the same position
+        in every block. Used by hybrid sharding (ZeRO with a sharding factor F): shard
+        inside groups of F, replicate across the ``size / F`` groups.
+        """
+        members = self.group_of(rank, (axis,))
+        size = len(members)
+        if factor < 1 or size % factor:
+            raise ConfigError(
+                f"a sharding factor of {factor} does not divide the {axis} degree {size}; "
+                f"choose one of {[f for f in range(1, size + 1) if size % f == 0]}"
+            )
+        i = members.index(rank)
+        block = i // factor
+        return members[block * factor : (block + 1) * factor], members[i % factor :: factor]
+
     def groups(self, axes: tuple[str, ...]) -> list[list[int]]:
         """Every group of the combination ``axes``, each listed once, in rank order."""
         seen: dict[tuple[int, ...], None] = {}
@@ -149,6 +168,32 @@ class Mesh:
             g = comm.new_axis_group("_".join(key), members, self.rank, self.timeout_s, self.stats)
             self._groups[key] = g
         return g
+
+    def split_axis(self, name: str, factor: int) -> tuple[AxisGroup, AxisGroup]:
+        """(shard group, replicate group) of this rank for a sharding factor along ``name``.
+
+        See :meth:`MeshLayout.split_group_of`. When ``factor`` is the axis degree the shard
+        group is the axis group itself (and the replicate group has one rank); when it is 1
+        the replicate group is the axis group. Otherwise the groups are named
+        ``<axis>_shard`` and ``<axis>_replicate`` in the counters. Created on first use by
+        their members only (local synchronisation), shard group first.
+        """
+        size = self.size(name)
+        shard_members, rep_members = self.layout.split_group_of(self.rank, name, factor)
+        out: list[AxisGroup] = []
+        for kind, members in (("shard", shard_members), ("replicate", rep_members)):
+            if len(members) == size:
+                out.append(self.axis(name))
+                continue
+            key = (name, f"{kind}{factor}")
+            g = self._groups.get(key)
+            if g is None:
+                g = comm.new_axis_group(
+                    f"{name}_{kind}", members, self.rank, self.timeout_s, self.stats
+                )
+                self._groups[key] = g
+            out.append(g)
+        return out[0], out[1]
 
     def world(self) -> AxisGroup:
         """The group of every rank of the mesh."""

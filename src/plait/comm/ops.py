@@ -253,10 +253,19 @@ def barrier(g: AxisGroup) -> None:
 # ---------------------------------------------------------------- point to point
 
 
-def send(t: torch.Tensor, g: AxisGroup, dst: int) -> None:
-    """Send ``t`` to the rank at index ``dst`` along the axis (blocking)."""
+def send(t: torch.Tensor, g: AxisGroup, dst: int, tag: int = 0) -> None:
+    """Send ``t`` to the rank at index ``dst`` along the axis (blocking).
+
+    Messages between two ranks with the same ``tag`` are matched in the order posted.
+    """
     gdst = g.global_rank(dst)
-    _run(g, "send", tensor_bytes(t), lambda a: dist.send(t.contiguous(), gdst, group=g.pg), False)
+    _run(
+        g,
+        "send",
+        tensor_bytes(t),
+        lambda a: dist.send(t.contiguous(), gdst, group=g.pg, tag=tag),
+        False,
+    )
 
 
 def _recv_buffer(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
@@ -271,27 +280,60 @@ def _recv_buffer(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | No
     return buf, then
 
 
-def recv(t: torch.Tensor, g: AxisGroup, src: int) -> None:
+def recv(t: torch.Tensor, g: AxisGroup, src: int, tag: int = 0) -> None:
     """Receive into ``t`` from the rank at index ``src`` along the axis (blocking)."""
     gsrc = g.global_rank(src)
     buf, then = _recv_buffer(t)
-    _run(g, "recv", tensor_bytes(t), lambda a: dist.recv(buf, gsrc, group=g.pg), False, then)
+    _run(
+        g,
+        "recv",
+        tensor_bytes(t),
+        lambda a: dist.recv(buf, gsrc, group=g.pg, tag=tag),
+        False,
+        then,
+    )
 
 
-def isend(t: torch.Tensor, g: AxisGroup, dst: int) -> Handle:
+def recv_any(t: torch.Tensor, g: AxisGroup, tag: int = 0) -> int:
+    """Receive into ``t`` from whichever rank of the axis sends first with ``tag``
+    (blocking, at most the group timeout); returns the sender's axis index.
+
+    The message must have exactly ``t``'s size: give every message that can arrive
+    under one tag the same size.
+    """
+    if g.pg is None:
+        raise ValueError(f"recv_any on axis '{g.name}': a group of one rank has no peers")
+    buf, then = _recv_buffer(t)
+    src: list[int] = []
+
+    def fn(a: bool) -> None:
+        src.append(int(dist.recv(buf, None, group=g.pg, tag=tag)))
+
+    _run(g, "recv", tensor_bytes(t), fn, False, then)
+    return g.ranks.index(src[0])
+
+
+def isend(t: torch.Tensor, g: AxisGroup, dst: int, tag: int = 0) -> Handle:
     """Start sending ``t`` to index ``dst``; wait on the handle before reusing ``t``."""
     gdst = g.global_rank(dst)
     t = t.contiguous()  # gloo sends only contiguous memory (as in send)
-    h = _run(g, "send", tensor_bytes(t), lambda a: dist.isend(t, gdst, group=g.pg), True)
+    h = _run(g, "send", tensor_bytes(t), lambda a: dist.isend(t, gdst, group=g.pg, tag=tag), True)
     assert h is not None
     return h
 
 
-def irecv(t: torch.Tensor, g: AxisGroup, src: int) -> Handle:
+def irecv(t: torch.Tensor, g: AxisGroup, src: int, tag: int = 0) -> Handle:
     """Start receiving into ``t`` from index ``src``; wait on the handle before reading."""
     gsrc = g.global_rank(src)
     buf, then = _recv_buffer(t)
-    h = _run(g, "recv", tensor_bytes(t), lambda a: dist.irecv(buf, gsrc, group=g.pg), True, then)
+    h = _run(
+        g,
+        "recv",
+        tensor_bytes(t),
+        lambda a: dist.irecv(buf, gsrc, group=g.pg, tag=tag),
+        True,
+        then,
+    )
     assert h is not None
     return h
 

@@ -3,28 +3,80 @@
 The order (as in DESIGN.md): tensor/sequence parallel -> context parallel -> pipeline
 split -> activation recomputation -> ZeRO/FSDP sharding or data parallel. Each step
 replaces or wraps modules from outside; the model file never changes. This version
-implements the last step, data parallelism; the others are refused by
+implements the last two steps; tensor, context and pipeline parallelism are refused by
 :meth:`plait.config.Config.validate` before any process starts.
+
+The last step picks the wrapper:
+
+* ``parallel.zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`;
+* ``parallel.zero = 0`` with fp32 parameters and fp32 reduction ->
+  :class:`~plait.parallel.data.DataParallel` (bucketed, overlapped all-reduce);
+* ``parallel.zero = 0`` with bf16/fp16 parameters (or another reduction dtype) ->
+  ``ZeroDataParallel`` at stage 0: everything replicated and all-reduced, but the
+  parameters are flattened so the optimizer wrapper can hold their fp32 masters.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from plait.config import ParallelConfig
+from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
+from plait.parallel.zero import ZeroDataParallel
+from plait.train.precision import PrecisionPolicy
+from plait.train.recompute import RecomputeMode, apply_recompute
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh,
+    cfg: ParallelConfig | Config,
+    *,
+    recompute: RecomputeMode | None = None,
+    precision: PrecisionConfig | None = None,
+) -> nn.Module:
     """Return ``model`` prepared for ``mesh`` according to ``cfg``.
 
+    ``cfg`` is the parallel section or a whole :class:`Config` (which also supplies
+    ``train.recompute`` and the ``precision`` section; explicit keyword arguments win).
     Data parallelism wraps the model even when dp = 1: one rank is the degenerate case
-    of the same code path (its all-reduces are counted no-ops).
+    of the same code path (its collectives are counted no-ops).
     """
-    return DataParallel(
+    if isinstance(cfg, Config):
+        recompute = recompute if recompute is not None else cfg.train.recompute
+        precision = precision if precision is not None else cfg.precision
+        p = cfg.parallel
+    else:
+        p = cfg
+    precision = precision or PrecisionConfig()
+    policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
+    # 1-3. tensor/sequence, context and pipeline parallelism: not in this version.
+    # 4. activation recomputation.
+    if recompute and recompute != "none":
+        apply_recompute(model, recompute)
+    # 5. ZeRO sharding or data parallelism.
+    plain = (
+        p.zero == 0
+        and not policy.needs_master_weights
+        and policy.grad_reduce_dtype == policy.param_dtype
+    )
+    if plain:
+        return DataParallel(
+            model,
+            mesh,
+            bucket_mb=p.bucket_mb,
+            find_unused_parameters=p.find_unused_parameters,
+        )
+    return ZeroDataParallel(
         model,
         mesh,
-        bucket_mb=cfg.bucket_mb,
-        find_unused_parameters=cfg.find_unused_parameters,
+        stage=p.zero,
+        shard_size=p.zero_shard_size if p.zero > 0 else None,
+        reshard_after_forward=p.reshard_after_forward,
+        prefetch=p.prefetch,
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.grad_reduce_dtype,
+        offload=p.offload,
+        find_unused_parameters=p.find_unused_parameters,
     )

@@ -59,6 +59,14 @@ class StepMetrics:
     comm_bytes: float
     comm_seconds: float
     val_loss: float | None = None
+    skipped: bool = False
+    """The step was skipped (non-finite loss/gradients): weights and schedule unchanged."""
+    loss_scale: float | None = None
+    """fp16: the dynamic loss scale this step's loss was multiplied by."""
+    peak_memory_bytes: float | None = None
+    """Peak device memory allocated during the step, where the device reports it (CUDA)."""
+    memory: dict[str, int] | None = None
+    """Per-rank state bytes by category (plait.train.memory), on the first step."""
 
     def line(self) -> str:
         """A plain log line."""
@@ -68,6 +76,12 @@ class StepMetrics:
             f"mfu {100 * self.mfu:.1f}% | comm {self.comm_bytes / 2**20:.2f} MiB "
             f"{1000 * self.comm_seconds:.0f} ms"
         )
+        if self.loss_scale is not None:
+            s += f" | scale {self.loss_scale:g}"
+        if self.peak_memory_bytes is not None:
+            s += f" | peak {self.peak_memory_bytes / 2**20:.0f} MiB"
+        if self.skipped:
+            s += " | SKIPPED"
         if self.val_loss is not None:
             s += f" | val {self.val_loss:.4f}"
         return s

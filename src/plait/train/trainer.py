@@ -5,7 +5,17 @@ takes its contiguous slice of the step's global batch (:class:`BatchSampler`) an
 it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided by the
 number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
 is the mean over the global batch whatever the layout. Only the last micro-step
-communicates (``no_sync``).
+communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
+keep only gradient shards).
+
+The optimizer is always a :class:`~plait.parallel.zero_optim.ZeroOptimizer` around
+AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradient
+norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not
+finite. A skipped step leaves weights, optimizer state and the learning-rate schedule's
+step untouched (the schedule advances with *applied* steps only) and is reported in the
+metrics. The per-rank memory report (:mod:`plait.train.memory`) is printed at start and
+after the first step (when the optimizer state exists) and written with the first
+step's metrics.
 """
 
 from __future__ import annotations
@@ -23,10 +33,13 @@ from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.model import Transformer, flops_per_token, lm_loss, param_count
-from plait.parallel.data import DataParallel
 from plait.parallel.parallelize import parallelize
+from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero_optim import StepReport, ZeroOptimizer
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
+from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
+from plait.train.precision import DynamicLossScaler
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -66,6 +79,7 @@ class RunSummary:
     val_losses: list[tuple[int, float]]
     tokens_per_s: float
     params: int
+    skipped_steps: int = 0
 
 
 class Trainer:
@@ -84,8 +98,21 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base
-        self.model = parallelize(base, mesh, cfg.parallel)
-        self.optimizer = make_optimizer(base, cfg)
+        self.model = parallelize(base, mesh, cfg)
+        prec = cfg.precision
+        scaler = (
+            DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
+            if prec.dtype == "fp16"
+            else None
+        )
+        self.optimizer = ZeroOptimizer(
+            self.model,
+            make_optimizer(base, cfg),
+            max_norm=cfg.train.grad_clip,
+            scaler=scaler,
+            nonfinite=prec.nonfinite,
+        )
+        self.sched_step = 0  # applied (not skipped) optimizer steps: the schedule's clock
 
         tokens = load_tokens(cfg.data)
         train_tokens, val_tokens = split_train_val(tokens, cfg.data.val_fraction)
@@ -125,30 +152,31 @@ class Trainer:
         comm.all_reduce(v, self.mesh.axis("dp"), op="avg")
         return float(v.item())
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step; returns (global mean loss, gradient norm)."""
-        lr = lr_at(step, self.cfg)
+    def train_step(self, step: int) -> tuple[float, StepReport]:
+        """One optimizer step on the data of step ``step``; returns (global mean loss,
+        the optimizer's report). The learning rate follows :attr:`sched_step`."""
+        lr = lr_at(self.sched_step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, (x, y) in enumerate(self._micro_batches(step)):
             last = k == self.accum - 1
-            sync = (
-                self.model.no_sync()
-                if isinstance(self.model, DataParallel) and not last
-                else contextlib.nullcontext()
-            )
+            no_sync = getattr(self.model, "no_sync", None)
+            sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
             with sync:
                 loss = self._loss(x, y)
-                (loss / self.accum).backward()
+                self.optimizer.scale_loss(loss / self.accum).backward()
             total += loss.detach().double() / self.accum
-        clip = self.cfg.train.grad_clip
-        # after the all-reduce every replica holds the same full gradient: the local norm
-        # is the global norm
-        norm = nn.utils.clip_grad_norm_(self.base.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
+        mean = self._global_mean(total)
+        report = self.optimizer.step(loss_finite=math.isfinite(mean))
         self.optimizer.zero_grad(set_to_none=True)
-        return self._global_mean(total), float(norm)
+        if not report.skipped:
+            self.sched_step += 1
+        return mean, report
+
+    def memory_report(self) -> MemoryReport:
+        """Exact bytes of this rank's parameters, gradients, masters, optimizer state."""
+        return memory_report(self.model, self.optimizer, self.mesh.rank)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -171,15 +199,24 @@ class Trainer:
         t = cfg.train
         if self.is_main:
             self.progress.message(self._banner())
+            self.progress.message(self.memory_report().format())
         tokens_per_step = t.global_batch * t.seq_len
         losses: list[float] = []
         vals: list[tuple[int, float]] = []
         times: list[float] = []
         for step in range(t.steps):
             bytes0, secs0 = self.mesh.stats.total_bytes(), self.mesh.stats.total_seconds()
+            reset_peak_memory(self.device)
+            lr = lr_at(self.sched_step, cfg)
             t0 = time.perf_counter()
-            loss, norm = self.train_step(step)
+            loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
+            mem = None
+            if step == 0:
+                rep = self.memory_report()
+                mem = rep.as_dict()
+                if self.is_main:
+                    self.progress.message("after the first step: " + rep.format())
             times.append(dt)
             losses.append(loss)
             n = step + 1
@@ -191,21 +228,27 @@ class Trainer:
             m = StepMetrics(
                 step=n,
                 loss=loss,
-                lr=lr_at(step, cfg),
-                grad_norm=norm,
+                lr=lr,
+                grad_norm=report.grad_norm,
                 tokens_per_s=tps,
                 mfu=tps * self.flops_per_token / self.peak,
                 step_seconds=dt,
                 comm_bytes=self.mesh.stats.total_bytes() - bytes0,
                 comm_seconds=self.mesh.stats.total_seconds() - secs0,
                 val_loss=val,
+                skipped=report.skipped,
+                loss_scale=report.loss_scale,
+                peak_memory_bytes=peak_memory(self.device),
+                memory=mem,
             )
             self.metrics.write(m)
             self.progress.update(m)
         self.progress.close()
         self.metrics.close()
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-        return RunSummary(t.steps, losses, vals, tokens_per_step / steady, self.params)
+        return RunSummary(
+            t.steps, losses, vals, tokens_per_step / steady, self.params, self.optimizer.skipped
+        )
 
     def _banner(self) -> str:
         cfg, t = self.cfg, self.cfg.train
@@ -215,8 +258,26 @@ class Trainer:
             if t.scale_lr
             else f"lr {t.lr:.2e}"
         )
+        if isinstance(self.model, ZeroDataParallel):
+            z = self.model
+            zero_note = (
+                f"ZeRO stage {z.stage} over dp: shard groups of {z.shard_group.size}, "
+                f"replicated x{z.replicate_group.size}, {len(z.units)} units"
+                + (f", offload {z.offload}" if z.offload != "none" else "")
+            )
+        else:
+            zero_note = "plain data parallel (bucketed all-reduce)"
+        prec = cfg.precision
+        prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
+            prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype
+        )
+        if prec.dtype != "fp32":
+            prec_note += ", fp32 master weights"
+        if prec.dtype == "fp16":
+            prec_note += f", dynamic loss scale {prec.loss_scale:g} (K={prec.loss_scale_window})"
         return (
             f"plait: {self.mesh.describe()}\n"
+            f"plait: {zero_note}; {prec_note}; recompute {t.recompute}\n"
             f"plait: model {self.params / 1e6:.2f} M parameters "
             f"({cfg.model.n_layers} layers, dim {cfg.model.dim}); "
             f"{len(self.train_set):,} training / {len(self.val_set):,} validation sequences "

@@ -1,0 +1,40 @@
+"""All-reduce algorithms on point-to-point messages vs the library all-reduce and the
+alpha-beta model: the recorded run of ``plait bench comm``.
+
+Every algorithm of :mod:`plait.comm.algorithms` and gloo's own all-reduce at world sizes
+2, 4 and 8, fp32 messages of 4 B to 64 MiB (x8 steps); median time (slowest rank),
+algorithm and bus bandwidth; alpha and beta fitted per algorithm on
+``time = steps·alpha + critical_bytes·beta`` with the prediction error beside every
+measurement; a log-log plot. Repetitions: ``--reps`` (15) up to 64 KiB, then 10, 5 and 2
+(no warm-up above 8 MiB) so the default run stays under ~5 minutes on 2 cores. The plot
+needs matplotlib (``pip install -e .[bench]``).
+
+Run from the repository root::
+
+    python benchmarks/collectives.py            # writes benchmarks/COLLECTIVES.md + .png
+    python benchmarks/collectives.py --help     # every option of `plait bench comm`
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``plait bench comm`` with the recorded outputs as defaults."""
+    from plait.bench.comm import main as bench
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--md" not in args:
+        args += ["--md", os.path.relpath(HERE / "COLLECTIVES.md")]
+    if "--plot" not in args:
+        args += ["--plot", os.path.relpath(HERE / "collectives.png")]
+    return bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,517 @@
+"""The planner's predictions against real runs on this machine, and against published runs.
+
+Part 1 (measured here). The hardware is calibrated first (``plait calibrate``: matmul,
+attention and element-wise rates, operator overhead, optimizer bandwidth, gloo alpha-beta
+fits) in the same kind of pool the runs use: gloo ranks of one thread each. Then every
+layout of :data:`ROWS` trains the built-in ``small`` model (0.87 M parameters, fp32,
+AdamW) with plait's own :class:`~plait.train.trainer.Trainer` on synthetic-free real
+data (the built-in corpus), and for each the script prints
+
+* per-rank **state bytes** (weights, gradients, AdamW ``exp_avg``/``exp_avg_sq``/``step``)
+  read from the real tensors, and the data-parallel **bucket** bytes, against
+  :func:`plait.plan.memory.memory_per_rank`;
+* **activation bytes** of one micro-batch, counted with
+  ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and buffers
+  excluded), against the planner's fp32 / no-dropout derivation for this block (see
+  :mod:`plait.plan.activations`) and against Korthikanti et al.'s 16-bit-with-dropout
+  formula ``s·b·h·(34 + 5·a·s/h)`` per layer (with the same embedding/head terms);
+* **step time**: the median over measured steps of the slowest rank's
+  ``Trainer.train_step`` (forward, backward with the overlapped all-reduce, clipping,
+  AdamW, the loss average), each step started after a barrier, against
+  :func:`plait.plan.estimate.step_time` with the calibrated profile.
+
+Layouts the runtime does not implement yet (``Config.validate`` refuses them) are listed
+as "not yet available"; they become measured rows as soon as it does.
+
+Part 2 (published). The planner's MFU for runs whose configuration the papers state,
+with the datasheet presets, against the reported figure.
+
+Run from the repository root::
+
+    python benchmarks/planner_vs_measured.py                      # print
+    python benchmarks/planner_vs_measured.py --out benchmarks/PLANNER.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module name
+    sys.path.insert(0, str(ROOT))
+
+BODY = "benchmarks.planner_vs_measured:measure_body"
+COMPUTE_BODY = "plait.plan.calibrate:compute_body"
+QUIET = 0.10
+"""Background CPU use (fraction of all cores) below which a measurement starts."""
+MODEL = "small"
+SEQ = 128
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layout to measure."""
+
+    name: str
+    world: int
+    parallel: dict[str, Any] = field(default_factory=dict)
+    global_batch: int = 16
+    micro_batch: int = 8
+
+
+ROWS = [
+    Row("dp1", 1, {"dp": 1}, 8, 8),
+    Row("dp2", 2, {"dp": 2}, 16, 8),
+    Row("dp2, accumulation 2", 2, {"dp": 2}, 16, 4),
+    Row("zero3 dp2", 2, {"dp": 2, "zero": 3}, 16, 8),
+    Row("tp2", 2, {"dp": 1, "tp": 2}, 8, 8),
+    Row("dp2 x tp2", 4, {"dp": 2, "tp": 2}, 16, 8),
+    Row("pp2 1F1B", 2, {"dp": 1, "pp": 2}, 8, 2),
+    Row("cp2", 2, {"dp": 1, "cp": 2}, 8, 8),
+]
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _storage_bytes(tensors: list[Any], exclude: set[int]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """On every rank: train ``warmup + steps`` steps, time them, then count bytes."""
+    import torch
+
+    from plait import comm
+    from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
+    from plait.model import lm_loss
+    from plait.parallel.data import DataParallel
+    from plait.train.trainer import Trainer
+
+    cfg = Config(
+        model=ModelConfig(**cfg_kwargs["model"]),
+        parallel=ParallelConfig(**cfg_kwargs["parallel"]),
+        train=TrainConfig(**cfg_kwargs["train"]),
+        data=DataConfig(max_bytes=2_000_000),
+        log=LogConfig(progress="none", peak_tflops=1.0),
+    )
+    p = cfg.parallel
+    mesh = ctx.mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
+    trainer = Trainer(cfg, mesh, show_progress=False)
+    world = mesh.axis("pp", "dp", "cp", "tp")
+    times = []
+    for step in range(warmup + steps):
+        comm.barrier(world)
+        t0 = time.perf_counter()
+        trainer.train_step(step)
+        times.append(time.perf_counter() - t0)
+
+    # one more micro-step, with every saved tensor counted
+    base = trainer.base
+    fixed = {t.untyped_storage().data_ptr() for t in [*base.parameters(), *base.buffers()]}
+    saved: list[Any] = []
+
+    def pack(t: Any) -> Any:
+        saved.append(t)
+        return t
+
+    idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
+    x, y = trainer.train_set.batch(idx)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = lm_loss(trainer.model(x), y)
+    activations = _storage_bytes(saved, fixed)
+    saved.clear()
+    loss.backward()
+    params = _storage_bytes(list(base.parameters()), set())
+    grads = sum(
+        q.grad.numel() * q.grad.element_size() for q in base.parameters() if q.grad is not None
+    )
+    opt_state = [
+        v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
+    optimizer = sum(v.numel() * v.element_size() for v in opt_state)
+    buckets = (
+        sum(b for _, _, b in trainer.model.bucket_summary())
+        if isinstance(trainer.model, DataParallel)
+        else None
+    )
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {
+        "wrapper": type(trainer.model).__name__,
+        "times": times[warmup:],
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "buckets": buckets,
+        "activations": activations,
+    }
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _config(row: Row) -> dict[str, Any]:
+    from plait.model import MODEL_PRESETS
+
+    model = MODEL_PRESETS[MODEL]
+    return {
+        "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
+        "parallel": dict(row.parallel),
+        "train": {
+            "global_batch": row.global_batch,
+            "micro_batch": row.micro_batch,
+            "seq_len": SEQ,
+            "steps": 1000,
+        },
+    }
+
+
+def available(row: Row) -> str | None:
+    """None when the runtime runs ``row``, else the reason it refuses."""
+    from plait.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from plait.errors import ConfigError
+
+    c = _config(row)
+    try:
+        Config(
+            model=ModelConfig(**c["model"]),
+            parallel=ParallelConfig(**c["parallel"]),
+            train=TrainConfig(**c["train"]),
+        ).validate(row.world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def predict(row: Row, hw: Any) -> Any:
+    """The planner's estimate for ``row``."""
+    from plait.model import MODEL_PRESETS
+    from plait.plan import Layout, ModelSpec, estimate
+    from plait.plan.layout import PRECISIONS, RUNTIMES
+
+    p = row.parallel
+    dp = p.get("dp", 1)
+    layout = Layout(
+        dp=dp,
+        tp=p.get("tp", 1),
+        pp=p.get("pp", 1),
+        cp=p.get("cp", 1),
+        zero=p.get("zero", 0),
+        micro_batch=row.micro_batch,
+        micro_batches=row.global_batch // (dp * row.micro_batch),
+    )
+    spec = ModelSpec.from_config(MODEL_PRESETS[MODEL], MODEL)
+    return estimate(spec, layout, hw, PRECISIONS["fp32"], RUNTIMES["plait"], SEQ)
+
+
+def korthikanti_bytes(row: Row, e: Any) -> float:
+    """Korthikanti et al.'s per-layer formula x L, plus the planner's embedding/head."""
+    from plait.plan.activations import (
+        embedding_activation_bytes,
+        head_activation_bytes,
+        korthikanti_layer_bytes,
+    )
+
+    s = e.model
+    per_layer = korthikanti_layer_bytes(SEQ, row.micro_batch, s.hidden, s.n_heads)
+    edge = embedding_activation_bytes(s, e.layout, e.precision, e.runtime, SEQ)
+    edge += head_activation_bytes(s, e.layout, e.precision, e.runtime, SEQ)
+    return s.n_layers * per_layer + edge
+
+
+def _cpu_busy(interval: float = 0.5) -> float:
+    """Fraction of all cores busy over ``interval`` seconds (from /proc/stat; 0 elsewhere)."""
+
+    def sample() -> tuple[int, int]:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                vals = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(interval)
+    t1, i1 = sample()
+    return 0.0 if t1 == t0 else 1.0 - (i1 - i0) / (t1 - t0)
+
+
+def wait_quiet(threshold: float, max_wait_s: float) -> float:
+    """Wait (at most ``max_wait_s``) until other processes keep less than ``threshold``
+    of the cores busy; returns the last busy fraction seen."""
+    deadline = time.monotonic() + max_wait_s
+    busy = _cpu_busy()
+    while busy > threshold and time.monotonic() < deadline:
+        time.sleep(2.0)
+        busy = _cpu_busy()
+    return busy
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.1f}%"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.3f}"
+
+
+def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[str]:
+    """Run every available row and format the comparison."""
+    from plait.plan.calibrate import with_compute
+    from plait.testing import WorkerPool
+
+    lines = [
+        "| layout | state MiB pred / meas | err | buckets MiB pred / meas | "
+        "activations MiB meas | plait fp32 pred (err) | Korthikanti pred (err) | "
+        "step ms pred / meas | err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    pools: dict[int, Any] = {}
+    busy: list[float] = []
+    try:
+        for row in ROWS:
+            why = available(row)
+            if why is not None:
+                lines.append(f"| {row.name} | not yet available | | | | | | | |")
+                continue
+            pool = pools.get(row.world)
+            if pool is None:
+                pool = pools[row.world] = WorkerPool(row.world, comm_timeout_s=120.0)
+            pool.start()
+            # the machine is shared: start when it is quiet, and measure the compute rates
+            # of exactly this many concurrent ranks just before and after the steps
+            busy.append(wait_quiet(QUIET, max_wait_s))
+            comp = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
+            comp += pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            r0 = res[0]
+            if row.parallel.get("zero", 0) and r0["wrapper"] == "DataParallel":
+                lines.append(
+                    f"| {row.name} | not yet available (the runtime accepts zero but "
+                    "still wraps DataParallel) | | | | | | | |"
+                )
+                continue
+            e = predict(row, with_compute(hw, comp))
+            state_meas = r0["params"] + r0["grads"] + r0["optimizer"]
+            per_step = zip(*(r["times"] for r in res), strict=True)
+            step_meas = statistics.median(max(ts) for ts in per_step)
+            mem = e.memory
+            # activations of one micro-batch (a single stage holds exactly one here)
+            act_pred = (mem.activations + mem.embedding_head) / mem.in_flight
+            k = korthikanti_bytes(row, e)
+            meas_act = r0["activations"]
+            buckets = "n/a" if r0["buckets"] is None else _mb(r0["buckets"])
+            lines.append(
+                f"| {row.name} | {_mb(mem.state)} / {_mb(state_meas)} | "
+                f"{_err(mem.state, state_meas)} | {_mb(mem.buffers)} / {buckets} | "
+                f"{_mb(meas_act)} | {_mb(act_pred)} ({_err(act_pred, meas_act)}) | "
+                f"{_mb(k)} ({_err(k, meas_act)}) | "
+                f"{1e3 * e.time.total:.1f} / {1e3 * step_meas:.1f} | "
+                f"{_err(e.time.total, step_meas)} |"
+            )
+    finally:
+        for pool in pools.values():
+            pool.close()
+    if busy:
+        lines += [
+            "",
+            f"Other processes kept {100 * min(busy):.0f}-{100 * max(busy):.0f}% of the cores busy "
+            f"when the layouts started (waited up to {max_wait_s:.0f} s for < "
+            f"{100 * QUIET:.0f}%).",
+        ]
+    return lines
+
+
+# --------------------------------------------------------------------------- published
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published run whose configuration the paper states."""
+
+    name: str
+    cite: str
+    model: Any
+    hardware: str
+    runtime: str
+    seq: int
+    layout: Any
+    reported: float
+    metric: str  # "hfu" (counts recomputation) or "mfu"
+    assumptions: str
+
+
+def published_runs() -> list[Published]:
+    """The runs compared in part 2 (configurations as the papers state them)."""
+    from plait.plan import Layout, ModelSpec
+    from plait.plan.modelspec import MODEL_PRESETS
+
+    def megatron(
+        name: str,
+        layers: int,
+        h: int,
+        heads: int,
+        t: int,
+        p: int,
+        gpus: int,
+        batch: int,
+        pct: float,
+    ) -> Published:
+        spec = ModelSpec(name, layers, h, heads, heads, 4 * h, 51200, "gpt", 2048)
+        dp = gpus // (t * p)
+        lay = Layout(dp=dp, tp=t, pp=p, micro_batch=1, micro_batches=batch // dp, recompute="full")
+        return Published(
+            f"Megatron-LM GPT {name}, {gpus} x A100-80GB",
+            "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU "
+            "Clusters Using Megatron-LM' (SC21), table 1",
+            spec,
+            "a100-80gb",
+            "megatron",
+            2048,
+            lay,
+            pct,
+            "hfu",
+            f"t={t}, p={p}, batch {batch}, seq 2048, vocab 51200 as stated; micro-batch 1, "
+            "non-interleaved 1F1B and full recomputation assumed (the paper's FLOP count "
+            "includes the recomputed forward)",
+        )
+
+    llama = MODEL_PRESETS["llama3-405b"]
+
+    def llama_row(gpus: int, dp: int, per_dp: int, pct: float) -> Published:
+        lay = Layout(
+            dp=dp,
+            tp=8,
+            pp=16,
+            micro_batch=1,
+            micro_batches=per_dp,
+            zero=1,
+            schedule="interleaved",
+            virtual_stages=2,
+            recompute="none",
+        )
+        return Published(
+            f"Llama 3 405B, {gpus} x H100-80GB",
+            "Dubey et al. 2024, 'The Llama 3 Herd of Models', table 4",
+            llama,
+            "h100-80gb",
+            "megatron-flash",
+            8192,
+            lay,
+            pct,
+            "mfu",
+            f"TP 8, CP 1, PP 16, DP {dp}, seq 8192, {per_dp} sequences per DP group as "
+            "stated; micro-batch 1, interleaved schedule with v=2, sharded optimizer "
+            "state, no recomputation assumed",
+        )
+
+    return [
+        megatron("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 0.47),
+        megatron("1T", 128, 25600, 160, 8, 64, 3072, 3072, 0.52),
+        llama_row(8192, 64, 32, 0.43),
+        llama_row(16384, 128, 16, 0.41),
+    ]
+
+
+def published_table() -> list[str]:
+    """The planner's utilisation against the reported figures."""
+    from plait.plan import estimate
+    from plait.plan.hardware import hardware_preset
+    from plait.plan.layout import PRECISIONS, RUNTIMES
+
+    lines = [
+        "| run | metric | reported | planner | error | fits (GiB/rank) |",
+        "|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for i, r in enumerate(published_runs(), 1):
+        e = estimate(
+            r.model,
+            r.layout,
+            hardware_preset(r.hardware),
+            PRECISIONS["bf16-mixed"],
+            RUNTIMES[r.runtime],
+            r.seq,
+            headroom=0.0,
+        )
+        pred = e.hfu if r.metric == "hfu" else e.mfu
+        lines.append(
+            f"| {r.name} [{i}] | {r.metric.upper()} | {100 * r.reported:.0f}% | "
+            f"{100 * pred:.1f}% | {100 * (pred - r.reported):+.1f} points "
+            f"({100 * (pred - r.reported) / r.reported:+.0f}%) | "
+            f"{'yes' if e.fits else 'NO'} ({e.memory.total / 2**30:.1f}) |"
+        )
+        notes.append(f"[{i}] {r.cite}. {r.assumptions}.")
+    return [*lines, "", *notes]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    from plait.plan.calibrate import calibrate
+    from plait.plan.hardware import dump_hardware, load_hardware
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", help="use this hardware profile instead of calibrating")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per layout")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    ap.add_argument("--out", help="write the tables to this markdown file")
+    ap.add_argument(
+        "--max-wait", type=float, default=300.0, help="seconds to wait for a quiet machine"
+    )
+    args = ap.parse_args(argv)
+
+    t0 = time.time()
+    if args.profile:
+        hw = load_hardware(args.profile)
+    else:
+        hw, _ = calibrate(2)
+    measured = measured_table(hw, args.steps, args.warmup, args.max_wait)
+    published = published_table()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = [
+        "# Planner against measurement",
+        "",
+        f"Generated by `python benchmarks/planner_vs_measured.py` on {stamp} "
+        f"({platform.processor() or platform.machine()}, torch fp32, gloo ranks of one "
+        f"thread; {args.steps} measured steps per layout after {args.warmup}; "
+        f"{time.time() - t0:.0f} s). Model `{MODEL}` (0.87 M parameters), sequence {SEQ}.",
+        "",
+        "## Measured on this machine",
+        "",
+        *measured,
+        "",
+        "## Published large-scale runs",
+        "",
+        *published,
+        "",
+        "## Hardware profile used",
+        "",
+        "```toml",
+        dump_hardware(hw).rstrip(),
+        "```",
+        "",
+    ]
+    out = "\n".join(text)
+    print(out)
+    if args.out:
+        Path(args.out).write_text(out, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

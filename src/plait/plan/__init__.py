@@ -1,0 +1,38 @@
+"""The planner: what fits, how fast it runs, and which layout to choose.
+
+Pure arithmetic over a model shape, a layout, a precision policy and a hardware
+profile; nothing here imports ``torch.distributed`` or needs a process group (except
+:mod:`plait.plan.calibrate`, which measures the machine and is imported on demand).
+"""
+
+from plait.plan.estimate import Estimate, StepTime, estimate, step_time
+from plait.plan.fit import FitVerdict, check_fits
+from plait.plan.hardware import PRESETS as HARDWARE_PRESETS
+from plait.plan.hardware import Cluster, Curve, Hardware, Link, load_hardware
+from plait.plan.layout import PRECISIONS, RUNTIMES, Layout, Precision, Runtime
+from plait.plan.memory import MemoryBreakdown, memory_per_rank
+from plait.plan.modelspec import MODEL_PRESETS, ModelSpec
+
+__all__ = [
+    "HARDWARE_PRESETS",
+    "MODEL_PRESETS",
+    "PRECISIONS",
+    "RUNTIMES",
+    "Cluster",
+    "Curve",
+    "Estimate",
+    "FitVerdict",
+    "Hardware",
+    "Layout",
+    "Link",
+    "MemoryBreakdown",
+    "ModelSpec",
+    "Precision",
+    "Runtime",
+    "StepTime",
+    "check_fits",
+    "estimate",
+    "load_hardware",
+    "memory_per_rank",
+    "step_time",
+]

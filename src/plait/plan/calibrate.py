@@ -1,0 +1,332 @@
+"""Measure this machine: compute rates and alpha-beta fits of the collectives.
+
+:func:`calibrate` starts ``nproc`` ranks (a :class:`plait.testing.WorkerPool`, gloo on
+CPU), and on every rank at once, so that the ranks compete for the machine as they do
+in training, measures
+
+* dense fp32 matmul FLOP/s at several sizes (the ``matmul`` curve; its best point is the
+  peak used for MFU);
+* fused attention forward + backward FLOP/s at several sequence lengths (causal, the
+  FLOP convention of :mod:`plait.plan.compute`);
+* memory-bound bytes/s of an element-wise product at several tensor sizes, and the
+  fixed cost of one operator call;
+* the AdamW step plus gradient clipping, as bytes/s of the traffic the planner charges
+  for it;
+* all-reduce, all-gather, reduce-scatter and point-to-point times over message sizes,
+  fitted to ``t = c_alpha·alpha + bytes/B`` by least squares on relative error, with
+  the algorithm's step count ``c_alpha`` and bytes per rank (ring: ``2(N-1)`` and
+  ``2(N-1)/N·S`` for all-reduce; ``N-1`` and ``(N-1)/N·S`` for all-gather and
+  reduce-scatter; 1 and S for a message).
+
+Every timing is a median over repetitions. The result is a :class:`Hardware` profile
+that :func:`plait.plan.hardware.dump_hardware` writes and ``plait plan --hardware``
+reads. This module is the only part of :mod:`plait.plan` that needs processes; it
+imports the communication layer inside its functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plait.plan.hardware import Curve, Hardware, Link
+
+MATMUL_SIZES = (64, 128, 256, 512, 1024)
+ATTENTION_SEQS = (64, 128, 256, 512)
+ELEMENTWISE_ELEMS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22)
+MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
+ATTN_BATCH, ATTN_HEADS, ATTN_HEAD_DIM = 4, 4, 32
+
+
+def _median_time(fn: Callable[[], object], reps: int, min_time: float = 0.0) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs (after one warm-up); calls are
+    grouped so that each timed group lasts at least ``min_time``."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-9)
+    inner = max(1, int(min_time / once))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def measure_matmul(sizes: Sequence[int], reps: int) -> list[tuple[float, float]]:
+    """``(n, FLOP/s)`` of an fp32 n x n x n matmul."""
+    import torch
+
+    out = []
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        t = _median_time(functools.partial(torch.mm, a, b), reps, 0.02)
+        out.append((float(n), 2.0 * n**3 / t))
+    return out
+
+
+def measure_attention(seqs: Sequence[int], reps: int) -> list[tuple[float, float]]:
+    """``(s, FLOP/s)`` of causal SDPA forward + backward, FLOPs = 3 x 4·b·s²·a·d."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    b, a, d = ATTN_BATCH, ATTN_HEADS, ATTN_HEAD_DIM
+    for s in seqs:
+        q, k, v = (torch.randn(b, a, s, d, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, a, s, d)
+
+        def step(q: Any = q, k: Any = k, v: Any = v, g: Any = g) -> None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(g)
+
+        t = _median_time(step, reps, 0.02)
+        out.append((float(s), 3 * 4.0 * b * s * s * a * d / t))
+    return out
+
+
+def measure_elementwise(elems: Sequence[int], reps: int) -> list[tuple[float, float]]:
+    """``(tensor bytes, bytes/s)`` of ``c = a * b`` in fp32 (3 x 4 bytes per element)."""
+    import torch
+
+    out = []
+    for n in elems:
+        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+        t = _median_time(functools.partial(torch.mul, a, b, out=c), reps, 0.01)
+        out.append((4.0 * n, 12.0 * n / t))
+    return out
+
+
+def measure_op_overhead(reps: int) -> float:
+    """Seconds of one operator call on a one-element tensor (dispatch cost)."""
+    import torch
+
+    x, y = torch.ones(1), torch.ones(1)
+    return _median_time(lambda: torch.add(x, y), reps, 0.01)
+
+
+def measure_optimizer(params: int, tensors: int, reps: int) -> float:
+    """Bytes/s of AdamW + gradient clipping, charged 40 bytes per fp32 parameter (the
+    traffic :func:`plait.plan.estimate.step_time` uses: weights and two moments read
+    and written, the gradient read once for the update and three times for clipping)."""
+    import torch
+
+    per = max(1, params // tensors)
+    ps = [torch.nn.Parameter(torch.randn(per)) for _ in range(tensors)]
+    for p in ps:
+        p.grad = torch.randn(per)
+    opt = torch.optim.AdamW(ps, lr=1e-3)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        opt.step()
+
+    t = _median_time(step, reps)
+    return 40.0 * per * tensors / t
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A least-squares alpha-beta fit of one collective."""
+
+    op: str
+    """Collective name."""
+    alpha: float
+    """Seconds per algorithm step."""
+    bandwidth: float
+    """Bytes per second."""
+    points: tuple[tuple[float, float], ...]
+    """``(message bytes, median seconds)`` measured."""
+
+
+def fit_alpha_beta(
+    points: Sequence[tuple[float, float]], steps: float, bytes_factor: float
+) -> tuple[float, float]:
+    """Fit ``t = steps·alpha + bytes_factor·S / B`` minimising relative error."""
+    # weighted least squares of t = A + x·c with weights 1/t (relative residuals)
+    rows = [(bytes_factor * s, t, 1.0 / t) for s, t in points]
+    sw = sum(w * w for _, _, w in rows)
+    sx = sum(w * w * x for x, _, w in rows)
+    sy = sum(w * w * y for _, y, w in rows)
+    sxx = sum(w * w * x * x for x, _, w in rows)
+    sxy = sum(w * w * x * y for x, y, w in rows)
+    det = sw * sxx - sx * sx
+    c = (sw * sxy - sx * sy) / det if det else 0.0
+    a = (sy - c * sx) / sw
+    if c <= 0:  # latency-bound everywhere: attribute the largest message to bandwidth
+        s_max, t_max = max(points)
+        c = t_max / (bytes_factor * s_max)
+        a = 0.0
+    return max(a, 0.0) / max(steps, 1.0), 1.0 / c
+
+
+def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, list[Any]]:
+    """On every rank: time each collective per message size (rank 0's clock)."""
+    import torch
+
+    from plait import comm
+
+    mesh = ctx.mesh(dp=ctx.world_size)
+    g = mesh.axis("dp")
+    n = g.size
+    out: dict[str, list[Any]] = {op: [] for op in ("all_reduce", "all_gather", "reduce_scatter")}
+    out["p2p"] = []
+    for nbytes in sizes:
+        elems = max(n, nbytes // 4 // n * n)
+        t = torch.ones(elems)
+        shard = torch.ones(elems // n)
+
+        def timed(fn: Callable[[], object]) -> float:
+            samples = []
+            fn()
+            for _ in range(reps):
+                comm.barrier(g)
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            return statistics.median(samples)
+
+        ops: dict[str, Callable[[], object]] = {
+            "all_reduce": functools.partial(comm.all_reduce, t, g),
+            "all_gather": functools.partial(comm.all_gather, shard, g),
+            "reduce_scatter": functools.partial(comm.reduce_scatter, t, g),
+        }
+        for op, fn in ops.items():
+            out[op].append((4.0 * elems, timed(fn)))
+        if n >= 2:
+
+            def ping(t: Any = t) -> None:  # 0 <-> 1 round trip; others idle
+                if g.index == 0:
+                    comm.send(t, g, 1)
+                    comm.recv(t, g, 1)
+                elif g.index == 1:
+                    comm.recv(t, g, 0)
+                    comm.send(t, g, 0)
+
+            out["p2p"].append((4.0 * elems, timed(ping) / 2))
+    return out
+
+
+def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
+    """On every rank at once: the compute measurements."""
+    import torch
+
+    torch.set_num_threads(1)
+    reps = 3 if quick else 7
+    sizes = MATMUL_SIZES[:4] if quick else MATMUL_SIZES
+    return {
+        "matmul": measure_matmul(sizes, reps),
+        "attention": measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps),
+        "elementwise": measure_elementwise(
+            ELEMENTWISE_ELEMS[:5] if quick else ELEMENTWISE_ELEMS, reps
+        ),
+        "op_overhead": measure_op_overhead(reps),
+        "optimizer": measure_optimizer(2**19 if quick else 2**21, 16, reps),
+    }
+
+
+def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
+    """The whole calibration on one rank (a :class:`~plait.testing.WorkerPool` body)."""
+    sizes = MESSAGE_BYTES[:4] if quick else MESSAGE_BYTES
+    reps = 5 if quick else 15
+    return {"compute": compute_body(ctx, quick), "comm": _collective_body(ctx, sizes, reps)}
+
+
+def _merge(curves: list[list[tuple[float, float]]]) -> Curve:
+    """The median over ranks (and runs) of each point; all measured the same sizes."""
+    pts = [
+        (curves[0][i][0], statistics.median(c[i][1] for c in curves)) for i in range(len(curves[0]))
+    ]
+    return Curve(tuple(pts))
+
+
+def _compute_fields(comp: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hardware fields from every rank's :func:`compute_body` result."""
+    matmul = _merge([c["matmul"] for c in comp])
+    return {
+        "peak_flops": matmul.peak,
+        "matmul": matmul,
+        "attention": _merge([c["attention"] for c in comp]),
+        "elementwise": _merge([c["elementwise"] for c in comp]),
+        "op_overhead_s": statistics.median(c["op_overhead"] for c in comp),
+        "optimizer_bandwidth": statistics.median(c["optimizer"] for c in comp),
+    }
+
+
+def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
+    """``hw`` with its compute rates replaced by fresh :func:`compute_body` results
+    (several runs' results may be pooled: each point is the median over all)."""
+    return replace(hw, **_compute_fields(comp))
+
+
+def profile_from_results(
+    results: list[dict[str, Any]], memory_bytes: float | None = None, name: str = "cpu"
+) -> tuple[Hardware, list[Fit]]:
+    """A :class:`Hardware` from every rank's measurements (and the collective fits)."""
+    n = len(results)
+    fields = _compute_fields([r["compute"] for r in results])
+    comm = results[0]["comm"]
+    shape = {
+        "all_reduce": (2.0 * (n - 1), 2.0 * (n - 1) / n),
+        "all_gather": (n - 1.0, (n - 1.0) / n),
+        "reduce_scatter": (n - 1.0, (n - 1.0) / n),
+        "p2p": (1.0, 1.0),
+    }
+    fits = []
+    for op, (steps, factor) in shape.items():
+        pts = tuple((float(s), float(t)) for s, t in comm.get(op, []))
+        if len(pts) >= 2 and n >= 2:
+            a, b = fit_alpha_beta(pts, steps, factor)
+            fits.append(Fit(op, a, b, pts))
+    ar = next((f for f in fits if f.op == "all_reduce"), None)
+    cores = os.cpu_count() or 1
+    if memory_bytes is None:
+        try:
+            memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / cores
+        except (ValueError, OSError, AttributeError):
+            memory_bytes = 4e9
+    link = Link(
+        ar.alpha if ar else 0.0,
+        ar.bandwidth if ar else 1e9,
+        tuple((f.op, f.alpha, f.bandwidth) for f in fits),
+    )
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    hw = Hardware(
+        name=name,
+        memory_bytes=float(memory_bytes),
+        devices_per_node=cores,
+        intra=link,
+        inter=link,
+        source=(
+            f"measured by plait calibrate on {platform.node() or 'this machine'} "
+            f"({platform.processor() or platform.machine()}, {cores} cores), {n} gloo ranks "
+            f"x 1 thread, torch fp32, {stamp}; memory = host RAM / cores"
+        ),
+        **fields,
+    )
+    return hw, fits
+
+
+def calibrate(
+    nproc: int = 2, quick: bool = False, pool: Any = None, memory_bytes: float | None = None
+) -> tuple[Hardware, list[Fit]]:
+    """Measure this machine with ``nproc`` ranks (a fresh pool unless one is given)."""
+    from plait.testing import WorkerPool
+
+    own = pool is None
+    p = WorkerPool(nproc, comm_timeout_s=120.0) if own else pool
+    try:
+        results = p.run("plait.plan.calibrate:calibrate_body", quick, timeout_s=600.0)
+    finally:
+        if own:
+            p.close()
+    return profile_from_results(results, memory_bytes)

@@ -1,0 +1,318 @@
+"""One layout, one verdict: memory per rank, step time by component, tokens/s and MFU.
+
+Step time of the slowest pipeline stage (Narayanan et al. 2021, section 3)::
+
+    t_mb  = forward + backward + recomputation            (compute, one micro-batch)
+          + tensor-parallel all-reduces                    (critical path: 2 forward and
+            2 backward per block, 2 more with full recomputation; Shoeybi et al. 2019)
+          + exposed context-parallel ring traffic           (max(0, comm - attention))
+          + pipeline send/receive                           (2·v messages)
+    T     = m·t_mb + bubble,  bubble = (p - 1)/v · t_mb     ((p-1)/(m+p-1) of m·t_mb + bubble)
+          + exposed data-parallel / ZeRO traffic
+          + optimizer step + gradient copies and accumulation
+
+Data-parallel gradient traffic overlaps the backward of the last micro-batch: buckets
+are reduced as their gradients become ready, so only ``max(last bucket, comm - (1 -
+1/buckets)·backward)`` is exposed. ZeRO-1/2 reduce-scatter gradients the same way and
+all-gather the updated weights after the step (exposed); ZeRO-3 all-gathers every
+unit before its forward and backward and reduce-scatters its gradients, with the next
+unit prefetched, exposing ``max(one unit, comm - compute)`` per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from plait.plan.activations import kv_heads_local
+from plait.plan.compute import (
+    attention_flops,
+    block_time,
+    edge_time,
+    hardware_flops_per_token,
+)
+from plait.plan.hardware import Hardware
+from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.memory import MemoryBreakdown, memory_per_rank, stage_params
+from plait.plan.modelspec import ModelSpec
+from plait.plan.network import (
+    all_gather_time,
+    all_reduce_time,
+    group,
+    p2p_time,
+    reduce_scatter_time,
+)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on the slowest rank, by component (they add up)."""
+
+    compute: float
+    """Forward and backward of every micro-batch (no recomputation)."""
+    recompute: float
+    """Forward work repeated by activation recomputation."""
+    tp_comm: float
+    """Tensor-parallel all-reduces (or all-gather + reduce-scatter), on the critical path."""
+    cp_comm: float
+    """Context-parallel ring traffic not hidden under attention."""
+    pp_comm: float
+    """Pipeline point-to-point sends between stages."""
+    bubble: float
+    """Pipeline fill and drain."""
+    dp_comm: float
+    """Exposed data-parallel / ZeRO traffic."""
+    optimizer: float
+    """The optimizer step and gradient clipping."""
+    other: float
+    """Gradient bucket copies, accumulation, per-step scalar collectives."""
+    dp_comm_total: float
+    """Data-parallel / ZeRO traffic before overlap (for reference; not in ``total``)."""
+
+    @property
+    def total(self) -> float:
+        """The step time."""
+        return (
+            self.compute
+            + self.recompute
+            + self.tp_comm
+            + self.cp_comm
+            + self.pp_comm
+            + self.bubble
+            + self.dp_comm
+            + self.optimizer
+            + self.other
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain numbers, with ``total``."""
+        d = {k: float(v) for k, v in asdict(self).items()}
+        d["total"] = self.total
+        return d
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The planner's prediction for one layout."""
+
+    model: ModelSpec
+    """The model."""
+    layout: Layout
+    """The layout."""
+    hardware: Hardware
+    """The device."""
+    precision: Precision
+    """The precision policy."""
+    runtime: Runtime
+    """The runtime traits."""
+    seq_len: int
+    """Tokens per sequence."""
+    memory: MemoryBreakdown
+    """Bytes on one rank of the worst stage."""
+    time: StepTime
+    """Step time by component."""
+    usable_bytes: float
+    """Device memory minus the headroom."""
+
+    @property
+    def fits(self) -> bool:
+        """Whether the worst rank's memory fits the usable device memory."""
+        return self.memory.total <= self.usable_bytes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step."""
+        return self.layout.global_batch * self.seq_len
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Training throughput of the whole job."""
+        return self.tokens_per_step / self.time.total
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second over the devices' peak
+        (Chowdhery et al. 2022, appendix B)."""
+        flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_s
+        return flops / (self.layout.world * self.hardware.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: counts the recomputed FLOPs too."""
+        per_tok = hardware_flops_per_token(self.model, self.seq_len, self.layout.recompute)
+        return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-ready summary (schema documented in docs/planner.md)."""
+        return {
+            "model": asdict(self.model) | {"params": self.model.param_count()},
+            "hardware": self.hardware.name,
+            "precision": self.precision.name,
+            "runtime": self.runtime.name,
+            "seq_len": self.seq_len,
+            "layout": asdict(self.layout) | {"world": self.layout.world},
+            "global_batch": self.layout.global_batch,
+            "memory_bytes": self.memory.as_dict(),
+            "usable_bytes": self.usable_bytes,
+            "fits": self.fits,
+            "time_s": self.time.as_dict(),
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+        }
+
+
+def _act_msg(spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int) -> float:
+    """Bytes of one micro-batch's hidden states on one rank: b·(s/c)·h·e."""
+    return layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
+
+
+def step_time(
+    spec: ModelSpec,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    runtime: Runtime,
+    seq_len: int,
+) -> StepTime:
+    """Predicted step time of ``layout`` by component."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    blk = block_time(spec, layout, runtime, precision, hw, seq_len)
+    edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
+    msg = _act_msg(spec, layout, precision, seq_len)
+    tp_g = group(layout, hw, "tp")
+    tp_ar = all_reduce_time(msg, tp_g.size, tp_g.link)
+    n_tp = 4 + (2 if layout.recompute == "full" else 0)
+
+    # context parallelism: K and V blocks travel the ring (c - 1) steps forward, and
+    # K, V plus their gradients backward, overlapped with the blocks' attention
+    cp_g = group(layout, hw, "cp")
+    cp_exposed = 0.0
+    if layout.cp > 1:
+        kv_bytes = 2 * msg / spec.hidden * kv_heads_local(spec, layout.tp) * spec.head_dim
+        ring_f = (layout.cp - 1) * p2p_time(kv_bytes, cp_g.link)
+        attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(seq_len)
+        fwd_passes = 2 if layout.recompute == "full" else 1
+        # backward moves twice the bytes (K, V and their gradients) over twice the work
+        cp_exposed = (fwd_passes + 2) * max(0.0, ring_f - attn_f)
+
+    pp_g = group(layout, hw, "pp")
+    p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
+
+    worst: tuple[float, float, float, float, float, float, float] | None = None
+    worst_stage = 0
+    for stage in sorted({0, p - 1}):
+        sp = stage_params(spec, layout, stage)
+        comp_f = sp.layers * blk.forward
+        comp_b = sp.layers * blk.backward
+        rc = sp.layers * blk.recompute
+        tp = sp.layers * n_tp * tp_ar
+        if stage == 0:
+            comp_f += edge.embed_forward
+            comp_b += edge.embed_backward
+            tp += tp_ar  # vocabulary-parallel embedding output all-reduce
+        if stage == p - 1:
+            comp_f += edge.head_forward
+            comp_b += edge.head_backward
+            tp += tp_ar  # gradient of the head's (replicated) input
+        cp = sp.layers * cp_exposed
+        pp = p2p if p > 1 else 0.0
+        total = comp_f + comp_b + rc + tp + cp + pp
+        if worst is None or total > worst[0]:
+            worst, worst_stage = (total, comp_f, comp_b, rc, tp, cp, pp), stage
+    assert worst is not None
+    t_mb, comp_f, comp_b, rc, tp, cp, pp = worst
+    bubble = (p - 1) / (v if layout.schedule == "interleaved" else 1) * t_mb if p > 1 else 0.0
+
+    sp0 = stage_params(spec, layout, worst_stage)
+    dp_exposed, dp_total = _dp_comm(
+        spec, layout, hw, precision, runtime, sp0.params, sp0.layers, comp_f, comp_b + rc
+    )
+    f = layout.shard_factor
+    opt_params = math.ceil(sp0.params / f) if layout.zero >= 1 else sp0.params
+    fp32_copy = 4 if precision.master_bytes else precision.param_bytes
+    traffic = (
+        2 * fp32_copy
+        + 4 * precision.grad_bytes  # read for the update; clip: read for the norm, scale
+        + 2 * precision.optimizer_bytes
+        + (precision.param_bytes if precision.master_bytes else 0)
+    )
+    optimizer = opt_params * traffic / hw.optimizer_bandwidth
+    grads = sp0.params * precision.grad_bytes
+    other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
+    if layout.zero == 0 and runtime.grad_buckets == "copy":
+        other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
+    dpcp = group(layout, hw, "dp+cp")
+    other += runtime.step_collectives * all_reduce_time(8, dpcp.size, dpcp.link)
+    return StepTime(
+        compute=m * (comp_f + comp_b),
+        recompute=m * rc,
+        tp_comm=m * tp,
+        cp_comm=m * cp,
+        pp_comm=m * pp,
+        bubble=bubble,
+        dp_comm=dp_exposed,
+        optimizer=optimizer,
+        other=other,
+        dp_comm_total=dp_total,
+    )
+
+
+def _dp_comm(
+    spec: ModelSpec,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    runtime: Runtime,
+    params: int,
+    layers: int,
+    fwd: float,
+    bwd: float,
+) -> tuple[float, float]:
+    """(exposed, total) seconds of data-parallel / ZeRO traffic per step."""
+    grads = params * precision.grad_bytes
+    weights = params * precision.param_bytes
+    bucket = runtime.bucket_mb * 2**20
+    nb = max(1, math.ceil(grads / bucket))
+    window = bwd * (1 - 1 / nb)  # backward left after the first bucket is ready
+    f = layout.shard_factor
+    if layout.zero == 0:
+        g = group(layout, hw, "dp+cp")
+        comm = nb * all_reduce_time(grads / nb, g.size, g.link)
+        if g.size == 1:
+            return 0.0, 0.0
+        return max(comm / nb, comm - window), comm
+    shard = group(layout, hw, "dp", size=f)
+    replica = group(layout, hw, "dp", size=layout.dp // f, step=f)
+    cpg = group(layout, hw, "cp")
+    cross = all_reduce_time(grads / f, replica.size, replica.link)  # hybrid: across groups
+    cross += all_reduce_time(grads, cpg.size, cpg.link)  # cp ranks share the weights
+    if layout.zero in (1, 2):
+        rs = nb * reduce_scatter_time(grads / nb, shard.size, shard.link)
+        ag = all_gather_time(weights, shard.size, shard.link)
+        exposed = max(rs / nb, rs - window) + ag + cross
+        return exposed, rs + ag + cross
+    units = max(1, layers) + 1
+    ag = all_gather_time(weights, shard.size, shard.link)
+    rs = reduce_scatter_time(grads, shard.size, shard.link)
+    m = layout.micro_batches
+    per_mb = max(ag / units, ag - fwd) + max((ag + rs) / units, ag + rs - bwd)
+    return m * per_mb + cross, m * (2 * ag + rs) + cross
+
+
+def estimate(
+    spec: ModelSpec,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    runtime: Runtime,
+    seq_len: int,
+    headroom: float = 0.0,
+) -> Estimate:
+    """Memory and time of ``layout``; ``headroom`` is the fraction of device memory
+    kept free (allocator fragmentation, framework buffers)."""
+    mem = memory_per_rank(spec, layout, precision, runtime, seq_len)
+    t = step_time(spec, layout, hw, precision, runtime, seq_len)
+    return Estimate(
+        spec, layout, hw, precision, runtime, seq_len, mem, t, hw.memory_bytes * (1 - headroom)
+    )

@@ -1,0 +1,165 @@
+"""Will a training config fit? The check ``plait train`` runs before starting anything.
+
+:func:`check_fits` maps a :class:`plait.config.Config` to the planner's model, layout,
+precision and runtime, predicts the worst rank's memory and returns a
+:class:`FitVerdict` whose :meth:`~FitVerdict.message` says, in one paragraph, what does
+not fit and which single change would make it fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plait.config import Config
+from plait.errors import ConfigError
+from plait.plan.estimate import Estimate, estimate
+from plait.plan.explain import gib
+from plait.plan.hardware import PRESETS, Curve, Hardware, Link
+from plait.plan.layout import Layout, Precision, Runtime, precision_preset
+from plait.plan.modelspec import ModelSpec
+
+_DTYPE_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """The answer of :func:`check_fits`."""
+
+    fits: bool
+    """Whether the worst rank is predicted to fit."""
+    reasons: tuple[str, ...]
+    """Why not (empty when it fits), then what would fit instead."""
+    estimate: Estimate
+    """The full prediction."""
+
+    def message(self) -> str:
+        """One paragraph for the user."""
+        e = self.estimate
+        if self.fits:
+            return (
+                f"predicted to fit: {gib(e.memory.total)} of {gib(e.usable_bytes)} usable per "
+                f"rank on {e.hardware.name}."
+            )
+        return " ".join(self.reasons)
+
+
+def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precision, Runtime]:
+    """The planner's view of ``cfg`` on ``world_size`` ranks."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.resolved_dp(world_size)
+    if dp * p.tp * p.pp * p.cp != world_size:
+        raise ConfigError(
+            f"the layout dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} does not match the world "
+            f"size {world_size}."
+        )
+    micro = cfg.micro_batch(world_size)
+    layout = Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        zero=p.zero,
+        shard_group=getattr(p, "zero_shard_size", None) if p.zero else None,
+        micro_batch=micro,
+        micro_batches=max(1, t.global_batch // (dp * micro)),
+        recompute=getattr(t, "recompute", "none"),
+    )
+    prec_cfg: Any = getattr(cfg, "precision", None)
+    dtype = getattr(prec_cfg, "dtype", "fp32")
+    precision = precision_preset(_DTYPE_PRECISION.get(dtype, "fp32"))
+    runtime = Runtime(bucket_mb=p.bucket_mb)
+    return ModelSpec.from_config(cfg.model, "model"), layout, precision, runtime
+
+
+def host_hardware(ranks_per_host: int) -> Hardware:
+    """This host's CPU as a device: its RAM shared by the local ranks (rates unknown:
+    only the memory verdict is meaningful)."""
+    try:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        ram = 8e9
+    unit = Curve.constant(1e10)
+    link = Link(1e-4, 1e9)
+    return Hardware(
+        "cpu-host",
+        ram / max(1, ranks_per_host),
+        1e10,
+        unit,
+        unit,
+        unit,
+        1e10,
+        0.0,
+        max(1, ranks_per_host),
+        link,
+        link,
+        "host RAM from sysconf; rates placeholders",
+    )
+
+
+def cuda_hardware(name: str, total_memory: float) -> Hardware:
+    """The preset matching a CUDA device name (e.g. 'NVIDIA H100 80GB HBM3'), with the
+    device's reported memory."""
+    low = name.lower()
+    for key in ("h200", "h100", "a100"):
+        if key in low:
+            candidates = [k for k in PRESETS if k.startswith(key)]
+            best = min(candidates, key=lambda k: abs(PRESETS[k].memory_bytes - total_memory))
+            return PRESETS[best].with_memory(total_memory)
+    return PRESETS["a100-80gb"].with_memory(total_memory)
+
+
+def check_fits(
+    cfg: Config,
+    world_size: int,
+    hardware: Hardware | None = None,
+    headroom: float = 0.05,
+    ranks_per_host: int | None = None,
+) -> FitVerdict:
+    """Predict whether ``cfg`` fits on ``hardware`` (default: this host's RAM shared by
+    ``ranks_per_host`` ranks, all ``world_size`` by default).
+
+    When it does not, the reasons name the worst rank's memory by component and list the
+    single changes (ZeRO stage, recomputation, micro-batch) predicted to fit.
+    """
+    spec, layout, precision, runtime = plan_inputs(cfg, world_size)
+    hw = hardware or host_hardware(ranks_per_host or world_size)
+    seq = cfg.train.seq_len
+    e = estimate(spec, layout, hw, precision, runtime, seq, headroom)
+    if e.fits:
+        return FitVerdict(True, (), e)
+    m = e.memory
+    reasons = [
+        f"the layout {layout.describe()} is predicted not to fit: the worst rank (pipeline "
+        f"stage {m.stage}) needs {gib(m.total)} ({gib(m.state)} weights, gradients and "
+        f"optimizer state, {gib(m.activations + m.embedding_head)} activations, "
+        f"{gib(m.buffers)} buffers) but {hw.name} has {gib(e.usable_bytes)} usable per rank."
+    ]
+    options: list[tuple[str, Layout]] = []
+    if layout.dp > 1:
+        options += [
+            (f"parallel.zero={z}", replace(layout, zero=z)) for z in (1, 2, 3) if z > layout.zero
+        ]
+    if layout.recompute != "full":
+        options.append(("train.recompute=full", replace(layout, recompute="full")))
+    if layout.micro_batch > 1:
+        options.append(
+            (
+                "train.micro_batch=1",
+                replace(layout, micro_batch=1, micro_batches=layout.global_batch // layout.dp),
+            )
+        )
+    fixes = []
+    for label, alt in options:
+        a = estimate(spec, alt, hw, precision, runtime, seq, headroom)
+        if a.fits:
+            fixes.append(f"{label} ({gib(a.memory.total)})")
+    if fixes:
+        reasons.append("Predicted to fit with: " + "; ".join(fixes) + ".")
+    else:
+        reasons.append(
+            "No single change of ZeRO stage, recomputation or micro-batch fits; use more "
+            "ranks, tensor or pipeline parallelism (`plait plan --search` ranks them)."
+        )
+    return FitVerdict(False, tuple(reasons), e)

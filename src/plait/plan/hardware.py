@@ -1,0 +1,399 @@
+"""Hardware profiles: device memory, compute rates, links; presets and TOML files.
+
+A :class:`Hardware` says what one device can hold and how fast it computes and talks:
+
+* **compute** as three rate curves: dense matrix multiplication (FLOP/s as a function of
+  the GEMM's size), fused attention (FLOP/s as a function of sequence length) and
+  memory-bound element-wise work (bytes/s as a function of tensor size). A datasheet
+  preset gives each curve one point (a constant: peak x an achievable fraction); a
+  calibrated profile (:mod:`plait.plan.calibrate`) measures several points.
+* **links** in the alpha-beta model (Hockney 1994): sending ``S`` bytes over a link
+  costs ``alpha + S / B``. Two link classes: inside a node (NVLink; loopback for CPU
+  processes) and between nodes (InfiniBand/RoCE, the per-device share of the NICs).
+  A calibrated link can carry per-collective fits, since e.g. gloo's all-gather is
+  slower per byte than its all-reduce.
+
+Units are SI: bytes, seconds, FLOP/s. "80 GB" is 80e9 bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+"""Operations a link can carry a measured (alpha, bandwidth) fit for."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A positive rate as a function of a positive size, interpolated log-log.
+
+    Between points the rate follows a power law; outside them it stays at the nearest
+    end point. One point is a constant.
+    """
+
+    points: tuple[tuple[float, float], ...]
+    """``(size, rate)`` pairs with strictly increasing sizes."""
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ConfigError("a rate curve needs at least one (size, rate) point.")
+        sizes = [s for s, _ in self.points]
+        if any(s <= 0 or r <= 0 for s, r in self.points):
+            raise ConfigError(f"rate curve points must be positive, got {self.points}.")
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ConfigError(f"rate curve sizes must increase strictly, got {sizes}.")
+
+    @classmethod
+    def constant(cls, rate: float) -> Curve:
+        """The curve that is ``rate`` everywhere."""
+        return cls(((1.0, float(rate)),))
+
+    def at(self, size: float) -> float:
+        """The rate at ``size``."""
+        pts = self.points
+        if len(pts) == 1 or size <= pts[0][0]:
+            return pts[0][1]
+        if size >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([s for s, _ in pts], size)
+        (s0, r0), (s1, r1) = pts[i - 1], pts[i]
+        w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+
+    @property
+    def peak(self) -> float:
+        """The highest rate on the curve."""
+        return max(r for _, r in self.points)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class in the alpha-beta model: a message of S bytes costs alpha + S/B."""
+
+    latency_s: float
+    """alpha: the start-up cost of one message (one step of a collective), seconds."""
+    bandwidth: float
+    """B: the bytes per second one device achieves on this link in one direction."""
+    collectives: tuple[tuple[str, float, float], ...] = ()
+    """Measured ``(operation, alpha, B)`` fits that replace the generic figures for that
+    operation (operations from :data:`COLLECTIVES`)."""
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth <= 0:
+            raise ConfigError(
+                f"a link needs latency >= 0 and bandwidth > 0, got alpha={self.latency_s}, "
+                f"B={self.bandwidth}."
+            )
+        for op, a, b in self.collectives:
+            if op not in COLLECTIVES:
+                raise ConfigError(f"unknown collective {op!r}; use one of {COLLECTIVES}.")
+            if a < 0 or b <= 0:
+                raise ConfigError(f"collective fit {op}: alpha must be >= 0 and B > 0.")
+
+    def fit(self, op: str) -> tuple[float, float]:
+        """``(alpha, B)`` for ``op``: the measured fit when there is one."""
+        for name, a, b in self.collectives:
+            if name == op:
+                return a, b
+        return self.latency_s, self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one device holds and how fast it computes and communicates."""
+
+    name: str
+    """Short name, e.g. ``a100-80gb`` or ``cpu-calibrated``."""
+    memory_bytes: float
+    """Device memory capacity in bytes (80 GB = 80e9)."""
+    peak_flops: float
+    """Dense peak FLOP/s of one device in the compute dtype: the MFU denominator."""
+    matmul: Curve
+    """Achieved GEMM FLOP/s as a function of the GEMM's size (M*K*N)^(1/3)."""
+    attention: Curve
+    """Achieved fused-attention FLOP/s (forward + backward, causal mask not discounted)
+    as a function of the sequence length."""
+    elementwise: Curve
+    """Achieved memory-bound bytes/s (reads + writes) as a function of tensor bytes."""
+    optimizer_bandwidth: float
+    """Effective bytes/s of the optimizer step (Adam) plus gradient clipping."""
+    op_overhead_s: float
+    """Fixed cost per operator call that is not hidden (CPU dispatch); 0 on GPUs whose
+    kernel launches run ahead of the device."""
+    devices_per_node: int
+    """Devices that share one node (and its fast intra-node link)."""
+    intra: Link
+    """The link between devices of one node."""
+    inter: Link
+    """The per-device link between nodes."""
+    source: str = ""
+    """Where the figures come from (datasheet, measurement date and machine)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("hardware.name must not be empty.")
+        for key in ("memory_bytes", "peak_flops", "optimizer_bandwidth", "devices_per_node"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"hardware.{key} must be positive, got {getattr(self, key)}.")
+        if self.op_overhead_s < 0:
+            raise ConfigError(f"hardware.op_overhead_s must be >= 0, got {self.op_overhead_s}.")
+
+    def with_memory(self, memory_bytes: float) -> Hardware:
+        """The same device with a different memory capacity."""
+        return replace(self, memory_bytes=memory_bytes)
+
+
+def _gpu(
+    name: str,
+    memory_gb: float,
+    peak_tflops: float,
+    hbm_tbs: float,
+    nvlink_gbs: float,
+    nic_gbs: float,
+    matmul_eff: float,
+    attention_eff: float,
+    source: str,
+) -> Hardware:
+    """A datasheet GPU with the stated achievable fractions (see :data:`PRESETS`)."""
+    peak = peak_tflops * 1e12
+    hbm = hbm_tbs * 1e12
+    return Hardware(
+        name=name,
+        memory_bytes=memory_gb * 1e9,
+        peak_flops=peak,
+        matmul=Curve.constant(peak * matmul_eff),
+        attention=Curve.constant(peak * attention_eff),
+        elementwise=Curve.constant(hbm * ELEMENTWISE_EFFICIENCY),
+        optimizer_bandwidth=hbm * ELEMENTWISE_EFFICIENCY,
+        op_overhead_s=0.0,
+        devices_per_node=8,
+        intra=Link(NVLINK_ALPHA_S, nvlink_gbs * 1e9 * LINK_EFFICIENCY),
+        inter=Link(IB_ALPHA_S, nic_gbs * 1e9 * LINK_EFFICIENCY),
+        source=source,
+    )
+
+
+ELEMENTWISE_EFFICIENCY = 0.7
+"""Assumed fraction of HBM bandwidth that memory-bound kernels reach."""
+LINK_EFFICIENCY = 0.8
+"""Assumed fraction of a link's datasheet bandwidth a ring collective reaches (nccl-tests
+bus bandwidth is typically 75-90 % of the per-direction figure)."""
+NVLINK_ALPHA_S = 3e-6
+"""Assumed per-step latency of an intra-node (NVLink) collective step."""
+IB_ALPHA_S = 8e-6
+"""Assumed per-step latency of an inter-node (InfiniBand/RoCE) collective step."""
+
+PRESETS: dict[str, Hardware] = {
+    "a100-40gb": _gpu(
+        "a100-40gb",
+        40,
+        312,
+        1.555,
+        300,
+        25,
+        0.80,
+        0.55,
+        "NVIDIA A100 SXM4 40GB datasheet: 312 TFLOP/s dense bf16, 1.555 TB/s HBM2, "
+        "NVLink3 600 GB/s bidirectional (300 per direction), 1x HDR 200 Gb/s NIC per GPU "
+        "(DGX A100); 80 % of peak on large GEMMs, 55 % in FlashAttention-2 (assumed).",
+    ),
+    "a100-80gb": _gpu(
+        "a100-80gb",
+        80,
+        312,
+        2.039,
+        300,
+        25,
+        0.80,
+        0.55,
+        "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense bf16, 2.039 TB/s HBM2e, "
+        "NVLink3 300 GB/s per direction, 1x HDR 200 Gb/s NIC per GPU (DGX A100); "
+        "80 % of peak on large GEMMs, 55 % in FlashAttention-2 (assumed).",
+    ),
+    "h100-80gb": _gpu(
+        "h100-80gb",
+        80,
+        989,
+        3.35,
+        450,
+        50,
+        0.75,
+        0.45,
+        "NVIDIA H100 SXM5 80GB datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, "
+        "NVLink4 900 GB/s bidirectional (450 per direction), 1x NDR 400 Gb/s NIC per GPU "
+        "(DGX H100); 75 % of peak on large GEMMs, 45 % in FlashAttention-2 (assumed).",
+    ),
+    "h200": _gpu(
+        "h200",
+        141,
+        989,
+        4.8,
+        450,
+        50,
+        0.75,
+        0.45,
+        "NVIDIA H200 SXM 141GB datasheet: 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e, "
+        "NVLink4 450 GB/s per direction, 1x NDR 400 Gb/s NIC per GPU; "
+        "75 % of peak on large GEMMs, 45 % in FlashAttention-2 (assumed).",
+    ),
+}
+"""Datasheet hardware presets (nodes of 8 devices)."""
+
+
+def hardware_preset(name: str) -> Hardware:
+    """The preset ``name``; unknown names are refused with the list."""
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(PRESETS))}, "
+            "or pass a profile written by `plait calibrate` (a .toml path)."
+        )
+    return PRESETS[name]
+
+
+# ------------------------------------------------------------------ TOML profiles
+
+
+def _curve_toml(c: Curve) -> str:
+    return "[" + ", ".join(f"[{s!r}, {r!r}]" for s, r in c.points) + "]"
+
+
+def _link_toml(section: str, link: Link) -> list[str]:
+    lines = [f"[{section}]", f"latency_s = {link.latency_s!r}", f"bandwidth = {link.bandwidth!r}"]
+    for op, a, b in link.collectives:
+        lines.append(f"{op} = [{a!r}, {b!r}]")
+    return lines
+
+
+def dump_hardware(hw: Hardware, comment: str = "") -> str:
+    """A TOML document that :func:`load_hardware` reads back to an equal profile."""
+    lines = [f"# {line}" for line in comment.splitlines()] if comment else []
+    lines += [
+        "[device]",
+        "name = " + _toml_string(hw.name),
+        f"memory_bytes = {hw.memory_bytes!r}",
+        f"peak_flops = {hw.peak_flops!r}",
+        f"matmul = {_curve_toml(hw.matmul)}",
+        f"attention = {_curve_toml(hw.attention)}",
+        f"elementwise = {_curve_toml(hw.elementwise)}",
+        f"optimizer_bandwidth = {hw.optimizer_bandwidth!r}",
+        f"op_overhead_s = {hw.op_overhead_s!r}",
+        f"devices_per_node = {hw.devices_per_node}",
+        "source = " + _toml_string(hw.source),
+        "",
+        *_link_toml("intra", hw.intra),
+        "",
+        *_link_toml("inter", hw.inter),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _parse_curve(where: str, value: Any) -> Curve:
+    if isinstance(value, (int, float)):
+        return Curve.constant(float(value))
+    try:
+        pts = tuple((float(s), float(r)) for s, r in value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{where} must be a number or a list of [size, rate] pairs, got {value!r}."
+        ) from None
+    return Curve(pts)
+
+
+def _parse_link(where: str, data: Mapping[str, Any]) -> Link:
+    extra = []
+    for op in COLLECTIVES:
+        if op in data:
+            a, b = data[op]
+            extra.append((op, float(a), float(b)))
+    unknown = set(data) - {"latency_s", "bandwidth", *COLLECTIVES}
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}.")
+    try:
+        return Link(float(data["latency_s"]), float(data["bandwidth"]), tuple(extra))
+    except KeyError as e:
+        raise ConfigError(f"[{where}] needs {e.args[0]}.") from None
+
+
+def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
+    """A :class:`Hardware` from the parsed TOML tables of a profile."""
+    for section in ("device", "intra", "inter"):
+        if section not in data:
+            raise ConfigError(f"hardware {where} has no [{section}] table.")
+    d = dict(data["device"])
+    known = {f for f in Hardware.__dataclass_fields__ if f not in ("intra", "inter")}
+    unknown = set(d) - known
+    if unknown:
+        raise ConfigError(f"unknown key(s) in [device] of {where}: {', '.join(sorted(unknown))}.")
+    try:
+        return Hardware(
+            name=str(d["name"]),
+            memory_bytes=float(d["memory_bytes"]),
+            peak_flops=float(d["peak_flops"]),
+            matmul=_parse_curve("device.matmul", d["matmul"]),
+            attention=_parse_curve("device.attention", d["attention"]),
+            elementwise=_parse_curve("device.elementwise", d["elementwise"]),
+            optimizer_bandwidth=float(d["optimizer_bandwidth"]),
+            op_overhead_s=float(d.get("op_overhead_s", 0.0)),
+            devices_per_node=int(d["devices_per_node"]),
+            intra=_parse_link("intra", data["intra"]),
+            inter=_parse_link("inter", data["inter"]),
+            source=str(d.get("source", "")),
+        )
+    except KeyError as e:
+        raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A preset name or the path of a TOML profile (``plait calibrate --out``)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = Path(spec)
+    if spec.endswith(".toml") or path.exists():
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read hardware profile {spec}: {e.strerror}.") from None
+        try:
+            data = tomllib.loads(raw)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"hardware profile {spec} is not valid TOML: {e}.") from None
+        return parse_hardware(data, spec)
+    return hardware_preset(spec)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """How many devices of one kind a job gets."""
+
+    hardware: Hardware
+    """The device (and its links)."""
+    num_devices: int
+    """Total devices; nodes hold ``hardware.devices_per_node`` each."""
+
+    def __post_init__(self) -> None:
+        if self.num_devices <= 0:
+            raise ConfigError(f"the number of devices must be positive, got {self.num_devices}.")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes used (the last one may be partly used)."""
+        return -(-self.num_devices // self.hardware.devices_per_node)

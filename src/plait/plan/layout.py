@@ -1,0 +1,222 @@
+"""What the planner is asked about: a parallel layout, a precision policy, a runtime.
+
+* :class:`Layout`: the degrees of the mesh (dp, tp, pp, cp), the ZeRO stage and hybrid
+  sharding factor F, the batch split (micro-batch size and micro-batches per step),
+  activation recomputation, the pipeline schedule and Megatron sequence parallelism.
+* :class:`Precision`: bytes per parameter of weights, gradients, fp32 master weights and
+  optimizer state, and the element size of saved activations.
+* :class:`Runtime`: implementation choices that change memory or time but are not
+  layout decisions (attention kernel, dropout, how gradient buckets are held).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from plait.errors import ConfigError
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "gpipe", "interleaved"]
+RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+SCHEDULES: tuple[Schedule, ...] = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way of splitting a training step over ``dp·tp·pp·cp`` devices."""
+
+    dp: int = 1
+    """Data-parallel degree (replicas, or ZeRO shards)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split of every block)."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split across ranks, ring attention)."""
+    zero: int = 0
+    """ZeRO stage over the data-parallel axis: 0 (replicated), 1, 2 or 3."""
+    shard_group: int | None = None
+    """Hybrid sharding factor F: ZeRO shards inside groups of F data-parallel ranks and
+    replicates across the dp/F groups (None: F = dp, full sharding)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch on one data-parallel replica."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step on one replica (gradient accumulation steps, or
+    the pipeline's m)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (core attention) or full (per block)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule (ignored when pp = 1)."""
+    virtual_stages: int = 1
+    """v: model chunks per pipeline rank for the interleaved schedule."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism in the norm/dropout regions (needs tp > 1)."""
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"layout {key} must be positive, got {getattr(self, key)}.")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"layout zero must be 0, 1, 2 or 3, got {self.zero}.")
+        if self.shard_group is not None and (self.shard_group <= 0 or self.dp % self.shard_group):
+            raise ConfigError(
+                f"the hybrid sharding factor F={self.shard_group} must divide dp={self.dp}."
+            )
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError("virtual_stages > 1 needs the interleaved schedule.")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence parallelism needs tp > 1.")
+
+    @property
+    def world(self) -> int:
+        """Devices the layout uses: dp·tp·pp·cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: dp · micro_batch · micro_batches."""
+        return self.dp * self.micro_batch * self.micro_batches
+
+    @property
+    def shard_factor(self) -> int:
+        """F with its default: dp when ZeRO is on, 1 otherwise."""
+        if self.zero == 0:
+            return 1
+        return self.shard_group if self.shard_group is not None else self.dp
+
+    def describe(self) -> str:
+        """A compact one-line label, e.g. ``dp8 tp2 pp1 cp1 zero1 mb2x4 rc=none``."""
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}"
+        if self.zero and self.shard_factor != self.dp:
+            s += f" F{self.shard_factor}"
+        s += f" mb{self.micro_batch}x{self.micro_batches}"
+        if self.pp > 1:
+            s += f" {self.schedule}"
+            if self.schedule == "interleaved":
+                s += f"(v{self.virtual_stages})"
+        if self.sequence_parallel:
+            s += " sp"
+        return s + f" rc={self.recompute}"
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each training state, and the activation element size."""
+
+    name: str
+    """Label, e.g. ``bf16-mixed``."""
+    param_bytes: int
+    """Weights as used by forward/backward (2 for bf16, 4 for fp32)."""
+    grad_bytes: int
+    """Gradients as produced by backward."""
+    master_bytes: int
+    """fp32 master copy of the weights kept by the optimizer (0 when weights are fp32)."""
+    optimizer_bytes: int
+    """Optimizer state per parameter (Adam's m and v in fp32: 8)."""
+    optimizer_tensor_bytes: int
+    """Per-tensor optimizer scalars (torch Adam keeps a 4-byte ``step`` per tensor)."""
+    activation_bytes: int
+    """Element size of saved activations (2 for bf16/fp16, 4 for fp32)."""
+
+    def __post_init__(self) -> None:
+        for key in ("param_bytes", "grad_bytes", "activation_bytes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"precision {key} must be positive.")
+        for key in ("master_bytes", "optimizer_bytes", "optimizer_tensor_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"precision {key} must not be negative.")
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """Weights + gradients + master + optimizer state per parameter (16 for
+        mixed-precision Adam: 2 + 2 + 4 + 4 + 4)."""
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16-mixed": Precision("bf16-mixed", 2, 2, 4, 8, 4, 2),
+    "fp16-mixed": Precision("fp16-mixed", 2, 2, 4, 8, 4, 2),
+    "fp32": Precision("fp32", 4, 4, 0, 8, 4, 4),
+}
+"""Precision policies with Adam(W): ZeRO paper's K = 12 for the mixed ones."""
+
+
+def precision_preset(name: str) -> Precision:
+    """The precision ``name``; unknown names are refused with the list."""
+    if name not in PRECISIONS:
+        raise ConfigError(f"unknown precision {name!r}; choose one of {', '.join(PRECISIONS)}.")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Implementation traits of the training runtime that the models depend on."""
+
+    name: str = "plait"
+    """Label."""
+    attention: Literal["flash", "math"] = "flash"
+    """Attention kernel: fused (saves q, k, v, output and the log-sum-exp) or unfused
+    (materialises the s x s scores)."""
+    dropout: bool = False
+    """Dropout after attention, MLP and embedding (adds 1-byte masks)."""
+    fused_norm: bool = False
+    """The norm kernel saves only its input and statistics; plait's RMSNorm is written
+    in plain PyTorch and also saves its normalised output."""
+    grad_buckets: Literal["copy", "view"] = "copy"
+    """Data-parallel gradient buckets: persistent flat copies of every gradient
+    (plait's DataParallel) or views into one contiguous gradient buffer (Megatron)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (the unit of one overlapped all-reduce)."""
+    prefetch_units: int = 1
+    """ZeRO-3: units gathered ahead of the one computing."""
+    step_collectives: int = 1
+    """Small collectives per step outside the gradient path (e.g. the loss average)."""
+    fused_accumulation: bool = False
+    """Gradient accumulation is fused into the weight-gradient GEMM (Megatron-LM's
+    gradient_accumulation_fusion) instead of a separate read-add-write per micro-batch."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("flash", "math"):
+            raise ConfigError(f"runtime attention must be flash or math, got {self.attention!r}.")
+        if self.grad_buckets not in ("copy", "view"):
+            raise ConfigError("runtime grad_buckets must be copy or view.")
+        if self.bucket_mb <= 0 or self.prefetch_units < 0 or self.step_collectives < 0:
+            raise ConfigError("runtime bucket_mb must be positive and counts not negative.")
+
+
+RUNTIMES: dict[str, Runtime] = {
+    "plait": Runtime(),
+    "megatron": Runtime(
+        "megatron",
+        attention="math",
+        dropout=True,
+        fused_norm=True,
+        grad_buckets="view",
+        bucket_mb=40.0,
+        fused_accumulation=True,
+    ),
+    "megatron-flash": Runtime(
+        "megatron-flash",
+        attention="flash",
+        dropout=False,
+        fused_norm=True,
+        grad_buckets="view",
+        bucket_mb=40.0,
+        fused_accumulation=True,
+    ),
+}
+"""``plait``: this repository's runtime. ``megatron``: Megatron-LM as in Korthikanti et
+al. 2022 (unfused attention, dropout, fused LayerNorm, contiguous gradient buffer);
+``megatron-flash``: the same with a fused attention kernel and no dropout."""
+
+
+def runtime_preset(name: str) -> Runtime:
+    """The runtime ``name``; unknown names are refused with the list."""
+    if name not in RUNTIMES:
+        raise ConfigError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}.")
+    return RUNTIMES[name]

@@ -1,0 +1,264 @@
+"""Per-rank memory: training state, activations in flight, temporary buffers.
+
+**State** (Rajbhandari et al. 2020, "ZeRO", section 5.1): a rank holding P parameters
+(its tensor/pipeline share) with p, g, m, o bytes per parameter of weights, gradients,
+fp32 master weights and optimizer state, sharded over F data-parallel ranks::
+
+    stage 0   P·(p + g + m + o)                   mixed Adam: 16 bytes/param
+    stage 1   P·(p + g) + P·(m + o)/F             4 + 12/F
+    stage 2   P·p + P·(g + m + o)/F               2 + 14/F
+    stage 3   P·(p + g + m + o)/F                 16/F
+
+Shards are ``ceil(P/F)`` (flat buffers padded to a multiple of F). Tensor parallelism
+splits every linear layer's weight (and column-parallel biases) by t; norms and
+row-parallel biases are replicated. Pipeline stage j holds its layers, the first stage
+the embedding, the last the final norm and head (a tied head is a second copy when
+pp > 1, as in Megatron-LM).
+
+**Activations**: :mod:`plait.plan.activations` per layer and micro-batch, times the
+micro-batches a stage holds at its peak: GPipe m; 1F1B ``min(m, p - j)`` on stage j
+(Narayanan et al. 2021, section 2.2); interleaved 1F1B ``((v-1)·p + 2·(p-j-1) + 1)/v``
+micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
+``p + (p-1)/v``, i.e. Korthikanti et al.'s factor ``1 + (p-1)/(p·v)``), at most m.
+
+**Buffers**: plait's data-parallel gradient buckets (a persistent flat copy of every
+gradient), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's gathered units (the computing
+unit plus the prefetched ones, with their unsharded gradients), pipeline send/receive
+buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+from plait.plan.activations import (
+    embedding_activation_bytes,
+    head_activation_bytes,
+    kv_heads_local,
+    layer_activation_bytes,
+)
+from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.modelspec import ModelSpec
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> int:
+    """Blocks on pipeline stage ``stage``: as even as possible, the first stages take
+    the remainder."""
+    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+
+
+def layer_params_per_rank(spec: ModelSpec, tp: int) -> int:
+    """Parameters of one block on one tensor-parallel rank."""
+    h, f, d = spec.hidden, spec.ffn_hidden, spec.head_dim
+    q_local = spec.n_heads // tp * d
+    kv_local = kv_heads_local(spec, tp) * d
+    n = 2 * h * q_local + 2 * h * kv_local + spec.mlp_mats * h * (f // tp)
+    if spec.bias:
+        n += q_local + 2 * kv_local + (f // tp)  # column-parallel biases, split
+        n += 2 * h  # row-parallel biases (o, fc2), replicated
+        n += 4 * h  # LayerNorm gains and biases
+    else:
+        n += 2 * h
+    return n
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What one rank of a pipeline stage holds before ZeRO sharding."""
+
+    params: int
+    """Parameters (its tensor-parallel share)."""
+    tensors: int
+    """Parameter tensors."""
+    layers: int
+    """Transformer blocks."""
+    unit_params: int
+    """Parameters of the largest ZeRO-3 unit (one block, or the embedding/head)."""
+
+
+def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> StageParams:
+    """Parameters one tensor-parallel rank of pipeline stage ``stage`` holds."""
+    return _stage_params(spec, layout.tp, layout.pp, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_params(spec: ModelSpec, t: int, p: int, stage: int) -> StageParams:
+    layers = stage_layers(spec.n_layers, p, stage)
+    per_layer = layer_params_per_rank(spec, t)
+    n = layers * per_layer
+    tensors = layers * spec.layer_tensors()
+    unit = per_layer if layers else 0
+    vocab_local = math.ceil(spec.vocab / t) * spec.hidden
+    if stage == 0:
+        emb = vocab_local + (spec.max_positions * spec.hidden if spec.style == "gpt" else 0)
+        n += emb
+        tensors += 2 if spec.style == "gpt" else 1
+        unit = max(unit, emb)
+    if stage == p - 1:
+        n += spec.final_norm_params()
+        tensors += 2 if spec.bias else 1
+        if not spec.tie_embeddings or p > 1:
+            n += vocab_local
+            tensors += 1
+            unit = max(unit, vocab_local)
+    return StageParams(n, tensors, layers, unit)
+
+
+def in_flight(layout: Layout, stage: int) -> float:
+    """Micro-batches (in units of the stage's whole layer set) alive at the stage's peak."""
+    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "1f1b":
+        return float(min(m, p - stage))
+    return min(float(m), ((v - 1) * p + 2 * (p - stage - 1) + 1) / v)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one rank of the worst pipeline stage."""
+
+    stage: int
+    """The pipeline stage this breakdown is for (the one with the largest total)."""
+    params: float
+    """Weights."""
+    grads: float
+    """Gradients."""
+    master: float
+    """fp32 master weights."""
+    optimizer: float
+    """Optimizer state (Adam m and v) and per-tensor scalars."""
+    activations: float
+    """Saved block activations of every micro-batch in flight."""
+    embedding_head: float
+    """Saved activations of the embedding, final norm, head and loss."""
+    buffers: float
+    """Gradient buckets, ZeRO gathered units, pipeline send/receive buffers."""
+    in_flight: float
+    """Micro-batches in flight on this stage."""
+    layer_activation: float
+    """Bytes one block saves for one micro-batch."""
+
+    @property
+    def state(self) -> float:
+        """Weights + gradients + master + optimizer state."""
+        return self.params + self.grads + self.master + self.optimizer
+
+    @property
+    def total(self) -> float:
+        """Everything."""
+        return self.state + self.activations + self.embedding_head + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        """Plain numbers, with ``state`` and ``total``."""
+        d: dict[str, float] = {k: float(v) for k, v in asdict(self).items()}
+        d["state"] = self.state
+        d["total"] = self.total
+        return d
+
+
+def state_bytes(
+    params: int, tensors: int, layout: Layout, precision: Precision
+) -> tuple[float, float, float, float]:
+    """``(weights, gradients, master, optimizer)`` bytes for ``params`` parameters."""
+    pr = precision
+    f = layout.shard_factor
+    shard = math.ceil(params / f)
+    z = layout.zero
+    weights = (shard if z >= 3 else params) * pr.param_bytes
+    grads = (shard if z >= 2 else params) * pr.grad_bytes
+    master = (shard if z >= 1 else params) * pr.master_bytes
+    opt_tensors = 1 if z >= 1 else tensors  # sharded optimizers hold one flat shard
+    optimizer = (shard if z >= 1 else params) * pr.optimizer_bytes + (
+        opt_tensors * pr.optimizer_tensor_bytes
+    )
+    return float(weights), float(grads), float(master), float(optimizer)
+
+
+def buffer_bytes(
+    sp: StageParams,
+    spec: ModelSpec,
+    layout: Layout,
+    precision: Precision,
+    runtime: Runtime,
+    seq_len: int,
+) -> float:
+    """Temporary and persistent buffers of one rank."""
+    grad_bytes = sp.params * precision.grad_bytes
+    bucket = runtime.bucket_mb * 2**20
+    out = 0.0
+    if layout.zero == 0 and runtime.grad_buckets == "copy":
+        out += grad_bytes  # plait's DataParallel: flat copies of every gradient
+    elif layout.zero in (1, 2):
+        out += min(bucket, grad_bytes)  # one reduce-scatter bucket in flight
+    elif layout.zero == 3:
+        units = 1 + runtime.prefetch_units
+        out += (
+            units * sp.unit_params * precision.param_bytes + sp.unit_params * precision.grad_bytes
+        )
+    if layout.pp > 1:  # one activation and one gradient message buffered per direction
+        msg = layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
+        out += 2 * msg / (layout.tp if layout.sequence_parallel else 1)
+    return out
+
+
+def stage_memory(
+    spec: ModelSpec,
+    layout: Layout,
+    precision: Precision,
+    runtime: Runtime,
+    seq_len: int,
+    stage: int,
+) -> MemoryBreakdown:
+    """Bytes on one rank of pipeline stage ``stage``."""
+    sp = stage_params(spec, layout, stage)
+    weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
+    flight = in_flight(layout, stage)
+    per_layer = layer_activation_bytes(spec, layout, precision, runtime, seq_len)
+    acts = per_layer * sp.layers * flight
+    edge = 0.0
+    if stage == 0:
+        edge += flight * embedding_activation_bytes(spec, layout, precision, runtime, seq_len)
+    if stage == layout.pp - 1:
+        edge += in_flight(layout, stage) * head_activation_bytes(
+            spec, layout, precision, runtime, seq_len
+        )
+    buffers = buffer_bytes(sp, spec, layout, precision, runtime, seq_len)
+    return MemoryBreakdown(
+        stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer
+    )
+
+
+def memory_per_rank(
+    spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
+) -> MemoryBreakdown:
+    """The breakdown of the pipeline stage that needs the most memory."""
+    # stage 0 has the most layers, micro-batches in flight and the embedding; the last
+    # stage has the head: no other stage can need more
+    candidates = {0, layout.pp - 1}
+    best = None
+    for j in sorted(candidates):
+        m = stage_memory(spec, layout, precision, runtime, seq_len, j)
+        if best is None or m.total > best.total:
+            best = m
+    assert best is not None
+    return best
+
+
+def state_bytes_per_param(layout: Layout, precision: Precision) -> float:
+    """Textbook bytes per parameter of the state for this ZeRO stage and F (no
+    per-tensor scalars): e.g. 16, 4 + 12/F, 2 + 14/F, 16/F for mixed-precision Adam."""
+    pr, f, z = precision, layout.shard_factor, layout.zero
+    m_o = (pr.master_bytes + pr.optimizer_bytes) / (f if z >= 1 else 1)
+    g = pr.grad_bytes / (f if z >= 2 else 1)
+    w = pr.param_bytes / (f if z >= 3 else 1)
+    return w + g + m_o
+
+
+def max_params_replicated(memory_bytes: float, precision: Precision) -> float:
+    """The largest model whose replicated state fits ``memory_bytes`` (no activations)."""
+    return memory_bytes / precision.state_bytes_per_param

@@ -1,0 +1,124 @@
+"""``plait ps-train``: train the built-in transformer with a parameter server.
+
+Starts ``--nproc`` local ranks (or joins torchrun's world): ranks 0..k-1 are servers
+holding shards of the weights and AdamW, the others workers (see
+:mod:`plait.comm.param_server`). Each worker takes its slice of every step's global
+batch (``--batch`` sequences per worker) from the built-in corpus. ``--slow-worker I
+--slow-work K`` makes worker I run K extra 128x128 matrix products before each step,
+to watch the consistency models deal with a straggler. Rank 0 prints the run's
+summary: steps per worker, withheld replies, the staleness of every applied gradient
+(histogram) and the validation loss of the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from plait.comm.param_server import MODES, PSConfig, PSResult, train_parameter_server
+from plait.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plait ps-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=3, help="ranks (servers + workers; default 3)")
+    p.add_argument("--servers", type=int, default=1, help="server ranks k (default 1)")
+    p.add_argument("--mode", choices=MODES, default="sync", help="consistency model")
+    p.add_argument("--staleness", type=int, default=0, help="s for --mode bounded")
+    p.add_argument("--steps", type=int, default=20, help="steps per worker (default 20)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per worker and step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-worker", type=int, default=-1, help="index of a slow worker")
+    p.add_argument("--slow-work", type=int, default=0, help="its extra matmuls per step")
+    p.add_argument("--timeout", type=float, default=300.0, help="comm timeout (s)")
+    return p
+
+
+def ps_train_main(argv: list[str]) -> int:
+    """``plait ps-train``; returns the exit code."""
+    from plait.launch.local import launch_local, torchrun_env
+
+    args = _parser().parse_args(argv)
+    env = torchrun_env()
+    world = env.world_size if env is not None else args.nproc
+    cfg = PSConfig(args.servers, args.mode, args.staleness, args.steps)
+    cfg.validate(world)  # every bad input fails here, before any process starts
+    if args.batch < 1 or args.seq_len < 2:
+        raise ConfigError("--batch must be >= 1 and --seq-len >= 2")
+    if env is None:
+        launch_local(world, ["ps-train", *argv])
+        return 0
+    _run_rank(args, cfg, env.rank, env.world_size)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a torchrun child: leave without gloo's exit-time abort
+
+
+def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) -> None:
+    from plait import comm
+    from plait.config import DataConfig, ModelConfig
+    from plait.mesh import init_mesh
+    from plait.model import Transformer, lm_loss
+    from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
+
+    torch.set_num_threads(1)
+    comm.init_world("gloo", rank, world, "env://", timeout_s=args.timeout)
+    try:
+        g = init_mesh(dp=world, timeout_s=args.timeout).axis("dp")
+        mcfg = ModelConfig(dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
+        model = Transformer(mcfg, seed=args.seed)
+        train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
+        train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
+        workers = world - cfg.servers
+        samplers = [
+            BatchSampler(len(train_set), args.batch * workers, w, workers, args.seed)
+            for w in range(workers)
+        ]
+        heavy = torch.ones(128, 128)
+
+        def loss_fn(m: torch.nn.Module, worker: int, step: int) -> torch.Tensor:
+            if worker == args.slow_worker:
+                for _ in range(args.slow_work):
+                    heavy.copy_(torch.mm(heavy, heavy).clamp_(-1, 1))
+            x, y = train_set.batch(samplers[worker].rank_indices(step))  # (batch, seq)
+            return lm_loss(m(x), y)
+
+        def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+        t0 = time.perf_counter()
+        res = train_parameter_server(model, g, loss_fn, adamw, cfg)
+        seconds = time.perf_counter() - t0
+        if rank == 0:
+            with torch.no_grad():
+                idx = list(range(min(len(val_set), 16)))
+                x, y = val_set.batch(idx)
+                val_loss = float(lm_loss(model(x), y))
+            print(_summary(res, cfg, world, seconds, val_loss))
+    finally:
+        comm.destroy_world()
+
+
+def _summary(res: PSResult, cfg: PSConfig, world: int, seconds: float, val: float) -> str:
+    mode = f"{cfg.mode} (s={cfg.staleness})" if cfg.mode == "bounded" else cfg.mode
+    hist = ", ".join(f"{k}: {v}" for k, v in res.staleness_histogram().items())
+    return "\n".join(
+        [
+            f"plait ps-train: {cfg.servers} server(s), {world - cfg.servers} worker(s), "
+            f"mode {mode}, {seconds:.1f} s",
+            f"  server 0 applied {res.steps} update(s) from {len(res.records)} gradient(s)",
+            f"  steps per worker: {res.worker_steps}",
+            f"  replies withheld per worker: {res.blocked}",
+            f"  staleness of applied gradients (staleness: count): {hist}",
+            f"  max staleness: {res.max_staleness()}",
+            f"  validation loss of the final weights: {val:.4f}",
+        ]
+    )

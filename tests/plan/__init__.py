@@ -1,0 +1,1 @@
+"""Tests of the planner (plait.plan): pure arithmetic, except the calibration."""

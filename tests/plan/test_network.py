@@ -1,0 +1,66 @@
+"""Collective costs in the alpha-beta model and where groups sit on the cluster."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from plait.plan.hardware import PRESETS, Link
+from plait.plan.layout import Layout
+from plait.plan.network import (
+    all_gather_time,
+    all_reduce_time,
+    group,
+    p2p_time,
+    reduce_scatter_time,
+)
+
+LINK = Link(1e-5, 1e10)
+
+
+def test_algorithms() -> None:
+    s, n = 1e8, 8
+    ring = all_reduce_time(s, n, LINK, "ring")
+    tree = all_reduce_time(s, n, LINK, "tree")
+    rd = all_reduce_time(s, n, LINK, "recursive_doubling")
+    assert ring == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * s / 1e10)
+    assert tree == pytest.approx(2 * 3 * 1e-5 + 2 * s / 1e10)
+    assert rd == pytest.approx(3 * (1e-5 + s / 1e10))
+    assert all_reduce_time(s, n, LINK) == min(ring, tree)
+    # small messages: latency-bound, the tree's log N steps win
+    assert all_reduce_time(8, 64, LINK) == pytest.approx(2 * math.log2(64) * 1e-5 + 16 / 1e10)
+
+
+def test_reduce_scatter_plus_all_gather_is_one_all_reduce() -> None:
+    s, n = 3e7, 4
+    both = reduce_scatter_time(s, n, LINK) + all_gather_time(s, n, LINK)
+    assert both == pytest.approx(all_reduce_time(s, n, LINK, "ring"))
+
+
+def test_degenerate_cases_cost_nothing() -> None:
+    assert all_reduce_time(1e9, 1, LINK) == 0.0
+    assert all_gather_time(0, 8, LINK) == 0.0
+    assert p2p_time(0, LINK) == 0.0
+    assert p2p_time(1e6, LINK) == pytest.approx(1e-5 + 1e-4)
+
+
+def test_measured_fits_override_the_generic_link() -> None:
+    link = Link(1e-5, 1e10, (("all_gather", 1e-3, 1e8),))
+    assert all_gather_time(1e8, 2, link) == pytest.approx(1e-3 + 0.5)
+    assert reduce_scatter_time(1e8, 2, link) == pytest.approx(1e-5 + 5e-3)
+
+
+def test_groups_inside_a_node_use_the_fast_link() -> None:
+    hw = PRESETS["h100-80gb"]  # 8 per node
+    lay = Layout(dp=16, tp=8)  # 128 devices, 16 nodes
+    tp, dp = group(lay, hw, "tp"), group(lay, hw, "dp")
+    assert (tp.size, tp.crosses_nodes, tp.link) == (8, False, hw.intra)
+    assert (dp.size, dp.crosses_nodes, dp.link) == (16, True, hw.inter)
+    # a whole job inside one node never crosses
+    small = Layout(dp=4, tp=2)
+    assert not group(small, hw, "dp").crosses_nodes
+    # ZeRO's hybrid shard groups of 4 consecutive dp ranks with tp=2 fit in a node
+    hybrid = Layout(dp=16, tp=2, zero=3, shard_group=4)
+    assert not group(hybrid, hw, "dp", size=4).crosses_nodes
+    assert group(hybrid, hw, "dp", size=4, step=4).crosses_nodes
