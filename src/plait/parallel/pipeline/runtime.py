@@ -1,0 +1,319 @@
+"""Execute a pipeline :class:`~plait.parallel.pipeline.actions.Schedule` on this rank.
+
+:class:`PipelineRuntime` walks this rank's action list in order:
+
+* ``F`` runs one piece on one micro-batch (the first piece on token ids, the others on
+  the received activation, a fresh leaf that requires grad); the last piece applies the
+  loss and keeps ``loss · scale / m`` as the tensor to differentiate, so the gradients
+  are those of the *mean* loss over the ``m`` micro-batches.
+* ``B`` back-propagates one micro-batch through one piece (input and weight gradients).
+* ``I`` / ``W`` split ``B`` for zero-bubble schedules (Qi et al. 2023): ``I`` computes
+  only the gradient with respect to the piece's input (``torch.autograd.grad`` with the
+  input as the only target, graph retained), ``W`` later accumulates the weight
+  gradients (``backward(inputs=params)``, graph released).
+* A run of consecutive communication actions becomes one batched isend/irecv
+  (:func:`plait.comm.batch_isend_irecv` on the pp axis). Every message has a known shape
+  ``(micro, seq, dim)`` and dtype, so no shape handshake precedes it, and a tag unique
+  within the step (kind, micro-batch, receiving stage), so messages cannot be confused.
+  Receives are waited for right after posting (the schedule puts them just before the
+  compute that needs them); sends complete in the background and are waited for at the
+  end of the step. These are the semantics the schedule validator assumes: a send
+  never blocks, a receive blocks until its send is posted.
+
+Every action's start and end (seconds from the start of the step) are recorded in
+:attr:`PipelineRuntime.records` as ``(rank, action, start, end)``; a batch of
+communication actions shares one interval (posting to the end of its receives). The
+measured timeline can be compared with the simulated one and drawn by
+:mod:`plait.viz`.
+
+:func:`pipeline_step` is what the trainer calls: the whole schedule under the
+data-parallel wrapper's ``no_sync``, then the tied-embedding gradient sum, then one
+synchronising backward pass that makes the wrapper reduce every gradient over dp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm import P2P, AxisGroup, Handle
+from plait.errors import ConfigError
+from plait.parallel.pipeline.actions import Action, Op, Schedule
+from plait.parallel.pipeline.split import PipelineStages
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_ACT, _GRAD = 0, 1
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One executed action: pipeline rank, action, start and end (s from step start)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    def as_tuple(self) -> tuple[int, Action, float, float]:
+        """``(rank, action, start, end)``, the record format :mod:`plait.viz` draws."""
+        return (self.rank, self.action, self.start, self.end)
+
+
+def _tag(kind: int, microbatch: int, stage: int, m: int, stages: int) -> int:
+    """A tag unique within one step: (kind, micro-batch, receiving virtual stage)."""
+    return (kind * stages + stage) * m + microbatch
+
+
+class PipelineRuntime:
+    """Runs ``schedule`` for this rank's ``stages`` over the pp axis ``group``.
+
+    Args:
+        stages: this rank's pieces (:func:`~plait.parallel.pipeline.split.split_transformer`).
+        schedule: a valid schedule with ``schedule.stages == group.size`` and
+            ``schedule.chunks`` pieces per rank.
+        group: the pipeline axis (``mesh.axis("pp")``).
+        loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
+        act_shape: shape of one activation message ``(micro, seq, dim)``.
+        dtype: dtype of activations and their gradients.
+    """
+
+    def __init__(
+        self,
+        stages: PipelineStages,
+        schedule: Schedule,
+        group: AxisGroup,
+        loss_fn: LossFn,
+        act_shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if schedule.stages != group.size or schedule.chunks * group.size != stages.virtual_stages:
+            raise ConfigError(
+                f"schedule {schedule.name!r} is for {schedule.stages} ranks x "
+                f"{schedule.chunks} chunks, but the pipeline has {group.size} ranks and "
+                f"{stages.virtual_stages} pieces"
+            )
+        self.stages = stages
+        self.schedule = schedule
+        self.group = group
+        self.rank = group.index
+        self.loss_fn = loss_fn
+        self.act_shape = tuple(act_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.last_stage = schedule.virtual_stages - 1
+        self.records: list[ActionRecord] = []
+        self._params = {
+            s: [p for p in stages.piece(s).parameters() if p.requires_grad]
+            for s in range(self.rank, schedule.virtual_stages, schedule.stages)
+        }
+
+    # ------------------------------------------------------------------ public
+
+    def step(
+        self, tokens: torch.Tensor, targets: torch.Tensor, scale: float = 1.0
+    ) -> torch.Tensor | None:
+        """Forward and backward of one batch ``(batch, seq)`` cut into ``m`` micro-batches.
+
+        Gradients of the mean loss (times ``scale``, e.g. a loss scale) accumulate into
+        the local parameters' ``.grad``. Returns the mean loss (float64, detached) on the
+        rank holding the last piece, None elsewhere.
+        """
+        return self._run(self.schedule.actions[self.rank], tokens, targets, scale, True)
+
+    @torch.no_grad()
+    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """The mean loss without backward (the schedule's forward actions only)."""
+        fwd = (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)
+        actions = [a for a in self.schedule.actions[self.rank] if a.op in fwd]
+        return self._run(actions, tokens, targets, 1.0, False)
+
+    def loss_to_all(self, loss: torch.Tensor | None) -> float:
+        """Broadcast the last rank's loss to every pipeline rank (a float everywhere)."""
+        buf = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if loss is not None:
+            buf.copy_(loss.reshape(1))
+        comm.broadcast(buf, self.group, src=self.group.size - 1)
+        return float(buf.item())
+
+    # ------------------------------------------------------------------ execution
+
+    def _run(
+        self,
+        actions: Sequence[Action],
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        scale: float,
+        train: bool,
+    ) -> torch.Tensor | None:
+        m = self.schedule.microbatches
+        if tokens.shape[0] % m or tokens.shape[0] // m != self.act_shape[0]:
+            raise ConfigError(
+                f"a batch of {tokens.shape[0]} sequences does not split into {m} "
+                f"micro-batches of {self.act_shape[0]}"
+            )
+        self._x = tokens.to(self.device).chunk(m)  # m x (micro, seq)
+        self._y = targets.to(self.device).chunk(m)
+        self._scale = scale / m
+        self._train = train
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._recv: dict[tuple[int, int, int], torch.Tensor] = {}  # (kind, mb, stage)
+        self._to_send: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._grad_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._sends: list[tuple[Handle, torch.Tensor]] = []
+        self._losses: list[torch.Tensor] = []
+        self.records = []
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.op.is_comm:
+                j = i
+                while j < len(actions) and actions[j].op.is_comm:
+                    j += 1
+                start = time.perf_counter() - t0
+                self._communicate(actions[i:j])
+                end = time.perf_counter() - t0
+                self.records.extend(ActionRecord(self.rank, c, start, end) for c in actions[i:j])
+                i = j
+                continue
+            start = time.perf_counter() - t0
+            self._compute(a)
+            self.records.append(ActionRecord(self.rank, a, start, time.perf_counter() - t0))
+            i += 1
+        for h, _ in self._sends:
+            h.wait()
+        leftover = len(self._outputs) + len(self._recv) + len(self._to_send)
+        if train and leftover:
+            raise RuntimeError(
+                f"schedule {self.schedule.name!r} left {leftover} activation(s) or gradient(s) "
+                f"unused on pipeline rank {self.rank}: it is not a valid schedule"
+            )
+        self._sends, self._inputs, self._outputs = [], {}, {}
+        if not self._losses:
+            return None
+        return torch.stack([loss.double() for loss in self._losses]).mean()
+
+    def _communicate(self, actions: Sequence[Action]) -> None:
+        """One batched isend/irecv for a run of communication actions; wait the receives."""
+        m, vs, p = self.schedule.microbatches, self.schedule.virtual_stages, self.group.size
+        ops: list[P2P] = []
+        recvs: list[Handle] = []
+        for a in actions:
+            if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
+                kind = _ACT if a.op == Op.SEND_ACT else _GRAD
+                dst = a.stage + 1 if kind == _ACT else a.stage - 1  # the receiving stage
+                t = self._to_send.pop((kind, a.microbatch, a.stage))
+                ops.append(P2P("send", t, dst % p, _tag(kind, a.microbatch, dst, m, vs)))
+            else:
+                kind = _ACT if a.op == Op.RECV_ACT else _GRAD
+                peer = (a.stage - 1) % p if kind == _ACT else (a.stage + 1) % p
+                buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                self._recv[(kind, a.microbatch, a.stage)] = buf
+                ops.append(P2P("recv", buf, peer, _tag(kind, a.microbatch, a.stage, m, vs)))
+        handles = comm.batch_isend_irecv(ops, self.group)
+        for h, o in zip(handles, ops, strict=True):
+            if o.kind == "recv":
+                recvs.append(h)
+            else:
+                self._sends.append((h, o.tensor))
+        for h in recvs:
+            h.wait()
+
+    def _compute(self, a: Action) -> None:
+        key = (a.microbatch, a.stage)
+        if a.op == Op.FORWARD:
+            self._forward(a, key)
+        elif a.op == Op.BACKWARD:
+            out, grad = self._outputs.pop(key), self._take_grad(a)
+            torch.autograd.backward(out, grad)
+            self._send_input_grad(a, self._inputs.pop(key).grad)
+        elif a.op == Op.BACKWARD_INPUT:
+            out, grad = self._outputs[key], self._take_grad(a)
+            self._grad_out[key] = grad
+            inp = self._inputs.pop(key)
+            if a.stage > 0:
+                (g,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
+                self._send_input_grad(a, g)
+        elif a.op == Op.BACKWARD_WEIGHT:
+            out, grad = self._outputs.pop(key), self._grad_out.pop(key)
+            torch.autograd.backward(out, grad, inputs=self._params[a.stage])
+        else:  # pragma: no cover - Op is closed
+            raise ValueError(f"unknown action {a}")
+
+    def _forward(self, a: Action, key: tuple[int, int]) -> None:
+        piece = self.stages.piece(a.stage)
+        if a.stage == 0:
+            inp = self._x[a.microbatch]  # (micro, seq) token ids
+        else:
+            inp = self._recv.pop((_ACT, a.microbatch, a.stage))  # (micro, seq, dim)
+            inp.requires_grad_(self._train)
+        out = piece(inp)
+        if a.stage == self.last_stage:
+            loss = self.loss_fn(out, self._y[a.microbatch])
+            self._losses.append(loss.detach())
+            if self._train:
+                self._outputs[key] = loss * self._scale
+                self._inputs[key] = inp
+            return
+        self._to_send[(_ACT, a.microbatch, a.stage)] = out.detach()
+        if self._train:
+            self._outputs[key] = out
+            self._inputs[key] = inp
+
+    def _take_grad(self, a: Action) -> torch.Tensor | None:
+        if a.stage == self.last_stage:
+            return None  # the output is the (scaled) loss itself
+        return self._recv.pop((_GRAD, a.microbatch, a.stage))
+
+    def _send_input_grad(self, a: Action, grad: torch.Tensor | None) -> None:
+        if a.stage == 0:
+            return
+        assert grad is not None
+        self._to_send[(_GRAD, a.microbatch, a.stage)] = grad
+
+
+def sync_gradients(model: nn.Module, stages: PipelineStages) -> None:
+    """After the schedule: sum the tied copies' gradients over (first, last) pipeline
+    rank, then let a data-parallel wrapper (``DataParallel``, ``ZeroDataParallel``
+    stage 0/1) reduce every gradient over dp.
+
+    The wrappers reduce in their post-accumulate-grad hooks during a synchronising
+    backward pass; the pipeline ran every backward under ``no_sync``, so one backward
+    of a graph that adds zero to every gradient (``Σ 0·sum(p)``) triggers the reduction
+    of all of them at once (gradient values are unchanged: ``g + 0 = g``).
+    """
+    stages.sync_tied_grads()
+    if not hasattr(model, "no_sync") or model is stages:
+        return
+    params = [p for p in stages.parameters() if p.requires_grad]
+    zero = torch.stack([p.sum() * 0.0 for p in params]).sum()
+    zero.backward()
+
+
+def pipeline_step(
+    model: nn.Module,
+    runtime: PipelineRuntime,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    scale: float = 1.0,
+) -> float:
+    """One training step's forward and backward through the pipeline.
+
+    ``model`` is the data-parallel wrapper around ``runtime.stages`` (or the stages
+    themselves). Gradients end reduced over dp (and summed over tied copies); returns
+    the mean loss over the micro-batches of this rank's batch, on every pipeline rank.
+    """
+    no_sync = getattr(model, "no_sync", None)
+    ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
+    with ctx:
+        loss = runtime.step(tokens, targets, scale)
+    sync_gradients(model, runtime.stages)
+    return runtime.loss_to_all(loss)
