@@ -84,6 +84,29 @@ def test_train_two_processes_matches_one(tmp_path: Path) -> None:
     assert all(x["comm_bytes"] > 0 for x in a)
 
 
+def test_tensor_parallel_runs_match_one_process(tmp_path: Path) -> None:
+    """`plait train --nproc 2 --tp 2` and `--nproc 4 --dp 2 --tp 2` (with sequence
+    parallelism and ZeRO-1): the losses and clipped-gradient norms of one process (fp32,
+    rtol 1e-5; gradient clipping at 1.0 is active, so the norm must span tp correctly)."""
+    one = tmp_path / "one.jsonl"
+    assert main(["train", *TINY, "--nproc", "1", "--steps", "4", "--metrics", str(one)]) == 0
+    want = _metrics(one)
+    assert want[0]["grad_norm"] > 1.0  # clipping engaged
+    runs = {
+        "tp2": ["--nproc", "2", "--tp", "2"],
+        "dp2xtp2": ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1"]
+        + ["--parallel.sequence_parallel", "true"],
+    }
+    for name, layout in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        r = _cli(["train", *TINY, *layout, "--steps", "4", "--metrics", str(out)], tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "tensor parallel tp 2" in r.stdout and r.stdout.count("step     4") == 1
+        got = _metrics(out)
+        for key in ("loss", "grad_norm"):
+            assert [x[key] for x in got] == pytest.approx([x[key] for x in want], rel=1e-5), name
+
+
 def test_same_program_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "m.jsonl"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -145,6 +168,8 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "dp=3" in err and "world size 2" in err
     err = _bad(["--nproc", "2", "--global-batch", "10", "--micro-batch", "4"], capsys)
     assert "global_batch (10)" in err and "2 x 4" in err
+    err = _bad(["--nproc", "4", "--tp", "4", "--model.n_heads", "2"], capsys)
+    assert "n_heads: 2 heads" in err and "tp=4" in err and "[1, 2]" in err
     assert "no_value" not in _bad(["--steps"], capsys)
 
 

@@ -490,9 +490,29 @@ def _cfg(**sections: dict[str, Any]) -> Config:
             2,
             r"dp=1 x tp=4 x pp=1 x cp=1 = 4 ranks does not match the world size 2",
         ),
-        (_cfg(parallel={"dp": 1, "tp": 2}), 2, r"data parallelism and ZeRO .* tp=2, pp=1, cp=1 "),
-        (_cfg(parallel={"pp": 2}), 2, r"tp=1, pp=2, cp=1 are not available yet"),
-        (_cfg(parallel={"cp": 2}), 2, r"tp=1, pp=1, cp=2 are not available yet"),
+        (_cfg(parallel={"pp": 2}), 2, r"pp=2, cp=1 are not available yet"),
+        (_cfg(parallel={"cp": 2}), 2, r"pp=1, cp=2 are not available yet"),
+        (
+            _cfg(parallel={"tp": 4}, model={"n_heads": 2, "dim": 32}),
+            4,
+            r"model\.n_heads: 2 heads are not divisible by the tensor-parallel degree tp=4; "
+            r"choose tp among the divisors of 2: \[1, 2\]",
+        ),
+        (
+            _cfg(parallel={"tp": 4}, model={"n_heads": 8, "n_kv_heads": 2, "ffn_dim": 90}),
+            4,
+            r"model\.ffn_dim: 90 features are not divisible by .* tp=4; .* \[1, 2, 3, 5, 6, 9",
+        ),
+        (
+            _cfg(parallel={"tp": 2}, model={"dim": 48, "n_heads": 6, "n_kv_heads": 3}),
+            2,
+            r"model\.n_kv_heads: 3 key/value heads cannot be split over tp=2",
+        ),
+        (
+            _cfg(parallel={"tp": 4, "sequence_parallel": True}, train={"seq_len": 30}),
+            4,
+            r"sequence length 30 is not divisible by 4; use a multiple of 4 \(e\.g\. 28 or 32\)",
+        ),
         (
             _cfg(parallel={"zero": 2, "zero_shard_size": 3}),
             4,
@@ -552,6 +572,8 @@ def test_validate_passes() -> None:
     _cfg(parallel={"zero_shard_size": 1}, precision={"dtype": "bf16"}).validate(2)
     _cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}).validate(1)
     _cfg(train={"seq_len": 256}).validate(4)
+    _cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}).validate(4)  # dp2 x tp2
+    _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)  # padded
 
 
 def test_micro_batch_and_accumulation_derivation() -> None:

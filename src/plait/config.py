@@ -123,6 +123,12 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     cp: int = 1
     """Context-parallel degree."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1; no effect at tp = 1): the norm/residual
+    regions between tensor-parallel regions hold a 1/tp shard of the sequence; an
+    all-gather enters each region and a reduce-scatter leaves it (the bytes of the
+    all-reduce they replace, 1/tp of those activations). train.seq_len must be
+    divisible by tp."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 = plain data parallel, 1 = optimizer state
     sharded, 2 = also gradients, 3 = also parameters (fully sharded)."""
@@ -386,12 +392,16 @@ class Config:
                 f"does not match the world size {world_size}; choose degrees whose product "
                 f"is {world_size} (or start {product} processes)."
             )
-        if p.tp > 1 or p.pp > 1 or p.cp > 1:
+        if p.pp > 1 or p.cp > 1:
             raise ConfigError(
-                "this version of plait runs data parallelism and ZeRO (parallel.dp, "
-                f"parallel.zero) only; tp={p.tp}, pp={p.pp}, cp={p.cp} are not available yet. "
-                "Use parallel.dp equal to the number of processes."
+                "this version of plait runs data, tensor and sequence parallelism and ZeRO "
+                f"(parallel.dp, parallel.tp, parallel.zero) only; pp={p.pp}, cp={p.cp} are not "
+                "available yet. Use parallel.dp x parallel.tp equal to the number of processes."
             )
+        if p.tp > 1:  # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
+            from plait.parallel.tp_plan import check_tensor_parallel
+
+            check_tensor_parallel(self.model, p.tp, p.sequence_parallel, t.seq_len)
         self._validate_zero(dp)
         micro = self.micro_batch(world_size)
         if t.global_batch % (dp * micro):

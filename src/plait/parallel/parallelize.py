@@ -3,7 +3,11 @@
 The order (as in DESIGN.md): tensor/sequence parallel -> context parallel -> pipeline
 split -> activation recomputation -> ZeRO/FSDP sharding or data parallel. Each step
 replaces or wraps modules from outside; the model file never changes. This version
-implements the last two steps; tensor, context and pipeline parallelism are refused by
+implements tensor/sequence parallelism (when the mesh's tp axis is wider than 1:
+:func:`~plait.parallel.tp_plan.apply_tensor_parallel` with the built-in transformer's
+plan; the model's logits are then vocabulary-sharded, so use
+:func:`~plait.parallel.tp_plan.tensor_parallel_loss`) and the last two steps, which
+reduce over the dp axis only; context and pipeline parallelism are refused by
 :meth:`plait.config.Config.validate` before any process starts.
 
 The last step picks the wrapper:
@@ -23,6 +27,7 @@ from torch import nn
 from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
+from plait.parallel.tp_plan import apply_tensor_parallel
 from plait.parallel.zero import ZeroDataParallel
 from plait.train.precision import PrecisionPolicy
 from plait.train.recompute import RecomputeMode, apply_recompute
@@ -51,7 +56,10 @@ def parallelize(
         p = cfg
     precision = precision or PrecisionConfig()
     policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
-    # 1-3. tensor/sequence, context and pipeline parallelism: not in this version.
+    # 1. tensor (and sequence) parallelism over the tp axis: the built-in plan.
+    if mesh.size("tp") > 1:
+        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel)
+    # 2-3. context and pipeline parallelism: not in this version.
     # 4. activation recomputation.
     if recompute and recompute != "none":
         apply_recompute(model, recompute)

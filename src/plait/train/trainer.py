@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,8 @@ from plait.config import Config
 from plait.mesh import Mesh
 from plait.model import Transformer, flops_per_token, lm_loss, param_count
 from plait.parallel.parallelize import parallelize
+from plait.parallel.tp_optim import TensorParallelOptimizer
+from plait.parallel.tp_plan import tensor_parallel_loss
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero_optim import StepReport, ZeroOptimizer
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
@@ -99,18 +102,23 @@ class Trainer:
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base
         self.model = parallelize(base, mesh, cfg)
+        self.tp = mesh.size("tp")  # tp > 1: logits vocabulary-sharded, norm summed over tp
+        self.loss_fn = tensor_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
         prec = cfg.precision
         scaler = (
             DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
             if prec.dtype == "fp16"
             else None
         )
-        self.optimizer = ZeroOptimizer(
-            self.model,
-            make_optimizer(base, cfg),
-            max_norm=cfg.train.grad_clip,
-            scaler=scaler,
-            nonfinite=prec.nonfinite,
+        opt_kw: dict[str, Any] = {
+            "max_norm": cfg.train.grad_clip,
+            "scaler": scaler,
+            "nonfinite": prec.nonfinite,
+        }
+        self.optimizer = (
+            ZeroOptimizer(self.model, make_optimizer(base, cfg), **opt_kw)
+            if self.tp == 1  # tp > 1: the same, with the clipping norm summed over tp too
+            else TensorParallelOptimizer(self.model, make_optimizer(base, cfg), mesh, **opt_kw)
         )
         self.sched_step = 0  # applied (not skipped) optimizer steps: the schedule's clock
 
@@ -143,8 +151,8 @@ class Trainer:
             yield x.to(self.device), y.to(self.device)
 
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)  # (micro, seq, vocab)
-        return lm_loss(logits.float(), y)
+        logits = self.model(x)  # (micro, seq, vocab) or, tp > 1, (micro, seq, padded vocab/tp)
+        return self.loss_fn(logits.float(), y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
         """Average a scalar over the data-parallel ranks."""
@@ -267,6 +275,13 @@ class Trainer:
             )
         else:
             zero_note = "plain data parallel (bucketed all-reduce)"
+        if self.tp > 1:
+            sp = cfg.parallel.sequence_parallel
+            sp_note = ", sequence parallel" if sp else ""
+            zero_note = (
+                f"tensor parallel tp {self.tp} (Megatron plan, vocabulary-parallel loss"
+                f"{sp_note}); {zero_note}"
+            )
         prec = cfg.precision
         prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
             prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype
