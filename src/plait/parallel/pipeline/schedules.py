@@ -5,16 +5,19 @@ rank the ordered actions of one optimizer step, compute *and* communication. The
 compute order is the schedule's; the point-to-point actions are placed by one rule
 (:func:`with_comms`), the same for every schedule:
 
-- ``F(i, s)`` is preceded (not necessarily immediately) by ``RECV_F(i, s)`` when stage
-  ``s - 1`` is on another rank and followed by ``SEND_F(i, s)`` when stage ``s + 1`` is;
-- ``B(i, s)`` / ``I(i, s)`` is preceded by ``RECV_B(i, s)`` when stage ``s + 1`` is on
-  another rank and followed by ``SEND_B(i, s)`` when stage ``s - 1`` is;
+- ``RECV_F(i, s)`` immediately before ``F(i, s)`` when stage ``s - 1`` is on another rank,
+  ``SEND_F(i, s)`` immediately after it when stage ``s + 1`` is;
+- ``RECV_B(i, s)`` immediately before ``B(i, s)`` / ``I(i, s)`` when stage ``s + 1`` is on
+  another rank, ``SEND_B(i, s)`` immediately after it when stage ``s - 1`` is;
 - ``W`` has no communication.
 
-Adjacent communication actions form one batch (:func:`comm_steps`), run as one batched
-isend/irecv and waited on as a whole: in 1F1B's steady state ``SEND_F(i) RECV_B(j)`` is
-Megatron's ``send_forward_recv_backward``. ``validate.py`` proves that the batches cannot
-deadlock and that every send meets its receive, in the same order on every rank pair.
+So a send and the next compute's receive sit side by side and form one batch
+(:func:`comm_steps`), one batched isend/irecv: in 1F1B's steady state ``SEND_F(i)
+RECV_B(j)`` is Megatron's ``send_forward_recv_backward``. Under the runtime's semantics
+(a send never blocks; a receive blocks until its send is posted) this placement adds no
+waiting beyond the data dependencies, and the order cannot deadlock whenever the compute
+order respects them; ``validate.py`` proves it for each schedule, and also that on every
+rank pair the receives are posted in the order of the sends.
 
 Stages are virtual (``0 .. p*v - 1``, stage ``s`` on rank ``s % p``, local chunk
 ``s // p``). Interleaving (v > 1) needs p >= 2 so neighbouring stages are always on
@@ -28,7 +31,6 @@ Pipeline Parallelism", 2023).
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 
 from plait.errors import ConfigError
@@ -80,57 +82,33 @@ def _check(name: str, p: int, m: int, v: int) -> None:
 def with_comms(
     p: int, v: int, compute: Sequence[Sequence[Action]]
 ) -> tuple[tuple[Action, ...], ...]:
-    """Insert the point-to-point actions into each rank's compute order (see module doc).
-
-    Placement by lock-step rounds: in round t every rank runs its next compute action if
-    its input was sent in an earlier round (else it waits the round out); then each rank
-    gets one batch holding the sends of its round-t compute and the receives of what its
-    neighbours sent in round t. A batch's every match is therefore in the peer's batch of
-    the same round, so the batches complete round by round and cannot deadlock; a send
-    sits right after the compute that produced it, a receive before the compute that uses
-    it, and at most one message per round travels on any (sender, receiver) pair, so the
-    receives on every pair are posted in the order of the sends.
-    """
+    """Insert the point-to-point actions around each rank's compute actions (module doc):
+    each receive immediately before the compute that needs it, each send immediately after
+    the compute that produced it."""
     last = p * v - 1
-    pending = [list(acts) for acts in compute]
-    pos = [0] * p
-    out: list[list[Action]] = [[] for _ in range(p)]
-    sent: set[Action] = set()  # sends posted in earlier rounds
-    while any(pos[r] < len(pending[r]) for r in range(p)):
-        batches: list[list[Action]] = [[] for _ in range(p)]
-        recvs: list[list[Action]] = [[] for _ in range(p)]
-        progressed = False
-        for r in range(p):
-            if pos[r] == len(pending[r]):
-                continue
-            a = pending[r][pos[r]]
+    out: list[tuple[Action, ...]] = []
+    for r, acts in enumerate(compute):
+        seq: list[Action] = []
+        for a in acts:
             i, s = a.microbatch, a.stage
             if a.op is Op.FORWARD:
-                need = Action(Op.SEND_ACT, i, s - 1) if s > 0 and (s - 1) % p != r else None
-                send = Action(Op.SEND_ACT, i, s) if s < last and (s + 1) % p != r else None
+                if s > 0 and (s - 1) % p != r:
+                    seq.append(Action(Op.RECV_ACT, i, s))
+                seq.append(a)
+                if s < last and (s + 1) % p != r:
+                    seq.append(Action(Op.SEND_ACT, i, s))
             elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-                need = Action(Op.SEND_GRAD, i, s + 1) if s < last and (s + 1) % p != r else None
-                send = Action(Op.SEND_GRAD, i, s) if s > 0 and (s - 1) % p != r else None
+                if s < last and (s + 1) % p != r:
+                    seq.append(Action(Op.RECV_GRAD, i, s))
+                seq.append(a)
+                if s > 0 and (s - 1) % p != r:
+                    seq.append(Action(Op.SEND_GRAD, i, s))
             elif a.op is Op.BACKWARD_WEIGHT:
-                need = send = None
+                seq.append(a)
             else:
                 raise ValueError(f"with_comms takes compute actions only, got {a}")
-            if need is not None and need not in sent:
-                continue
-            out[r].append(a)
-            pos[r] += 1
-            progressed = True
-            if send is not None:
-                batches[r].append(send)
-                q, match = peer(send, p)
-                recvs[q].append(match)
-        if not progressed:
-            stuck = {r: str(pending[r][pos[r]]) for r in range(p) if pos[r] < len(pending[r])}
-            raise ValueError(f"compute order cannot run: every rank waits for input ({stuck})")
-        for r in range(p):
-            out[r] += batches[r] + recvs[r]
-            sent.update(batches[r])
-    return tuple(tuple(acts) for acts in out)
+        out.append(tuple(seq))
+    return tuple(out)
 
 
 def peer(a: Action, p: int) -> tuple[int, Action]:
@@ -247,60 +225,41 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zero_bubble(p: int, m: int) -> Schedule:
-    """Zero-bubble ZB-H1 (Qi et al., 2023): backward split into ``I`` (input gradient,
-    on the critical path, sent upstream at once) and ``W`` (weight gradient, deferred).
+    """Zero-bubble ZB-H1 (Qi et al., 2023): backward split into ``I`` (input gradient, on
+    the critical path, sent upstream at once) and ``W`` (weight gradient, deferrable).
 
-    The order is built by list-scheduling with F = I = W = 1: a free rank runs the next
-    ``I`` if its gradient has arrived, else the next ``F`` if its input has arrived and
-    1F1B's limit allows it (at most p - r forwards without their ``I``, and at most p
-    micro-batches holding activations, i.e. without their ``W`` -- 1F1B's peak), else a
-    deferred ``W``. The deferred ``W`` fill the cool-down bubbles of 1F1B: with equal
-    costs the idle time per rank drops from 3(p - 1) to p - 1 units.
+    Rank r runs min(p - r, m) warm-up forwards, then r rounds of ``I, F`` whose ``W`` are
+    deferred, then ``I, W, F`` while forwards remain, then ``I, W`` and the deferred
+    ``W`` last, where they fill what would be 1F1B's cool-down bubble. At most p
+    micro-batches are held on any rank (1F1B's peak, on rank 0). With F = I = W and
+    m >= p the step takes (3m + p - 1) F: each rank idles (p - 1) F instead of 1F1B's
+    3(p - 1) F.
     """
     _check("zb", p, m, 1)
-    return _make("zb", p, m, 1, _list_schedule(p, m))
+    compute = []
+    for r in range(p):
+        order: list[Action] = []
+        done = {Op.FORWARD: 0, Op.BACKWARD_INPUT: 0, Op.BACKWARD_WEIGHT: 0}
 
+        def run(*ops: Op, order: list[Action] = order, done: dict[Op, int] = done,
+                r: int = r) -> None:
+            for op in ops:
+                if done[op] < m:
+                    order.append(Action(op, done[op], r))
+                    done[op] += 1
 
-def _list_schedule(p: int, m: int) -> list[list[Action]]:
-    """Greedy unit-time list schedule of F, I, W (see :func:`zero_bubble`)."""
-    done_f = [[-1] * m for _ in range(p)]  # finish time of F(i, r)
-    done_i = [[-1] * m for _ in range(p)]
-    nf, ni, nw = [0] * p, [0] * p, [0] * p
-    busy_until = [0] * p
-    order: list[list[Action]] = [[] for _ in range(p)]
-    events: list[int] = [0]
-    t = 0
-    while any(nw[r] < m for r in range(p)):
-        t = heapq.heappop(events)
-        while events and events[0] == t:
-            heapq.heappop(events)
-        for r in range(p):
-            if busy_until[r] > t:
-                continue
-            i = ni[r]
-            grad_ready = i < nf[r] and 0 <= done_f[r][i] <= t and (
-                r == p - 1 or 0 <= done_i[r + 1][i] <= t
-            )
-            j = nf[r]
-            input_ready = j < m and (r == 0 or 0 <= done_f[r - 1][j] <= t)
-            if grad_ready:
-                done_i[r][i] = t + 1
-                ni[r] += 1
-                order[r].append(Action(Op.BACKWARD_INPUT, i, r))
-            elif input_ready and nf[r] - ni[r] < p - r and nf[r] - nw[r] < p:
-                done_f[r][j] = t + 1
-                nf[r] += 1
-                order[r].append(Action(Op.FORWARD, j, r))
-            elif nw[r] < ni[r]:
-                order[r].append(Action(Op.BACKWARD_WEIGHT, nw[r], r))
-                nw[r] += 1
-            else:
-                continue
-            busy_until[r] = t + 1
-            heapq.heappush(events, t + 1)
-        if not events and any(nw[r] < m for r in range(p)):  # cannot happen
-            raise AssertionError("zero-bubble list scheduling stalled")
-    return order
+        for _ in range(min(p - r, m)):
+            run(Op.FORWARD)
+        for _ in range(r):
+            run(Op.BACKWARD_INPUT, Op.FORWARD)
+        while done[Op.FORWARD] < m:
+            run(Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.FORWARD)
+        while done[Op.BACKWARD_INPUT] < m:
+            run(Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+        while done[Op.BACKWARD_WEIGHT] < m:
+            run(Op.BACKWARD_WEIGHT)
+        compute.append(order)
+    return _make("zb", p, m, 1, compute)
 
 
 # ------------------------------------------------------------------------ factory

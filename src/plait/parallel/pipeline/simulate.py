@@ -1,0 +1,159 @@
+"""Simulate a pipeline schedule: per-rank timelines, makespan, bubble, in-flight memory.
+
+:func:`simulate` runs a :class:`~plait.parallel.pipeline.actions.Schedule` on a model
+machine with the validator's (and the runtime's) semantics (see ``validate.py``): each
+rank runs its actions in order; a compute action takes its cost; a batch of adjacent
+communication actions is posted when the rank reaches it and ends ``comm`` after the
+later of its own posting and the posting of the matching sends of its receives (sends
+never block; with ``rendezvous=True`` the matching receives of its sends count too).
+Every rank starts at 0.
+
+All times are exact :class:`fractions.Fraction` (costs given as floats are converted
+exactly), so textbook formulas can be checked with ``==``.
+
+Cost convention. ``forward``, ``backward`` (= ``backward_input`` + ``backward_weight``
+for the zero-bubble split) are the costs of one micro-batch through *one rank's share
+of the model*; with v chunks per rank a chunk holds 1/v of it, so with
+``per_chunk=True`` (the default) each chunk action costs 1/v of the figure. Under this
+convention, with ``comm = 0`` and any forward/backward costs, GPipe and 1F1B end at
+(m + p - 1)(f + b) and idle (p - 1)(f + b) per rank, a bubble fraction (p - 1)/(m + p - 1);
+interleaved 1F1B idles (1/v)(p - 1)(f + b) per rank, which is (1/v)(p - 1)/(m + p - 1)
+of the non-interleaved step (see :attr:`SimResult.idle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import NamedTuple
+
+from plait.parallel.pipeline.actions import Action, Op, Schedule
+from plait.parallel.pipeline.schedules import comm_steps, peer
+from plait.parallel.pipeline.validate import ScheduleError, deadlock, waits_for
+
+Time = Fraction
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Cost of each kind of action, in any unit of time (see the module doc)."""
+
+    forward: Fraction | float = 1
+    """Forward of one micro-batch through one rank's share of the model."""
+    backward: Fraction | float = 2
+    """Full backward (input and weight gradients) of one micro-batch."""
+    backward_input: Fraction | float = 1
+    """Zero-bubble ``I``: the input-gradient half of the backward."""
+    backward_weight: Fraction | float = 1
+    """Zero-bubble ``W``: the weight-gradient half of the backward."""
+    comm: Fraction | float = 0
+    """Latency of one batch of point-to-point messages, from its last post to its end."""
+    per_chunk: bool = True
+    """Divide compute costs by v (a chunk is 1/v of a rank's layers)."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "backward_input", "backward_weight", "comm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
+
+    def of(self, op: Op, chunks: int) -> Time:
+        """Exact cost of one compute action of kind ``op`` with ``chunks`` per rank."""
+        raw = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward,
+               Op.BACKWARD_INPUT: self.backward_input,
+               Op.BACKWARD_WEIGHT: self.backward_weight}[op]
+        c = Fraction(raw)
+        return c / chunks if self.per_chunk else c
+
+
+class Event(NamedTuple):
+    """One action of one rank in a timeline (simulated or measured)."""
+
+    rank: int
+    action: Action
+    start: Fraction
+    end: Fraction
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """A simulated step."""
+
+    schedule: Schedule
+    """The schedule simulated."""
+    timeline: tuple[Event, ...]
+    """Every action (compute and communication) with its start and end, rank by rank."""
+    makespan: Time
+    """Time at which the last rank finishes."""
+    busy: tuple[Time, ...]
+    """Compute time of each rank."""
+    peak_inflight: tuple[int, ...]
+    """Per rank, the most (micro-batch, stage) forwards held at once whose backward
+    (``B``, or ``W`` when split) has not finished -- activations kept in memory."""
+
+    @property
+    def idle(self) -> tuple[Time, ...]:
+        """Time each rank does not compute (bubbles and communication waits)."""
+        return tuple(self.makespan - b for b in self.busy)
+
+    @property
+    def bubble(self) -> Time:
+        """Fraction of all ranks' time spent not computing: sum(idle) / (p * makespan)."""
+        return sum(self.idle, Fraction(0)) / (len(self.busy) * self.makespan)
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, rendezvous: bool = False
+) -> SimResult:
+    """Simulate ``schedule`` with ``costs`` (default: F = 1, B = 2, I = W = 1, comm = 0);
+    raises ScheduleError if it deadlocks."""
+    costs = costs or Costs()
+    p, v = schedule.stages, schedule.chunks
+    steps = [comm_steps(acts) for acts in schedule.actions]
+    at = [0] * p
+    now = [Fraction(0)] * p
+    posted: dict[tuple[int, Action], Time] = {}
+    events: list[list[Event]] = [[] for _ in range(p)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while at[r] < len(steps[r]):
+                step = steps[r][at[r]]
+                start = now[r]
+                if step[0].op.is_comm:
+                    for a in step:
+                        posted.setdefault((r, a), start)
+                    peers = [posted.get(peer(a, p)) for a in waits_for(step, rendezvous)]
+                    if any(t is None for t in peers):
+                        break
+                    end = max([start, *(t for t in peers if t is not None)]) + Fraction(costs.comm)
+                    events[r] += [Event(r, a, start, end) for a in step]
+                else:
+                    end = start + costs.of(step[0].op, v)
+                    events[r].append(Event(r, step[0], start, end))
+                now[r] = end
+                at[r] += 1
+                moved = True
+    if any(at[r] < len(steps[r]) for r in range(p)):
+        raise ScheduleError(schedule.name, deadlock(schedule, rendezvous))
+    busy = tuple(sum((e.end - e.start for e in evs if e.action.op.is_compute), Fraction(0))
+                 for evs in events)
+    return SimResult(
+        schedule=schedule,
+        timeline=tuple(e for evs in events for e in evs),
+        makespan=max(now) if p else Fraction(0),
+        busy=busy,
+        peak_inflight=tuple(peak_inflight(acts) for acts in schedule.actions),
+    )
+
+
+def peak_inflight(actions: tuple[Action, ...]) -> int:
+    """Most forwards held at once on one rank whose backward (B, or W) has not finished."""
+    held = peak = 0
+    for a in actions:
+        if a.op is Op.FORWARD:
+            held += 1
+            peak = max(peak, held)
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            held -= 1
+    return peak
