@@ -72,6 +72,8 @@ def _body_values(ctx: WorkerContext, names: list[str]) -> dict[str, Any]:
         out[f"all_gather/{c}"] = (ag, comm.all_gather(x, g))
         rs, _ = algo.ring_reduce_scatter(x, g, "avg", pipeline=2)
         out[f"reduce_scatter/{c}"] = (rs, comm.reduce_scatter(x, g, op="avg"))
+        rs, _ = algo.ring_reduce_scatter(x, g, "sum")
+        out[f"reduce_scatter_sum/{c}"] = (rs, comm.reduce_scatter(x, g, op="sum"))
         a2a, _ = algo.direct_all_to_all(x, g)
         out[f"all_to_all/{c}"] = (a2a, comm.all_to_all(x, g))
         out[f"input_untouched/{c}"] = (x, _rand(ctx.rank, (rows, 3), dtype, 50 + c))
@@ -182,6 +184,17 @@ def test_asymptotics_table() -> None:
     assert [c.steps for c in rows["recursive_doubling"]] == [1, 2, 3]  # log2 N
     assert [c.steps for c in rows["tree"]] == [2, 4, 6]
     assert costs.recursive_doubling(6, 6, 4).steps == 4  # 2 + the fallback's 2
+    # the printed table (the one `plait bench comm` fills from the counters)
+    table = costs.traffic_table([c for name in rows for c in rows[name]], {"ring": True})
+    for line in (
+        "| naive | 8 | 14 | 1 .. 7 | 7 | 14 | 14 | O(N) / O(N) / O(N) | NO |",
+        "| central | 8 | 2 | 1 .. 7 | 7 | 14 | 14 | O(1) / O(N) / O(N) | NO |",
+        "| ring | 8 | 14 | 1.75 | 1.75 | 14 | 1.75 | O(N) / O(1) / O(N) | yes |",
+        "| recursive_doubling | 4 | 2 | 2 | 2 | 8 | 2 |",
+        "| direct | 8 | 1 | 7 | 7 | 56 | 7 | O(1) / O(N) / O(N^2) | NO |",
+        "| tree | 8 | 6 | 1 .. 3 | 3 | 14 | 10 |",
+    ):
+        assert line in table, line
 
 
 # ---------------------------------------------------------------- bad input

@@ -171,8 +171,7 @@ def tables(
 
 def plot(ms: list[Measurement], fits: dict[str, Fit], path: str | Path) -> None:
     """Time vs size, log-log, one panel per world size, one line per algorithm, the
-    fitted model dashed in the same colour. Needs matplotlib (``pip install
-    plait[bench]``)."""
+    fitted model dashed in the same colour (matplotlib, Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")

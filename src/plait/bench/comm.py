@@ -9,8 +9,10 @@ every algorithm alike. A repetition is: refill the buffer, library barrier, time
 call; its time is the slowest rank's; the table reports the median over repetitions.
 Fewer repetitions at large sizes (``--reps`` up to 64 KiB, then 10, 5 and 2; at most 1
 warm-up call above 8 MiB and none at the largest sizes) keep the default run under ~5
-minutes on 2 cores. Once per world size the traffic measured from the comm counters is
-checked against the closed form (``counters = formula``).
+minutes on 2 cores. Once per world size the traffic of every algorithm is measured from
+the comm counters, checked against the closed form (``counters = formula``) and printed
+as a table of steps, per-rank, peak and total bytes (in units of S) beside the
+asymptotic class of SPEC.md.
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ import torch
 from plait import comm
 from plait.bench.alphabeta import LIBRARY, Measurement, fit_all, plot, tables
 from plait.comm import algorithms as algo
+from plait.comm.costs import Cost, traffic_table
 from plait.errors import ConfigError
 from plait.testing import WorkerContext
 
 BODY = "plait.bench.comm:bench_body"
+PROBE_NUMEL = 840
+"""fp32 elements of the traffic probe (divisible by 2..8: the table's multiples of S are
+the textbook ones); an odd 1001-element probe is checked against the formula too."""
 
 
 def _parse_bytes(text: str) -> int:
@@ -60,8 +66,9 @@ def plan(nbytes: int, reps: int) -> tuple[int, int]:
 def bench_body(
     ctx: WorkerContext, algorithms: list[str], sizes: list[int], reps: int
 ) -> dict[str, Any]:
-    """On every rank: per-repetition seconds of each (algorithm, size), and whether the
-    counted traffic equals the closed form."""
+    """On every rank: per-repetition seconds of each (algorithm, size), and per
+    algorithm the traffic counted for a :data:`PROBE_NUMEL`-element probe with whether
+    the counted traffic equals the closed form (that probe and an odd one)."""
     g = ctx.mesh(dp=ctx.world_size).axis("dp")
     gen = torch.Generator().manual_seed(ctx.rank)
     times: dict[str, list[float]] = {}
@@ -84,36 +91,43 @@ def bench_body(
                     ts.append(dt)
             times[f"{name}/{nbytes}"] = ts
         del x, buf
-    traffic = {}
-    probe = torch.randn(1001, generator=gen)
+    traffic: dict[str, tuple[Cost | None, bool]] = {}
     for name in algorithms:
-        if name != LIBRARY:
-            rep = algo.all_reduce(probe.clone(), g, name, measure=True)
-            traffic[name] = rep.measured == rep.formula
+        if name != LIBRARY:  # a probe divisible by 2..8 (the table), and an odd one
+            probes = [torch.randn(k, generator=gen) for k in (PROBE_NUMEL, 1001)]
+            reps_ = [algo.all_reduce(x, g, name, measure=True) for x in probes]
+            traffic[name] = (reps_[0].measured, all(r.measured == r.formula for r in reps_))
     return {"times": times, "traffic": traffic}
 
 
 def run(
     worlds: list[int], algorithms: list[str], sizes: list[int], reps: int, timeout_s: float
-) -> tuple[list[Measurement], dict[str, bool]]:
-    """Measure every (world, size, algorithm); returns the medians and traffic checks."""
+) -> tuple[list[Measurement], dict[str, bool], list[Cost]]:
+    """Measure every (world, size, algorithm); returns the medians, whether the counted
+    traffic equals the closed form (per algorithm, every world size and rank), and the
+    traffic measured from the counters for a :data:`PROBE_NUMEL`-element fp32 tensor."""
     from plait.testing import WorkerPool
 
     out: list[Measurement] = []
     traffic: dict[str, bool] = {}
+    counted: list[Cost] = []
     for n in worlds:
         t0 = time.perf_counter()
         with WorkerPool(n, comm_timeout_s=timeout_s) as pool:
             res = pool.run(BODY, algorithms, sizes, reps, timeout_s=timeout_s * 4)
-        for name in res[0]["traffic"]:
-            traffic[name] = traffic.get(name, True) and all(r["traffic"][name] for r in res)
+        for name, (cost, _) in res[0]["traffic"].items():
+            ok = all(r["traffic"][name][1] for r in res)
+            traffic[name] = traffic.get(name, True) and ok
+            if cost is not None:
+                counted.append(cost)
         for name in algorithms:
             for nbytes in sizes:
                 per_rank = [r["times"][f"{name}/{nbytes}"] for r in res]
                 slowest = [max(v) for v in zip(*per_rank, strict=True)]
                 out.append(Measurement(name, n, nbytes, statistics.median(slowest), len(slowest)))
         print(f"plait bench comm: N={n} done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    return out, traffic
+    counted.sort(key=lambda c: (algorithms.index(c.algorithm), c.world))
+    return out, traffic, counted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,7 +154,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """``plait bench comm``; returns the exit code."""
     args = _parser().parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    try:
+        worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--worlds takes comma-separated integers, got {args.worlds!r}") from None
     names = [*algo.ALL_REDUCE, LIBRARY] if args.algorithms == "all" else args.algorithms.split(",")
     bad = [n for n in names if n not in algo.ALL_REDUCE and n != LIBRARY]
     if bad or not worlds or min(worlds) < 2 or args.factor < 2 or args.reps < 1:
@@ -157,13 +174,18 @@ def main(argv: list[str]) -> int:
     while s <= hi:
         sizes.append(s - s % 4)
         s *= args.factor
-    t0 = time.perf_counter()
-    ms, traffic = run(worlds, names, sizes, args.reps, args.timeout)
+    t0, load0 = time.perf_counter(), _load()
+    ms, traffic, counted = run(worlds, names, sizes, args.reps, args.timeout)
     fits, fits_by_world = fit_all(ms)
-    text = tables(ms, fits, fits_by_world, traffic)
+    text = (
+        f"Traffic of one all-reduce of S = {PROBE_NUMEL * 4} bytes (fp32), measured from "
+        "the comm counters:\n\n" + traffic_table(counted, traffic) + "\n\n"
+        "Timings and the alpha-beta fit:\n\n" + tables(ms, fits, fits_by_world, traffic)
+    )
     print(text)
     if args.md:
-        Path(args.md).write_text(_document(text, argv, time.perf_counter() - t0))
+        doc = _document(text, argv, time.perf_counter() - t0, (load0, _load()))
+        Path(args.md).write_text(doc)
         print(f"plait bench comm: wrote {args.md}", file=sys.stderr)
     if args.plot:
         plot(ms, fits, args.plot)
@@ -171,19 +193,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _document(text: str, argv: list[str], seconds: float) -> str:
+def _load() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def _document(text: str, argv: list[str], seconds: float, load: tuple[float, float]) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
         "# All-reduce algorithms on point-to-point messages vs the alpha-beta model\n\n"
         f"- Date: {now}; torch {torch.__version__}; Python {platform.python_version()}; "
         f"{platform.machine()} with {os.cpu_count()} cores; gloo on loopback; fp32.\n"
         f"- Command: `plait bench comm {' '.join(argv)}` ({seconds:.0f} s).\n"
+        f"- Taken under load: 1-minute load average {load[0]:.1f} at the start and "
+        f"{load[1]:.1f} at the end on {os.cpu_count()} cores (other jobs shared the "
+        "machine); absolute times are noisy, compare algorithms within one run.\n"
+        "- Traffic table: steps and bytes counted by `plait.comm` on every rank for one "
+        "all-reduce, in units of S; `counters = formula` means the counted per-rank bytes, "
+        "steps and critical-path bytes equal the closed form of `plait.comm.costs` exactly "
+        "(for that tensor and an odd 1001-element one, at every world size).\n"
         "- Model per algorithm: time = steps·alpha + critical_bytes·beta, with steps and "
         "critical-path bytes from `plait.comm.costs`; `library` (gloo's all-reduce) is "
         "modelled as a ring. Fitted by least squares on the relative error over all world "
-        "sizes and message sizes of that algorithm (first table; its prediction is `model ms`, "
+        "sizes and message sizes of that algorithm (fit table; its prediction is `model ms`, "
         "error = (model - measured) / measured), and again per algorithm and world size "
-        "(second table, `per-N` columns).\n"
+        "(per-N table and the `per-N` columns).\n"
         "- busbw uses the nccl-tests all-reduce convention algbw·2(N-1)/N for every "
         "algorithm (a normalisation, not each algorithm's own traffic).\n"
         "- World sizes above 2 oversubscribe 2 cores: times include CPU contention, which "

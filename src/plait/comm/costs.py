@@ -247,6 +247,46 @@ FORMULAS: dict[str, Callable[[int, int, int], Cost]] = {
 """Algorithm name -> ``f(world, numel, element_size)`` giving its closed-form :class:`Cost`."""
 
 
+ASYMPTOTICS: dict[str, tuple[str, str, str]] = {
+    "naive": ("O(N)", "O(N)", "O(N)"),
+    "central": ("O(1)", "O(N)", "O(N)"),
+    "ring": ("O(N)", "O(1)", "O(N)"),
+    "recursive_doubling": ("log2 N", "O(log N)", "O(N log N)"),
+    "rabenseifner": ("2 log2 N", "O(1)", "O(N)"),
+    "tree": ("2 log2 N", "O(1)", "O(N)"),
+    "direct": ("O(1)", "O(N)", "O(N^2)"),
+}
+"""All-reduce name -> (steps, peak bytes one rank sends, total bytes) as N grows, S fixed
+(SPEC.md's table; the rows for rabenseifner and tree are the textbook ones)."""
+
+
+def traffic_table(rows: list[Cost], checked: dict[str, bool] | None = None) -> str:
+    """Markdown table of steps and bytes (in units of S) of ``rows``, one per
+    (algorithm, N), with the asymptotic class of each all-reduce beside it.
+    ``checked`` (algorithm -> bool), when given, adds a "counters = formula" column."""
+    head = (
+        "| algorithm | N | steps | sent per rank (×S) | peak sent (×S) | total on wire (×S) "
+        "| critical path (×S) | asymptotics: steps / peak / total |"
+    )
+    sep = "|---|---:|---:|---:|---:|---:|---:|---|"
+    if checked is not None:
+        head, sep = head + " counters = formula |", sep + ":---:|"
+    lines = [head, sep]
+    for c in rows:
+        s = c.nbytes or 1
+        lo, hi = min(c.sent, default=0) / s, max(c.sent, default=0) / s
+        per = f"{lo:.4g}" if lo == hi else f"{lo:.4g} .. {hi:.4g}"
+        asym = " / ".join(ASYMPTOTICS.get(c.algorithm, ("", "", ""))) or "-"
+        line = (
+            f"| {c.algorithm} | {c.world} | {c.steps} | {per} | {c.peak_sent / s:.4g} | "
+            f"{c.total_bytes / s:.4g} | {c.critical_bytes / s:.4g} | {asym} |"
+        )
+        if checked is not None:
+            line += f" {'yes' if checked.get(c.algorithm, False) else 'NO'} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def formula(algorithm: str, world: int, numel: int, element_size: int) -> Cost:
     """The closed-form :class:`Cost` of ``algorithm`` (see :data:`FORMULAS`)."""
     if algorithm not in FORMULAS:
