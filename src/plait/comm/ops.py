@@ -345,6 +345,8 @@ class P2P:
     kind: Literal["send", "recv"]
     tensor: torch.Tensor
     peer: int
+    tag: int = 0
+    """Messages between two ranks are matched by tag, then in the order posted."""
 
 
 def batch_isend_irecv(ops: Sequence[P2P], g: AxisGroup) -> list[Handle]:
@@ -358,11 +360,11 @@ def batch_isend_irecv(ops: Sequence[P2P], g: AxisGroup) -> list[Handle]:
             raise ValueError(f"P2P kind must be 'send' or 'recv', got {o.kind!r}")
         peer = g.global_rank(o.peer)
         if o.kind == "send":  # gloo moves only contiguous memory
-            p2p.append(dist.P2POp(dist.isend, o.tensor.contiguous(), peer, group=g.pg))
+            p2p.append(dist.P2POp(dist.isend, o.tensor.contiguous(), peer, group=g.pg, tag=o.tag))
             thens.append(None)
         else:
             buf, then = _recv_buffer(o.tensor)
-            p2p.append(dist.P2POp(dist.irecv, buf, peer, group=g.pg))
+            p2p.append(dist.P2POp(dist.irecv, buf, peer, group=g.pg, tag=o.tag))
             thens.append(then)
     with g.guard("batch_isend_irecv"):
         works = dist.batch_isend_irecv(p2p)

@@ -203,4 +203,4 @@ def _body_wrong_layout(ctx: WorkerContext) -> str:
 
 def test_runtime_refuses_a_schedule_for_another_layout(pools: Callable[[int], WorkerPool]) -> None:
     for msg in pools(2).run(f"{M}:_body_wrong_layout"):
-        assert "for 4 ranks x 1 chunks" in msg and "pipeline has 2 ranks and 8 pieces" in msg
+        assert "for 4 ranks x 1 chunks" in msg and "pipeline has 2 ranks and 2 pieces" in msg
