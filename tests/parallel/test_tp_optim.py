@@ -23,7 +23,7 @@ from plait.parallel.data import DataParallel
 from plait.parallel.tp_optim import TensorParallelOptimizer
 from plait.parallel.tp_plan import apply_tensor_parallel, gather_full_state, tensor_parallel_loss
 from plait.testing import WorkerContext, WorkerPool
-from tests.parallel.test_tensor_model import FP32_ROPE, GLOBAL_BATCH, IGN, STEPS, V, _batches, _cfg
+from tests.parallel.test_tensor_model import FP32_ROPE, GLOBAL_BATCH, IGN, V, _batches, _cfg
 
 M = "tests.parallel.test_tp_optim"
 Pools = Callable[[int], WorkerPool]
