@@ -20,8 +20,8 @@ import torch
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model import Transformer, lm_loss
-from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.runtime import PipelineRuntime, pipeline_step
+from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.split import split_transformer
 from plait.testing import WorkerContext, WorkerPool
 
@@ -76,44 +76,10 @@ def reference(tied: bool = False) -> dict[str, object]:
     return {"losses": losses, "weights": {k: v.detach() for k, v in model.state_dict().items()}}
 
 
-def hand_schedule(name: str, p: int, m: int) -> Schedule:
-    """GPipe or 1F1B written out by hand (independent of schedules.py)."""
-    acts: list[tuple[Action, ...]] = []
-    for r in range(p):
-        fwd = [
-            [
-                *([Action(Op.RECV_ACT, i, r)] if r > 0 else []),
-                Action(Op.FORWARD, i, r),
-                *([Action(Op.SEND_ACT, i, r)] if r < p - 1 else []),
-            ]
-            for i in range(m)
-        ]
-        bwd = [
-            [
-                *([Action(Op.RECV_GRAD, i, r)] if r < p - 1 else []),
-                Action(Op.BACKWARD, i, r),
-                *([Action(Op.SEND_GRAD, i, r)] if r > 0 else []),
-            ]
-            for i in range(m)
-        ]
-        if name == "gpipe":
-            order = fwd + bwd
-        else:  # 1f1b: warm-up p-1-r forwards, then alternate, then drain
-            warm = min(p - 1 - r, m)
-            order = fwd[:warm]
-            for i in range(m - warm):
-                order += [fwd[warm + i], bwd[i]]
-            order += bwd[m - warm :]
-        acts.append(tuple(a for group in order for a in group))
-    return Schedule(name, p, m, 1, tuple(acts))
-
-
-def get_schedule(name: str, p: int, m: int, v: int) -> Schedule:
-    if name.startswith("hand-"):
-        return hand_schedule(name[5:], p, m)
-    from plait.parallel.pipeline.schedules import build_schedule
-
-    return build_schedule(name, p, m, v)
+CASES = [("naive", 1, 1), ("gpipe", MICRO, 1), ("1f1b", MICRO, 1), ("interleaved", MICRO, 2)]
+CASES += [("zb", MICRO, 1)]
+"""(schedule, micro-batches, chunks per rank); interleaved at pp 4 x 2 chunks uses all 8
+blocks, one per piece."""
 
 
 def _body_pipeline(
@@ -123,7 +89,7 @@ def _body_pipeline(
     mesh = ctx.mesh(dp=1, pp=p)
     model = Transformer(model_config(tied=tied), seed=3).double()
     stages = split_transformer(model, mesh, chunks=v)
-    schedule = get_schedule(name, p, m, v)
+    schedule = build_schedule(name, p, m, v)
     runtime = PipelineRuntime(
         stages, schedule, mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16), torch.float64
     )
@@ -154,18 +120,23 @@ def check_parity(results: list[dict[str, object]], ref: dict[str, object]) -> No
     assert seen == set(ref["weights"])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["hand-gpipe", "hand-1f1b"])
+@pytest.mark.parametrize(("name", "m", "v"), CASES)
 @pytest.mark.parametrize("p", [2, 4])
-def test_hand_schedules_match_one_process(
-    pools: Callable[[int], WorkerPool], refs: dict[bool, dict[str, object]], name: str, p: int
+def test_every_schedule_matches_one_process(
+    pools: Callable[[int], WorkerPool],
+    refs: dict[bool, dict[str, object]],
+    name: str,
+    m: int,
+    v: int,
+    p: int,
 ) -> None:
-    check_parity(pools(p).run(f"{M}:_body_pipeline", name, MICRO, 1), refs[False])
+    check_parity(pools(p).run(f"{M}:_body_pipeline", name, m, v), refs[False])
 
 
 def test_tied_embeddings_across_first_and_last_stage(
     pools: Callable[[int], WorkerPool], refs: dict[bool, dict[str, object]]
 ) -> None:
-    results = pools(4).run(f"{M}:_body_pipeline", "hand-1f1b", MICRO, 1, True)
+    results = pools(4).run(f"{M}:_body_pipeline", "interleaved", MICRO, 2, True)
     check_parity(results, refs[True])
     # both copies of the tied matrix stayed equal to the one-device matrix
     first = results[0]["weights"]["tok_embeddings.weight"]  # type: ignore[index]
@@ -174,8 +145,8 @@ def test_tied_embeddings_across_first_and_last_stage(
 
 
 def test_records_cover_every_action(pools: Callable[[int], WorkerPool]) -> None:
-    results = pools(2).run(f"{M}:_body_pipeline", "hand-1f1b", MICRO, 1)
-    sched = hand_schedule("1f1b", 2, MICRO)
+    results = pools(2).run(f"{M}:_body_pipeline", "zb", MICRO, 1)
+    sched = build_schedule("zb", 2, MICRO)
     for rank, r in enumerate(results):
         recs = r["records"]
         assert [a for _, a, _, _ in recs] == list(sched.actions[rank])
@@ -190,7 +161,7 @@ def _body_wrong_layout(ctx: WorkerContext) -> str:
     try:
         PipelineRuntime(
             stages,
-            hand_schedule("gpipe", 4, 4),
+            build_schedule("gpipe", 4, 4),
             mesh.axis("pp"),
             lm_loss,
             (2, SEQ, 16),
