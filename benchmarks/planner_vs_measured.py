@@ -1,6 +1,6 @@
 """The planner's predictions against real runs on this machine, and against published runs.
 
-Part 1 (measured here). The hardware is calibrated first (``plait calibrate``: matmul,
+Part 1 (measured here). The hardware is calibrated first (``plait bench calibrate``: matmul,
 attention and element-wise rates, operator overhead, optimizer bandwidth, gloo alpha-beta
 fits) in the same kind of pool the runs use: gloo ranks of one thread each. Then every
 layout of :data:`ROWS` trains the built-in ``small`` model (0.87 M parameters, fp32,

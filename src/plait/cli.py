@@ -21,8 +21,8 @@ EXIT_BAD_INPUT = 2
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("plait.cli:train_main", "train the built-in transformer"),
     "plan": ("plait.plan.cli:plan_main", "predict memory and step time; search layouts"),
-    "calibrate": ("plait.plan.cli:calibrate_main", "measure this machine for `plait plan`"),
-    "bench": ("plait.bench:main", "benchmarks: `plait bench comm` (collective algorithms)"),
+    "calibrate": ("plait.plan.cli:calibrate_main", "alias of `plait bench calibrate`"),
+    "bench": ("plait.bench:main", "benchmarks: `plait bench comm | calibrate`"),
     "ps-train": ("plait.ps_cli:ps_train_main", "parameter-server training (sync/async/bounded)"),
 }
 """Subcommand name -> ("module:function", one-line help). Each function takes the
@@ -68,6 +68,10 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     cfg.validate(world)
+    if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
+        from plait.plan.fit import refuse_unless_fits
+
+        refuse_unless_fits(cfg, world, env.local_world_size if env is not None else world)
     if env is None and world > 1:
         _check_data(cfg)  # fail here, once, before starting any process
         launch_local(world, list(argv))

@@ -351,6 +351,10 @@ class LaunchConfig:
     """'cpu', 'cuda' (one GPU per local rank) or 'auto' (cuda when available)."""
     threads: int | None = None
     """Intra-op CPU threads per process (default: cores / local processes)."""
+    check_memory: bool = True
+    """Before starting, ask the planner (plait.plan) for this layout's per-rank memory and
+    refuse one predicted not to fit the device (GPU memory, or this host's RAM shared by
+    its ranks); false starts anyway."""
 
     def __post_init__(self) -> None:
         _positive("launch", nproc=self.nproc, threads=self.threads)

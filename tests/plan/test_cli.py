@@ -165,8 +165,19 @@ def test_parse_count() -> None:
     assert parse_count("6.7e9") == 6.7e9
 
 
-def test_calibrate_refuses_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(capsys, "calibrate", "--nproc", "1")
+@pytest.mark.parametrize("command", [["bench", "calibrate"], ["calibrate"]])
+def test_calibrate_refuses_bad_input(
+    capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    # `plait bench calibrate` (issue 6) and its alias `plait calibrate`
+    code, _, err = _run(capsys, *command, "--nproc", "1")
     assert code == 2 and "at least 2" in err
-    code, _, err = _run(capsys, "calibrate", "--memory-gb", "-1")
+    code, _, err = _run(capsys, *command, "--bogus")
+    assert code == 2 and "plait bench calibrate: unrecognized arguments: --bogus" in err
+    code, _, err = _run(capsys, *command, "--memory-gb", "-1")
     assert code == 2 and "--memory-gb must be positive" in err
+
+
+def test_bench_lists_calibrate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "bench", "--help")
+    assert code == 0 and "calibrate" in err

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from plait.cli import main
 from plait.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from plait.plan import check_fits
 from plait.plan.fit import cuda_hardware, host_hardware, plan_inputs
@@ -64,3 +65,39 @@ def test_wrong_world_size_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="does not match the world size 3"):
         plan_inputs(dataclasses.replace(_config(dp=2)), 3)
+
+
+TINY = [
+    "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
+    "--model.max_seq_len", "32", "--seq-len", "32", "--global-batch", "8",
+    "--data.max_bytes", "200000", "--train.eval_every", "0", "--train.eval_batches", "1",
+    "--progress", "none", "--log.peak_tflops", "1", "--nproc", "1", "--steps", "1",
+    "--device", "cpu",
+]  # fmt: skip
+
+
+def test_plait_train_refuses_a_layout_predicted_not_to_fit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import plait.plan.fit as fit
+
+    # this host: the tiny model fits, the check passes and training runs
+    assert main(["train", *TINY]) == 0
+    capsys.readouterr()
+    # a host with 100 kB of RAM: refused before anything starts, with the numbers
+    real = fit.host_hardware
+    monkeypatch.setattr(fit, "host_hardware", lambda ranks: real(ranks).with_memory(1e5))
+    assert main(["train", *TINY]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "is predicted not to fit" in out.err and "cpu-host has 0.0 GiB usable" in out.err
+    assert "--launch.check_memory false" in out.err and out.err.count("\n") == 1
+    # the override starts it anyway
+    assert main(["train", *TINY, "--launch.check_memory", "false"]) == 0
+
+
+def test_device_hardware_on_this_machine() -> None:
+    from plait.plan.fit import device_hardware
+
+    assert device_hardware("cpu", 2).name == "cpu-host"
+    assert device_hardware("cpu", 2).memory_bytes == host_hardware(2).memory_bytes

@@ -18,8 +18,9 @@ from plait.config import ModelConfig
 from plait.model import Transformer, lm_loss
 from plait.plan.activations import embedding_activation_bytes, head_activation_bytes
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
-from plait.plan.memory import layer_params_per_rank, memory_per_rank, stage_params
+from plait.plan.memory import layer_params_per_rank, memory_per_rank, stage_params, state_bytes
 from plait.plan.modelspec import ModelSpec
+from plait.plan.units import local_pieces, stage_units
 
 FP32 = PRECISIONS["fp32"]
 PLAIT = RUNTIMES["plait"]
@@ -126,12 +127,25 @@ def test_pipeline_stages_partition_the_model() -> None:
 def test_zero_shards_are_ceil_divided() -> None:
     spec = ModelSpec.from_config(CONFIGS["mha"])
     n = spec.param_count()
+    shard = math.ceil(n / 7)
+    units = stage_units(spec, 1, 1, 0)
+    assert sum(sum(u) for u in units) == n  # every parameter in exactly one unit
     for zero in (1, 2, 3):
-        mem = memory_per_rank(spec, Layout(dp=7, zero=zero), FP32, PLAIT, 16)
-        shard = math.ceil(n / 7)
-        assert mem.optimizer == shard * 8 + 4  # one flat shard: one step scalar
-        assert mem.grads == (shard if zero >= 2 else n) * 4
-        assert mem.params == (shard if zero == 3 else n) * 4
+        # the textbook count: one flat shard of ceil(N/F)
+        w, g, _, o = state_bytes(n, spec.tensor_count(), Layout(dp=7, zero=zero), FP32)
+        assert o == shard * 8 + 4
+        assert g == (shard if zero >= 2 else n) * 4
+        assert w == (shard if zero == 3 else n) * 4
+        # the runtime's count: each unit padded to a multiple of 7 (at most 6 elements
+        # each), one Adam step scalar per tensor piece; summed over the 7 ranks the
+        # moments cover exactly the N parameters
+        mem = [memory_per_rank(spec, Layout(dp=7, zero=zero), FP32, PLAIT, 16, r) for r in range(7)]
+        pad = 6 * len(units)
+        assert 0 <= mem[0].grads - g <= pad * 4 * (7 if zero == 1 else 1)
+        scalars = [
+            sum(local_pieces(u, 7, r)[0] for u in units) * 4 for r in range(7)
+        ]  # fmt: skip
+        assert sum(m.optimizer - s for m, s in zip(mem, scalars, strict=True)) == n * 8
 
 
 def _saved_bytes(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> int:

@@ -307,7 +307,7 @@ def profile_from_results(
         intra=link,
         inter=link,
         source=(
-            f"measured by plait calibrate on {platform.node() or 'this machine'} "
+            f"measured by plait bench calibrate on {platform.node() or 'this machine'} "
             f"({platform.processor() or platform.machine()}, {cores} cores), {n} gloo ranks "
             f"x 1 thread, torch fp32, {stamp}; memory = host RAM / cores"
         ),

@@ -1,8 +1,10 @@
-"""``plait plan`` (predict one layout, or search) and ``plait calibrate`` (measure).
+"""``plait plan`` (predict one layout, or search) and ``plait bench calibrate`` (measure).
 
-Both are registered in :data:`plait.cli.SUBCOMMANDS`; they take the arguments after the
-subcommand name, return an exit code, and raise :class:`~plait.errors.ConfigError` for
-bad input (``plait`` prints it as one paragraph and exits with code 2).
+``plan_main`` is registered in :data:`plait.cli.SUBCOMMANDS`, ``calibrate_main`` in
+:data:`plait.bench.BENCHMARKS` (and as ``plait calibrate``, an alias kept for scripts);
+both take the arguments after the subcommand name, return an exit code, and raise
+:class:`~plait.errors.ConfigError` for bad input (``plait`` prints it as one paragraph
+and exits with code 2).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--hardware",
         default="a100-80gb",
-        help=f"preset ({', '.join(HARDWARE)}) or a profile from `plait calibrate`",
+        help=f"preset ({', '.join(HARDWARE)}) or a profile from `plait bench calibrate`",
     )
     h.add_argument("--devices", type=int, help="devices in the job (default: one node)")
     h.add_argument("--headroom", type=float, default=0.05, help="memory fraction kept free")
@@ -217,14 +219,14 @@ def plan_main(argv: Sequence[str]) -> int:
 
 
 def calibrate_main(argv: Sequence[str]) -> int:
-    """``plait calibrate``: measure this machine and write a hardware profile."""
+    """``plait bench calibrate``: measure this machine and write a hardware profile."""
     from pathlib import Path
 
     from plait.plan.calibrate import calibrate
     from plait.plan.hardware import dump_hardware
 
     p = _Parser(
-        prog="plait calibrate",
+        prog="plait bench calibrate",
         description=(
             "Measure matmul, attention and memory-bound rates and the alpha-beta cost of "
             "the collectives (gloo) across local processes, and write a hardware profile "
@@ -242,7 +244,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
         raise ConfigError(f"--memory-gb must be positive, got {ns.memory_gb}.")
     mem = ns.memory_gb * 1e9 if ns.memory_gb else None
     hw, fits = calibrate(ns.nproc, quick=ns.quick, memory_bytes=mem)
-    text = dump_hardware(hw, comment=f"written by plait calibrate --nproc {ns.nproc}")
+    text = dump_hardware(hw, comment=f"written by plait bench calibrate --nproc {ns.nproc}")
     Path(ns.out).write_text(text, encoding="utf-8")
     print(f"matmul: {', '.join(f'{int(s)}: {r / 1e9:.1f}' for s, r in hw.matmul.points)} GFLOP/s")
     print(

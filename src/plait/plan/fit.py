@@ -3,7 +3,10 @@
 :func:`check_fits` maps a :class:`plait.config.Config` to the planner's model, layout,
 precision and runtime, predicts the worst rank's memory and returns a
 :class:`FitVerdict` whose :meth:`~FitVerdict.message` says, in one paragraph, what does
-not fit and which single change would make it fit.
+not fit and which single change would make it fit. :func:`refuse_unless_fits` is the
+hook ``plait train`` calls after validating the config: it turns a "does not fit"
+verdict into a :class:`~plait.errors.ConfigError` (exit code 2) unless
+``launch.check_memory`` is false.
 """
 
 from __future__ import annotations
@@ -108,6 +111,34 @@ def cuda_hardware(name: str, total_memory: float) -> Hardware:
             best = min(candidates, key=lambda k: abs(PRESETS[k].memory_bytes - total_memory))
             return PRESETS[best].with_memory(total_memory)
     return PRESETS["a100-80gb"].with_memory(total_memory)
+
+
+def device_hardware(device: str, ranks_per_host: int) -> Hardware:
+    """The device a run on ``launch.device`` will use: the first CUDA GPU's preset with
+    its reported memory (``cuda``, or ``auto`` when CUDA is available), else this host's
+    RAM shared by ``ranks_per_host`` ranks."""
+    if device in ("cuda", "auto"):
+        import torch  # only the training CLI asks; the planner itself never needs torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return cuda_hardware(props.name, float(props.total_memory))
+    return host_hardware(ranks_per_host)
+
+
+def refuse_unless_fits(cfg: Config, world_size: int, ranks_per_host: int) -> FitVerdict:
+    """What ``plait train`` runs before starting: raise :class:`ConfigError` (exit code
+    2) with :meth:`FitVerdict.message` when the layout is predicted not to fit the
+    device; ``launch.check_memory = false`` skips the check."""
+    hw = device_hardware(cfg.launch.device, ranks_per_host)
+    verdict = check_fits(cfg, world_size, hw, ranks_per_host=ranks_per_host)
+    if not verdict.fits:
+        raise ConfigError(
+            verdict.message() + " To start anyway (the prediction may be pessimistic, e.g. "
+            "with unified or swap memory), set launch.check_memory = false "
+            "(--launch.check_memory false)."
+        )
+    return verdict
 
 
 def check_fits(

@@ -260,7 +260,7 @@ def hardware_preset(name: str) -> Hardware:
     if name not in PRESETS:
         raise ConfigError(
             f"unknown hardware preset {name!r}; choose one of {', '.join(sorted(PRESETS))}, "
-            "or pass a profile written by `plait calibrate` (a .toml path)."
+            "or pass a profile written by `plait bench calibrate` (a .toml path)."
         )
     return PRESETS[name]
 
@@ -363,7 +363,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
 
 
 def load_hardware(spec: str) -> Hardware:
-    """A preset name or the path of a TOML profile (``plait calibrate --out``)."""
+    """A preset name or the path of a TOML profile (``plait bench calibrate --out``)."""
     if spec in PRESETS:
         return PRESETS[spec]
     path = Path(spec)

@@ -9,7 +9,9 @@ fp32 master weights and optimizer state, sharded over F data-parallel ranks::
     stage 2   P·p + P·(g + m + o)/F               2 + 14/F
     stage 3   P·(p + g + m + o)/F                 16/F
 
-Shards are ``ceil(P/F)`` (flat buffers padded to a multiple of F). Tensor parallelism
+Shards are ``ceil(P/F)`` in the textbook count (:func:`state_bytes`); the per-rank
+model counts what the runtime allocates: each ZeRO unit padded to a multiple of F,
+per-piece optimizer scalars (:mod:`plait.plan.units`). Tensor parallelism
 splits every linear layer's weight (and column-parallel biases) by t; norms and
 row-parallel biases are replicated. Pipeline stage j holds its layers, the first stage
 the embedding, the last the final norm and head (a tied head is a second copy when
@@ -41,12 +43,7 @@ from plait.plan.activations import (
 )
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
-
-
-def stage_layers(n_layers: int, pp: int, stage: int) -> int:
-    """Blocks on pipeline stage ``stage``: as even as possible, the first stages take
-    the remainder."""
-    return n_layers // pp + (1 if stage < n_layers % pp else 0)
+from plait.plan.units import stage_layers, stage_units, zero_state_bytes
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -213,10 +210,19 @@ def stage_memory(
     runtime: Runtime,
     seq_len: int,
     stage: int,
+    shard_rank: int = 0,
 ) -> MemoryBreakdown:
-    """Bytes on one rank of pipeline stage ``stage``."""
+    """Bytes on one rank of pipeline stage ``stage``; under ZeRO, on rank ``shard_rank``
+    of its shard group (rank 0 holds the most non-padding elements)."""
     sp = stage_params(spec, layout, stage)
-    weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
+    if layout.zero >= 1:  # the runtime's padded flat units, exactly
+        units = stage_units(spec, layout.tp, layout.pp, stage)
+        f = layout.shard_factor
+        weights, grads, master, optimizer = zero_state_bytes(
+            units, layout.zero, f, shard_rank % f, precision
+        )
+    else:
+        weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
     flight = in_flight(layout, stage)
     per_layer = layer_activation_bytes(spec, layout, precision, runtime, seq_len)
     acts = per_layer * sp.layers * flight
@@ -234,15 +240,21 @@ def stage_memory(
 
 
 def memory_per_rank(
-    spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
+    spec: ModelSpec,
+    layout: Layout,
+    precision: Precision,
+    runtime: Runtime,
+    seq_len: int,
+    shard_rank: int = 0,
 ) -> MemoryBreakdown:
-    """The breakdown of the pipeline stage that needs the most memory."""
+    """The breakdown of the pipeline stage that needs the most memory (under ZeRO, for
+    rank ``shard_rank`` of the shard group)."""
     # stage 0 has the most layers, micro-batches in flight and the embedding; the last
     # stage has the head: no other stage can need more
     candidates = {0, layout.pp - 1}
     best = None
     for j in sorted(candidates):
-        m = stage_memory(spec, layout, precision, runtime, seq_len, j)
+        m = stage_memory(spec, layout, precision, runtime, seq_len, j, shard_rank)
         if best is None or m.total > best.total:
             best = m
     assert best is not None
