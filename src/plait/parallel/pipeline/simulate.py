@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
 
+from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.schedules import comm_steps, peer
 from plait.parallel.pipeline.validate import ScheduleError, deadlock, waits_for
@@ -54,7 +55,7 @@ class Costs:
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "backward_input", "backward_weight", "comm"):
             if getattr(self, name) < 0:
-                raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"cost {name} must be >= 0, got {getattr(self, name)}")
 
     def of(self, op: Op, chunks: int) -> Time:
         """Exact cost of one compute action of kind ``op`` with ``chunks`` per rank."""
