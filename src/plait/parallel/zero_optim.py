@@ -16,7 +16,9 @@ One :meth:`ZeroOptimizer.step`:
 1. master gradients = reduced gradient shards in fp32, divided by the loss scale;
 2. the global L2 norm: squared norms of the local shards summed over the shard group
    (replicas of a shard are identical after the reduction, so the shard group covers
-   every element exactly once);
+   every element exactly once) and over the tensor-parallel axis: a TP shard counts
+   fully, a tensor held identically by k tp ranks (replicated norms, replicated
+   key/value heads; :func:`plait.parallel.tensor.shard_info`) counts 1/k on each;
 3. a non-finite norm (or loss) skips the step: fp16 backs the loss scale off; fp32/bf16
    warn or raise according to the policy. A skipped step touches neither weights nor
    optimizer state;
@@ -26,6 +28,10 @@ One :meth:`ZeroOptimizer.step`:
 
 Any other model (``DataParallel`` or a plain module) gets the same steps on whole
 parameters, which must then be fp32 or fp64 (they are their own masters).
+
+ZeRO composes with tensor parallelism: the model's parameters may be TP shards (ZeRO
+flattens whatever local tensors the module holds and reduces over the dp axis only);
+only the norm needs the tp axis, as above.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.parallel.tensor import shard_info
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero_flat import FlatUnit
 from plait.train.precision import DynamicLossScaler, NonFiniteError, is_low_precision
@@ -68,6 +75,14 @@ class _Slot:
     master: torch.Tensor  # (shard_numel,) fp32 (or the fp32/fp64 parameter shard itself)
     alias: bool  # master is the model's parameter shard (no copy back needed)
     segments: list[tuple[nn.Parameter, int, int]]  # optimizer params = master[start:end]
+    norm_pieces: list[tuple[int, int, float]]  # (start, end, weight) of every parameter piece
+
+
+def _norm_weight(p: torch.Tensor) -> float:
+    """Weight of ``p``'s squared gradient norm in a norm summed over the tp axis: 1, or
+    1/k for a tensor held identically by k tp ranks (:class:`plait.parallel.tensor.TPShard`)."""
+    info = shard_info(p)
+    return info.norm_weight if info is not None else 1.0
 
 
 def _rebuild(
@@ -168,6 +183,7 @@ class ZeroOptimizer:
                 master = init.to(master_device, torch.float32, copy=True)  # (shard_numel,)
             u.fp32_init = None
             segments = []
+            pieces = [(a, b, _norm_weight(u.params[i])) for i, a, b in u.local_segments()]
             for i, start, end in u.local_segments():
                 group = group_of.get(u.params[i])
                 if group is None:
@@ -175,7 +191,7 @@ class ZeroOptimizer:
                 seg = nn.Parameter(master[start:end])  # shares the master's storage
                 groups[group]["params"].append(seg)
                 segments.append((seg, start, end))
-            self.slots.append(_Slot(u, master, alias, segments))
+            self.slots.append(_Slot(u, master, alias, segments, pieces))
         if isinstance(optimizer, torch.optim.Optimizer):
             return _rebuild(optimizer, groups)
         return optimizer(groups)
@@ -260,16 +276,43 @@ class ZeroOptimizer:
         return out
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every shard of every rank (each element counted once)."""
+        """L2 norm over every shard of every rank (each element counted once): the local
+        squared norm, summed over the shard group and the tensor-parallel axis."""
         device = self.zero.device if self.zero is not None else torch.device("cpu")
-        if grads:
-            norms = torch._foreach_norm(grads)  # per-tensor norms, fp32
-            sq = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2).sum()
+        pieces: list[torch.Tensor] = []
+        weights: list[float] = []
+        if self.zero is None:
+            for p in self._params:
+                if p.grad is not None:
+                    pieces.append(p.grad)
+                    weights.append(_norm_weight(p))
+        else:
+            for slot, g in zip(self.slots, grads, strict=True):
+                if all(w == 1.0 for _, _, w in slot.norm_pieces):
+                    pieces.append(g)  # the whole shard (its padding holds zeros)
+                    weights.append(1.0)
+                else:
+                    for a, b, w in slot.norm_pieces:
+                        pieces.append(g[a:b])
+                        weights.append(w)
+        if pieces:
+            norms = torch._foreach_norm(pieces)  # per-tensor norms, fp32
+            sq64 = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)
+            if any(w != 1.0 for w in weights):
+                sq64 = sq64 * torch.tensor(weights, dtype=torch.float64, device=device)
+            sq = sq64.sum()
         else:
             sq = torch.zeros((), dtype=torch.float64, device=device)
+        groups = []
         if self.zero is not None and self.zero.shard_group.size > 1:
+            groups.append(self.zero.shard_group)
+        mesh = getattr(self.model, "mesh", None)
+        if mesh is not None and mesh.size("tp") > 1:
+            groups.append(mesh.axis("tp"))
+        if groups:
             sq = sq.reshape(1)
-            comm.all_reduce(sq, self.zero.shard_group, op="sum")
+            for group in groups:
+                comm.all_reduce(sq, group, op="sum")
         return float(sq.sqrt().item())
 
     def master_tensors(self) -> list[torch.Tensor]:
