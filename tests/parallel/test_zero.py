@@ -541,15 +541,17 @@ def _body_memory(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_state_bytes_match_the_formulas(pools: Callable[[int], WorkerPool], stage: int) -> None:
+def test_state_bytes_match_the_formulas(
+    pools: Callable[[int], WorkerPool], stage: int, n: int
+) -> None:
     """bf16 parameters, bf16 gradients, fp32 masters, AdamW: per-rank bytes equal
     2·P + 2·G + 4·M + 8·V exactly, where the test computes the padded sizes: P and G are
     the full padded units (stage 0/1; stage 0 has no padding) or this rank's shards, M the
     shard (padding included: the master is one flat tensor), V the shard's real
     elements (optimizer state is per parameter piece). The totals are then within the
     padding of 16, 2+2+12/N, 2+14/N and 16/N bytes per parameter."""
-    n = 4
     numel = {k: p.numel() for k, p in _make("builtin").named_parameters()}
     for r in pools(n).run(f"{M}:_body_memory", stage):
         assert r["dtypes"] == {"torch.bfloat16"}

@@ -107,13 +107,17 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(eq)
 
 
-def _body_fp16(ctx: WorkerContext) -> dict[str, Any]:
+def _body_overflow(ctx: WorkerContext, dtype: str) -> dict[str, Any]:
+    """fp16 with the loss scaler, or bf16 with ``nonfinite="skip"``: an inf gradient on one
+    rank at step 1 (ZeRO-2, 2 ranks)."""
     mesh = ctx.mesh(dp=ctx.world_size)
     torch.manual_seed(0)
     model = _model()
-    zdp = ZeroDataParallel(model, mesh, 2, param_dtype="fp16")
-    scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=3)
-    opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=scaler)
+    zdp = ZeroDataParallel(model, mesh, 2, param_dtype=dtype)
+    scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=3) if dtype == "fp16" else None
+    opt = ZeroOptimizer(
+        zdp, torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=scaler, nonfinite="skip"
+    )
     per = BATCH // ctx.world_size
     scales, skipped, unchanged = [], [], []
     for step in range(6):
@@ -125,16 +129,19 @@ def _body_fp16(ctx: WorkerContext) -> dict[str, Any]:
             assert grad is not None
             grad[0] = math.inf
         before = _snapshot(zdp, opt)
-        report = opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # bf16: "the step is skipped"
+            report = opt.step()
         opt.zero_grad()
         scales.append(report.loss_scale)
         skipped.append(report.skipped)
         unchanged.append(_same(before, _snapshot(zdp, opt)))
     return {
         "scales": scales,
-        "after": scaler.scale,
+        "after": scaler.scale if scaler is not None else None,
         "skipped": skipped,
         "unchanged": unchanged,
+        "steps": opt.steps,
         "dtypes": {str(p.dtype) for p in model.parameters()},
     }
 
@@ -142,7 +149,7 @@ def _body_fp16(ctx: WorkerContext) -> dict[str, Any]:
 def test_fp16_overflow_skips_the_step_and_the_scale_grows_after_k_clean_steps(
     pools: Callable[[int], WorkerPool],
 ) -> None:
-    for r in pools(2).run(f"{M}:_body_fp16"):
+    for r in pools(2).run(f"{M}:_body_overflow", "fp16"):
         assert r["dtypes"] == {"torch.float16"}
         # step 1 overflows (on rank 1 only; the global norm makes every rank skip)
         assert r["skipped"] == [False, True, False, False, False, False]
@@ -150,7 +157,17 @@ def test_fp16_overflow_skips_the_step_and_the_scale_grows_after_k_clean_steps(
         k = 2.0**16
         # K = 3 clean steps after the overflow double the halved scale back
         assert r["scales"] == [k, k, k / 2, k / 2, k / 2, k]
-        assert r["after"] == k
+        assert r["after"] == k and r["steps"] == 5
+
+
+def test_bf16_nonfinite_gradient_skips_on_every_rank(pools: Callable[[int], WorkerPool]) -> None:
+    """bf16 (no loss scale), ``nonfinite="skip"``: the same injected inf skips the step on
+    both ranks and leaves shards, masters and Adam state exactly as they were."""
+    for r in pools(2).run(f"{M}:_body_overflow", "bf16"):
+        assert r["dtypes"] == {"torch.bfloat16"}
+        assert r["skipped"] == [False, True, False, False, False, False]
+        assert r["unchanged"] == [False, True, False, False, False, False]
+        assert r["scales"] == [None] * 6 and r["steps"] == 5
 
 
 def _tiny(dtype: str = "fp32", steps: int = 4, **prec: Any) -> Config:
@@ -195,6 +212,67 @@ def test_trainer_reports_a_skipped_step_and_holds_the_schedule(
     assert summary.skipped_steps == 1 and trainer.sched_step == 3
     assert rows[0]["memory"]["master"] > 0 and rows[1]["memory"] is None
     assert trainer.optimizer.scaler is not None and trainer.optimizer.scaler.scale == 65536.0
+
+
+def _inf_on_second_step(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = trainer._loss
+    calls = {"n": 0}
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        out = real(x, y)
+        return out * math.inf if calls["n"] == 2 else out
+
+    monkeypatch.setattr(trainer, "_loss", loss)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trainer_nonfinite_loss_skip_keeps_state_and_schedule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """fp32/bf16 with ``nonfinite = "skip"``: the step with an inf loss is skipped with a
+    warning and reported; weights, optimizer state and the schedule's step are unchanged."""
+    cfg = _tiny(dtype, steps=4, nonfinite="skip")
+    cfg.log.metrics = str(tmp_path / "m.jsonl")
+    trainer = Trainer(cfg, init_mesh(), show_progress=False)
+    _inf_on_second_step(trainer, monkeypatch)
+    real_step = trainer.train_step
+    same: list[bool] = []
+
+    def state() -> list[torch.Tensor]:
+        st = [v.clone() for s in trainer.optimizer.state.values() for v in s.values()]
+        masters = [m.clone() for m in trainer.optimizer.master_tensors()]
+        return [p.detach().clone() for p in trainer.base.parameters()] + masters + st
+
+    def step(i: int) -> Any:
+        before, sched = state(), trainer.sched_step
+        out = real_step(i)
+        after = state()
+        same.append(
+            sched == trainer.sched_step
+            and len(before) == len(after)
+            and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        )
+        return out
+
+    monkeypatch.setattr(trainer, "train_step", step)
+    with pytest.warns(RuntimeWarning, match="loss is not finite; the step is skipped"):
+        summary = trainer.run()
+    rows = [json.loads(line) for line in Path(cfg.log.metrics).read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [False, True, False, False]
+    assert same == [False, True, False, False]
+    assert [r["lr"] for r in rows] == [lr_at(i, cfg) for i in (0, 1, 1, 2)]
+    assert summary.skipped_steps == 1 and trainer.sched_step == 3
+    assert all(r["loss_scale"] is None for r in rows)
+    assert math.isinf(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:])
+
+
+def test_trainer_nonfinite_loss_error_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer(_tiny("fp32", steps=3), init_mesh(), show_progress=False)
+    _inf_on_second_step(trainer, monkeypatch)
+    with pytest.raises(NonFiniteError, match=r"optimizer step 2: the loss is not finite"):
+        trainer.run()
+    assert trainer.sched_step == 1
 
 
 # ----------------------------------------------------------------------------- bf16
