@@ -13,6 +13,7 @@ counters (the asymptotics of SPEC.md).
 Run from the repository root::
 
     python benchmarks/collectives.py            # writes benchmarks/COLLECTIVES.md + .png
+                                                # and its section of benchmarks/RESULTS.md
     python benchmarks/collectives.py --help     # every option of `plait bench comm`
 """
 
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--md", os.path.relpath(HERE / "COLLECTIVES.md")]
     if "--plot" not in args:
         args += ["--plot", os.path.relpath(HERE / "collectives.png")]
+    if "--results" not in args:
+        args += ["--results", os.path.relpath(HERE / "RESULTS.md")]
     return bench(args)
 
 

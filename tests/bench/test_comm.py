@@ -76,11 +76,24 @@ def test_body_measures_and_counts(pools: Pools, world: int) -> None:
 
 
 @pytest.mark.slow
-def test_end_to_end_writes_table_and_plot(tmp_path: Path) -> None:
-    md, png = tmp_path / "c.md", tmp_path / "c.png"
+def test_end_to_end_writes_table_plot_and_section(tmp_path: Path) -> None:
+    md, png, results = tmp_path / "c.md", tmp_path / "c.png", tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## Someone else's section\n\nkeep me\n")
     args = ["--worlds", "2", "--algorithms", "ring,tree,library", "--max-bytes", "256"]
-    assert bench.main([*args, "--reps", "1", "--md", str(md), "--plot", str(png)]) == 0
+    args += ["--reps", "1", "--md", str(md), "--plot", str(png), "--results", str(results)]
+    assert bench.main(args) == 0
     text = md.read_text()
     assert "Taken under load" in text and "| ring | 2 | 2 | 1 | 1 | 2 | 1 |" in text
     assert "| 2 | 256 B | library | 1 |" in text and "| tree |" in text
+    lib_row = [ln for ln in text.splitlines() if ln.startswith("| 2 | 4 B | library |")]
+    assert len(lib_row) == 1 and lib_row[0].split("|")[6].strip() == "1.00"  # ÷ library
     assert png.read_bytes()[:4] == b"\x89PNG"
+    first = results.read_text()
+    assert first.startswith("# Benchmark results\n\n## Someone else's section\n\nkeep me\n")
+    assert first.count("## Collective algorithms (issue 8)") == 1
+    assert "| 2 | ring | " in first and "÷ library at 256 B" in first
+    # a second run replaces the section instead of appending another
+    bench._write_section(results, "- head\n\n", "new body", None)
+    second = results.read_text()
+    assert second.count("## Collective algorithms (issue 8)") == 1 and "new body" in second
+    assert "keep me" in second and "| 2 | ring | " not in second

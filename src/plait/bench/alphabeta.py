@@ -150,10 +150,11 @@ def tables(
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| N | size | algorithm | reps | median ms | algbw GB/s | busbw GB/s | model ms | "
-        "error | per-N model ms | per-N error |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| N | size | algorithm | reps | median ms | ÷ library | algbw GB/s | busbw GB/s | "
+        "model ms | error | per-N model ms | per-N error |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    lib = library_times(ms)
     for m in ms:
         f, fw = fits[m.algorithm], fits_by_world[(m.algorithm, m.world)]
         err = f.errors[[x for x in ms if x.algorithm == m.algorithm].index(m)]
@@ -162,10 +163,60 @@ def tables(
         ]
         lines.append(
             f"| {m.world} | {human_bytes(m.nbytes)} | {m.algorithm} | {m.reps} | "
-            f"{m.seconds * 1e3:.3f} | {m.algbw / 1e9:.4f} | {m.busbw / 1e9:.4f} | "
+            f"{m.seconds * 1e3:.3f} | {_ratio(m, lib)} | {m.algbw / 1e9:.4f} | "
+            f"{m.busbw / 1e9:.4f} | "
             f"{m.seconds * (1 + err) * 1e3:.3f} | {err * 100:+.0f} % | "
             f"{m.seconds * (1 + werr) * 1e3:.3f} | {werr * 100:+.0f} % |"
         )
+    return "\n".join(lines)
+
+
+def library_times(ms: list[Measurement]) -> dict[tuple[int, int], float]:
+    """(world, bytes) -> median seconds of the library all-reduce (the reference)."""
+    return {(m.world, m.nbytes): m.seconds for m in ms if m.algorithm == LIBRARY}
+
+
+def _ratio(m: Measurement, lib: dict[tuple[int, int], float]) -> str:
+    ref = lib.get((m.world, m.nbytes))
+    return f"{m.seconds / ref:.2f}" if ref else "-"
+
+
+def summary_table(ms: list[Measurement], fits: dict[str, Fit]) -> str:
+    """Markdown: per world size and algorithm, the median time at the smallest, the
+    closest-to-1-MiB and the largest message with the model's error beside each, and the
+    ratio to the library all-reduce at the smallest and largest."""
+    sizes = sorted({m.nbytes for m in ms})
+    picks = list(dict.fromkeys([sizes[0], min(sizes, key=lambda s: abs(s - 2**20)), sizes[-1]]))
+    lib = library_times(ms)
+    errs = {}
+    for name, f in fits.items():
+        mine = [m for m in ms if m.algorithm == name]
+        errs.update(
+            {(m.algorithm, m.world, m.nbytes): e for m, e in zip(mine, f.errors, strict=True)}
+        )
+    cols = " | ".join(f"{human_bytes(s)}: ms (model error)" for s in picks)
+    lines = [
+        f"| N | algorithm | {cols} | ÷ library at {human_bytes(picks[0])} | "
+        f"÷ library at {human_bytes(picks[-1])} | busbw at {human_bytes(picks[-1])} GB/s |",
+        "|---:|---|" + "---:|" * (len(picks) + 3),
+    ]
+    by_key = {(m.algorithm, m.world, m.nbytes): m for m in ms}
+    for n in sorted({m.world for m in ms}):
+        for name in fits:
+            got = [by_key.get((name, n, s)) for s in picks]
+            if any(m is None for m in got):
+                continue
+            cells = [
+                f"{m.seconds * 1e3:.3f} ({errs[(name, n, m.nbytes)] * 100:+.0f} %)"
+                for m in got
+                if m is not None
+            ]
+            first, last = got[0], got[-1]
+            assert first is not None and last is not None
+            lines.append(
+                f"| {n} | {name} | " + " | ".join(cells) + f" | {_ratio(first, lib)} | "
+                f"{_ratio(last, lib)} | {last.busbw / 1e9:.3f} |"
+            )
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from plait import comm
-from plait.bench.alphabeta import LIBRARY, Measurement, fit_all, plot, tables
+from plait.bench.alphabeta import LIBRARY, Measurement, fit_all, plot, summary_table, tables
 from plait.comm import algorithms as algo
 from plait.comm.costs import Cost, traffic_table
 from plait.errors import ConfigError
@@ -148,6 +148,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="comm timeout in seconds")
     p.add_argument("--md", metavar="PATH", help="write the tables to this markdown file")
     p.add_argument("--plot", metavar="PATH", help="write the log-log plot to this PNG")
+    p.add_argument(
+        "--results",
+        metavar="PATH",
+        help="write (or replace) the 'Collective algorithms (issue 8)' section of this "
+        "markdown file (benchmarks/RESULTS.md) with the summary tables",
+    )
     return p
 
 
@@ -183,10 +189,24 @@ def main(argv: list[str]) -> int:
         "Timings and the alpha-beta fit:\n\n" + tables(ms, fits, fits_by_world, traffic)
     )
     print(text)
+    head = _header(argv, time.perf_counter() - t0, (load0, _load()))
     if args.md:
-        doc = _document(text, argv, time.perf_counter() - t0, (load0, _load()))
-        Path(args.md).write_text(doc)
+        title = "# All-reduce algorithms on point-to-point messages vs the alpha-beta model\n\n"
+        Path(args.md).write_text(title + head + f"{text}\n")
         print(f"plait bench comm: wrote {args.md}", file=sys.stderr)
+    if args.results:
+        short = (
+            f"Traffic of one all-reduce of S = {PROBE_NUMEL * 4} bytes (fp32), measured from "
+            "the comm counters:\n\n" + traffic_table(counted, traffic) + "\n\n"
+            "Alpha-beta fit per algorithm (over all world sizes and message sizes; then "
+            "per world size):\n\n"
+            + "\n\n".join(tables(ms, fits, fits_by_world, traffic).split("\n\n")[:2])
+            + "\n\nMedian time (slowest rank) at three message sizes, the fitted model's "
+            "error beside each, and the ratio to gloo's own all-reduce in the same run:\n\n"
+            + summary_table(ms, fits)
+        )
+        _write_section(Path(args.results), head, short, args.md)
+        print(f"plait bench comm: wrote its section of {args.results}", file=sys.stderr)
     if args.plot:
         plot(ms, fits, args.plot)
         print(f"plait bench comm: wrote {args.plot}", file=sys.stderr)
@@ -198,10 +218,31 @@ def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
-def _document(text: str, argv: list[str], seconds: float, load: tuple[float, float]) -> str:
+SECTION_BEGIN, SECTION_END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
+
+
+def _write_section(path: Path, head: str, body: str, full: str | None) -> None:
+    """Replace the issue-8 section of ``path`` (between its markers) or append it."""
+    where = f" The full table (every size, per-N fits) is in `{full}`." if full else ""
+    section = (
+        f"{SECTION_BEGIN}\n## Collective algorithms (issue 8)\n\n"
+        "All-reduce algorithms of `plait.comm.algorithms` on counted point-to-point "
+        f"messages against gloo's own all-reduce (`library`).{where}\n\n"
+        f"{head}{body}\n{SECTION_END}\n"
+    )
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    if SECTION_BEGIN in text and SECTION_END in text:
+        pre, rest = text.split(SECTION_BEGIN, 1)
+        _, post = rest.split(SECTION_END, 1)
+        text = pre + section.rstrip("\n") + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def _header(argv: list[str], seconds: float, load: tuple[float, float]) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        "# All-reduce algorithms on point-to-point messages vs the alpha-beta model\n\n"
         f"- Date: {now}; torch {torch.__version__}; Python {platform.python_version()}; "
         f"{platform.machine()} with {os.cpu_count()} cores; gloo on loopback; fp32.\n"
         f"- Command: `plait bench comm {' '.join(argv)}` ({seconds:.0f} s).\n"
@@ -220,7 +261,8 @@ def _document(text: str, argv: list[str], seconds: float, load: tuple[float, flo
         "(per-N table and the `per-N` columns).\n"
         "- busbw uses the nccl-tests all-reduce convention algbw·2(N-1)/N for every "
         "algorithm (a normalisation, not each algorithm's own traffic).\n"
+        "- `÷ library`: median time over the library all-reduce's median at the same N "
+        "and size, in the same run and processes (the PyTorch reference).\n"
         "- World sizes above 2 oversubscribe 2 cores: times include CPU contention, which "
         "the alpha-beta model does not describe.\n\n"
-        f"{text}\n"
     )
