@@ -792,3 +792,6 @@ def test_cli_train_zero3_two_processes(tmp_path: Any) -> None:
     assert [row["step"] for row in rows] == [1, 2, 3]
     mem = rows[0]["memory"]
     assert mem["master"] > 0 and mem["optimizer"] > 0 and mem["total_cpu"] == mem["total"]
+    assert all(row["memory"] is None for row in rows[1:])
+    # peak memory per step: reported where the device has a counter (CUDA), None on CPU
+    assert all("peak_memory_bytes" in row and row["peak_memory_bytes"] is None for row in rows)

@@ -28,6 +28,7 @@ from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero_optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train import precision
+from plait.train.memory import peak_memory, reset_peak_memory
 from plait.train.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy
 from plait.train.trainer import Trainer, lr_at
 
@@ -375,7 +376,13 @@ def test_gpu_offload_step_runs_on_the_cpu() -> None:
     zdp = ZeroDataParallel(model, init_mesh(device="cuda"), 3, param_dtype="bf16", offload="params")
     opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x, y = _batch(0)
+    device = torch.device("cuda")
+    reset_peak_memory(device)
     _loss(zdp(x.cuda()), y.cuda()).backward()
     assert not opt.step().skipped
     assert {t.device.type for t in opt.master_tensors()} == {"cpu"}
     assert {zdp.param_shard(u).device.type for u in zdp.units} == {"cpu"}
+    assert {v.device.type for s in opt.state.values() for v in s.values() if v.dim()} == {"cpu"}
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    peak = peak_memory(device)
+    assert peak is not None and peak > 0  # the device reports its peak
