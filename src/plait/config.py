@@ -165,7 +165,11 @@ class ParallelConfig:
             timeout_s=self.timeout_s,
         )
         if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}.")
+            raise ConfigError(
+                f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}: 0 = plain data "
+                "parallel, 1 = optimizer state sharded, 2 = also gradients, 3 = also "
+                "parameters (fully sharded)."
+            )
         _positive("parallel", zero_shard_size=self.zero_shard_size)
         if self.offload not in ("none", "optimizer", "params"):
             raise ConfigError(
