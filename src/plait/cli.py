@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("plait.plan.cli:calibrate_main", "alias of `plait bench calibrate`"),
     "bench": ("plait.bench:main", "benchmarks: `plait bench comm | calibrate`"),
     "ps-train": ("plait.ps_cli:ps_train_main", "parameter-server training (sync/async/bounded)"),
+    "pipeline": ("plait.pipeline_cli:pipeline_main", "pipeline schedules: draw | show"),
 }
 """Subcommand name -> ("module:function", one-line help). Each function takes the
 arguments after the subcommand name and returns an exit code; it may raise
