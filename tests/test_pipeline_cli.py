@@ -44,3 +44,9 @@ def test_bad_input_exits_2_naming_the_numbers(capsys: pytest.CaptureFixture[str]
     assert "got 6 micro-batches for 4 stages; use 4 or 8 micro-batches" in err
     assert main(["pipeline", "draw", "--backward", "-2"]) == EXIT_BAD_INPUT
     assert "--backward -2" in capsys.readouterr().err
+    # the adjacent placement of interleaved 1F1B is not safe with unbuffered sends
+    il = ["pipeline", "show", "--schedule", "interleaved", "--stages", "2",
+          "--microbatches", "4", "--chunks", "2", "--rendezvous"]
+    assert main(il) == EXIT_BAD_INPUT
+    assert "deadlock: rank 0 waits in batch" in capsys.readouterr().err
+    assert main([*il, "--placement", "lockstep"]) == 0

@@ -7,6 +7,8 @@ backward / weight-gradient colours, bubbles white, the bubble fraction in the ti
 batch of adjacent communication actions in brackets) and the simulated makespan, bubble
 and peak in-flight micro-batches next to the textbook figure. Costs: ``--forward``,
 ``--backward`` (zero-bubble splits it evenly into I and W) and ``--comm`` per batch.
+``--placement lockstep`` places the communication for unbuffered sends and
+``--rendezvous`` checks and simulates with them (see ``schedules.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from fractions import Fraction
 
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Schedule
-from plait.parallel.pipeline.schedules import SCHEDULES, build_schedule, comm_steps
+from plait.parallel.pipeline.schedules import PLACEMENTS, SCHEDULES, build_schedule, comm_steps
 from plait.parallel.pipeline.simulate import Costs, SimResult, simulate
 from plait.parallel.pipeline.validate import validate
 
@@ -35,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--backward", type=Fraction, default=Fraction(2),
                        help="backward cost (I = W = half of it for zb)")
         s.add_argument("--comm", type=Fraction, default=Fraction(0), help="cost per comm batch")
+        s.add_argument("--placement", choices=PLACEMENTS, default="adjacent",
+                       help="where the send/receive actions go (default adjacent)")
+        s.add_argument("--rendezvous", action="store_true",
+                       help="sends block until received (validate and simulate so)")
         if name == "draw":
             s.add_argument("--out", help="PNG path (default <schedule>.png)")
     return p
@@ -46,11 +52,11 @@ def _build(ns: argparse.Namespace) -> tuple[Schedule, SimResult]:
             f"costs must be >= 0, got --forward {ns.forward} --backward {ns.backward} "
             f"--comm {ns.comm}"
         )
-    sched = build_schedule(ns.schedule, ns.stages, ns.microbatches, ns.chunks)
-    validate(sched)
+    sched = build_schedule(ns.schedule, ns.stages, ns.microbatches, ns.chunks, ns.placement)
+    validate(sched, rendezvous=ns.rendezvous)
     costs = Costs(forward=ns.forward, backward=ns.backward, backward_input=ns.backward / 2,
                   backward_weight=ns.backward / 2, comm=ns.comm)
-    return sched, simulate(sched, costs)
+    return sched, simulate(sched, costs, ns.rendezvous)
 
 
 def _textbook(s: Schedule) -> str:

@@ -100,6 +100,23 @@ def test_comm_actions_sit_next_to_their_compute() -> None:
                for k, a in enumerate(zb) if a.op is BW)
 
 
+def test_lockstep_placement_posts_receives_in_the_round_of_their_send() -> None:
+    s = build_schedule("interleaved", 2, 4, 2, placement="lockstep")
+    adjacent = build_schedule("interleaved", 2, 4, 2)
+    for r in range(2):  # same compute order, same comm actions, other positions
+        assert [a for a in s.actions[r] if a.op.is_compute] == [
+            a for a in adjacent.actions[r] if a.op.is_compute
+        ]
+        assert sorted(s.actions[r]) == sorted(adjacent.actions[r])
+    assert s.actions != adjacent.actions
+    # rank 1 posts the receive of F2@s1's input in the round rank 0 sends it (together
+    # with B0@s3's send), three computes before F2@s1; adjacent: right before F2@s1
+    lock, adj = ([str(a) for a in x.actions[1]] for x in (s, adjacent))
+    k = lock.index("B0@s3")
+    assert lock[k : k + 4] == ["B0@s3", "SEND_B0@s3", "RECV_F2@s1", "F1@s3"]
+    assert adj[adj.index("F2@s1") - 1] == "RECV_F2@s1"
+
+
 def test_comm_steps_batch_adjacent_comms() -> None:
     acts = one_f_one_b(2, 2).actions[0]  # F0 S F1 S R B0 R B1
     steps = comm_steps(acts)
@@ -142,12 +159,14 @@ def test_every_microbatch_and_stage_appears_once_each_way(name: str) -> None:
         ("gpipe", 0, 4, 1, ["stages must be >= 1, got 0"]),
         ("zb", 2, 0, 1, ["micro-batches per step must be >= 1, got 0"]),
         ("pipedream", 2, 4, 1, ["unknown pipeline schedule 'pipedream'", "1f1b"]),
+        ("1f1b/eager", 2, 4, 1, ["unknown comm placement 'eager'", "lockstep"]),
     ],
 )
 def test_bad_input_is_a_config_error_naming_the_numbers(
     name: str, p: int, m: int, v: int, words: list[str]
 ) -> None:
+    name, _, placement = name.partition("/")
     with pytest.raises(ConfigError) as e:
-        build_schedule(name, p, m, v)
+        build_schedule(name, p, m, v, placement or "adjacent")
     for w in words:
         assert w in str(e.value)

@@ -110,6 +110,20 @@ def test_timeline_follows_each_rank_order_without_overlap() -> None:
     assert sum(unscaled.busy) == 2 * sum(simulate(s).busy)
 
 
+@pytest.mark.parametrize("costs", CONVENTIONS, ids=["b=2f", "b=f"])
+def test_lockstep_placement_costs_nothing_except_for_interleaved(costs: Costs) -> None:
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("zb", 1), ("interleaved", 2)):
+        for p, m in ((2, 4), (4, 8), (4, 16)):
+            adjacent = simulate(build_schedule(name, p, m, v), costs).makespan
+            lock = build_schedule(name, p, m, v, placement="lockstep")
+            buffered = simulate(lock, costs).makespan
+            unbuffered = simulate(lock, costs, rendezvous=True).makespan
+            if name != "interleaved" or costs.backward == costs.forward:
+                assert buffered == unbuffered == adjacent, (name, p, m)
+            else:  # blocking sends make interleaved ranks wait for each other
+                assert adjacent < buffered <= unbuffered < Fraction(5, 4) * adjacent
+
+
 def test_deadlock_and_bad_costs_are_reported() -> None:
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(build_schedule("interleaved", 2, 4, 2), rendezvous=True)

@@ -30,6 +30,8 @@ def grid() -> list[tuple[str, int, int, int]]:
 @pytest.mark.parametrize(("name", "p", "m", "v"), grid())
 def test_every_schedule_is_sound(name: str, p: int, m: int, v: int) -> None:
     validate(build_schedule(name, p, m, v))
+    # the lock-step placement also survives unbuffered (rendezvous) sends
+    validate(build_schedule(name, p, m, v, placement="lockstep"), rendezvous=True)
 
 
 def with_rank(s: Schedule, r: int, acts: list[Action]) -> Schedule:
