@@ -87,6 +87,7 @@ def test_modes_on_the_pool(pools: Pools) -> None:
         (["--steps", "0"], "steps must be >= 1"),
         (["--nproc", "3", "--slow-worker", "2"], "--slow-worker 2 (a worker index 0..1)"),
         (["--batch", "0"], "--batch 0"),
+        (["--dim", "10"], "--dim 10 / --layers 2: model.dim (10) must be divisible"),
     ],
 )
 def test_bad_input_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

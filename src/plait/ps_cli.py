@@ -20,12 +20,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.comm.group import AxisGroup
 from plait.comm.param_server import MODES, PSConfig, PSResult, train_parameter_server
 from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.config import ModelConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,8 +80,10 @@ def _check_args(args: argparse.Namespace, workers: int) -> None:
     problems = []
     if args.batch < 1 or args.seq_len < 2:
         problems.append(f"--batch {args.batch} (>= 1) and --seq-len {args.seq_len} (>= 2)")
-    if args.dim < 8 or args.layers < 1:
-        problems.append(f"--dim {args.dim} (>= 8) and --layers {args.layers} (>= 1)")
+    try:  # the model's own validation (head count dividing dim, ...), in the parent
+        _model_config(args)
+    except ConfigError as e:
+        problems.append(f"--dim {args.dim} / --layers {args.layers}: {e}")
     if args.slow_work < 0:
         problems.append(f"--slow-work {args.slow_work} (>= 0)")
     if not -1 <= args.slow_worker < workers:
@@ -86,6 +92,12 @@ def _check_args(args: argparse.Namespace, workers: int) -> None:
         problems.append(f"--timeout {args.timeout} (> 0 seconds)")
     if problems:
         raise ConfigError("plait ps-train: bad arguments: " + "; ".join(problems))
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    from plait.config import ModelConfig
+
+    return ModelConfig(dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
 
 
 def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) -> None:
@@ -106,12 +118,11 @@ def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) ->
 def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:
     """Train on the ranks of ``g`` (every rank calls it); returns the run's summary
     (meaningful on axis index 0, server 0). Every rank ends with the final weights."""
-    from plait.config import DataConfig, ModelConfig
+    from plait.config import DataConfig
     from plait.model import Transformer, lm_loss
     from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
 
-    mcfg = ModelConfig(dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
-    model = Transformer(mcfg, seed=args.seed)
+    model = Transformer(_model_config(args), seed=args.seed)
     train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
     train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
     workers = g.size - cfg.servers
