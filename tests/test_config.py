@@ -490,8 +490,32 @@ def _cfg(**sections: dict[str, Any]) -> Config:
             2,
             r"dp=1 x tp=4 x pp=1 x cp=1 = 4 ranks does not match the world size 2",
         ),
-        (_cfg(parallel={"pp": 2}), 2, r"pp=2, cp=1 are not available yet"),
-        (_cfg(parallel={"cp": 2}), 2, r"pp=1, cp=2 are not available yet"),
+        (_cfg(parallel={"cp": 2}), 2, r"cp=2 is not available yet"),
+        (
+            _cfg(parallel={"pp": 4, "chunks": 2, "pipeline_schedule": "interleaved"}),
+            4,
+            r"4 transformer blocks .* pp 4 x chunks 2 = 8 pipeline pieces .*model.n_layers >= 8",
+        ),
+        (
+            _cfg(
+                parallel={"pp": 4, "pipeline_schedule": "interleaved", "microbatches": 2},
+                model={"n_layers": 8},
+            ),
+            4,
+            r"2 micro-batches \(parallel.microbatches\) < pp 4; use a multiple of 4",
+        ),
+        (
+            _cfg(parallel={"pp": 2, "microbatches": 3}),
+            2,
+            r"global_batch \(16\) must split into dp 1 x 3 pipeline micro-batches .* 16 "
+            r"sequences per rank is not divisible by 3; .* among \[1, 2, 4, 8, 16\]",
+        ),
+        (
+            _cfg(parallel={"pp": 2, "microbatches": 4}, train={"micro_batch": 2}),
+            2,
+            r"train.micro_batch \(2\) x parallel.microbatches \(4\) must equal .* = 16",
+        ),
+        (_cfg(parallel={"pp": 2, "zero": 2}), 2, r"parallel.zero = 2 with pipeline parallelism"),
         (
             _cfg(parallel={"tp": 4}, model={"n_heads": 2, "dim": 32}),
             4,

@@ -25,6 +25,8 @@ Recompute = Literal["none", "selective", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
 NonFinite = Literal["error", "skip"]
+PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
+Balance = Literal["equal", "measured"]
 
 
 def _positive(section: str, **values: float | int | None) -> None:
@@ -129,6 +131,22 @@ class ParallelConfig:
     all-gather enters each region and a reduce-scatter leaves it (the bytes of the
     all-reduce they replace, 1/tp of those activations). train.seq_len must be
     divisible by tp."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule when pp > 1: 'naive' (one micro-batch at a time), 'gpipe' (all
+    forwards, then all backwards), '1f1b' (one forward one backward; activations bounded by
+    pp), 'interleaved' (1F1B over parallel.chunks pieces per rank) or 'zb' (zero-bubble
+    ZB-H1: backward split into input and weight gradients)."""
+    microbatches: int | None = None
+    """Pipeline micro-batches per optimizer step and data-parallel rank (pp > 1; default:
+    the accumulation count global_batch / (dp x train.micro_batch) when train.micro_batch
+    is set, else 2 x pp). The per-rank batch global_batch / dp must divide into them."""
+    chunks: int = 1
+    """Model pieces per pipeline rank (v, > 1 only with the 'interleaved' schedule): the
+    model is cut into pp x chunks pieces of contiguous blocks, assigned round-robin."""
+    balance: Balance = "equal"
+    """How blocks are assigned to pipeline pieces: 'equal' (equal block counts) or
+    'measured' (profile each block's forward + backward time in a short run and choose
+    the contiguous split that minimises the slowest piece; boundaries are printed)."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 = plain data parallel, 1 = optimizer state
     sharded, 2 = also gradients, 3 = also parameters (fully sharded)."""
@@ -170,6 +188,14 @@ class ParallelConfig:
                 "parallel, 1 = optimizer state sharded, 2 = also gradients, 3 = also "
                 "parameters (fully sharded)."
             )
+        _positive("parallel", microbatches=self.microbatches, chunks=self.chunks)
+        if self.pipeline_schedule not in ("naive", "gpipe", "1f1b", "interleaved", "zb"):
+            raise ConfigError(
+                "parallel.pipeline_schedule must be naive, gpipe, 1f1b, interleaved or zb, "
+                f"got {self.pipeline_schedule!r}."
+            )
+        if self.balance not in ("equal", "measured"):
+            raise ConfigError(f"parallel.balance must be equal or measured, got {self.balance!r}.")
         _positive("parallel", zero_shard_size=self.zero_shard_size)
         if self.offload not in ("none", "optimizer", "params"):
             raise ConfigError(
@@ -400,12 +426,14 @@ class Config:
                 f"does not match the world size {world_size}; choose degrees whose product "
                 f"is {world_size} (or start {product} processes)."
             )
-        if p.pp > 1 or p.cp > 1:
+        if p.cp > 1:
             raise ConfigError(
-                "this version of plait runs data, tensor and sequence parallelism and ZeRO "
-                f"(parallel.dp, parallel.tp, parallel.zero) only; pp={p.pp}, cp={p.cp} are not "
-                "available yet. Use parallel.dp x parallel.tp equal to the number of processes."
+                "this version of plait runs data, tensor, sequence and pipeline parallelism and "
+                f"ZeRO (parallel.dp, tp, pp, zero) only; cp={p.cp} is not available yet. Use "
+                "parallel.dp x parallel.tp x parallel.pp equal to the number of processes."
             )
+        if p.pp > 1:
+            self._validate_pipeline(dp)
         if p.tp > 1:  # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
             from plait.parallel.tp_plan import check_tensor_parallel
 
@@ -461,11 +489,66 @@ class Config:
         check_device_supports(self.precision.dtype, self.launch.device)
 
     def micro_batch(self, world_size: int) -> int:
-        """Per-rank micro-batch (sequences) with the default applied."""
+        """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank
+        batch divided into the pipeline micro-batches)."""
         if self.train.micro_batch is not None:
             return self.train.micro_batch
         dp = self.parallel.resolved_dp(world_size)
+        if self.parallel.pp > 1:
+            return max(1, self.train.global_batch // dp // self.pipeline_microbatches(world_size))
         return max(1, self.train.global_batch // dp)
+
+    def pipeline_microbatches(self, world_size: int) -> int:
+        """Pipeline micro-batches per step and dp rank (see ``parallel.microbatches``)."""
+        p = self.parallel
+        if p.microbatches is not None:
+            return p.microbatches
+        if self.train.micro_batch is not None:
+            dp = p.resolved_dp(world_size)
+            return max(1, self.train.global_batch // (dp * self.train.micro_batch))
+        return 2 * p.pp
+
+    def _validate_pipeline(self, dp: int) -> None:
+        """pp > 1: blocks per piece, micro-batches, schedule and ZeRO stage."""
+        p, t = self.parallel, self.train
+        pieces = p.pp * p.chunks
+        if self.model.n_layers < pieces:
+            raise ConfigError(
+                f"the model has {self.model.n_layers} transformer blocks (model.n_layers) but "
+                f"pp {p.pp} x chunks {p.chunks} = {pieces} pipeline pieces need at least one "
+                f"block each; use model.n_layers >= {pieces} or fewer stages/chunks."
+            )
+        m = self.pipeline_microbatches(dp * p.tp * p.pp * p.cp)
+        if p.pipeline_schedule == "interleaved" and m < p.pp:
+            raise ConfigError(
+                f"the interleaved schedule needs at least as many micro-batches as pipeline "
+                f"stages: {m} micro-batches (parallel.microbatches) < pp {p.pp}; use a multiple "
+                f"of {p.pp} such as {p.pp} or {2 * p.pp}."
+            )
+        per_rank = t.global_batch // dp
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        if t.global_batch % dp or per_rank % m:
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must split into dp {dp} x {m} pipeline "
+                f"micro-batches (parallel.microbatches) of equal size: {t.global_batch} / {dp} "
+                f"= {t.global_batch / dp:g} sequences per rank is not divisible by {m}; use a "
+                f"global_batch multiple of {dp * m} (e.g. {dp * m * max(1, per_rank // m)}) "
+                f"or parallel.microbatches among {divisors}."
+            )
+        if t.micro_batch is not None and t.micro_batch * m != per_rank:
+            raise ConfigError(
+                f"train.micro_batch ({t.micro_batch}) x parallel.microbatches ({m}) must equal "
+                f"the per-rank batch global_batch / dp = {per_rank}; leave one of them unset."
+            )
+        if p.zero > 1:
+            raise ConfigError(
+                f"parallel.zero = {p.zero} with pipeline parallelism is not supported: stages "
+                "2 and 3 reduce gradients on every backward pass, i.e. per micro-batch. Use "
+                "parallel.zero = 1 (sharded optimizer state) or 0 with pp > 1."
+            )
+        from plait.parallel.pipeline.schedules import build_schedule
+
+        build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step: global_batch / (dp · micro_batch)."""

@@ -7,8 +7,10 @@ implements tensor/sequence parallelism (when the mesh's tp axis is wider than 1:
 :func:`~plait.parallel.tp_plan.apply_tensor_parallel` with the built-in transformer's
 plan; the model's logits are then vocabulary-sharded, so use
 :func:`~plait.parallel.tp_plan.tensor_parallel_loss`) and the last two steps, which
-reduce over the dp axis only; context and pipeline parallelism are refused by
-:meth:`plait.config.Config.validate` before any process starts.
+reduce over the dp axis only; the pipeline split when pp > 1
+(:func:`~plait.parallel.pipeline.engine.split_for_pipeline`: the result wraps this
+rank's pieces, run by :class:`~plait.parallel.pipeline.engine.PipelineEngine`); context
+parallelism is refused by :meth:`plait.config.Config.validate` before any process starts.
 
 The last step picks the wrapper:
 
@@ -27,6 +29,7 @@ from torch import nn
 from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
+from plait.parallel.pipeline.engine import split_for_pipeline
 from plait.parallel.tp_plan import apply_tensor_parallel
 from plait.parallel.zero import ZeroDataParallel
 from plait.train.precision import PrecisionPolicy
@@ -59,7 +62,10 @@ def parallelize(
     # 1. tensor (and sequence) parallelism over the tp axis: the built-in plan.
     if mesh.size("tp") > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel)
-    # 2-3. context and pipeline parallelism: not in this version.
+    # 2. context parallelism: not in this version.
+    # 3. pipeline split (pp > 1): keep this rank's pieces (PipelineEngine runs them).
+    if mesh.size("pp") > 1:
+        model = split_for_pipeline(model, mesh, cfg)
     # 4. activation recomputation.
     if recompute and recompute != "none":
         apply_recompute(model, recompute)

@@ -35,6 +35,7 @@ from plait.config import Config
 from plait.mesh import Mesh
 from plait.model import Transformer, flops_per_token, lm_loss, param_count
 from plait.parallel.parallelize import parallelize
+from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer
 from plait.parallel.tp_optim import TensorParallelOptimizer
 from plait.parallel.tp_plan import tensor_parallel_loss
 from plait.parallel.zero import ZeroDataParallel
@@ -104,6 +105,8 @@ class Trainer:
         self.model = parallelize(base, mesh, cfg)
         self.tp = mesh.size("tp")  # tp > 1: logits vocabulary-sharded, norm summed over tp
         self.loss_fn = tensor_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
+        pp = mesh.size("pp") > 1  # the step runs the pipeline schedule (PipelineEngine)
+        self.pipe = PipelineEngine(self.model, mesh, cfg, self.loss_fn) if pp else None
         prec = cfg.precision
         scaler = (
             DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
@@ -117,8 +120,10 @@ class Trainer:
         }
         self.optimizer = (
             ZeroOptimizer(self.model, make_optimizer(base, cfg), **opt_kw)
-            if self.tp == 1  # tp > 1: the same, with the clipping norm summed over tp too
+            if self.tp == 1 and not pp  # tp > 1: the clipping norm summed over tp too
             else TensorParallelOptimizer(self.model, make_optimizer(base, cfg), mesh, **opt_kw)
+            if not pp  # pp > 1: also over the pipeline stages
+            else PipelineOptimizer(self.model, make_optimizer(base, cfg), mesh, **opt_kw)
         )
         self.sched_step = 0  # applied (not skipped) optimizer steps: the schedule's clock
 
@@ -167,7 +172,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for k, (x, y) in enumerate(self._micro_batches(step)):
+        batches = self._micro_batches(step)
+        if self.pipe is not None:  # the schedule runs every micro-batch, dp-reduced
+            xs, ys = zip(*batches, strict=True)
+            scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
+            total += self.pipe.train(torch.cat(xs), torch.cat(ys), scale)
+            batches = iter(())
+        for k, (x, y) in enumerate(batches):
             last = k == self.accum - 1
             no_sync = getattr(self.model, "no_sync", None)
             sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
@@ -195,6 +206,9 @@ class Trainer:
         for b in range(n):
             idx = self.val_sampler.rank_indices(b)
             x, y = self.val_set.batch(idx)
+            if self.pipe is not None:
+                total += self.pipe.evaluate(x.to(self.device), y.to(self.device)) / n
+                continue
             total += self._loss(x.to(self.device), y.to(self.device)).double() / n
         self.model.train()
         return self._global_mean(total)
@@ -282,6 +296,8 @@ class Trainer:
                 f"tensor parallel tp {self.tp} (Megatron plan, vocabulary-parallel loss"
                 f"{sp_note}); {zero_note}"
             )
+        if self.pipe is not None:
+            zero_note = f"{self.pipe.describe()}; {zero_note}"
         prec = cfg.precision
         prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
             prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype

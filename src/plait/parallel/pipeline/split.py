@@ -77,7 +77,8 @@ class StagePiece(nn.Module):
     """One virtual stage: optional embedding, a run of blocks, optional norm + head.
 
     ``forward`` maps token ids ``(micro, seq)`` (first piece) or hidden states
-    ``(micro, seq, dim)`` to hidden states ``(micro, seq, dim)``, or, for the last
+    ``(micro, seq, dim)`` to hidden states ``(micro, seq, dim)`` (``seq / tp`` under
+    sequence parallelism, ``seq_factor`` = tp), or, for the last
     piece, to logits ``(micro, seq, vocab)`` (vocabulary-sharded under tensor
     parallelism).
     """
@@ -90,9 +91,11 @@ class StagePiece(nn.Module):
         embedding: nn.Module | None = None,
         norm: nn.Module | None = None,
         head: nn.Module | None = None,
+        seq_factor: int = 1,
     ) -> None:
         super().__init__()
         self.stage = stage
+        self.seq_factor = seq_factor  # hidden states hold seq / seq_factor positions (SP)
         self.tok_embeddings = embedding
         self.layers = nn.ModuleDict({str(i): b for i, b in blocks.items()})
         self.norm = norm
@@ -114,8 +117,11 @@ class StagePiece(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens ``(micro, seq)`` or hidden ``(micro, seq, dim)`` -> hidden or logits."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        seq = h.shape[1]
+        if self.tok_embeddings is not None:
+            seq = x.shape[1]
+            h = self.tok_embeddings(x)  # (micro, seq / seq_factor, dim)
+        else:
+            seq, h = x.shape[1] * self.seq_factor, x
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
         for block in self.layers.values():
             h = block(h, cos, sin)  # (micro, seq, dim)
@@ -200,13 +206,17 @@ def split_transformer(
     mesh: Mesh,
     chunks: int = 1,
     boundaries: Sequence[int] | None = None,
+    seq_factor: int = 1,
 ) -> PipelineStages:
     """Keep this rank's pieces of the full ``model`` (a :class:`plait.model.Transformer`,
     possibly tensor-parallel already) for a pipeline of ``mesh.size("pp")`` ranks with
-    ``chunks`` pieces each; ``boundaries`` defaults to the equal-count split.
+    ``chunks`` pieces each; ``boundaries`` defaults to the equal-count split;
+    ``seq_factor`` is tp under sequence parallelism (hidden states between pieces hold a
+    1/tp slice of the sequence), else 1.
 
-    The pieces reuse the model's own modules (no copy); pieces of other ranks are
-    dropped. Raises :class:`ConfigError` for fewer blocks than pieces or bad boundaries.
+    The pieces reuse the model's own modules (no copy); the modules of other ranks'
+    pieces are replaced by ``nn.Identity`` in ``model`` (freed). Raises
+    :class:`ConfigError` for fewer blocks than pieces or bad boundaries.
     """
     for attr in ("tok_embeddings", "layers", "norm", "output", "rope_cos", "rope_sin"):
         if not hasattr(model, attr):
@@ -240,6 +250,7 @@ def split_transformer(
                 embedding=emb if stage == 0 else None,
                 norm=norm if stage == pieces - 1 else None,
                 head=head if stage == pieces - 1 else None,
+                seq_factor=seq_factor,
             )
         )
     tied: nn.Parameter | None = None
@@ -255,4 +266,22 @@ def split_transformer(
             tied = copy
         elif me == 0:
             tied = tied_param
+    _release_foreign(model, local, pieces)
     return PipelineStages(local, p, me, b, tied, group)
+
+
+def _release_foreign(model: nn.Module, local: Sequence[StagePiece], pieces: int) -> None:
+    """Replace the modules of other ranks' pieces in ``model`` by ``nn.Identity`` so
+    their memory is freed (the full model is consumed by the split)."""
+    keep = {int(i) for piece in local for i in piece.layers}
+    stages = {piece.stage for piece in local}
+    layers = model.layers
+    assert isinstance(layers, nn.ModuleList)
+    for i in range(len(layers)):
+        if i not in keep:
+            layers[i] = nn.Identity()
+    if 0 not in stages:
+        model.tok_embeddings = nn.Identity()
+    if pieces - 1 not in stages:
+        model.norm = nn.Identity()
+        model.output = nn.Identity()

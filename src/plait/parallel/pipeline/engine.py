@@ -1,0 +1,166 @@
+"""The pipeline as the trainer sees it: schedule and runtime from the config, and the
+optimizer whose clipping norm spans every pipeline stage.
+
+:func:`find_stages` locates this rank's :class:`~plait.parallel.pipeline.split.
+PipelineStages` inside the (data-parallel / ZeRO) wrapper that ``parallelize``
+returns. :class:`PipelineEngine` builds the schedule named by
+``parallel.pipeline_schedule`` and a :class:`~plait.parallel.pipeline.runtime.
+PipelineRuntime` with the activation shape ``(micro, seq, dim)`` (``seq / tp`` under
+sequence parallelism), and runs one training step (:func:`~plait.parallel.pipeline.
+runtime.pipeline_step`) or one evaluation pass, returning the mean loss on every rank of
+the pipeline.
+
+:class:`PipelineOptimizer` clips by the global gradient norm of the whole model: the
+local squared norms (weighted over tp as in :class:`~plait.parallel.tp_optim.
+TensorParallelOptimizer`) are summed over the ZeRO shard group, tp and pp. The last
+stage's copy of a tied embedding matrix is left out of its sum (the first stage's copy,
+equal after :meth:`~plait.parallel.pipeline.split.PipelineStages.sync_tied_grads`,
+counts it once).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.config import Config, ModelConfig, ParallelConfig
+from plait.mesh import Mesh
+from plait.parallel.pipeline.partition import choose_boundaries
+from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
+from plait.parallel.pipeline.schedules import build_schedule
+from plait.parallel.pipeline.split import PipelineStages, StagePiece, split_transformer
+from plait.parallel.tensor import shard_info
+from plait.parallel.tp_optim import TensorParallelOptimizer
+
+
+def split_for_pipeline(model: nn.Module, mesh: Mesh, cfg: Config | ParallelConfig) -> nn.Module:
+    """``parallelize``'s step 3: this rank's :class:`PipelineStages` of the full model.
+
+    Boundaries follow ``parallel.balance``: "equal" block counts, or "measured" (every
+    rank profiles the full model on one micro-batch of the run's shape, the profiles are
+    averaged, and the split minimising the slowest piece is taken; rank 0 prints both
+    splits with their predicted per-piece times).
+    """
+    p = cfg.parallel if isinstance(cfg, Config) else cfg
+    tp = mesh.size("tp")
+    seq_factor = tp if p.sequence_parallel and tp > 1 else 1
+    if isinstance(cfg, Config):
+        micro, seq = cfg.micro_batch(mesh.world_size), cfg.train.seq_len
+    else:
+        micro, seq = 1, cast(ModelConfig, model.cfg).max_seq_len
+    pieces = mesh.size("pp") * p.chunks
+    bounds, text = choose_boundaries(model, mesh, pieces, p.balance, micro, seq, seq_factor)
+    if p.balance == "measured" and mesh.rank == 0:
+        print(text, flush=True)
+    return split_transformer(model, mesh, p.chunks, bounds, seq_factor)
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """16-bit logits are cast to float32 for the loss; float32/float64 stay as they are."""
+    return t.float() if t.element_size() < 4 else t
+
+
+def find_stages(model: nn.Module) -> PipelineStages | None:
+    """This rank's pipeline pieces inside ``model`` (None when it is not split)."""
+    for m in model.modules():
+        if isinstance(m, PipelineStages):
+            return m
+    return None
+
+
+class PipelineEngine:
+    """Schedule + runtime for a ``parallelize``-d model on a mesh with pp > 1."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, loss_fn: LossFn) -> None:
+        stages = find_stages(model)
+        if stages is None:
+            raise ValueError("the model is not split for pipeline parallelism (pp = 1?)")
+        p, t = cfg.parallel, cfg.train
+        world = mesh.world_size
+        m = cfg.pipeline_microbatches(world)
+        self.model = model
+        self.stages = stages
+        self.schedule = build_schedule(p.pipeline_schedule, mesh.size("pp"), m, p.chunks)
+        seq = t.seq_len // (mesh.size("tp") if p.sequence_parallel else 1)
+        dtype = next(stages.parameters()).dtype
+        self.runtime = PipelineRuntime(
+            stages,
+            self.schedule,
+            mesh.axis("pp"),
+            lambda logits, targets: loss_fn(_at_least_fp32(logits), targets),
+            (cfg.micro_batch(world), seq, cfg.model.dim),
+            dtype,
+            mesh.device,
+        )
+
+    def train(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> float:
+        """Forward + backward of this rank's batch ``(batch, seq)``; gradients reduced
+        over dp; returns the mean loss on every pipeline rank."""
+        return pipeline_step(self.model, self.runtime, tokens, targets, scale)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """The mean loss of one batch (forward actions only), on every pipeline rank."""
+        return self.runtime.loss_to_all(self.runtime.forward_loss(tokens, targets))
+
+    def describe(self) -> str:
+        """One line: schedule, micro-batches, pieces and this rank's block ranges."""
+        s, b = self.schedule, self.stages.boundaries
+        stages = [c.stage for c in self.stages.chunks if isinstance(c, StagePiece)]
+        mine = ", ".join(f"piece {k}: blocks {b[k]}-{b[k + 1] - 1}" for k in stages)
+        return (
+            f"pipeline {s.name}: pp {s.stages} x chunks {s.chunks}, {s.microbatches} "
+            f"micro-batches per step; boundaries {b}; this rank: {mine}"
+        )
+
+
+class PipelineOptimizer(TensorParallelOptimizer):
+    """A :class:`TensorParallelOptimizer` whose clipping norm also spans the pp axis."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, mesh: Mesh, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, mesh, **kwargs)
+        self.pp_group = mesh.axis("pp")
+        stages = find_stages(model)
+        last = stages is not None and stages.pp_index == stages.stages - 1
+        self._skip = stages.tied if stages is not None and last else None
+
+    def _weight(self, p: torch.Tensor) -> float:
+        if p is self._skip:
+            return 0.0  # the first stage counts the tied matrix
+        info = shard_info(p)
+        return info.norm_weight if info is not None else 1.0
+
+    def _local_square_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """``(k,)`` float64 weighted squared norms of this rank's gradient pieces."""
+        parts: list[torch.Tensor] = []
+        weights: list[float] = []
+        if self.zero is None:  # grads: the parameters that have one, in order
+            with_grad = [p for p in self._params if p.grad is not None]
+            for p, g in zip(with_grad, grads, strict=True):
+                parts.append(g)
+                weights.append(self._weight(p))
+        else:  # grads: one flat (shard_numel,) shard per ZeRO unit
+            for slot, g in zip(self.slots, grads, strict=True):
+                for i, start, end in slot.unit.local_segments():
+                    parts.append(g[start:end])
+                    weights.append(self._weight(slot.unit.params[i]))
+        device = self.zero.device if self.zero is not None else torch.device("cpu")
+        if not parts:
+            return torch.zeros(1, dtype=torch.float64, device=device)
+        norms = torch._foreach_norm(parts)  # per-piece L2 norms
+        sq = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)  # (k,)
+        return sq * torch.tensor(weights, dtype=torch.float64, device=device)
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every element of the model, each counted once (dp, tp, pp)."""
+        sq = self._local_square_norms(grads).sum().reshape(1)  # (1,)
+        if self.zero is not None and self.zero.shard_group.size > 1:
+            comm.all_reduce(sq, self.zero.shard_group, op="sum")  # ZeRO shards of a stage
+        if self.tp_group.size > 1:
+            comm.all_reduce(sq, self.tp_group, op="sum")  # tensor-parallel pieces
+        if self.pp_group.size > 1:
+            comm.all_reduce(sq, self.pp_group, op="sum")  # pipeline stages
+        return float(sq.sqrt().item())
