@@ -12,6 +12,10 @@ tp. Padded vocabulary rows have zero gradients and add nothing.
 
 Everything else (loss scaling, skipping non-finite steps, ZeRO masters) is the base
 class's; only the norm differs, so a tp = 1 mesh gives the base class's result.
+``ZeroOptimizer`` itself computes the same norm when the wrapped model carries its mesh
+(``DataParallel`` and ``ZeroDataParallel`` do); this class takes the mesh explicitly, so
+it also serves a bare tensor-parallel module, and it is the base that
+:class:`~plait.parallel.pipeline.engine.PipelineOptimizer` extends to the pp axis.
 """
 
 from __future__ import annotations

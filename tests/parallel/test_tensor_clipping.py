@@ -1,5 +1,12 @@
 """Gradient clipping of a tensor-parallel model: the global norm spans dp shards and tp.
 
+Both optimizer wrappers sum the squared gradient norm over the tp axis, counting a
+tensor held identically by k tp ranks 1/k on each rank:
+:class:`~plait.parallel.tp_optim.TensorParallelOptimizer` (what the trainer uses at
+tp > 1; the mesh is explicit, so a bare module works) and
+:class:`~plait.parallel.zero_optim.ZeroOptimizer` (reads the mesh of the DataParallel /
+ZeRO wrapper).
+
 Protocol: the model of ``test_tensor_model`` (vocab 37 padded, 4 heads, 2 KV heads: at
 tp 4 each KV head is replicated on two ranks; tied embeddings at tp 4) in float64. The
 reference is one process with ``torch.nn.utils.clip_grad_norm_`` at a max norm small
@@ -22,10 +29,11 @@ from plait.model import Transformer
 from plait.parallel.data import DataParallel
 from plait.parallel.tp_optim import TensorParallelOptimizer
 from plait.parallel.tp_plan import apply_tensor_parallel, gather_full_state, tensor_parallel_loss
+from plait.parallel.zero_optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.test_tensor_model import FP32_ROPE, GLOBAL_BATCH, IGN, V, _batches, _cfg
 
-M = "tests.parallel.test_tp_optim"
+M = "tests.parallel.test_tensor_clipping"
 Pools = Callable[[int], WorkerPool]
 MAX_NORM = 0.05
 
@@ -46,17 +54,15 @@ def _reference(tie: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     return norms, model.state_dict()
 
 
-def _body(ctx: WorkerContext, dp: int, tp: int, stage: int | None, tie: bool) -> dict[str, object]:
-    from plait.parallel.zero import ZeroDataParallel
-
+def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[str, object]:
     mesh = ctx.mesh(dp=dp, tp=tp)
     model = apply_tensor_parallel(Transformer(_cfg(tie), seed=7).double(), mesh)
-    wrapped: torch.nn.Module
-    if stage is None:
-        wrapped = DataParallel(model, mesh)
-    else:
-        wrapped = ZeroDataParallel(model, mesh, stage=stage)
-    opt = TensorParallelOptimizer(wrapped, _adamw(model.parameters()), mesh, max_norm=MAX_NORM)
+    wrapped: torch.nn.Module = model if kind == "bare" else DataParallel(model, mesh)
+    opt = (
+        ZeroOptimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
+        if kind == "zero_optim"
+        else TensorParallelOptimizer(wrapped, _adamw(model.parameters()), mesh, max_norm=MAX_NORM)
+    )
     loss_fn = tensor_parallel_loss(mesh, V)
     r, per = mesh.index("dp"), GLOBAL_BATCH // dp
     norms = []
@@ -64,32 +70,28 @@ def _body(ctx: WorkerContext, dp: int, tp: int, stage: int | None, tie: bool) ->
         loss_fn(wrapped(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
         norms.append(opt.step().grad_norm)
         opt.zero_grad(set_to_none=True)
-    ctxm = wrapped.gathered() if isinstance(wrapped, ZeroDataParallel) else None
-    if ctxm is not None:
-        with ctxm:
-            weights = gather_full_state(model, mesh)
-    else:
-        weights = gather_full_state(model, mesh)
-    return {"norms": norms, "weights": weights}
+    return {"norms": norms, "weights": gather_full_state(model, mesh)}
 
 
 @pytest.mark.parametrize(
-    ("dp", "tp", "stage", "tie"),
+    ("dp", "tp", "tie", "kind"),
     [
-        pytest.param(1, 4, None, True, id="tp4-kv-replicated-tied"),
-        pytest.param(2, 2, 2, False, id="dp2xtp2-zero2"),
+        pytest.param(1, 4, True, "bare", id="tp4-kv-replicated-tied-bare"),
+        pytest.param(1, 4, True, "zero_optim", id="tp4-kv-replicated-tied-ZeroOptimizer"),
+        pytest.param(2, 2, False, "dp", id="dp2xtp2"),
     ],
 )
 def test_clipping_norm_matches_one_process(
-    pools: Pools, dp: int, tp: int, stage: int | None, tie: bool
+    pools: Pools, dp: int, tp: int, tie: bool, kind: str
 ) -> None:
-    if stage is not None:
-        pytest.importorskip("plait.parallel.zero")
+    """ "bare": TensorParallelOptimizer on the TP model itself; "dp": on DataParallel
+    over dp; "zero_optim": ZeroOptimizer on DataParallel (ZeRO stages on TP shards:
+    tests/parallel/test_zero.py)."""
     want_norms, want_weights = _reference(tie)
     assert min(want_norms) > MAX_NORM  # every step clips
     replicated_kv = _cfg(tie).kv_heads < tp
     rtol, atol = FP32_ROPE["weights"] if replicated_kv else (1e-9, 1e-12)
-    for res in pools(dp * tp).run(f"{M}:_body", dp, tp, stage, tie):
+    for res in pools(dp * tp).run(f"{M}:_body", dp, tp, tie, kind):
         norm_rtol = 1e-10 if not replicated_kv else 1e-6
         assert res["norms"] == pytest.approx(want_norms, rel=norm_rtol)
         for k, w in want_weights.items():
