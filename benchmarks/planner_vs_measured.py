@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 BODY = "benchmarks.planner_vs_measured:measure_body"
 COMPUTE_BODY = "plait.plan.calibrate:compute_body"
+CALIBRATE_BODY = "plait.plan.calibrate:calibrate_body"
 QUIET = 0.10
 """Background CPU use (fraction of all cores) below which a measurement starts."""
 MODEL = "small"
@@ -97,7 +98,6 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
 
     from plait import comm
     from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
-    from plait.model import lm_loss
     from plait.parallel.data import DataParallel
     from plait.train.trainer import Trainer
 
@@ -131,30 +131,27 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
     idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
     x, y = trainer.train_set.batch(idx)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_loss(trainer.model(x), y)
+        loss = trainer._loss(x, y)
     activations = _storage_bytes(saved, fixed)
     saved.clear()
     loss.backward()
-    params = _storage_bytes(list(base.parameters()), set())
-    grads = sum(
-        q.grad.numel() * q.grad.element_size() for q in base.parameters() if q.grad is not None
-    )
-    opt_state = [
-        v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-    ]
-    optimizer = sum(v.numel() * v.element_size() for v in opt_state)
+    # exact bytes of the state this rank holds (after a backward: gradients exist)
+    report = trainer.memory_report().bytes
     buckets = (
         sum(b for _, _, b in trainer.model.bucket_summary())
         if isinstance(trainer.model, DataParallel)
         else None
     )
+    grads = report["grads"] - (buckets or 0)  # memory_report counts buckets as gradients
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
         "wrapper": type(trainer.model).__name__,
+        "rank": mesh.rank,
         "times": times[warmup:],
-        "params": params,
+        "params": report["params"],
         "grads": grads,
-        "optimizer": optimizer,
+        "master": report["master"],
+        "optimizer": report["optimizer"] + report["optimizer_scalars"],
         "buckets": buckets,
         "activations": activations,
     }
@@ -179,42 +176,36 @@ def _config(row: Row) -> dict[str, Any]:
     }
 
 
-def available(row: Row) -> str | None:
-    """None when the runtime runs ``row``, else the reason it refuses."""
+def _full_config(row: Row) -> Any:
     from plait.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from plait.errors import ConfigError
 
     c = _config(row)
+    return Config(
+        model=ModelConfig(**c["model"]),
+        parallel=ParallelConfig(**c["parallel"]),
+        train=TrainConfig(**c["train"]),
+    )
+
+
+def available(row: Row) -> str | None:
+    """None when the runtime runs ``row``, else the reason it refuses."""
+    from plait.errors import ConfigError
+
     try:
-        Config(
-            model=ModelConfig(**c["model"]),
-            parallel=ParallelConfig(**c["parallel"]),
-            train=TrainConfig(**c["train"]),
-        ).validate(row.world)
-    except ConfigError as e:
+        _full_config(row).validate(row.world)
+    except (ConfigError, TypeError) as e:  # TypeError: a config field not there yet
         return str(e)
     return None
 
 
 def predict(row: Row, hw: Any) -> Any:
-    """The planner's estimate for ``row``."""
-    from plait.model import MODEL_PRESETS
-    from plait.plan import Layout, ModelSpec, estimate
-    from plait.plan.layout import PRECISIONS, RUNTIMES
+    """The planner's estimate for ``row``: the config mapped exactly as ``plait train``'s
+    memory check maps it (:func:`plait.plan.fit.plan_inputs`)."""
+    from plait.plan import estimate
+    from plait.plan.fit import plan_inputs
 
-    p = row.parallel
-    dp = p.get("dp", 1)
-    layout = Layout(
-        dp=dp,
-        tp=p.get("tp", 1),
-        pp=p.get("pp", 1),
-        cp=p.get("cp", 1),
-        zero=p.get("zero", 0),
-        micro_batch=row.micro_batch,
-        micro_batches=row.global_batch // (dp * row.micro_batch),
-    )
-    spec = ModelSpec.from_config(MODEL_PRESETS[MODEL], MODEL)
-    return estimate(spec, layout, hw, PRECISIONS["fp32"], RUNTIMES["plait"], SEQ)
+    spec, layout, precision, runtime = plan_inputs(_full_config(row), row.world)
+    return estimate(spec, layout, hw, precision, runtime, SEQ)
 
 
 def korthikanti_bytes(row: Row, e: Any) -> float:
@@ -268,9 +259,20 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
 
-def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[str]:
+def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """``hw`` re-measured on ``pool``'s ranks, all at once: the compute rates, and the
+    collectives' alpha-beta fits at this rank count (ranks share the cores, so both
+    depend on how many run)."""
+    from plait.plan.calibrate import profile_from_results
+
+    res = pool.run(CALIBRATE_BODY, False, timeout_s=600.0)
+    here, _ = profile_from_results(res, hw.memory_bytes, hw.name)
+    return here, res
+
+
+def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
     """Run every available row and format the comparison."""
-    from plait.plan.calibrate import with_compute
+    from plait.plan.calibrate import profile_from_results
     from plait.testing import WorkerPool
 
     lines = [
@@ -279,10 +281,17 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[
         "step ms pred / meas | err |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    parts = [
+        "| layout | compute | TP comm | PP comm + bubble | DP/ZeRO comm exposed (total) | "
+        "optimizer | other | predicted | measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     pools: dict[int, Any] = {}
     busy: list[float] = []
     try:
         for row in ROWS:
+            if only and only not in row.name:
+                continue
             why = available(row)
             if why is not None:
                 lines.append(f"| {row.name} | not yet available | | | | | | | |")
@@ -291,21 +300,17 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[
             if pool is None:
                 pool = pools[row.world] = WorkerPool(row.world, comm_timeout_s=120.0)
             pool.start()
-            # the machine is shared: start when it is quiet, and measure the compute rates
-            # of exactly this many concurrent ranks just before and after the steps
+            # the machine is shared: start when it is quiet, and measure the rates of
+            # exactly this many concurrent ranks just before and after the steps
             busy.append(wait_quiet(QUIET, max_wait_s))
-            comp = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            _, before = profile_here(pool, hw)
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
-            comp += pool.run(COMPUTE_BODY, False, timeout_s=600.0)
-            r0 = res[0]
-            if row.parallel.get("zero", 0) and r0["wrapper"] == "DataParallel":
-                lines.append(
-                    f"| {row.name} | not yet available (the runtime accepts zero but "
-                    "still wraps DataParallel) | | | | | | | |"
-                )
-                continue
-            e = predict(row, with_compute(hw, comp))
-            state_meas = r0["params"] + r0["grads"] + r0["optimizer"]
+            after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            pooled = [*before, *({"compute": c, "comm": before[0]["comm"]} for c in after)]
+            here, _ = profile_from_results(pooled, hw.memory_bytes, hw.name)
+            e = predict(row, here)
+            r0 = next(r for r in res if r["rank"] == 0)
+            state_meas = r0["params"] + r0["grads"] + r0["master"] + r0["optimizer"]
             per_step = zip(*(r["times"] for r in res), strict=True)
             step_meas = statistics.median(max(ts) for ts in per_step)
             mem = e.memory
@@ -322,6 +327,13 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[
                 f"{1e3 * e.time.total:.1f} / {1e3 * step_meas:.1f} | "
                 f"{_err(e.time.total, step_meas)} |"
             )
+            t = e.time
+            ms = lambda v: f"{1e3 * v:.1f}"  # noqa: E731
+            parts.append(
+                f"| {row.name} | {ms(t.compute + t.recompute)} | {ms(t.tp_comm)} | "
+                f"{ms(t.pp_comm + t.bubble)} | {ms(t.dp_comm)} ({ms(t.dp_comm_total)}) | "
+                f"{ms(t.optimizer)} | {ms(t.other)} | {ms(t.total)} | {ms(step_meas)} |"
+            )
     finally:
         for pool in pools.values():
             pool.close()
@@ -332,7 +344,7 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float) -> list[
             f"when the layouts started (waited up to {max_wait_s:.0f} s for < "
             f"{100 * QUIET:.0f}%).",
         ]
-    return lines
+    return [*lines, "", "Predicted step time by component (ms):", "", *parts]
 
 
 # --------------------------------------------------------------------------- published
@@ -352,31 +364,43 @@ class Published:
     reported: float
     metric: str  # "hfu" (counts recomputation) or "mfu"
     assumptions: str
+    alternative: Any = None
+    """A layout for what the paper leaves open, reported as a sensitivity figure."""
+    alternative_label: str = ""
+
+
+NARAYANAN = (
+    "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU "
+    "Clusters Using Megatron-LM' (SC21, arXiv:2104.04473), table 1: per-GPU throughput "
+    "as a percentage of the 312 TFLOP/s peak, FLOPs counted with their eq. 3, which "
+    "includes the recomputed forward (= HFU here)"
+)
+DUBEY = (
+    "Dubey et al. 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783), table 4: BF16 "
+    "MFU of Llama 3 405B pre-training at sequence 8192; section 3.3.2: FSDP shards the "
+    "optimizer state and gradients but keeps the weights gathered after forward "
+    "(ZeRO-2 here), 8K sequences trained without activation checkpointing, an "
+    "interleaved pipeline schedule (its figure 6 draws 2 stages per rank)"
+)
 
 
 def published_runs() -> list[Published]:
     """The runs compared in part 2 (configurations as the papers state them)."""
+    from dataclasses import replace
+
     from plait.plan import Layout, ModelSpec
     from plait.plan.modelspec import MODEL_PRESETS
 
     def megatron(
-        name: str,
-        layers: int,
-        h: int,
-        heads: int,
-        t: int,
-        p: int,
-        gpus: int,
-        batch: int,
+        name: str, layers: int, h: int, heads: int, t: int, p: int, gpus: int, batch: int,
         pct: float,
-    ) -> Published:
+    ) -> Published:  # fmt: skip
         spec = ModelSpec(name, layers, h, heads, heads, 4 * h, 51200, "gpt", 2048)
         dp = gpus // (t * p)
         lay = Layout(dp=dp, tp=t, pp=p, micro_batch=1, micro_batches=batch // dp, recompute="full")
         return Published(
             f"Megatron-LM GPT {name}, {gpus} x A100-80GB",
-            "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU "
-            "Clusters Using Megatron-LM' (SC21), table 1",
+            NARAYANAN,
             spec,
             "a100-80gb",
             "megatron",
@@ -384,28 +408,22 @@ def published_runs() -> list[Published]:
             lay,
             pct,
             "hfu",
-            f"t={t}, p={p}, batch {batch}, seq 2048, vocab 51200 as stated; micro-batch 1, "
-            "non-interleaved 1F1B and full recomputation assumed (the paper's FLOP count "
-            "includes the recomputed forward)",
+            f"t={t}, p={p}, {gpus} GPUs, batch {batch}, sequence 2048, vocabulary 51200 as "
+            "stated; micro-batch 1, non-interleaved 1F1B, full recomputation and no "
+            "sequence parallelism (2021) assumed",
         )
 
     llama = MODEL_PRESETS["llama3-405b"]
 
     def llama_row(gpus: int, dp: int, per_dp: int, pct: float) -> Published:
         lay = Layout(
-            dp=dp,
-            tp=8,
-            pp=16,
-            micro_batch=1,
-            micro_batches=per_dp,
-            zero=1,
-            schedule="interleaved",
-            virtual_stages=2,
-            recompute="none",
-        )
+            dp=dp, tp=8, pp=16, micro_batch=1, micro_batches=per_dp, zero=2,
+            schedule="interleaved", virtual_stages=2, recompute="none",
+            sequence_parallel=True,
+        )  # fmt: skip
         return Published(
             f"Llama 3 405B, {gpus} x H100-80GB",
-            "Dubey et al. 2024, 'The Llama 3 Herd of Models', table 4",
+            DUBEY,
             llama,
             "h100-80gb",
             "megatron-flash",
@@ -413,12 +431,15 @@ def published_runs() -> list[Published]:
             lay,
             pct,
             "mfu",
-            f"TP 8, CP 1, PP 16, DP {dp}, seq 8192, {per_dp} sequences per DP group as "
-            "stated; micro-batch 1, interleaved schedule with v=2, sharded optimizer "
-            "state, no recomputation assumed",
+            f"TP 8, CP 1, PP 16, DP {dp}, {per_dp} sequences of 8192 per DP group as "
+            "stated; micro-batch 1, ZeRO-2, no recomputation as described; interleaved "
+            "v=2 and Megatron sequence parallelism assumed",
+            replace(lay, virtual_stages=4),
+            "v=4",
         )
 
     return [
+        megatron("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 0.43),
         megatron("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 0.47),
         megatron("1T", 128, 25600, 160, 8, 64, 3072, 3072, 0.52),
         llama_row(8192, 64, 32, 0.43),
@@ -433,29 +454,45 @@ def published_table() -> list[str]:
     from plait.plan.layout import PRECISIONS, RUNTIMES
 
     lines = [
-        "| run | metric | reported | planner | error | fits (GiB/rank) |",
-        "|---|---|---|---|---|---|",
+        "| run | metric | reported | planner | error | largest overhead | "
+        "memory GiB/rank (fits 80 GB?) | sensitivity |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     notes = []
-    for i, r in enumerate(published_runs(), 1):
-        e = estimate(
-            r.model,
-            r.layout,
-            hardware_preset(r.hardware),
-            PRECISIONS["bf16-mixed"],
-            RUNTIMES[r.runtime],
-            r.seq,
-            headroom=0.0,
-        )
+    cites: list[str] = []
+    for r in published_runs():
+
+        def run(layout: Any, r: Published = r) -> Any:
+            return estimate(
+                r.model, layout, hardware_preset(r.hardware), PRECISIONS["bf16-mixed"],
+                RUNTIMES[r.runtime], r.seq, headroom=0.0,
+            )  # fmt: skip
+
+        e = run(r.layout)
         pred = e.hfu if r.metric == "hfu" else e.mfu
+        t = e.time
+        over = {
+            "bubble": t.bubble, "TP comm": t.tp_comm, "recompute": t.recompute,
+            "DP comm": t.dp_comm, "PP comm": t.pp_comm,
+        }  # fmt: skip
+        big = max(over, key=lambda k: over[k])
+        alt = ""
+        if r.alternative is not None:
+            a = run(r.alternative)
+            alt = f"{r.alternative_label}: {100 * (a.hfu if r.metric == 'hfu' else a.mfu):.1f}%"
+        if r.cite not in cites:
+            cites.append(r.cite)
+        ref = cites.index(r.cite) + 1
         lines.append(
-            f"| {r.name} [{i}] | {r.metric.upper()} | {100 * r.reported:.0f}% | "
+            f"| {r.name} [{ref}] | {r.metric.upper()} | {100 * r.reported:.0f}% | "
             f"{100 * pred:.1f}% | {100 * (pred - r.reported):+.1f} points "
             f"({100 * (pred - r.reported) / r.reported:+.0f}%) | "
-            f"{'yes' if e.fits else 'NO'} ({e.memory.total / 2**30:.1f}) |"
+            f"{big} {100 * over[big] / t.total:.0f}% | "
+            f"{e.memory.total / 2**30:.1f} ({'yes' if e.fits else 'no'}) | {alt} |"
         )
-        notes.append(f"[{i}] {r.cite}. {r.assumptions}.")
-    return [*lines, "", *notes]
+        notes.append(f"- {r.name}: {r.assumptions}.")
+    refs = [f"[{i}] {c}." for i, c in enumerate(cites, 1)]
+    return [*lines, "", *notes, "", *refs]
 
 
 # --------------------------------------------------------------------------- main
@@ -470,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per layout")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     ap.add_argument("--out", help="write the tables to this markdown file")
+    ap.add_argument("--only", default="", help="measure only rows whose name contains this")
+    ap.add_argument("--no-published", action="store_true", help="skip part 2")
     ap.add_argument(
         "--max-wait", type=float, default=300.0, help="seconds to wait for a quiet machine"
     )
@@ -480,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         hw = load_hardware(args.profile)
     else:
         hw, _ = calibrate(2)
-    measured = measured_table(hw, args.steps, args.warmup, args.max_wait)
-    published = published_table()
+    measured = measured_table(hw, args.steps, args.warmup, args.max_wait, args.only)
+    published = [] if args.no_published else published_table()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = [
         "# Planner against measurement",

@@ -69,3 +69,16 @@ def test_first_stage_holds_p_micro_batches_of_its_layers() -> None:
     assert pipe.stage == 0
     # 4 micro-batches in flight of 6 layers = the whole model's activations once
     assert pipe.activations == pytest.approx(one.activations)
+
+
+def test_fused_swiglu_saves_one_mlp_tensor_less() -> None:
+    import dataclasses
+
+    spec = MODEL_PRESETS["llama2-7b"]
+    lay = Layout(tp=2, micro_batch=2)
+    fused = RUNTIMES["megatron-flash"]
+    plain = dataclasses.replace(fused, fused_swiglu=False)
+    diff = layer_activation_bytes(spec, lay, BF16, plain, 1024) - layer_activation_bytes(
+        spec, lay, BF16, fused, 1024
+    )
+    assert diff == 2 * 1024 * spec.ffn_hidden / 2 * 2  # b·s·f/t elements of 2 bytes

@@ -132,7 +132,15 @@ def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     ("args", "message"),
     [
         (["--model", "gpt-5"], "unknown model preset 'gpt-5'; choose one of tiny, small"),
-        (["--model", "small", "--hardware", "tpu"], "unknown hardware preset 'tpu'"),
+        (
+            ["--model", "small", "--hardware", "tpu"],
+            "unknown hardware preset 'tpu'; choose one of a100-40gb, a100-80gb, h100-80gb, h200",
+        ),
+        (["--model", "small", "--seq", "0"], "--seq must be positive, got 0"),
+        (["--model", "small", "--search", "--global-batch", "0"], "--global-batch must be"),
+        (["--params", "1B", "--kv-heads", "-2"], "--kv-heads must be positive"),
+        (["--model", "small", "--headroom", "1.5"], "--headroom must be in [0, 1)"),
+        (["--model", "tiny", "--devices", "6", "--tp", "4"], "does not divide the 6 devices"),
         (["--params=-3B"], "must be positive"),
         (["--params", "lots"], "cannot read 'lots'"),
         (["--layers", "0", "--hidden", "64", "--heads", "4", "--vocab", "10"], "--layers must"),

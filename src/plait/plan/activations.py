@@ -105,12 +105,9 @@ def block_saved(spec: ModelSpec, runtime: Runtime) -> list[Saved]:
         out.append(Saved("attn.resid_dropout_mask", h, kind="mask", region="norm"))
     out += _norm("mlp_norm", spec, runtime, "mlp")
     if spec.style == "llama":
-        out += [
-            Saved("mlp.gate", f),
-            Saved("mlp.silu", f),
-            Saved("mlp.up", f),
-            Saved("mlp.down_input", f),
-        ]
+        out += [Saved("mlp.gate", f), Saved("mlp.up", f), Saved("mlp.down_input", f)]
+        if not runtime.fused_swiglu:
+            out.append(Saved("mlp.silu", f))
     else:
         out += [Saved("mlp.gelu_input", f), Saved("mlp.fc2_input", f)]
     if runtime.dropout:

@@ -160,18 +160,20 @@ def plan_main(argv: Sequence[str]) -> int:
     if ns.list:
         print(_list())
         return 0
-    spec = model_from_args(ns)
-    hw = load_hardware(ns.hardware)
-    seq = ns.seq or spec.max_positions
-    if seq <= 0:
-        raise ConfigError(f"--seq must be positive, got {seq}.")
-    devices = ns.devices if ns.devices is not None else hw.devices_per_node
-    if devices <= 0:
-        raise ConfigError(f"--devices must be positive, got {devices}.")
-    for flag in ("tp", "pp", "cp", "dp", "micro_batch", "micro_batches", "global_batch", "top"):
+    positive = (
+        "seq", "devices", "tp", "pp", "cp", "dp", "micro_batch", "micro_batches",
+        "global_batch", "top", "ffn", "kv_heads", "shard_group", "virtual_stages",
+    )  # fmt: skip
+    for flag in positive:  # before any default is applied: 0 is refused, never replaced
         v = getattr(ns, flag)
         if v is not None and v <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}.")
+    if not 0.0 <= ns.headroom < 1.0:
+        raise ConfigError(f"--headroom must be in [0, 1), got {ns.headroom}.")
+    spec = model_from_args(ns)
+    hw = load_hardware(ns.hardware)
+    seq = ns.seq or spec.max_positions
+    devices = ns.devices if ns.devices is not None else hw.devices_per_node
     prec, rt = precision_preset(ns.precision), runtime_preset(ns.runtime)
     if ns.search:
         gb = ns.global_batch or devices

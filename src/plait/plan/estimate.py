@@ -33,7 +33,7 @@ from plait.plan.compute import (
 )
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
-from plait.plan.memory import MemoryBreakdown, memory_per_rank, stage_params
+from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
 from plait.plan.network import (
     all_gather_time,
@@ -143,7 +143,7 @@ class Estimate:
         return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     def as_dict(self) -> dict[str, object]:
-        """A JSON-ready summary (schema documented in docs/planner.md)."""
+        """A JSON-ready summary (schema: README section "Planner", tests/plan/test_cli.py)."""
         return {
             "model": asdict(self.model) | {"params": self.model.param_count()},
             "hardware": self.hardware.name,
@@ -240,7 +240,7 @@ def step_time(
     optimizer = opt_params * traffic / hw.optimizer_bandwidth
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
-    if layout.zero == 0 and runtime.grad_buckets == "copy":
+    if copies_gradients(layout, precision, runtime):
         other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
     dpcp = group(layout, hw, "dp+cp")
     other += runtime.step_collectives * all_reduce_time(8, dpcp.size, dpcp.link)

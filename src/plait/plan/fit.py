@@ -58,6 +58,17 @@ def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precis
             f"size {world_size}."
         )
     micro = cfg.micro_batch(world_size)
+    m = max(1, t.global_batch // (dp * micro))
+    schedule, chunks = "1f1b", 1
+    if p.pp > 1:
+        m = getattr(p, "microbatches", None) or m
+        micro = max(1, t.global_batch // (dp * m))
+        # zero-bubble ZB-H1 keeps 1F1B's activations; naive holds one micro-batch, less
+        # than 1F1B's p: counted as 1F1B (a safe over-estimate)
+        schedule = {"gpipe": "gpipe", "interleaved": "interleaved"}.get(
+            getattr(p, "pipeline_schedule", "1f1b"), "1f1b"
+        )
+        chunks = getattr(p, "chunks", 1) if schedule == "interleaved" else 1
     layout = Layout(
         dp=dp,
         tp=p.tp,
@@ -66,8 +77,11 @@ def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precis
         zero=p.zero,
         shard_group=getattr(p, "zero_shard_size", None) if p.zero else None,
         micro_batch=micro,
-        micro_batches=max(1, t.global_batch // (dp * micro)),
+        micro_batches=m,
         recompute=getattr(t, "recompute", "none"),
+        schedule=schedule,  # type: ignore[arg-type]
+        virtual_stages=chunks,
+        sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
     )
     prec_cfg: Any = getattr(cfg, "precision", None)
     dtype = getattr(prec_cfg, "dtype", "fp32")

@@ -179,6 +179,10 @@ class Runtime:
     fused_accumulation: bool = False
     """Gradient accumulation is fused into the weight-gradient GEMM (Megatron-LM's
     gradient_accumulation_fusion) instead of a separate read-add-write per micro-batch."""
+    fused_swiglu: bool = False
+    """SwiGLU as one kernel that saves only its inputs (gate and up) and recomputes
+    silu(gate) in backward (Megatron-LM's bias_swiglu); plait's SwiGLU is plain PyTorch
+    and also saves silu(gate)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ("flash", "math"):
@@ -199,6 +203,7 @@ RUNTIMES: dict[str, Runtime] = {
         grad_buckets="view",
         bucket_mb=40.0,
         fused_accumulation=True,
+        fused_swiglu=True,
     ),
     "megatron-flash": Runtime(
         "megatron-flash",
@@ -208,10 +213,12 @@ RUNTIMES: dict[str, Runtime] = {
         grad_buckets="view",
         bucket_mb=40.0,
         fused_accumulation=True,
+        fused_swiglu=True,
     ),
 }
 """``plait``: this repository's runtime. ``megatron``: Megatron-LM as in Korthikanti et
-al. 2022 (unfused attention, dropout, fused LayerNorm, contiguous gradient buffer);
+al. 2022 (unfused attention, dropout, fused LayerNorm and SwiGLU, contiguous gradient
+buffer);
 ``megatron-flash``: the same with a fused attention kernel and no dropout."""
 
 

@@ -176,6 +176,13 @@ def state_bytes(
     return float(weights), float(grads), float(master), float(optimizer)
 
 
+def copies_gradients(layout: Layout, precision: Precision, runtime: Runtime) -> bool:
+    """Whether plain data parallelism keeps bucket copies of the gradients: plait's
+    DataParallel does (fp32 weights); with 16-bit weights plait wraps ZeRO stage 0,
+    whose gradients are views into flat buffers that are reduced in place."""
+    return layout.zero == 0 and runtime.grad_buckets == "copy" and precision.master_bytes == 0
+
+
 def buffer_bytes(
     sp: StageParams,
     spec: ModelSpec,
@@ -188,7 +195,7 @@ def buffer_bytes(
     grad_bytes = sp.params * precision.grad_bytes
     bucket = runtime.bucket_mb * 2**20
     out = 0.0
-    if layout.zero == 0 and runtime.grad_buckets == "copy":
+    if copies_gradients(layout, precision, runtime):
         out += grad_bytes  # plait's DataParallel: flat copies of every gradient
     elif layout.zero in (1, 2):
         out += min(bucket, grad_bytes)  # one reduce-scatter bucket in flight
