@@ -120,7 +120,10 @@ class ParallelConfig:
     dp: int | None = None
     """Data-parallel degree (default: world size / (tp·pp·cp))."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (Megatron: heads, MLP and vocabulary split over tp ranks).
+    model.n_heads and the MLP width must be divisible by it, and model.n_kv_heads too
+    unless tp is a multiple of it (then each KV head is replicated on tp/n_kv_heads
+    ranks); the vocabulary is padded to a multiple of tp."""
     pp: int = 1
     """Pipeline-parallel degree."""
     cp: int = 1
