@@ -142,6 +142,7 @@ def bench_body(
         for _ in range(warmup + steps)
     ]
     times: dict[str, list[float]] = {k: [] for k in IMPLS}
+    cpu: dict[str, list[float]] = {k: [] for k in IMPLS}  # process CPU seconds (all threads)
     losses: dict[str, list[float]] = {k: [] for k in IMPLS}
     done = dict.fromkeys(IMPLS, 0)
     state_bytes: dict[str, dict[str, int]] = {}
@@ -151,6 +152,7 @@ def bench_body(
         for _ in range(n):
             k = done[name]
             comm.barrier(g)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             x, y = data[k]
@@ -158,10 +160,12 @@ def bench_body(
             loss.backward()
             opt.step()
             dt = time.perf_counter() - t0
+            dc = time.process_time() - c0
             losses[name].append(float(loss.item()))
             done[name] = k + 1
             if timed:
                 times[name].append(dt)
+                cpu[name].append(dc)
 
     for _ in range(warmup):
         for name in IMPLS:
@@ -186,6 +190,7 @@ def bench_body(
         "rank": rank,
         "world": world,
         "times": times,
+        "cpu": cpu,
         "losses": losses,
         "bytes": state_bytes,
         "numel": numel,
@@ -229,6 +234,26 @@ def _median_ms(results: list[dict[str, Any]], name: str) -> tuple[float, float, 
     return statistics.median(slow), q[0], q[2]
 
 
+def _paired_ratio(results: list[dict[str, Any]], name: str, ref: str) -> float:
+    """Median over measured steps of (step i of ``name``) / (step i of ``ref``), slowest
+    rank each: step i of both lies in the same rotation round, minutes apart at most, so
+    the ratio cancels most of the machine's drift in load."""
+    n = len(results[0]["times"][name])
+    ratios = [
+        max(r["times"][name][i] for r in results) / max(r["times"][ref][i] for r in results)
+        for i in range(n)
+    ]
+    return statistics.median(ratios)
+
+
+def _cpu_ms(results: list[dict[str, Any]], name: str) -> float:
+    """Median over steps of the ranks' mean process CPU time (compute + gloo threads):
+    the work a step costs, insensitive to time spent descheduled by other load."""
+    n = len(results[0]["cpu"][name])
+    per_step = [sum(r["cpu"][name][i] for r in results) / len(results) for i in range(n)]
+    return statistics.median(per_step) * 1e3
+
+
 def _formula(stage: int, n: int, param_bytes: int, master: bool) -> float:
     """Bytes per parameter of params + grads + masters + Adam for a ZeRO stage."""
     p = g = param_bytes
@@ -262,17 +287,21 @@ def _check(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| world | impl | median ms (IQR) | vs reference | params B/rank | grads B/rank "
-        "| optimizer B/rank | B/param | formula B/param |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| world | impl | median ms (IQR) | ratio of medians | paired ratio | CPU ms/step "
+        "| CPU ratio | params B/rank | grads B/rank | optimizer B/rank | B/param "
+        "| formula B/param |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         w, res = row["world"], row["results"]
         r0 = res[0]
         med = {k: _median_ms(res, k) for k in IMPLS}
+        cpu = {k: _cpu_ms(res, k) for k in IMPLS}
         for k in IMPLS:
             ref = "fsdp2" if k == "zero3" else ("dp" if k in ("zero1", "zero2") else None)
             ratio = f"{med[k][0] / med[ref][0]:.3f} vs {ref}" if ref else "—"
+            paired = f"{_paired_ratio(res, k, ref):.3f}" if ref else "—"
+            cratio = f"{cpu[k] / cpu[ref]:.3f}" if ref else "—"
             b = r0["bytes"][k]
             total = b["params"] + b["grads"] + b["master"] + b["optimizer"]
             stage = {"zero1": 1, "zero2": 2, "zero3": 3, "dp": 0}.get(k)
@@ -281,6 +310,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 formula += " (+4 bucket)"
             out.append(
                 f"| {w} | {k} | {med[k][0]:.1f} ({med[k][1]:.0f}–{med[k][2]:.0f}) | {ratio} "
+                f"| {paired} | {cpu[k]:.1f} | {cratio} "
                 f"| {b['params']:,} | {b['grads']:,} | {b['optimizer']:,} "
                 f"| {total / r0['numel']:.3f} | {formula} |"
             )
@@ -354,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"model: {n_params / 1e6:.2f} M params, batch {args.batch} x seq {args.seq} per rank")
     rows, mem = [], {}
+    loads: dict[int, tuple[float, float]] = {}
     for world in worlds:
         t0 = time.perf_counter()
+        load0 = os.getloadavg()[0]
         with WorkerPool(world, comm_timeout_s=args.timeout) as pool:
             results = pool.run(
                 "benchmarks.zero_vs_fsdp2:bench_body",
@@ -372,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             mem[world] = pool.run(
                 "benchmarks.zero_vs_fsdp2:memory_body", model_kwargs, timeout_s=args.timeout
             )
+        loads[world] = (load0, os.getloadavg()[0])
         _check(results)
         rows.append({"world": world, "results": results})
         meds = {k: _median_ms(results, k)[0] for k in IMPLS}
@@ -379,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             f"world {world}: "
             + ", ".join(f"{k} {v:.0f} ms" for k, v in meds.items())
             + f"; zero3/fsdp2 {meds['zero3'] / meds['fsdp2']:.3f} "
+            f"(paired {_paired_ratio(results, 'zero3', 'fsdp2'):.3f}, CPU "
+            f"{_cpu_ms(results, 'zero3') / _cpu_ms(results, 'fsdp2'):.3f}); "
+            f"load {loads[world][0]:.1f} -> {loads[world][1]:.1f} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
@@ -401,10 +437,20 @@ def main(argv: list[str] | None = None) -> int:
             "`fully_shard` applied to the same modules, then to the root, which holds the "
             "final norm); both reshard after forward. plait prefetches the next unit's "
             "all-gather; FSDP2 on CPU has no streams to overlap with.",
+            "- **Taken under load**: other engineers' test suites shared the machine; "
+            "1-minute load average "
+            + ", ".join(f"{a:.1f} -> {b:.1f} during world {w}" for w, (a, b) in loads.items())
+            + f" on {cores} cores. Wall times are therefore noisy; the paired ratio and the "
+            "CPU ratio are the figures to compare.",
             f"- Timing: {args.warmup} warm-up steps each, then {args.steps} measured steps each "
             f"in rotating blocks of {args.block} (order reversed every round); step = zero_grad "
             "+ forward + backward + optimizer step, after an untimed barrier; the slowest "
-            "rank's time; median and inter-quartile range.",
+            "rank's wall time; median and inter-quartile range. *Ratio of medians*: of those "
+            "medians. *Paired ratio*: median over i of step i / reference step i (both in the "
+            "same rotation round, so slow drift of the load cancels). *CPU ms/step*: "
+            "`time.process_time()` per step (compute thread plus gloo's threads), mean over "
+            "ranks, median over steps: the work a step costs, blind to time spent "
+            "descheduled.",
             "- Bytes: rank 0, after the warm-up (optimizer state allocated). plait from "
             "`plait.train.memory.memory_report` (storage bytes of the real tensors: flat "
             "buffers/shards incl. padding; Adam m and v per shard piece; the 0-dim step "
@@ -425,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
                 "the implementations."
             )
         section = (
-            f"{SECTION_BEGIN}\n## plait ZeRO vs torch FSDP2 `fully_shard` and plait DP "
-            "(CPU, gloo)\n\n"
+            f"{SECTION_BEGIN}\n## ZeRO vs FSDP2 (issue 3)\n\nplait ZeRO-3 against torch FSDP2 "
+            "`fully_shard`, ZeRO-1/2 against plait DP (CPU, gloo; written by "
+            "`benchmarks/zero_vs_fsdp2.py`).\n\n"
             + table
             + "\n### Per-rank state bytes, bf16 parameters + fp32 masters + Adam\n\n"
             + mtable

@@ -211,7 +211,9 @@ PARITY = [
     (4, "encoder", 3, {"shard_size": 2, "clip": CLIP}),
     (4, "builtin", 1, {"shard_size": 2, "clip": CLIP, "accum": 2}),
     (4, "encoder", 2, {"shard_size": 2, "clip": CLIP, "accum": 2}),
+    (2, "builtin", 2, {"shard_size": 1}),  # F = 1: replicated shards, all-reduce = plain DP
     (2, "builtin", 2, {"opt_kind": "sgd"}),
+    (4, "encoder", 3, {"opt_kind": "sgd", "clip": CLIP}),
     (2, "builtin", 3, {"recompute": "full"}),
     (2, "builtin", 3, {"recompute": "selective", "clip": CLIP}),
 ]
