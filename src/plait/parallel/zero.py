@@ -23,9 +23,15 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
 
 Hybrid sharding (``shard_size`` F): shard inside groups of F consecutive dp ranks and
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
-Units, flattening and padding: :mod:`plait.parallel.zero_flat`. The optimizer side
-(sharded fp32 masters, global-norm clipping, loss scaling, offload):
+Units, flattening and padding: :mod:`plait.parallel.zero_flat`. The gradient path
+inside backward (hooks, reduce-scatter, hybrid all-reduce):
+:class:`plait.parallel.zero_reduce.GradientReduction`. The optimizer side (sharded fp32
+masters, global-norm clipping, loss scaling, offload):
 :class:`plait.parallel.zero_optim.ZeroOptimizer`.
+
+The module may already be split by tensor parallelism (:mod:`plait.parallel.tp_plan`):
+its parameters are then the local TP shards, which ZeRO flattens like any other tensor;
+every collective here runs on the ``axis`` (dp) groups only.
 
 Gathered storage is freed with ``untyped_storage().resize_(0)``: autograd's saved views of
 a parameter keep pointing at the same storage, which is refilled before backward, while
@@ -46,8 +52,8 @@ from plait import comm
 from plait.comm import Handle
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.data import UnusedParametersError
 from plait.parallel.zero_flat import ROOT, FlatUnit, WrapSpec, plan_units
+from plait.parallel.zero_reduce import GradientReduction
 from plait.train.precision import parse_dtype
 
 Offload = Literal["none", "optimizer", "params"]
@@ -65,7 +71,7 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(GradientReduction, nn.Module):
     """Wrap ``module`` for ZeRO stage ``stage`` over ``mesh``'s ``axis`` (default "dp").
 
     Args:
@@ -84,10 +90,6 @@ class ZeroDataParallel(nn.Module):
         record_events: keep :attr:`events` (gathers, frees, reductions) of the last step.
         axis: the mesh axis to shard over.
     """
-
-    MAX_REDUCES_IN_FLIGHT = 2
-    """Reduce-scatters allowed in flight before the oldest is completed (stages 2/3 free
-    its full gradient buffer then)."""
 
     def __init__(
         self,
@@ -321,135 +323,6 @@ class ZeroDataParallel(nn.Module):
                 if v.index not in self._pre_backward_done and v.index in self._reshardable:
                     self._start_gather(v)  # no-op if it is still gathered
                     break
-
-    # ------------------------------------------------------------------ gradients
-
-    def _begin_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            if self.record_events:
-                self.events.append(("backward", ""))
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        u, i = self._where[p]  # type: ignore[index]
-        assert p.grad is not None
-        if self.stage <= 1:
-            if not self._sync:
-                return
-            self._begin_backward()
-            assert u.grad_full is not None
-            view = u.view(i, u.grad_full)
-            if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced: adopt its value
-                view.copy_(p.grad)
-                p.grad = view
-        else:
-            self._begin_backward()
-            if u.grad_full is None:
-                self._alloc_grad_buffer(u)
-            assert u.grad_full is not None
-            u.view(i, u.grad_full).copy_(p.grad)
-            p.grad = None
-        if not self._ready[u.index] and self.record_events:
-            self.events.append(("grad", u.name))  # the unit's first gradient arrived
-        self._ready[u.index].add(i)
-        if len(self._ready[u.index]) == len(u.params):
-            self._launch_reduce(u)
-
-    def _alloc_grad_buffer(self, u: FlatUnit) -> None:
-        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients."""
-        u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
-        self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
-        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
-
-    def _launch_reduce(self, u: FlatUnit) -> None:
-        """Reduce-scatter ``u``'s gradients asynchronously; stage 3 then frees ``u``.
-
-        At most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters are in flight: launching one
-        more completes the oldest, which (stages 2/3) frees its full-size gradient buffer,
-        so the transient gradient memory stays a few units, not the whole model.
-        """
-        assert u.grad_full is not None
-        buf = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
-        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
-        self._pending_reduce[u.index] = (out, h, buf)
-        self._launched.append(u)
-        self._note("reduce", u)
-        if self.stage == 3:
-            self._free(u)
-        in_flight = [v for v in self._launched if v.index in self._pending_reduce]
-        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
-            self._complete_reduce(v)
-
-    def _complete_reduce(self, u: FlatUnit) -> None:
-        """Wait for ``u``'s reduce-scatter, start the all-reduce across replicas (hybrid)
-        and, for stages 2/3, drop the full-size gradient buffer."""
-        out, h, _ = self._pending_reduce.pop(u.index)
-        h.wait()
-        h2 = None
-        if self.replicate_group.size > 1:
-            h2 = comm.all_reduce(out, self.replicate_group, op="avg", async_op=True)
-        self._pending_allreduce[u.index] = (out, h2)
-        if self.stage >= 2 and u.grad_full is not None:
-            self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
-            u.grad_full = None
-
-    def _finish_backward(self) -> None:
-        """End of a synchronising backward: reduce what is left, wait, keep the shards."""
-        self._in_backward = False
-        launched = {u.index for u in self._launched}
-        for u in self.units:
-            if u.index in launched:
-                continue
-            missing = [u.names[i] for i in range(len(u.params)) if i not in self._ready[u.index]]
-            if missing and not self.find_unused_parameters:
-                self._abandon_backward()
-                raise UnusedParametersError(
-                    f"{len(missing)} parameter(s) received no gradient in this backward pass: "
-                    f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every "
-                    "rank must reduce the same units: pass find_unused_parameters=True to "
-                    "reduce zeros for them, or set requires_grad=False on them."
-                )
-            if u.grad_full is None:
-                self._alloc_grad_buffer(u)
-            self._launch_reduce(u)
-        for u in self._launched:
-            if u.index in self._pending_reduce:
-                self._complete_reduce(u)
-        for u in self._launched:
-            out, h2 = self._pending_allreduce.pop(u.index)
-            if h2 is not None:
-                h2.wait()
-            if self.stage >= 2:
-                assert u.grad_shard is not None
-                u.grad_shard.add_(out)
-            else:
-                self._reduced[u.index] = out
-            self._ready[u.index].clear()
-        self._launched = []
-        self._pre_backward_done.clear()
-        if self.stage == 3:
-            self._free_all()
-        if self.record_events:
-            self.events.append(("synced", ""))
-
-    def _abandon_backward(self) -> None:
-        for u in self._launched:
-            if u.index in self._pending_reduce:
-                self._complete_reduce(u)
-            h2 = self._pending_allreduce.pop(u.index)[1]
-            if h2 is not None:
-                h2.wait()
-        self._launched = []
-        for s in self._ready.values():
-            s.clear()
-        for u in self.units:
-            if self.stage >= 2 and u.grad_full is not None:
-                self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
-                u.grad_full = None
-        self._pre_backward_done.clear()
-        if self.stage == 3:
-            self._free_all()
 
     # ------------------------------------------------------------------ API
 
