@@ -109,6 +109,7 @@ ALIAS_VALUES: dict[str, tuple[str, Any]] = {
     "metrics": ("m.jsonl", "m.jsonl"),
     "device": ("cpu", "cpu"),
     "progress": ("lines", "lines"),
+    "init-from": ("model.safetensors", "model.safetensors"),
 }
 
 

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("plait.plan.cli:calibrate_main", "alias of `plait bench calibrate`"),
     "bench": ("plait.bench:main", "benchmarks: `plait bench comm | calibrate`"),
     "ps-train": ("plait.ps_cli:ps_train_main", "parameter-server training (sync/async/bounded)"),
+    "checkpoint": ("plait.checkpoint_cli:checkpoint_main", "checkpoint info | consolidate"),
     "pipeline": ("plait.pipeline_cli:pipeline_main", "pipeline schedules: draw | show"),
 }
 """Subcommand name -> ("module:function", one-line help). Each function takes the
@@ -53,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
     t.add_argument("--help-config", action="store_true", help="print every config field and exit")
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+        help="continue from train.checkpoint_dir's latest checkpoint, or from PATH (sets "
+        "train.resume; 'auto': latest if any, else start fresh)",
+    )
     return p
 
 
@@ -65,10 +74,15 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     if ns.help_config:
         print(format_field_docs())
         return 0
+    if ns.resume:
+        overrides.append(f"train.resume={ns.resume}")
     cfg = load_config(ns.config, overrides)
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     cfg.validate(world)
+    from plait.train.checkpoint import check_start
+
+    check_start(cfg, world)  # resume / init-from sources exist, fault-injection rank
     if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
         from plait.plan.fit import refuse_unless_fits
 

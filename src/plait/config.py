@@ -253,6 +253,30 @@ class TrainConfig:
     recompute: Recompute = "none"
     """Activation recomputation: 'none', 'selective' (recompute only the attention core
     of each block in backward), 'full' (recompute each whole block)."""
+    checkpoint_dir: str | None = None
+    """Folder of sharded checkpoints (one step_<n> folder each and a `latest` pointer);
+    must be visible to every rank (one node or a shared filesystem)."""
+    checkpoint_every: int = 0
+    """Save every this many optimizer steps (0: only at the end of the run and on
+    SIGTERM/SIGINT); needs checkpoint_dir."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoints; older ones are deleted after each save."""
+    resume: str | None = None
+    """'latest' (what checkpoint_dir's `latest` points to; an unreadable one falls back
+    to the previous checkpoint with a warning), 'auto' (latest if any, else start fresh)
+    or a checkpoint folder. `--resume` alone means 'latest'. A job restarted by
+    torchrun's elastic agent resumes as 'auto' by itself."""
+    init_from: str | None = None
+    """Start from these weights (a consolidated .safetensors file or a checkpoint folder)
+    under any layout; optimizer state, step and data order start fresh."""
+    straggler_factor: float = 2.0
+    """Report a rank whose compute time in a step (step time minus communication wait)
+    exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+    fault_inject_step: int = 0
+    """FOR TESTS ONLY: rank fault_inject_rank kills itself (SIGKILL) when it reaches this
+    step (1-based) in a job's first attempt (not after an elastic restart); 0: off."""
+    fault_inject_rank: int = 0
+    """FOR TESTS ONLY: the rank that fault_inject_step kills."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -277,6 +301,27 @@ class TrainConfig:
         if self.recompute not in ("none", "selective", "full"):
             raise ConfigError(
                 f"train.recompute must be none, selective or full, got {self.recompute!r}."
+            )
+        if min(self.checkpoint_every, self.fault_inject_step, self.fault_inject_rank) < 0:
+            raise ConfigError(
+                "train.checkpoint_every, fault_inject_step and fault_inject_rank must not be "
+                "negative."
+            )
+        if self.keep_checkpoints < 1 or self.straggler_factor < 0 or 0 < self.straggler_factor <= 1:
+            raise ConfigError(
+                f"train.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}) and "
+                f"train.straggler_factor 0 (off) or > 1 (got {self.straggler_factor})."
+            )
+        needs_dir = self.checkpoint_every > 0 or self.resume in ("latest", "auto")
+        if needs_dir and not self.checkpoint_dir:
+            raise ConfigError(
+                "train.checkpoint_every and train.resume = 'latest'/'auto' need "
+                "train.checkpoint_dir (the folder checkpoints are written to / read from)."
+            )
+        if self.resume and self.init_from:
+            raise ConfigError(
+                "train.resume and train.init_from both set: resume continues a run (weights, "
+                "optimizer, step), init_from starts a new one from weights; choose one."
             )
 
     def effective_lr(self) -> float:

@@ -49,6 +49,7 @@ SHORT_ALIASES: dict[str, str] = {
     "metrics": "log.metrics",
     "device": "launch.device",
     "progress": "log.progress",
+    "init-from": "train.init_from",
 }
 """Short command-line flags (without the leading ``--``) and the dotted keys they set."""
 

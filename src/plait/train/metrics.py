@@ -67,6 +67,9 @@ class StepMetrics:
     """Peak device memory allocated during the step, where the device reports it (CUDA)."""
     memory: dict[str, int] | None = None
     """Per-rank state bytes by category (plait.train.memory), on the first step."""
+    stragglers: list[dict[str, float]] | None = None
+    """Ranks whose compute time this step exceeded the median by train.straggler_factor:
+    ``{"rank", "factor"}`` each (plait.train.faults)."""
 
     def line(self) -> str:
         """A plain log line."""

@@ -40,7 +40,9 @@ from plait.parallel.tp_optim import TensorParallelOptimizer
 from plait.parallel.tp_plan import tensor_parallel_loss
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero_optim import StepReport, ZeroOptimizer
+from plait.train.checkpoint import Checkpointing
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
+from plait.train.faults import FaultMonitor
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
 from plait.train.precision import DynamicLossScaler
@@ -102,6 +104,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base
+        self.checkpoints = Checkpointing(cfg, mesh)  # resume / init_from, periodic saves
+        self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
         self.tp = mesh.size("tp")  # tp > 1: logits vocabulary-sharded, norm summed over tp
         self.loss_fn = tensor_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
@@ -147,6 +151,8 @@ class Trainer:
         self.progress = Progress(
             cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and show_progress
         )
+        self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
+        self.start_step = self.checkpoints.restore(self)  # optimizer, schedule, sampler, RNG
 
     # ------------------------------------------------------------------ pieces
 
@@ -226,13 +232,14 @@ class Trainer:
         losses: list[float] = []
         vals: list[tuple[int, float]] = []
         times: list[float] = []
-        for step in range(t.steps):
+        for step in self.faults.steps(self.start_step, t.steps):  # SIGTERM/SIGINT: stop
             bytes0, secs0 = self.mesh.stats.total_bytes(), self.mesh.stats.total_seconds()
             reset_peak_memory(self.device)
             lr = lr_at(self.sched_step, cfg)
             t0 = time.perf_counter()
             loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
+            health = self.faults.after_step(dt, self.mesh.stats.total_seconds() - secs0)
             mem = None
             if step == 0:
                 rep = self.memory_report()
@@ -262,9 +269,15 @@ class Trainer:
                 loss_scale=report.loss_scale,
                 peak_memory_bytes=peak_memory(self.device),
                 memory=mem,
+                stragglers=health.as_metrics(),
             )
             self.metrics.write(m)
             self.progress.update(m)
+            if health.stragglers and self.is_main:
+                self.progress.message(self.faults.describe(n, health))
+            self.checkpoints.after_step(self, n, stop=health.stop)
+            if health.stop:
+                break
         self.progress.close()
         self.metrics.close()
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]

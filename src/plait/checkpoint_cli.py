@@ -1,0 +1,86 @@
+"""``plait checkpoint``: look into and convert plait checkpoints.
+
+* ``plait checkpoint info PATH`` prints what a checkpoint holds: step, layout, optimizer,
+  every shard file (sha256 verified) and every tensor with its global shape and the
+  pieces it was saved in.
+* ``plait checkpoint consolidate PATH -o model.safetensors`` writes the whole model
+  into one safetensors file with one-device names; ``plait train --init-from FILE``
+  starts a run from it under any layout.
+
+PATH is a checkpoint folder (``step_<n>``) or a checkpoint root (what its ``latest``
+names). A corrupt checkpoint is reported with the failing file (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from plait.train.checkpoint_meta import FORMAT
+from plait.train.reshard import CheckpointReader, consolidate, find_checkpoint
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plait checkpoint", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="action", required=True)
+    info = sub.add_parser("info", help="print what a checkpoint holds")
+    info.add_argument("path", help="checkpoint folder or checkpoint root")
+    info.add_argument("--tensors", action="store_true", help="also list every tensor")
+    cons = sub.add_parser("consolidate", help="write the full model as one safetensors file")
+    cons.add_argument("path", help="checkpoint folder or checkpoint root")
+    cons.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    return p
+
+
+def _open(path: str) -> CheckpointReader:
+    reader = find_checkpoint(path, None)
+    assert reader is not None  # an explicit path never yields "no checkpoint"
+    return reader
+
+
+def describe(reader: CheckpointReader) -> str:
+    """What a checkpoint holds, for ``plait checkpoint info``."""
+    m = reader.meta
+    lay = m["layout"]
+    numel = sum(e.numel for e in reader.params.values())
+    lines = [
+        f"checkpoint {reader.folder} ({FORMAT} v{m['version']}): step {m['step']} "
+        f"(schedule step {m['sched_step']}, {m['optimizer']['skipped']} skipped)",
+        f"layout: world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp "
+        f"{lay['pp']} x cp {lay['cp']}; zero {lay['zero']}; dtype {lay['dtype']}",
+        f"optimizer: {m['optimizer']['class']}; sampler step {m['sampler']['step']}; "
+        f"loss scaler {m['optimizer']['scaler'] or '-'}",
+        f"{len(reader.params)} tensors, {numel:,} parameters; files (sha256 verified):",
+    ]
+    for name, f in m["files"].items():
+        lines.append(f"  {name}  {f['bytes']:,} bytes  sha256 {f['sha256'][:16]}")
+    lines.append("tensors: name, global shape, stored dtype, pieces (tp block, range):")
+    for name, e in reader.params.items():
+        pieces = ", ".join(
+            (f"tp{p.tp.index // p.tp.replicas}/{p.tp.shards}@{p.tp.dim} " if p.tp else "")
+            + f"[{p.start}:{p.end})"
+            for p in e.pieces
+        )
+        lines.append(f"  {name}  {e.shape}  {e.dtype}  {pieces}")
+    return "\n".join(lines)
+
+
+def checkpoint_main(argv: Sequence[str]) -> int:
+    """``plait checkpoint``; returns the exit code."""
+    args = _parser().parse_args(list(argv))
+    if args.action == "info":
+        text = describe(_open(args.path))
+        if not args.tensors:
+            text = text.split("\ntensors:")[0]
+        print(text)
+        return 0
+    reader = _open(args.path)
+    out = Path(args.output)
+    summary = consolidate(reader.folder, out)
+    print(
+        f"plait: wrote {out} ({summary['tensors']} tensors, {summary['parameters']:,} "
+        f"parameters, {summary['bytes']:,} bytes) from step {summary['step']} of "
+        f"{reader.folder}; start a run from it with --init-from {out}"
+    )
+    return 0
