@@ -311,6 +311,50 @@ def test_bf16_matches_fp32_within_tolerance(pools: Callable[[int], WorkerPool]) 
     assert a[-1] < a[0] - 0.3 and b[-1] < b[0] - 0.3  # both learn
 
 
+def _body_reduce_dtype(ctx: WorkerContext, stage: int, reduce_dtype: str) -> dict[str, Any]:
+    mesh = ctx.mesh(dp=ctx.world_size)
+    torch.manual_seed(0)
+    model = _model()
+    zdp = ZeroDataParallel(model, mesh, stage, param_dtype="bf16", reduce_dtype=reduce_dtype)
+    opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = _batch(0)
+    per = BATCH // ctx.world_size
+    mesh.stats.reset()
+    _loss(
+        zdp(x[ctx.rank * per : (ctx.rank + 1) * per]), y[ctx.rank * per : (ctx.rank + 1) * per]
+    ).backward()
+    grad_dtypes = {str(zdp.reduced_grad(u).dtype) for u in zdp.units}
+    assert not opt.step().skipped
+    s = mesh.stats
+    return {
+        "padded": sum(u.padded for u in zdp.units),
+        "rs": s.get("dp", "reduce_scatter").bytes,
+        "ag": s.get("dp", "all_gather").bytes,
+        "grad_dtypes": grad_dtypes,
+        "param_dtypes": {str(p.dtype) for p in model.parameters()},
+        "master_dtypes": {str(m.dtype) for m in opt.master_tensors()},
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reduce_dtype_is_the_dtype_on_the_wire(
+    pools: Callable[[int], WorkerPool], stage: int
+) -> None:
+    """bf16 parameters with fp32 gradient reduction: the reduce-scatter moves 4-byte
+    elements, the parameter all-gathers 2-byte ones (bus bytes (N-1)/N·S, exactly); the
+    gradient shards are fp32 and the masters fp32."""
+    n = 2
+    for reduce_dtype, size in (("fp32", 4), ("bf16", 2)):
+        for r in pools(n).run(f"{M}:_body_reduce_dtype", stage, reduce_dtype):
+            f = (n - 1) / n
+            assert r["rs"] == pytest.approx(f * size * r["padded"], rel=1e-12)
+            gathers = 2 if stage == 3 else 1  # stage 3: forward and backward gathers
+            assert r["ag"] == pytest.approx(gathers * f * 2 * r["padded"], rel=1e-12)
+            assert r["grad_dtypes"] == {f"torch.{'float32' if size == 4 else 'bfloat16'}"}
+            assert r["param_dtypes"] == {"torch.bfloat16"}
+            assert r["master_dtypes"] == {"torch.float32"}
+
+
 # ----------------------------------------------------------------------------- non-finite
 
 
