@@ -83,12 +83,17 @@ blocks, one per piece."""
 
 
 def _body_pipeline(
-    ctx: WorkerContext, name: str, m: int, v: int, tied: bool = False
+    ctx: WorkerContext,
+    name: str,
+    m: int,
+    v: int,
+    tied: bool = False,
+    boundaries: list[int] | None = None,
 ) -> dict[str, object]:
     p = ctx.world_size
     mesh = ctx.mesh(dp=1, pp=p)
     model = Transformer(model_config(tied=tied), seed=3).double()
-    stages = split_transformer(model, mesh, chunks=v)
+    stages = split_transformer(model, mesh, chunks=v, boundaries=boundaries)
     schedule = build_schedule(name, p, m, v)
     runtime = PipelineRuntime(
         stages, schedule, mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16), torch.float64

@@ -10,9 +10,12 @@ only its own pieces, so its weights are exactly the single-device model's weight
 
 Tied embeddings: when the head shares the embedding matrix and the first and last
 pieces sit on different ranks, the last piece gets its own copy of the matrix (equal at
-start); :meth:`PipelineStages.sync_tied_grads` sums the two copies' gradients over a
-group of those two ranks after the backward passes, so both copies receive the full
-gradient and stay equal under any element-wise optimizer.
+start); :meth:`PipelineStages.sync_tied_grads` swaps the two copies' gradients between
+those two ranks after the backward passes (one batched send/receive on the pp axis; no
+extra process group, whose creation by only two ranks would desynchronise torch's
+group naming on the others) and adds them, so both copies receive the same full
+gradient (``a + b`` on one rank, ``b + a`` on the other: equal bits) and stay equal
+under any element-wise optimizer.
 
 Parameter names inside a piece are the model's own (``layers.3.attention.wq.weight``),
 so a piece's ``state_dict`` keys match the one-device model's.
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm import AxisGroup
+from plait.comm import P2P, AxisGroup
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 
@@ -135,8 +138,8 @@ class PipelineStages(nn.Module):
     """This rank's pieces (``chunks[c]`` is virtual stage ``pp_index + c·p``).
 
     ``tied`` is this rank's copy of a tied embedding/head matrix when the first and last
-    pieces are on different ranks (else None); ``tied_group`` the group of the two ranks
-    holding the copies.
+    pieces are on different ranks (else None); ``pp_group`` the pipeline axis, on which
+    the other copy lives at index ``tied_peer``.
     """
 
     def __init__(
@@ -146,7 +149,7 @@ class PipelineStages(nn.Module):
         pp_index: int,
         boundaries: Sequence[int],
         tied: nn.Parameter | None = None,
-        tied_group: AxisGroup | None = None,
+        pp_group: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
@@ -154,7 +157,8 @@ class PipelineStages(nn.Module):
         self.pp_index = pp_index
         self.boundaries = list(boundaries)
         self.tied = tied
-        self.tied_group = tied_group
+        self.pp_group = pp_group
+        self.tied_peer = stages - 1 if pp_index == 0 else 0
 
     @property
     def virtual_stages(self) -> int:
@@ -175,11 +179,16 @@ class PipelineStages(nn.Module):
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the two copies of a tied matrix (first and last piece)."""
-        if self.tied is None or self.tied_group is None:
+        if self.tied is None or self.pp_group is None:
             return
         if self.tied.grad is None:
             self.tied.grad = torch.zeros_like(self.tied)
-        comm.all_reduce(self.tied.grad, self.tied_group, op="sum")
+        grad = self.tied.grad  # (vocab, dim) (vocabulary shard under tp)
+        other = torch.empty_like(grad)
+        ops = [P2P("send", grad, self.tied_peer), P2P("recv", other, self.tied_peer)]
+        for h in comm.batch_isend_irecv(ops, self.pp_group):
+            h.wait()
+        grad.add_(other)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run every local piece in order (only meaningful with one pipeline rank)."""
@@ -188,17 +197,6 @@ class PipelineStages(nn.Module):
         for piece in self.chunks:
             x = piece(x)
         return x
-
-
-def _tied_group(mesh: Mesh, stages: int) -> AxisGroup | None:
-    """The group of pipeline ranks 0 and p-1 (with this rank's other coordinates)."""
-    pp = mesh.axis("pp")
-    if pp.index not in (0, stages - 1):
-        return None
-    if stages == 2:
-        return pp
-    members = [pp.ranks[0], pp.ranks[-1]]
-    return comm.new_axis_group("pp_tied", members, mesh.rank, mesh.timeout_s, mesh.stats)
 
 
 def split_transformer(
@@ -254,9 +252,7 @@ def split_transformer(
             )
         )
     tied: nn.Parameter | None = None
-    group: AxisGroup | None = None
     if tied_param is not None and p > 1:
-        group = _tied_group(mesh, p)
         if me == p - 1:  # the head gets its own copy, equal to the embedding at start
             copy = nn.Parameter(tied_param.detach().clone())
             copy.__dict__.update(  # keep attributes such as tensor-parallel shard info
@@ -267,7 +263,7 @@ def split_transformer(
         elif me == 0:
             tied = tied_param
     _release_foreign(model, local, pieces)
-    return PipelineStages(local, p, me, b, tied, group)
+    return PipelineStages(local, p, me, b, tied, mesh.axis("pp"))
 
 
 def _release_foreign(model: nn.Module, local: Sequence[StagePiece], pieces: int) -> None:
