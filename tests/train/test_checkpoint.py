@@ -52,13 +52,14 @@ def config(
     every: int = SAVE_AT,
     zero: int = 0,
     tp: int = 1,
+    pp: int = 1,
     resume: str | None = None,
     init_from: str | None = None,
     n_layers: int = 2,
 ) -> Config:
     return Config(
         model=ModelConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=32),
-        parallel=ParallelConfig(zero=zero, tp=tp),
+        parallel=ParallelConfig(zero=zero, tp=tp, pp=pp),
         train=TrainConfig(
             steps=steps,
             global_batch=8,
@@ -87,16 +88,17 @@ def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in tr.base.named_parameters()}
 
 
-def _mesh(ctx: WorkerContext | None, dp: int | None, tp: int) -> Any:
-    return ctx.mesh(dp=dp, tp=tp) if ctx is not None else init_mesh()
+def _mesh(ctx: WorkerContext | None, cfg: Config) -> Any:
+    if ctx is None:
+        return init_mesh()
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    return ctx.mesh(dp=ctx.world_size // (tp * pp), tp=tp, pp=pp)
 
 
 def _train(ctx: WorkerContext | None, cfg: Config, *, weights_at: int | None = None) -> Any:
     """Run ``cfg``; returns losses, val losses, final full weights (and, with
     ``weights_at``, the full weights after that many steps)."""
-    tp = cfg.parallel.tp
-    dp = (ctx.world_size // tp) if ctx is not None else None
-    tr = Trainer(cfg, _mesh(ctx, dp, tp), show_progress=False)
+    tr = Trainer(cfg, _mesh(ctx, cfg), show_progress=False)
     start = tr.start_step
     loaded = full_weights(tr)
     snap: dict[str, torch.Tensor] = {}
@@ -120,8 +122,26 @@ def _train(ctx: WorkerContext | None, cfg: Config, *, weights_at: int | None = N
 
 
 def _body(ctx: WorkerContext, cfg: Config, weights_at: int | None = None) -> Any:
-    out = _train(ctx, cfg, weights_at=weights_at)
-    return out if ctx.rank == 0 else None
+    return _train(ctx, cfg, weights_at=weights_at)
+
+
+def _merged(results: list[Any]) -> Any:
+    """One result from every rank's: rank 0's losses; the union of the ranks' weights
+    (pipeline stages hold different tensors; replicas must agree exactly)."""
+    out = dict(results[0])
+    for key in ("loaded", "snap", "final"):
+        union: dict[str, torch.Tensor] = {}
+        for r in results:
+            for name, t in r[key].items():
+                assert name not in union or torch.equal(union[name], t), name
+                union[name] = t
+        out[key] = union
+    assert all(r["losses"] == out["losses"] for r in results)
+    return out
+
+
+def _pool_run(pools: Callable[[int], WorkerPool], world: int, cfg: Config, **kw: Any) -> Any:
+    return _merged(pools(world).run(f"{M}:_body", cfg, **kw))
 
 
 def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -253,6 +273,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {
     "dp2": (2, {}),
     "zero3_dp2": (2, {"zero": 3}),
     "tp2": (2, {"tp": 2}),
+    "pp2": (2, {"pp": 2}),
 }
 
 
@@ -262,9 +283,9 @@ def test_resume_is_bit_exact(
 ) -> None:
     world, kw = LAYOUTS[layout]
     root = str(tmp_path / "ck")
-    full = pools(world).run(f"{M}:_body", config(root, **kw))[0]
+    full = _pool_run(pools, world, config(root, **kw))
     ck = str(Path(root) / step_dirname(SAVE_AT))
-    resumed = pools(world).run(f"{M}:_body", config(root, resume=ck, **kw))[0]
+    resumed = _pool_run(pools, world, config(root, resume=ck, **kw))
     assert resumed["start"] == SAVE_AT
     assert resumed["losses"] == full["losses"][SAVE_AT:]
     _assert_same_weights(resumed["final"], full["final"])
@@ -296,8 +317,8 @@ def test_sigterm_saves_at_step_boundary_and_resume_matches(
     assert [len(r["losses"]) for r in got] == [2, 2]  # both stopped after step 2
     assert all(r["handler"] for r in got)  # handlers restored
     assert read_latest(root) == root / step_dirname(2)
-    resumed = pools(2).run(f"{M}:_body", config(str(root), steps=4, every=0, resume="latest"))[0]
-    full = pools(2).run(f"{M}:_body", config(None, steps=4))[0]
+    resumed = _pool_run(pools, 2, config(str(root), steps=4, every=0, resume="latest"))
+    full = _pool_run(pools, 2, config(None, steps=4))
     assert got[0]["losses"] + resumed["losses"] == full["losses"]
 
 
@@ -306,13 +327,15 @@ RESHARD: dict[str, tuple[tuple[int, dict[str, int]], tuple[int, dict[str, int]]]
     "zero3_dp4->zero1_dp2": ((4, {"zero": 3}), (2, {"zero": 1})),
     "dp2->tp2": ((2, {}), (2, {"tp": 2})),
     "tp2->zero2_dp2": ((2, {"tp": 2}), (2, {"zero": 2})),
+    "tp2->pp2": ((2, {"tp": 2}), (2, {"pp": 2})),
+    "zero1_pp2xdp2->tp2xdp2": ((4, {"pp": 2, "zero": 1}), (4, {"tp": 2})),
 }
 
 
 def _run_on(pools: Callable[[int], WorkerPool], world: int, cfg: Config, **kw: Any) -> Any:
     if world == 1:
         return _train(None, cfg, **kw)
-    return pools(world).run(f"{M}:_body", cfg, **kw)[0]
+    return _pool_run(pools, world, cfg, **kw)
 
 
 @pytest.mark.parametrize("case", list(RESHARD))
@@ -331,10 +354,10 @@ def test_consolidate_then_start_from_it_under_another_layout(
     pools: Callable[[int], WorkerPool], tmp_path: Path
 ) -> None:
     root = tmp_path / "ck"
-    src = pools(4).run(f"{M}:_body", config(str(root), zero=3), weights_at=SAVE_AT)[0]
+    src = _pool_run(pools, 4, config(str(root), zero=3), weights_at=SAVE_AT)
     out = tmp_path / "model.safetensors"
     summary = consolidate(root / step_dirname(SAVE_AT), out)
     assert summary["step"] == SAVE_AT and summary["tensors"] == len(src["snap"])
-    dst = pools(2).run(f"{M}:_body", config(None, steps=1, tp=2, init_from=str(out)))[0]
+    dst = _pool_run(pools, 2, config(None, steps=1, tp=2, init_from=str(out)))
     assert dst["start"] == 0
     _assert_same_weights(dst["loaded"], src["snap"])

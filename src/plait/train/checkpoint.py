@@ -36,6 +36,7 @@ from torch import nn
 from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
+from plait.parallel.pipeline.engine import find_stages
 from plait.parallel.tensor import shard_info
 from plait.train.checkpoint_meta import (
     FORMAT,
@@ -115,6 +116,11 @@ def local_pieces(trainer: Trainer) -> list[LocalPiece]:
     tp_index = mesh.index("tp")
     replica_first = mesh.index("cp") == 0
     out: list[LocalPiece] = []
+    names = {id(p): n for n, p in trainer.base.named_parameters()}  # one-device names
+    stages = find_stages(trainer.model)  # pp > 1: the tied matrix is written by stage 0
+    skip = stages.tied if stages is not None and stages.pp_index > 0 else None
+    if stages is not None and stages.tied is not None:  # the last stage's copy of the
+        names[id(stages.tied)] = "tok_embeddings.weight"  # tied matrix: its one-device name
     zero = opt.zero
     if zero is not None:
         replica_first = replica_first and zero.replicate_group.index == 0
@@ -130,7 +136,7 @@ def local_pieces(trainer: Trainer) -> list[LocalPiece]:
                 a = u.lo + s - u.offsets[i]
                 out.append(
                     LocalPiece(
-                        u.names[i],
+                        names[id(p)],
                         shape,
                         tp,
                         a,
@@ -138,14 +144,16 @@ def local_pieces(trainer: Trainer) -> list[LocalPiece]:
                         slot.master[s:e],
                         seg,
                         zero.param_dtype,
-                        replica_first and tp_write,
+                        replica_first and tp_write and p is not skip,
                     )
                 )
         return out
     replica_first = replica_first and mesh.index("dp") == 0
-    names = {id(p): n for n, p in trainer.base.named_parameters()}
+    mine = {id(p) for p in trainer.model.parameters()}  # pp > 1: this stage's only
     for group in opt.param_groups:
         for p in group["params"]:
+            if id(p) not in mine:
+                continue
             tp, shape, tp_write = _tp_of(p, tuple(p.shape), tp_index)
             out.append(
                 LocalPiece(
@@ -157,7 +165,7 @@ def local_pieces(trainer: Trainer) -> list[LocalPiece]:
                     p.detach().reshape(-1),
                     p,
                     p.dtype,
-                    replica_first and tp_write,
+                    replica_first and tp_write and p is not skip,
                 )
             )
     return out
