@@ -603,6 +603,33 @@ def test_wrap_units_default_and_policies() -> None:
             assert p.data_ptr() == u.view(i, u.full).data_ptr()
 
 
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(0, "none"), (1, "none"), (3, "none"), (3, "params")]
+)
+def test_fp64_parameters_are_kept_exactly(stage: int, offload: str) -> None:
+    """A float64 model keeps its exact values (no round trip through fp32) and trains in
+    float64: its masters are the parameter shards themselves (offloaded: fp64 copies)."""
+    model = _builtin().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-12)  # not representable in fp32 next to values of order 1e-2
+    want = {k: p.detach().clone() for k, p in model.named_parameters()}
+    zdp = ZeroDataParallel(model, init_mesh(), stage, offload=offload)  # type: ignore[arg-type]
+    opt = ZeroOptimizer(zdp, torch.optim.SGD(model.parameters(), lr=0.0))
+    with zdp.gathered():
+        for k, p in model.named_parameters():
+            assert p.dtype == torch.float64 and torch.equal(p, want[k]), k
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    _loss(zdp(x), x).backward()
+    opt.step()  # lr 0: the weights stay exactly
+    masters = opt.master_tensors()
+    assert (masters == []) == (offload == "none")
+    assert all(m.dtype == torch.float64 for m in masters)
+    with zdp.gathered():
+        for k, p in model.named_parameters():
+            assert torch.equal(p, want[k]), k
+
+
 def test_tied_embeddings_go_to_the_root_unit() -> None:
     from plait.config import ModelConfig
     from plait.model import Transformer

@@ -204,10 +204,12 @@ class ZeroDataParallel(GradientReduction, nn.Module):
 
     @torch.no_grad()
     def _init_unit(self, u: FlatUnit) -> None:
-        flat32 = u.flatten(torch.float32)  # (padded,) exact fp32 values, zero padding
+        # (padded,) the exact initial values (fp64 parameters stay fp64), zero padding
+        wide = torch.float64 if any(p.dtype == torch.float64 for p in u.params) else torch.float32
+        flat = u.flatten(wide)
         if self.param_dtype in (torch.bfloat16, torch.float16):
-            u.fp32_init = flat32[u.lo : u.hi].clone()  # (shard,) initial fp32 masters
-        u.full = flat32.to(self.param_dtype) if self.param_dtype != torch.float32 else flat32
+            u.fp32_init = flat[u.lo : u.hi].float()  # (shard,) initial fp32 masters (a copy)
+        u.full = flat.to(self.param_dtype) if self.param_dtype != wide else flat
         for p in u.params:
             self._empty[p] = torch.empty((0,) * p.dim(), dtype=self.param_dtype, device=p.device)
         if self.stage == 3:

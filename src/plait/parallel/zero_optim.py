@@ -179,8 +179,9 @@ class ZeroOptimizer:
             if alias:
                 master = shard
             else:
-                init = u.fp32_init if u.fp32_init is not None else shard.float()
-                master = init.to(master_device, torch.float32, copy=True)  # (shard_numel,)
+                init = u.fp32_init if u.fp32_init is not None else shard
+                wide = torch.float64 if shard.dtype == torch.float64 else torch.float32
+                master = init.to(master_device, wide, copy=True)  # (shard_numel,)
             u.fp32_init = None
             segments = []
             pieces = [(a, b, _norm_weight(u.params[i])) for i, a, b in u.local_segments()]
