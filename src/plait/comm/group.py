@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +32,27 @@ def init_world(
     """Join the default process group (the world). ``env://`` reads torchrun's variables."""
     if dist.is_initialized():
         raise CommError("the process group is already initialised in this process")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method == "env://" and attempt is not None:
+        # A job restarted by the elastic agent meets in the agent's store again, where the
+        # previous attempt's addresses are still published (gloo then connects to dead
+        # ranks: "connection refused"); keys under a per-attempt prefix avoid them.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=rank == 0 and not agent_store,
+            timeout=timeout,
+        )
+        prefixed = dist.PrefixStore(f"plait/attempt{attempt}/", store)
+        dist.init_process_group(
+            backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
+        )
+        return
     dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
 
 

@@ -407,8 +407,15 @@ class Checkpointing:
     def restore(self, trainer: Trainer) -> int:
         """Everything else once the optimizer exists; the step to continue from."""
         if self.reader is None:
+            if self.init_from and trainer.is_main:
+                trainer.progress.message(f"plait: started from the weights in {self.init_from}")
             return 0
         step = restore_training_state(trainer, self.reader)
+        if trainer.is_main:
+            how = f" (elastic restart {restart_count()})" if restart_count() else ""
+            trainer.progress.message(
+                f"plait: resumed from {self.reader.folder} at step {step}{how}"
+            )
         self.reader = None  # free the cached tensors
         return step
 

@@ -1,0 +1,98 @@
+"""``plait checkpoint info | consolidate`` and ``plait train --resume / --init-from``.
+
+Everything runs in this process (one rank): a 2-step run writes two checkpoints, the
+commands read them; bad input answers exit code 2 with one paragraph.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from plait.cli import main
+from plait.train.reshard import CheckpointReader
+
+TINY = [
+    *["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4"],
+    *["--model.max_seq_len", "32", "--seq-len", "32", "--global-batch", "8"],
+    *["--data.max_bytes", "100000", "--train.eval_every", "0", "--train.eval_batches", "1"],
+    *["--progress", "lines", "--log.peak_tflops", "1", "--nproc", "1"],
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ck")
+    code = main(["train", *TINY, "--steps", "2", "--train.checkpoint_dir", str(d)])
+    assert code == 0
+    code = main(["train", *TINY, "--steps", "3", "--train.checkpoint_dir", str(d), "--resume"])
+    assert code == 0
+    return d
+
+
+def test_info_describes_the_checkpoint(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["checkpoint", "info", str(root), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "step_00000003" in out and ": step 3 " in out
+    assert "layout: world 1 = dp 1 x tp 1 x pp 1 x cp 1; zero 0; dtype fp32" in out
+    assert "rank00000.safetensors" in out and "sha256" in out
+    assert "layers.1.feed_forward.w2.weight  [32, 96]  float32  [0:3072)" in out
+
+
+def test_resume_flag_continues_from_latest(root: Path) -> None:
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["latest", "step_00000002", "step_00000003"]
+    meta = CheckpointReader(root / "step_00000003").meta
+    assert meta["config"]["train"]["resume"] == "latest"  # `--resume` alone
+    assert meta["optimizer"]["steps"] == 3 and meta["sampler"]["step"] == 3
+
+
+def test_consolidate_then_init_from(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "model.safetensors"
+    assert main(["checkpoint", "consolidate", str(root / "step_00000002"), "-o", str(out)]) == 0
+    assert f"--init-from {out}" in capsys.readouterr().out
+    with safe_open(str(out), framework="pt") as f:
+        assert "tok_embeddings.weight" in f.keys()  # noqa: SIM118
+        assert f.metadata()["step"] == "2"
+    assert main(["train", *TINY, "--steps", "1", "--init-from", str(out)]) == 0
+    assert f"started from the weights in {out}" in capsys.readouterr().out
+
+
+def _bad(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("plait: error: ") and "Traceback" not in err
+    return err
+
+
+def test_bad_input_is_one_paragraph(
+    root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty"
+    err = _bad(["train", *TINY, "--train.checkpoint_dir", str(empty), "--resume"], capsys)
+    assert "there is no checkpoint" in err
+    err = _bad(["train", *TINY, "--resume"], capsys)
+    assert "need train.checkpoint_dir" in err
+    err = _bad(["train", *TINY, "--init-from", str(tmp_path / "nope.safetensors")], capsys)
+    assert "no weights file or checkpoint" in err
+    err = _bad(
+        ["train", *TINY, "--train.fault_inject_step", "2", "--train.fault_inject_rank", "3"], capsys
+    )
+    assert "fault_inject_rank = 3" in err
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(root / "step_00000003", copy)
+    shard = copy / "rank00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    err = _bad(["checkpoint", "info", str(copy)], capsys)
+    assert "rank00000.safetensors fails its checksum" in err
