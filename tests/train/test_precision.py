@@ -227,12 +227,13 @@ def _inf_on_second_step(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(trainer, "_loss", loss)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_trainer_nonfinite_loss_skip_keeps_state_and_schedule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
 ) -> None:
-    """fp32/bf16 with ``nonfinite = "skip"``: the step with an inf loss is skipped with a
-    warning and reported; weights, optimizer state and the schedule's step are unchanged."""
+    """fp32/bf16 with ``nonfinite = "skip"`` (a warning), fp16 through the loss scaler
+    (the scale halves): the step with an inf loss is skipped and reported; weights, fp32
+    masters, optimizer state and the schedule's step are exactly unchanged."""
     cfg = _tiny(dtype, steps=4, nonfinite="skip")
     cfg.log.metrics = str(tmp_path / "m.jsonl")
     trainer = Trainer(cfg, init_mesh(), show_progress=False)
@@ -257,14 +258,19 @@ def test_trainer_nonfinite_loss_skip_keeps_state_and_schedule(
         return out
 
     monkeypatch.setattr(trainer, "train_step", step)
-    with pytest.warns(RuntimeWarning, match="loss is not finite; the step is skipped"):
+    if dtype == "fp16":
         summary = trainer.run()
+    else:
+        with pytest.warns(RuntimeWarning, match="loss is not finite; the step is skipped"):
+            summary = trainer.run()
     rows = [json.loads(line) for line in Path(cfg.log.metrics).read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert same == [False, True, False, False]
     assert [r["lr"] for r in rows] == [lr_at(i, cfg) for i in (0, 1, 1, 2)]
     assert summary.skipped_steps == 1 and trainer.sched_step == 3
-    assert all(r["loss_scale"] is None for r in rows)
+    k = 65536.0
+    scales = [k, k, k / 2, k / 2] if dtype == "fp16" else [None] * 4
+    assert [r["loss_scale"] for r in rows] == scales
     assert math.isinf(rows[1]["loss"]) and all(math.isfinite(r["loss"]) for r in rows[2:])
 
 
