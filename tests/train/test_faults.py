@@ -225,7 +225,7 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [row["step"] for row in rows] == [5, 6]  # the restarted attempt: from step 4
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]  # 5, 6: after the restart
     assert "resumed from" in r.stdout
     want = pools(2).run(f"{M}:_body_uninterrupted")[0]
     assert rows[-1]["loss"] == want[-1]

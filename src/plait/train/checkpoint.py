@@ -391,6 +391,11 @@ class Checkpointing:
         self.saved: list[Path] = []
 
     @property
+    def resume_step(self) -> int:
+        """The step the run resumes from (0: a fresh start)."""
+        return self.reader.step if self.reader is not None else 0
+
+    @property
     def source(self) -> str | None:
         """The checkpoint folder or weights file the run starts from (None: fresh)."""
         if self.reader is not None:

@@ -93,12 +93,23 @@ class StepMetrics:
 class MetricsWriter:
     """Appends one JSON object per step to a file (rank 0 only)."""
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, keep_steps: int = 0) -> None:
+        """``keep_steps`` > 0 (a resumed run): keep the file's rows of steps up to it and
+        append after them (rows of later steps, from the interrupted run, are dropped)."""
         self._f: IO[str] | None = None
         if path:
             p = Path(path)
             p.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if keep_steps > 0 and p.is_file():
+                for line in p.read_text("utf-8").splitlines():
+                    try:
+                        if int(json.loads(line)["step"]) <= keep_steps:
+                            kept.append(line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue
             self._f = p.open("w", encoding="utf-8")
+            self._f.writelines(kept)
 
     def write(self, m: StepMetrics | dict[str, Any]) -> None:
         if self._f is not None:

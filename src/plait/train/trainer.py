@@ -147,7 +147,9 @@ class Trainer:
         self.params = param_count(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak = peak_flops(self.device, cfg.log.peak_tflops) * world
-        self.metrics = MetricsWriter(cfg.log.metrics if self.is_main else None)
+        self.metrics = MetricsWriter(
+            cfg.log.metrics if self.is_main else None, self.checkpoints.resume_step
+        )
         self.progress = Progress(
             cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and show_progress
         )
