@@ -59,11 +59,25 @@ def reference(tied: bool) -> dict[str, object]:
 
 
 def _body_compose(
-    ctx: WorkerContext, dp: int, tp: int, schedule: str, chunks: int, zero: int, tied: bool
+    ctx: WorkerContext,
+    dp: int,
+    tp: int,
+    schedule: str,
+    chunks: int,
+    zero: int,
+    tied: bool,
+    sp: bool = False,
 ) -> dict[str, object]:
     mesh = ctx.mesh(dp=dp, tp=tp, pp=2)
     par = ParallelConfig(
-        dp=dp, tp=tp, pp=2, zero=zero, pipeline_schedule=schedule, chunks=chunks, microbatches=2
+        dp=dp,
+        tp=tp,
+        pp=2,
+        zero=zero,
+        pipeline_schedule=schedule,
+        chunks=chunks,
+        microbatches=2,
+        sequence_parallel=sp,
     )
     cfg = Config(
         model=model_config(tied=tied),
@@ -72,7 +86,7 @@ def _body_compose(
     )
     model = Transformer(cfg.model, seed=3).double()
     if tp > 1:
-        apply_tensor_parallel(model, mesh)
+        apply_tensor_parallel(model, mesh, sequence_parallel=sp)
     stages = split_for_pipeline(model, mesh, cfg)
     wrapped: nn.Module = (
         ZeroDataParallel(stages, mesh, stage=1)
@@ -103,15 +117,16 @@ def refs() -> dict[bool, dict[str, object]]:
 
 
 LAYOUTS = [
-    # (world, dp, tp, schedule, chunks, zero, tied)
-    (4, 2, 1, "1f1b", 1, 0, False),  # pp2 x dp2, DataParallel
-    (4, 2, 1, "interleaved", 2, 1, True),  # pp2 x dp2, ZeRO-1, tied embeddings
-    (4, 1, 2, "zb", 1, 0, False),  # pp2 x tp2
-    (8, 2, 2, "1f1b", 1, 1, True),  # pp2 x tp2 x dp2, ZeRO-1, tied embeddings
+    # (world, dp, tp, schedule, chunks, zero, tied, sequence parallel)
+    (4, 2, 1, "1f1b", 1, 0, False, False),  # pp2 x dp2, DataParallel
+    (4, 2, 1, "interleaved", 2, 1, True, False),  # pp2 x dp2, ZeRO-1, tied embeddings
+    (4, 1, 2, "zb", 1, 0, False, False),  # pp2 x tp2
+    (4, 1, 2, "interleaved", 2, 0, True, True),  # pp2 x tp2, sequence parallel, tied
+    (8, 2, 2, "1f1b", 1, 1, True, False),  # pp2 x tp2 x dp2, ZeRO-1, tied embeddings
 ]
 
 
-@pytest.mark.parametrize(("world", "dp", "tp", "schedule", "chunks", "zero", "tied"), LAYOUTS)
+@pytest.mark.parametrize(("world", "dp", "tp", "schedule", "chunks", "zero", "tied", "sp"), LAYOUTS)
 def test_composition_matches_one_process(
     pools: Callable[[int], WorkerPool],
     refs: dict[bool, dict[str, object]],
@@ -122,10 +137,11 @@ def test_composition_matches_one_process(
     chunks: int,
     zero: int,
     tied: bool,
+    sp: bool,
 ) -> None:
     ref = refs[tied]
     assert ref["norms"][0] > CLIP  # type: ignore[index]  # clipping is engaged
-    results = pools(world).run(f"{M}:_body_compose", dp, tp, schedule, chunks, zero, tied)
+    results = pools(world).run(f"{M}:_body_compose", dp, tp, schedule, chunks, zero, tied, sp)
     for step in range(STEPS):
         mean = sum(r["losses"][step] for r in results) / world  # every rank: its dp slice
         assert mean == pytest.approx(ref["losses"][step], rel=RTOL)  # type: ignore[index]

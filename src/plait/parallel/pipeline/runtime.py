@@ -20,8 +20,10 @@
   end of the step. These are the semantics the schedule validator assumes: a send
   never blocks, a receive blocks until its send is posted.
 
-Every action's start and end (seconds from the start of the step) are recorded in
-:attr:`PipelineRuntime.records` as ``(rank, action, start, end)``; a batch of
+Every action's start and end (seconds from the start of the step, which is
+:attr:`PipelineRuntime.step_start` on ``time.perf_counter``'s clock, shared by the
+processes of one machine) are recorded in :attr:`PipelineRuntime.records` as
+``(rank, action, start, end)``; a batch of
 communication actions shares one interval (posting to the end of its receives). The
 measured timeline can be compared with the simulated one and drawn by
 :mod:`plait.viz`.
@@ -109,6 +111,7 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.last_stage = schedule.virtual_stages - 1
         self.records: list[ActionRecord] = []
+        self.step_start = 0.0  # time.perf_counter() at the start of the last step
         self._params = {
             s: [p for p in stages.piece(s).parameters() if p.requires_grad]
             for s in range(self.rank, schedule.virtual_stages, schedule.stages)
@@ -170,7 +173,7 @@ class PipelineRuntime:
         self._sends: list[tuple[Handle, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
         self.records = []
-        t0 = time.perf_counter()
+        t0 = self.step_start = time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
