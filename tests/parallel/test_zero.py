@@ -409,6 +409,57 @@ def test_traffic_matches_formulas(pools: Callable[[int], WorkerPool], world: int
                 assert 1.5 <= ratio < 1.51
 
 
+def _body_hybrid_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+    mesh = ctx.mesh(dp=ctx.world_size)
+    model = _make("builtin")
+    zdp = ZeroDataParallel(model, mesh, stage, shard_size=2)
+    opt = ZeroOptimizer(zdp, _optimizer(model, "adamw"))
+    x, y = _batches()[0]
+    mesh.stats.reset()
+    _loss(zdp(x[:2]), y[:2]).backward()
+    opt.step()
+    s = mesh.stats
+    return {
+        "padded": sum(u.padded for u in zdp.units),
+        "ops": {
+            (axis, op): (s.get(axis, op).bytes, s.get(axis, op).calls)
+            for axis in ("dp", "dp_shard", "dp_replicate")
+            for op in ("all_reduce", "reduce_scatter", "all_gather")
+            if s.get(axis, op).calls
+        },
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_traffic_matches_formulas(pools: Callable[[int], WorkerPool], stage: int) -> None:
+    """dp 4, F = 2: reduce-scatter and all-gather inside the shard groups of 2
+    ((F-1)/F·S' bus bytes each; stage 3 gathers twice), the gradient shards (S'/F)
+    all-reduced across the 2 replicas (2·(R-1)/R·S'/F), the norm (one fp64) all-reduced
+    in the shard group only. Nothing else, exactly."""
+    for r in pools(4).run(f"{M}:_body_hybrid_traffic", stage):
+        sp = 4 * r["padded"]  # S': fp32 bytes of the padded units
+        ops = r["ops"]
+        rs_bytes, rs_calls = ops[("dp_shard", "reduce_scatter")]
+        ag_bytes, ag_calls = ops[("dp_shard", "all_gather")]
+        ar_bytes, ar_calls = ops[("dp_replicate", "all_reduce")]
+        norm_bytes, norm_calls = ops[("dp_shard", "all_reduce")]
+        n_units = rs_calls  # one reduce-scatter per unit
+        assert rs_bytes == pytest.approx(0.5 * sp, rel=1e-12)
+        gathers = 2 if stage == 3 else 1
+        assert (ag_bytes, ag_calls) == (
+            pytest.approx(gathers * 0.5 * sp, rel=1e-12),
+            gathers * n_units,
+        )
+        assert (ar_bytes, ar_calls) == (pytest.approx(2 * 0.5 * sp / 2, rel=1e-12), n_units)
+        assert (norm_bytes, norm_calls) == (pytest.approx(2 * 0.5 * 8, rel=1e-12), 1)
+        assert set(ops) == {
+            ("dp_shard", "reduce_scatter"),
+            ("dp_shard", "all_gather"),
+            ("dp_shard", "all_reduce"),
+            ("dp_replicate", "all_reduce"),
+        }
+
+
 # ----------------------------------------------------------------------------- stage 3
 
 
