@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -74,6 +75,7 @@ ROWS = [
     Row("dp2, accumulation 2", 2, {"dp": 2}, 16, 4),
     Row("zero3 dp2", 2, {"dp": 2, "zero": 3}, 16, 8),
     Row("tp2", 2, {"dp": 1, "tp": 2}, 8, 8),
+    Row("tp2 + SP", 2, {"dp": 1, "tp": 2, "sequence_parallel": True}, 8, 8),
     Row("dp2 x tp2", 4, {"dp": 2, "tp": 2}, 16, 8),
     Row("pp2 1F1B", 2, {"dp": 1, "pp": 2}, 8, 2),
     Row("cp2", 2, {"dp": 1, "cp": 2}, 8, 8),
@@ -99,6 +101,7 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
     from plait import comm
     from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
     from plait.parallel.data import DataParallel
+    from plait.parallel.pipeline.engine import find_stages
     from plait.train.trainer import Trainer
 
     cfg = Config(
@@ -112,12 +115,13 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
     mesh = ctx.mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
     trainer = Trainer(cfg, mesh, show_progress=False)
     world = mesh.axis("pp", "dp", "cp", "tp")
-    times = []
+    times, cpu_times = [], []
     for step in range(warmup + steps):
         comm.barrier(world)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trainer.train_step(step)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
 
     # one more micro-step, with every saved tensor counted
     base = trainer.base
@@ -130,8 +134,18 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
 
     idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
     x, y = trainer.train_set.batch(idx)
+    stages = find_stages(trainer.model)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = trainer._loss(x, y)
+        if stages is None:
+            loss = trainer._loss(x, y)
+        else:  # this rank's pipeline stage on one micro-batch, as the runtime runs it
+            piece = stages.chunks[0]
+            if piece.tok_embeddings is not None:
+                inp = x
+            else:  # the hidden states a previous stage would send: (micro, seq, dim)
+                inp = torch.randn(x.shape[0], x.shape[1], cfg.model.dim, requires_grad=True)
+            out = piece(inp)
+            loss = trainer.loss_fn(out.float(), y) if piece.output is not None else out.sum()
     activations = _storage_bytes(saved, fixed)
     saved.clear()
     loss.backward()
@@ -148,6 +162,7 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
         "wrapper": type(trainer.model).__name__,
         "rank": mesh.rank,
         "times": times[warmup:],
+        "cpu_times": cpu_times[warmup:],
         "params": report["params"],
         "grads": grads,
         "master": report["master"],
@@ -209,18 +224,22 @@ def predict(row: Row, hw: Any) -> Any:
 
 
 def korthikanti_bytes(row: Row, e: Any) -> float:
-    """Korthikanti et al.'s per-layer formula x L, plus the planner's embedding/head."""
+    """Korthikanti et al.'s per-layer formula (16-bit, dropout, unfused attention) x the
+    layers of pipeline stage 0, plus the planner's embedding/head terms of that stage."""
     from plait.plan.activations import (
         embedding_activation_bytes,
         head_activation_bytes,
         korthikanti_layer_bytes,
     )
+    from plait.plan.memory import stage_layers
 
-    s = e.model
-    per_layer = korthikanti_layer_bytes(SEQ, row.micro_batch, s.hidden, s.n_heads)
-    edge = embedding_activation_bytes(s, e.layout, e.precision, e.runtime, SEQ)
-    edge += head_activation_bytes(s, e.layout, e.precision, e.runtime, SEQ)
-    return s.n_layers * per_layer + edge
+    s, lay = e.model, e.layout
+    t, sp = lay.tp, lay.sequence_parallel
+    per_layer = korthikanti_layer_bytes(SEQ, lay.micro_batch, s.hidden, s.n_heads, t, sp)
+    edge = embedding_activation_bytes(s, lay, e.precision, e.runtime, SEQ)
+    if lay.pp == 1:
+        edge += head_activation_bytes(s, lay, e.precision, e.runtime, SEQ)
+    return stage_layers(s.n_layers, lay.pp, 0) * per_layer + edge
 
 
 def _cpu_busy(interval: float = 0.5) -> float:
@@ -270,16 +289,25 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
     return here, res
 
 
+def _load() -> float:
+    """The 1-minute load average (0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
 def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
     """Run every available row and format the comparison."""
     from plait.plan.calibrate import profile_from_results
+    from plait.plan.memory import copies_gradients, stage_memory, stage_params
     from plait.testing import WorkerPool
 
     lines = [
-        "| layout | state MiB pred / meas | err | buckets MiB pred / meas | "
+        "| layout | state MiB pred / meas | err | DP buckets MiB pred / meas | "
         "activations MiB meas | plait fp32 pred (err) | Korthikanti pred (err) | "
-        "step ms pred / meas | err |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "CPU ms/step pred / meas | err | wall ms/step pred / meas | err | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     parts = [
         "| layout | compute | TP comm | PP comm + bubble | DP/ZeRO comm exposed (total) | "
@@ -287,64 +315,76 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
         "|---|---|---|---|---|---|---|---|---|",
     ]
     pools: dict[int, Any] = {}
-    busy: list[float] = []
     try:
         for row in ROWS:
             if only and only not in row.name:
                 continue
             why = available(row)
             if why is not None:
-                lines.append(f"| {row.name} | not yet available | | | | | | | |")
+                lines.append(f"| {row.name} | not yet available | | | | | | | | | | |")
                 continue
             pool = pools.get(row.world)
             if pool is None:
                 pool = pools[row.world] = WorkerPool(row.world, comm_timeout_s=120.0)
             pool.start()
-            # the machine is shared: start when it is quiet, and measure the rates of
-            # exactly this many concurrent ranks just before and after the steps
-            busy.append(wait_quiet(QUIET, max_wait_s))
+            # the machine is shared: start when it is quiet (if it gets quiet), and
+            # measure the rates of exactly this many concurrent ranks just before and
+            # after the steps, on both clocks
+            wait_quiet(QUIET, max_wait_s)
+            load0 = _load()
             _, before = profile_here(pool, hw)
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
             after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            load1 = _load()
             pooled = [*before, *({"compute": c, "comm": before[0]["comm"]} for c in after)]
-            here, _ = profile_from_results(pooled, hw.memory_bytes, hw.name)
-            e = predict(row, here)
+            prof = {
+                c: profile_from_results(pooled, hw.memory_bytes, hw.name, clock=c)[0]
+                for c in ("wall", "cpu")
+            }
+            e = predict(row, prof["wall"])
+            e_cpu = predict(row, prof["cpu"])
             r0 = next(r for r in res if r["rank"] == 0)
             state_meas = r0["params"] + r0["grads"] + r0["master"] + r0["optimizer"]
-            per_step = zip(*(r["times"] for r in res), strict=True)
-            step_meas = statistics.median(max(ts) for ts in per_step)
-            mem = e.memory
-            # activations of one micro-batch (a single stage holds exactly one here)
+            step_meas = statistics.median(
+                max(ts) for ts in zip(*(r["times"] for r in res), strict=True)
+            )
+            cpu_meas = statistics.median(
+                max(ts) for ts in zip(*(r["cpu_times"] for r in res), strict=True)
+            )
+            # rank 0: pipeline stage 0, shard 0
+            mem = stage_memory(e.model, e.layout, e.precision, e.runtime, SEQ, 0)
+            # activations of one micro-batch on that stage (the in-flight factor apart)
             act_pred = (mem.activations + mem.embedding_head) / mem.in_flight
             k = korthikanti_bytes(row, e)
             meas_act = r0["activations"]
+            sp0 = stage_params(e.model, e.layout, 0)
+            bucket_pred = (
+                sp0.params * e.precision.grad_bytes
+                if copies_gradients(e.layout, e.precision, e.runtime)
+                else 0
+            )
             buckets = "n/a" if r0["buckets"] is None else _mb(r0["buckets"])
             lines.append(
                 f"| {row.name} | {_mb(mem.state)} / {_mb(state_meas)} | "
-                f"{_err(mem.state, state_meas)} | {_mb(mem.buffers)} / {buckets} | "
+                f"{_err(mem.state, state_meas)} | {_mb(bucket_pred)} / {buckets} | "
                 f"{_mb(meas_act)} | {_mb(act_pred)} ({_err(act_pred, meas_act)}) | "
                 f"{_mb(k)} ({_err(k, meas_act)}) | "
+                f"{1e3 * e_cpu.time.total:.1f} / {1e3 * cpu_meas:.1f} | "
+                f"{_err(e_cpu.time.total, cpu_meas)} | "
                 f"{1e3 * e.time.total:.1f} / {1e3 * step_meas:.1f} | "
-                f"{_err(e.time.total, step_meas)} |"
+                f"{_err(e.time.total, step_meas)} | {load0:.0f} -> {load1:.0f} |"
             )
-            t = e.time
+            t = e_cpu.time
             ms = lambda v: f"{1e3 * v:.1f}"  # noqa: E731
             parts.append(
                 f"| {row.name} | {ms(t.compute + t.recompute)} | {ms(t.tp_comm)} | "
                 f"{ms(t.pp_comm + t.bubble)} | {ms(t.dp_comm)} ({ms(t.dp_comm_total)}) | "
-                f"{ms(t.optimizer)} | {ms(t.other)} | {ms(t.total)} | {ms(step_meas)} |"
+                f"{ms(t.optimizer)} | {ms(t.other)} | {ms(t.total)} | {ms(cpu_meas)} |"
             )
     finally:
         for pool in pools.values():
             pool.close()
-    if busy:
-        lines += [
-            "",
-            f"Other processes kept {100 * min(busy):.0f}-{100 * max(busy):.0f}% of the cores busy "
-            f"when the layouts started (waited up to {max_wait_s:.0f} s for < "
-            f"{100 * QUIET:.0f}%).",
-        ]
-    return [*lines, "", "Predicted step time by component (ms):", "", *parts]
+    return [*lines, "", "Predicted CPU time per step by component (ms):", "", *parts]
 
 
 # --------------------------------------------------------------------------- published

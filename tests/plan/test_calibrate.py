@@ -100,3 +100,18 @@ def test_calibration_on_two_ranks_feeds_the_planner(
                  "--seq", "128", "--global-batch", "16", "--json"])  # fmt: skip
     assert code == 0
     assert '"fits": true' in capsys.readouterr().out
+
+
+def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
+    from plait.plan.calibrate import profile_from_results
+
+    results = pools(2).run("plait.plan.calibrate:calibrate_body", True)
+    wall, _ = profile_from_results(results, 4e9)
+    cpu, fits = profile_from_results(results, 4e9, clock="cpu")
+    assert "CPU time" in cpu.source and "wall clock" in wall.source
+    assert cpu.matmul.points != wall.matmul.points  # two clocks, two sets of rates
+    assert [s for s, _ in cpu.matmul.points] == [s for s, _ in wall.matmul.points]
+    assert cpu.peak_flops > 1e8 and cpu.op_overhead_s > 0
+    assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    with pytest.raises(ValueError, match="unknown clock"):
+        profile_from_results(results, 4e9, clock="sundial")

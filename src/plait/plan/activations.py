@@ -36,7 +36,7 @@ from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
 
 Kind = Literal["act", "fp32", "mask", "index"]
-Region = Literal["norm", "tp", "kv", "full"]
+Region = Literal["norm", "gathered", "tp", "kv", "full"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class Saved:
     region: Region = "tp"
     """``tp``: sharded by tensor parallelism; ``kv``: sharded by key/value heads (whole
     heads, replicated when tp exceeds them); ``norm``: replicated across the tensor-
-    parallel group unless sequence parallelism shards it; ``full``: never split."""
+    parallel group unless sequence parallelism shards it; ``gathered``: the input of a
+    column-parallel layer, all-gathered from sequence shards under sequence parallelism
+    and kept whole unless the runtime re-gathers it in backward; ``full``: never split."""
     core: bool = False
     """Part of core attention (what selective recomputation recomputes)."""
 
@@ -77,7 +79,7 @@ def _norm(prefix: str, spec: ModelSpec, runtime: Runtime, consumer: str) -> list
     ]
     if spec.style == "llama" and not runtime.fused_norm:
         out.append(Saved(f"{prefix}.normalized", h, region="norm"))
-    out.append(Saved(f"{consumer}.input", h, region="norm"))
+    out.append(Saved(f"{consumer}.input", h, region="gathered"))
     return out
 
 
@@ -129,6 +131,7 @@ def _bytes(
     items: list[Saved],
     spec: ModelSpec,
     precision: Precision,
+    runtime: Runtime,
     seq_len: int,
     split: tuple[int, int, int, bool],
 ) -> float:
@@ -137,6 +140,7 @@ def _bytes(
     t, c, mb, sp = split
     tokens = mb * seq_len / c  # tokens of the local sequence shard
     kv_scale = kv_heads_local(spec, t) / spec.n_kv_heads
+    resharded = not runtime.sp_saves_gathered  # the runtime re-gathers in backward
     total = 0.0
     for s in items:
         per_tok = s.per_token + s.per_token_seq * seq_len  # local queries x all keys
@@ -144,7 +148,7 @@ def _bytes(
             per_tok /= t
         elif s.region == "kv":
             per_tok *= kv_scale
-        elif s.region == "norm" and sp:
+        elif sp and (s.region == "norm" or (s.region == "gathered" and resharded)):
             per_tok /= t
         total += tokens * per_tok * s.element_bytes(precision)
     return total
@@ -167,10 +171,10 @@ def _part_bytes(
     if part == "layer":
         items = kept_saved(spec, runtime, recompute)
     elif part == "embedding":
-        items = embedding_saved(spec, runtime)
+        items = embedding_saved(spec, runtime, split[0])
     else:
-        items = head_saved(spec, runtime)
-    return _bytes(items, spec, precision, seq_len, split)
+        items = head_saved(spec, runtime, split[0])
+    return _bytes(items, spec, precision, runtime, seq_len, split)
 
 
 def layer_activation_bytes(
@@ -180,28 +184,35 @@ def layer_activation_bytes(
     return _part_bytes("layer", spec, precision, runtime, seq_len, _split(layout), layout.recompute)
 
 
-def embedding_saved(spec: ModelSpec, runtime: Runtime) -> list[Saved]:
-    """What the input embedding saves (first pipeline stage)."""
+def embedding_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
+    """What the input embedding saves (first pipeline stage); vocabulary-parallel
+    (tp > 1), also the mask of the tokens outside this rank's vocabulary range."""
     out = [Saved("embed.indices", 1.0, kind="index", region="full")]
+    if tp > 1:
+        out.append(Saved("embed.vocab_mask", 1.0, kind="mask", region="full"))
     if runtime.dropout:
         out.append(Saved("embed.dropout_mask", spec.hidden, kind="mask", region="norm"))
     return out
 
 
-def head_saved(spec: ModelSpec, runtime: Runtime) -> list[Saved]:
+def head_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
     """What the final norm, output head and cross-entropy save (last stage).
 
     The loss is computed in fp32 over a vocabulary-parallel head: each rank keeps its
-    V/t log-probabilities (fp32) and the int64 targets.
+    V/t log-probabilities (fp32) and the int64 targets; with tp > 1 the vocabulary-
+    parallel cross-entropy also keeps two 1-byte masks per token (targets in this rank's
+    range, for the target logit and for its gradient) and no loss scalar.
     """
     out = _norm("final_norm", spec, runtime, "head")
     out.append(Saved("loss.log_probs", spec.vocab, kind="fp32"))
     out.append(Saved("loss.targets", 1.0, kind="index", region="full"))
+    if tp > 1:
+        out.append(Saved("loss.target_masks", 2.0, kind="mask", region="full"))
     return out
 
 
 LOSS_SCALAR_BYTES = 4
-"""The fp32 total-weight scalar ``nll_loss`` saves per micro-batch."""
+"""The fp32 total-weight scalar ``nll_loss`` saves per micro-batch (tp = 1)."""
 
 
 def embedding_activation_bytes(
@@ -216,7 +227,8 @@ def head_activation_bytes(
 ) -> float:
     """Bytes the final norm, head and loss keep for one micro-batch."""
     split = _split(layout)
-    return _part_bytes("head", spec, precision, runtime, seq_len, split, "") + LOSS_SCALAR_BYTES
+    scalar = LOSS_SCALAR_BYTES if layout.tp == 1 else 0
+    return _part_bytes("head", spec, precision, runtime, seq_len, split, "") + scalar
 
 
 def korthikanti_layer_bytes(

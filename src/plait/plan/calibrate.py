@@ -45,36 +45,51 @@ MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 ATTN_BATCH, ATTN_HEADS, ATTN_HEAD_DIM = 4, 4, 32
 
 
-def _median_time(fn: Callable[[], object], reps: int, min_time: float = 0.0) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs (after one warm-up); calls are
-    grouped so that each timed group lasts at least ``min_time``."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""``wall``: elapsed seconds, what a dedicated machine shows. ``cpu``: this process's CPU
+seconds (every thread), blind to time spent descheduled, so a profile measured with it
+on a shared machine predicts the work a step costs, not how long others delay it."""
+
+Points = dict[str, list[tuple[float, float]]]
+"""``(size, rate)`` points per clock."""
+
+
+def _median_times(fn: Callable[[], object], reps: int, min_time: float = 0.0) -> dict[str, float]:
+    """Median seconds of ``fn()`` over ``reps`` runs (after one warm-up) on every clock of
+    :data:`CLOCKS`; calls are grouped so that each timed group lasts at least
+    ``min_time``."""
     fn()
     t0 = time.perf_counter()
     fn()
     once = max(time.perf_counter() - t0, 1e-9)
     inner = max(1, int(min_time / once))
-    samples = []
+    samples: dict[str, list[float]] = {c: [] for c in CLOCKS}
     for _ in range(reps):
-        t0 = time.perf_counter()
+        start = {c: clock() for c, clock in CLOCKS.items()}
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
+        for c, clock in CLOCKS.items():
+            samples[c].append(max(clock() - start[c], 1e-9) / inner)
+    return {c: statistics.median(v) for c, v in samples.items()}
 
 
-def measure_matmul(sizes: Sequence[int], reps: int) -> list[tuple[float, float]]:
+def _rates(points: list[tuple[float, dict[str, float]]], work: Callable[[float], float]) -> Points:
+    """``(size, seconds per clock)`` -> ``(size, work(size) / seconds)`` per clock."""
+    return {c: [(size, work(size) / t[c]) for size, t in points] for c in CLOCKS}
+
+
+def measure_matmul(sizes: Sequence[int], reps: int) -> Points:
     """``(n, FLOP/s)`` of an fp32 n x n x n matmul."""
     import torch
 
     out = []
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t = _median_time(functools.partial(torch.mm, a, b), reps, 0.02)
-        out.append((float(n), 2.0 * n**3 / t))
-    return out
+        out.append((float(n), _median_times(functools.partial(torch.mm, a, b), reps, 0.02)))
+    return _rates(out, lambda n: 2.0 * n**3)
 
 
-def measure_attention(seqs: Sequence[int], reps: int) -> list[tuple[float, float]]:
+def measure_attention(seqs: Sequence[int], reps: int) -> Points:
     """``(s, FLOP/s)`` of causal SDPA forward + backward, FLOPs = 3 x 4·b·s²·a·d."""
     import torch
     import torch.nn.functional as F
@@ -89,35 +104,35 @@ def measure_attention(seqs: Sequence[int], reps: int) -> list[tuple[float, float
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             o.backward(g)
 
-        t = _median_time(step, reps, 0.02)
-        out.append((float(s), 3 * 4.0 * b * s * s * a * d / t))
-    return out
+        out.append((float(s), _median_times(step, reps, 0.02)))
+    return _rates(out, lambda s: 3 * 4.0 * b * s * s * a * d)
 
 
-def measure_elementwise(elems: Sequence[int], reps: int) -> list[tuple[float, float]]:
+def measure_elementwise(elems: Sequence[int], reps: int) -> Points:
     """``(tensor bytes, bytes/s)`` of ``c = a * b`` in fp32 (3 x 4 bytes per element)."""
     import torch
 
     out = []
     for n in elems:
         a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        t = _median_time(functools.partial(torch.mul, a, b, out=c), reps, 0.01)
-        out.append((4.0 * n, 12.0 * n / t))
-    return out
+        t = _median_times(functools.partial(torch.mul, a, b, out=c), reps, 0.01)
+        out.append((4.0 * n, t))
+    return _rates(out, lambda nbytes: 3.0 * nbytes)
 
 
-def measure_op_overhead(reps: int) -> float:
-    """Seconds of one operator call on a one-element tensor (dispatch cost)."""
+def measure_op_overhead(reps: int) -> dict[str, float]:
+    """Seconds of one operator call on a one-element tensor (dispatch cost), per clock."""
     import torch
 
     x, y = torch.ones(1), torch.ones(1)
-    return _median_time(lambda: torch.add(x, y), reps, 0.01)
+    return _median_times(lambda: torch.add(x, y), reps, 0.01)
 
 
-def measure_optimizer(params: int, tensors: int, reps: int) -> float:
-    """Bytes/s of AdamW + gradient clipping, charged 40 bytes per fp32 parameter (the
-    traffic :func:`plait.plan.estimate.step_time` uses: weights and two moments read
-    and written, the gradient read once for the update and three times for clipping)."""
+def measure_optimizer(params: int, tensors: int, reps: int) -> dict[str, float]:
+    """Bytes/s of AdamW + gradient clipping per clock, charged 40 bytes per fp32
+    parameter (the traffic :func:`plait.plan.estimate.step_time` uses: weights and two
+    moments read and written, the gradient read once for the update and three times for
+    clipping)."""
     import torch
 
     per = max(1, params // tensors)
@@ -130,8 +145,8 @@ def measure_optimizer(params: int, tensors: int, reps: int) -> float:
         torch.nn.utils.clip_grad_norm_(ps, 1.0)
         opt.step()
 
-    t = _median_time(step, reps)
-    return 40.0 * per * tensors / t
+    t = _median_times(step, reps)
+    return {c: 40.0 * per * tensors / t[c] for c in CLOCKS}
 
 
 @dataclass(frozen=True)
@@ -169,8 +184,9 @@ def fit_alpha_beta(
     return max(a, 0.0) / max(steps, 1.0), 1.0 / c
 
 
-def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, list[Any]]:
-    """On every rank: time each collective per message size (rank 0's clock)."""
+def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, Any]:
+    """On every rank: time each collective per message size (rank 0's clocks). The
+    result holds the wall-clock points, and under ``"cpu"`` the CPU-time points."""
     import torch
 
     from plait import comm
@@ -178,22 +194,23 @@ def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, lis
     mesh = ctx.mesh(dp=ctx.world_size)
     g = mesh.axis("dp")
     n = g.size
-    out: dict[str, list[Any]] = {op: [] for op in ("all_reduce", "all_gather", "reduce_scatter")}
-    out["p2p"] = []
+    ops_named = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+    out: dict[str, dict[str, list[Any]]] = {c: {op: [] for op in ops_named} for c in CLOCKS}
     for nbytes in sizes:
         elems = max(n, nbytes // 4 // n * n)
         t = torch.ones(elems)
         shard = torch.ones(elems // n)
 
-        def timed(fn: Callable[[], object]) -> float:
-            samples = []
+        def timed(fn: Callable[[], object]) -> dict[str, float]:
+            samples: dict[str, list[float]] = {c: [] for c in CLOCKS}
             fn()
             for _ in range(reps):
                 comm.barrier(g)
-                t0 = time.perf_counter()
+                start = {c: clock() for c, clock in CLOCKS.items()}
                 fn()
-                samples.append(time.perf_counter() - t0)
-            return statistics.median(samples)
+                for c, clock in CLOCKS.items():
+                    samples[c].append(max(clock() - start[c], 1e-9))
+            return {c: statistics.median(v) for c, v in samples.items()}
 
         ops: dict[str, Callable[[], object]] = {
             "all_reduce": functools.partial(comm.all_reduce, t, g),
@@ -201,7 +218,8 @@ def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, lis
             "reduce_scatter": functools.partial(comm.reduce_scatter, t, g),
         }
         for op, fn in ops.items():
-            out[op].append((4.0 * elems, timed(fn)))
+            for c, sec in timed(fn).items():
+                out[c][op].append((4.0 * elems, sec))
         if n >= 2:
 
             def ping(t: Any = t) -> None:  # 0 <-> 1 round trip; others idle
@@ -212,26 +230,35 @@ def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, lis
                     comm.recv(t, g, 0)
                     comm.send(t, g, 0)
 
-            out["p2p"].append((4.0 * elems, timed(ping) / 2))
-    return out
+            for c, sec in timed(ping).items():
+                out[c]["p2p"].append((4.0 * elems, sec / 2))
+    return {**out["wall"], "cpu": out["cpu"]}
 
 
 def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
-    """On every rank at once: the compute measurements."""
+    """On every rank at once: the compute measurements (wall clock; CPU time under
+    ``"cpu"``)."""
     import torch
 
     torch.set_num_threads(1)
     reps = 3 if quick else 7
     sizes = MATMUL_SIZES[:4] if quick else MATMUL_SIZES
-    return {
-        "matmul": measure_matmul(sizes, reps),
-        "attention": measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps),
-        "elementwise": measure_elementwise(
-            ELEMENTWISE_ELEMS[:5] if quick else ELEMENTWISE_ELEMS, reps
-        ),
-        "op_overhead": measure_op_overhead(reps),
-        "optimizer": measure_optimizer(2**19 if quick else 2**21, 16, reps),
+    mm = measure_matmul(sizes, reps)
+    at = measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps)
+    ew = measure_elementwise(ELEMENTWISE_ELEMS[:5] if quick else ELEMENTWISE_ELEMS, reps)
+    oo = measure_op_overhead(reps)
+    op = measure_optimizer(2**19 if quick else 2**21, 16, reps)
+    per = {
+        c: {
+            "matmul": mm[c],
+            "attention": at[c],
+            "elementwise": ew[c],
+            "op_overhead": oo[c],
+            "optimizer": op[c],
+        }
+        for c in CLOCKS
     }
+    return {**per["wall"], "cpu": per["cpu"]}
 
 
 def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
@@ -239,6 +266,13 @@ def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     sizes = MESSAGE_BYTES[:4] if quick else MESSAGE_BYTES
     reps = 5 if quick else 15
     return {"compute": compute_body(ctx, quick), "comm": _collective_body(ctx, sizes, reps)}
+
+
+def _on_clock(part: dict[str, Any], clock: str) -> dict[str, Any]:
+    """A body's result on ``clock`` (the top level is the wall clock)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown clock {clock!r}; use one of {tuple(CLOCKS)}")
+    return part if clock == "wall" else part["cpu"]
 
 
 def _merge(curves: list[list[tuple[float, float]]]) -> Curve:
@@ -269,12 +303,16 @@ def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
 
 
 def profile_from_results(
-    results: list[dict[str, Any]], memory_bytes: float | None = None, name: str = "cpu"
+    results: list[dict[str, Any]],
+    memory_bytes: float | None = None,
+    name: str = "cpu",
+    clock: str = "wall",
 ) -> tuple[Hardware, list[Fit]]:
-    """A :class:`Hardware` from every rank's measurements (and the collective fits)."""
+    """A :class:`Hardware` from every rank's measurements (and the collective fits), on
+    the wall clock or in CPU time (``clock="cpu"``)."""
     n = len(results)
-    fields = _compute_fields([r["compute"] for r in results])
-    comm = results[0]["comm"]
+    fields = _compute_fields([_on_clock(r["compute"], clock) for r in results])
+    comm = _on_clock(results[0]["comm"], clock)
     shape = {
         "all_reduce": (2.0 * (n - 1), 2.0 * (n - 1) / n),
         "all_gather": (n - 1.0, (n - 1.0) / n),
@@ -309,7 +347,8 @@ def profile_from_results(
         source=(
             f"measured by plait bench calibrate on {platform.node() or 'this machine'} "
             f"({platform.processor() or platform.machine()}, {cores} cores), {n} gloo ranks "
-            f"x 1 thread, torch fp32, {stamp}; memory = host RAM / cores"
+            f"x 1 thread, torch fp32, {'CPU time' if clock == 'cpu' else 'wall clock'}, "
+            f"{stamp}; memory = host RAM / cores"
         ),
         **fields,
     )

@@ -179,6 +179,10 @@ class Runtime:
     fused_accumulation: bool = False
     """Gradient accumulation is fused into the weight-gradient GEMM (Megatron-LM's
     gradient_accumulation_fusion) instead of a separate read-add-write per micro-batch."""
+    sp_saves_gathered: bool = True
+    """Under sequence parallelism, the all-gathered input of each column-parallel layer
+    is saved whole for its weight gradient (plait); Megatron-LM saves only the sequence
+    shard and all-gathers it again in backward (Korthikanti et al. 2022, section 4.2.2)."""
     fused_swiglu: bool = False
     """SwiGLU as one kernel that saves only its inputs (gate and up) and recomputes
     silu(gate) in backward (Megatron-LM's bias_swiglu); plait's SwiGLU is plain PyTorch
@@ -204,6 +208,7 @@ RUNTIMES: dict[str, Runtime] = {
         bucket_mb=40.0,
         fused_accumulation=True,
         fused_swiglu=True,
+        sp_saves_gathered=False,
     ),
     "megatron-flash": Runtime(
         "megatron-flash",
@@ -214,6 +219,7 @@ RUNTIMES: dict[str, Runtime] = {
         bucket_mb=40.0,
         fused_accumulation=True,
         fused_swiglu=True,
+        sp_saves_gathered=False,
     ),
 }
 """``plait``: this repository's runtime. ``megatron``: Megatron-LM as in Korthikanti et
