@@ -27,7 +27,15 @@ import pytest
 import torch
 
 from plait import init_mesh
-from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
+from plait.config import (
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    TrainConfig,
+)
 from plait.parallel.tp_plan import gather_full_state
 from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
@@ -53,13 +61,16 @@ def config(
     zero: int = 0,
     tp: int = 1,
     pp: int = 1,
+    shard: int | None = None,
+    dtype: str = "fp32",
     resume: str | None = None,
     init_from: str | None = None,
     n_layers: int = 2,
 ) -> Config:
     return Config(
         model=ModelConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=32),
-        parallel=ParallelConfig(zero=zero, tp=tp, pp=pp),
+        parallel=ParallelConfig(zero=zero, tp=tp, pp=pp, zero_shard_size=shard),
+        precision=PrecisionConfig(dtype=dtype, loss_scale_window=2),  # type: ignore[arg-type]
         train=TrainConfig(
             steps=steps,
             global_batch=8,
@@ -166,6 +177,22 @@ def test_resume_is_bit_exact_one_process(tmp_path: Path) -> None:
     assert set(meta["files"]) == {"rank00000.safetensors"}
     assert meta["step"] == STEPS and meta["sampler"]["step"] == STEPS
     assert {"exp_avg", "exp_avg_sq"} <= set(meta["params"]["output.weight"]["pieces"][0]["keys"])
+
+
+def test_resume_fp16_is_bit_exact_with_masters_and_loss_scale(tmp_path: Path) -> None:
+    """fp16 parameters: fp32 masters are what is stored; the loss scaler (grows after 2
+    clean steps, halves and skips on overflow) resumes where it was."""
+    root = str(tmp_path / "ck")
+    full = _train(None, config(root, dtype="fp16"))
+    meta = CheckpointReader(Path(root) / step_dirname(SAVE_AT)).meta
+    entry = meta["params"]["layers.0.attention.wq.weight"]
+    assert (entry["dtype"], entry["param_dtype"]) == ("float32", "float16")
+    scaler = meta["optimizer"]["scaler"]
+    assert scaler is not None and scaler["scale"] != 65536.0  # it moved before the save
+    ck = str(Path(root) / step_dirname(SAVE_AT))
+    resumed = _train(None, config(root, dtype="fp16", resume=ck))
+    assert resumed["losses"] == full["losses"][SAVE_AT:]
+    _assert_same_weights(resumed["final"], full["final"])
 
 
 def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
@@ -325,6 +352,7 @@ def test_sigterm_saves_at_step_boundary_and_resume_matches(
 RESHARD: dict[str, tuple[tuple[int, dict[str, int]], tuple[int, dict[str, int]]]] = {
     "dp2->dp1": ((2, {}), (1, {})),
     "zero3_dp4->zero1_dp2": ((4, {"zero": 3}), (2, {"zero": 1})),
+    "zero2_hybrid_F2_dp4->dp1": ((4, {"zero": 2, "shard": 2}), (1, {})),
     "dp2->tp2": ((2, {}), (2, {"tp": 2})),
     "tp2->zero2_dp2": ((2, {"tp": 2}), (2, {"zero": 2})),
     "tp2->pp2": ((2, {"tp": 2}), (2, {"pp": 2})),
