@@ -16,6 +16,7 @@ Protocol. A tiny transformer trains 6 steps in float32 under a layout, saving at
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -292,6 +293,24 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path: Path, stage: st
     assert read_latest(root) == root / step_dirname(2)
     assert not list(root.glob(".tmp-*"))
     assert CheckpointReader(root / step_dirname(2)).step == 2
+
+
+def test_save_failing_with_disk_full_leaves_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saves = {"n": 0}
+
+    def hook(name: str) -> None:
+        saves["n"] += name == "latest"
+        if saves["n"] == 1 and name == "shard":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_save_hook", hook)
+    with pytest.raises(OSError, match="No space left"):
+        Trainer(config(str(tmp_path), steps=2, every=1), init_mesh(), False).run()
+    assert read_latest(tmp_path) == tmp_path / step_dirname(1)
+    reader = find_checkpoint("latest", tmp_path)
+    assert reader is not None and reader.step == 1
 
 
 # ---------------------------------------------------------------------------- layouts
