@@ -180,3 +180,42 @@ def _body_wrong_layout(ctx: WorkerContext) -> str:
 def test_runtime_refuses_a_schedule_for_another_layout(pools: Callable[[int], WorkerPool]) -> None:
     for msg in pools(2).run(f"{M}:_body_wrong_layout"):
         assert "for 4 ranks x 1 chunks" in msg and "pipeline has 2 ranks and 2 pieces" in msg
+
+
+def _one_rank_runtime(m: int, batch: int = BATCH) -> tuple[PipelineRuntime, object]:
+    from plait import init_mesh
+
+    mesh = init_mesh()  # no process group: pp = 1, the degenerate pipeline
+    model = Transformer(model_config(), seed=3).double()
+    stages = split_transformer(model, mesh, chunks=1)
+    rt = PipelineRuntime(
+        stages,
+        build_schedule("gpipe", 1, m),
+        mesh.axis("pp"),
+        loss64,
+        (batch // m, SEQ, 16),
+        torch.float64,
+    )
+    return rt, stages
+
+
+def test_one_rank_pipeline_is_gradient_accumulation(refs: dict[bool, dict[str, object]]) -> None:
+    """p = 1 (no communication): m micro-batches accumulate the whole batch's gradient."""
+    rt, stages = _one_rank_runtime(MICRO)
+    opt = torch.optim.AdamW(stages.parameters(), lr=1e-2, weight_decay=0.1)  # type: ignore[attr-defined]
+    losses = []
+    for x, y in batches():
+        losses.append(pipeline_step(stages, rt, x, y))  # type: ignore[arg-type]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    weights = {k: v for p in stages.chunks for k, v in p.state_dict().items()}  # type: ignore[attr-defined]
+    check_parity([{"losses": losses, "weights": weights}], refs[False])
+
+
+def test_batch_that_does_not_split_is_refused() -> None:
+    rt, _ = _one_rank_runtime(MICRO)
+    x = torch.zeros(6, SEQ, dtype=torch.long)
+    with pytest.raises(
+        ConfigError, match="a batch of 6 sequences does not split into 4 micro-batches of 2"
+    ):
+        rt.step(x, x)
