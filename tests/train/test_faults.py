@@ -119,10 +119,18 @@ def _tiny(steps: int, **train: Any) -> Config:
     )
 
 
-def _body_straggler(ctx: WorkerContext, metrics: str) -> dict[int, int]:
+def _body_straggler(ctx: WorkerContext, metrics: str) -> tuple[dict[int, int], list[str]]:
     cfg = _tiny(4, straggler_factor=2.0)
     cfg.log.metrics = metrics
     tr = Trainer(cfg, ctx.mesh(dp=ctx.world_size))
+    log: list[str] = []
+    message = tr.progress.message
+
+    def logged(text: str) -> None:
+        log.append(text)
+        message(text)
+
+    tr.progress.message = logged  # type: ignore[method-assign]
     if ctx.rank == 1:  # deterministic extra work inside every step: a slow rank
         loss = tr._loss
         a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
@@ -134,20 +142,22 @@ def _body_straggler(ctx: WorkerContext, metrics: str) -> dict[int, int]:
 
         tr._loss = slow  # type: ignore[method-assign]
     tr.run()
-    return tr.faults.reported
+    return tr.faults.reported, log
 
 
 def test_slow_rank_is_reported_as_straggler(
-    pools: Callable[[int], WorkerPool], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    pools: Callable[[int], WorkerPool], tmp_path: Path
 ) -> None:
     metrics = tmp_path / "m.jsonl"
-    reported = pools(2).run(f"{M}:_body_straggler", str(metrics))
+    results = pools(2).run(f"{M}:_body_straggler", str(metrics))
+    reported = [r for r, _ in results]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     flagged = [r["stragglers"] for r in rows if r["stragglers"]]
     assert len(flagged) >= 3, rows  # of 4 steps (one may be lost to the machine's load)
     assert all([s["rank"] for s in f] == [1] and f[0]["factor"] > 2.0 for f in flagged)
     assert all(r == {1: len(flagged)} for r in reported)  # every rank saw the same
-    assert "straggler(rank=1, factor=" in capfd.readouterr().out
+    lines = [t for t in results[0][1] if "straggler(rank=1, factor=" in t]
+    assert len(lines) == len(flagged)  # rank 0 logs each one
 
 
 # ---------------------------------------------------------------------------- restart
