@@ -39,7 +39,7 @@ def test_info_describes_the_checkpoint(root: Path, capsys: pytest.CaptureFixture
     assert "step_00000003" in out and ": step 3 " in out
     assert "layout: world 1 = dp 1 x tp 1 x pp 1 x cp 1; zero 0; dtype fp32" in out
     assert "rank00000.safetensors" in out and "sha256" in out
-    assert "layers.1.feed_forward.w2.weight  [32, 96]  float32  [0:3072)" in out
+    assert "layers.1.feed_forward.w2.weight  [32, 96]  float32  rank00000 [0:3072)" in out
 
 
 def test_resume_flag_continues_from_latest(root: Path) -> None:

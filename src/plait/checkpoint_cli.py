@@ -55,10 +55,11 @@ def describe(reader: CheckpointReader) -> str:
     ]
     for name, f in m["files"].items():
         lines.append(f"  {name}  {f['bytes']:,} bytes  sha256 {f['sha256'][:16]}")
-    lines.append("tensors: name, global shape, stored dtype, pieces (tp block, range):")
+    lines.append("tensors: name, global shape, stored dtype, pieces (file, tp block, range):")
     for name, e in reader.params.items():
         pieces = ", ".join(
-            (f"tp{p.tp.index // p.tp.replicas}/{p.tp.shards}@{p.tp.dim} " if p.tp else "")
+            f"{p.file.split('.')[0]} "
+            + (f"tp{p.tp.index // p.tp.replicas}/{p.tp.shards}@{p.tp.dim} " if p.tp else "")
             + f"[{p.start}:{p.end})"
             for p in e.pieces
         )
