@@ -184,7 +184,7 @@ TORCHRUN_ARGS = [
         "0",
     ],
     *["--train.eval_batches", "1", "--train.warmup_steps", "2", "--progress", "lines"],
-    *["--log.peak_tflops", "1", "--steps", "6"],
+    *["--log.peak_tflops", "1", "--steps", "6", "--launch.threads", "1"],  # as the pool
 ]
 
 
