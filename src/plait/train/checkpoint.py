@@ -305,11 +305,11 @@ def save_checkpoint(trainer: Trainer, root: str | Path, step: int, keep: int) ->
 
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names)
-    and stale temporary folders; returns what was deleted."""
+    and stale temporary folders of interrupted saves; returns what was deleted."""
     latest = (root / LATEST).read_text("utf-8").strip() if (root / LATEST).is_file() else ""
     steps = list_steps(root)
     doomed = [p for _, p in steps[: max(0, len(steps) - keep)] if p.name != latest]
-    doomed += [p for p in root.glob(".tmp-*") if p.is_dir()]
+    doomed += [p for pat in (".tmp-*", ".old-*") for p in root.glob(pat) if p.is_dir()]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
