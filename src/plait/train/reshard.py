@@ -13,8 +13,11 @@ piece. :meth:`CheckpointReader.read` answers it
   dropped) and cutting the region out — a change of tensor-parallel degree.
 
 Every element of the region must be covered by a saved piece, or the read is refused
-naming the tensor. :func:`consolidate` writes the whole model into one safetensors file
-with one-device names (what ``plait checkpoint consolidate`` does).
+naming the tensor. Also here: :func:`find_checkpoint` (which checkpoint a resume reads,
+with the fallback past a corrupt one), :func:`load_weights` (one-device weights into the
+full model, refusing a mismatch by tensor name), :func:`restore_rng`, and
+:func:`consolidate`, which writes the whole model into one safetensors file with
+one-device names (what ``plait checkpoint consolidate`` does).
 """
 
 from __future__ import annotations
