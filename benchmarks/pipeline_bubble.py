@@ -1,0 +1,364 @@
+"""Pipeline bubble on CPU: measured (from the runtime's timeline) against the simulator.
+
+For p = 2 and 4 pipeline ranks (a :class:`plait.testing.WorkerPool` of p gloo ranks,
+one torch thread each) and m = 4, 8, 16 micro-batches, each schedule (GPipe, 1F1B,
+interleaved 1F1B with 2 chunks per rank, zero-bubble ZB-H1) runs forward + backward of
+one batch of the built-in transformer (no optimizer step) for ``--warmup`` + ``--steps``
+steps; an untimed barrier precedes each step. A step's time is the slowest rank's; the
+table shows the median and the fastest step. On a loaded machine a step's timeline is
+dominated by which rank the operating system descheduled when, so the bubble is taken
+from the *fastest* (least disturbed) step's recorded timeline:
+
+* **measured bubble** -- ``1 - busy / (p x makespan)`` over the ranks' compute actions
+  (:func:`plait.viz.bubble_fraction`); the ranks' records are aligned on
+  ``time.perf_counter`` (one clock for the processes of one machine);
+* **simulated bubble** -- :func:`plait.parallel.pipeline.simulate.simulate` of the same
+  schedule with uniform costs equal to the step's *measured* mean F, B (I, W) action
+  times and zero communication time, i.e. what the schedule alone explains;
+* **formula** -- ``(p-1)/(m+p-1)`` (divided by v for interleaved; for ZB-H1 the
+  simulator's unit-cost value).
+
+The reference is ``torch.distributed.pipelining`` (``ScheduleGPipe`` and
+``Schedule1F1B``, ``PipelineStage`` over the very same pieces, same micro-batches, its
+own loss scaling) in the same processes: ``plait/torch`` is the ratio of the fastest
+step times (and, in brackets, of the medians). With p = 4 on a 2-core machine four
+single-threaded ranks share two cores.
+
+Run from the repository root::
+
+    python benchmarks/pipeline_bubble.py                         # print the table
+    python benchmarks/pipeline_bubble.py --out benchmarks/RESULTS.md --pictures docs/pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module name
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+BODY = "benchmarks.pipeline_bubble:bench_body"
+SECTION_BEGIN = "<!-- pipeline_bubble:begin -->"
+SECTION_END = "<!-- pipeline_bubble:end -->"
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def _batch(m: int, micro: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (m * micro, seq), generator=g)  # (batch, seq)
+    y = torch.randint(0, vocab, (m * micro, seq), generator=g)
+    return x, y
+
+
+Record = tuple[int, Any, float, float]
+
+
+def _plait_step(
+    ctx: Any, mcfg: Any, name: str, v: int, m: int, micro: int, seq: int
+) -> Callable[[], list[Record]]:
+    """One step of plait's runtime; returns the records on the shared perf_counter clock."""
+    from plait.model import Transformer, lm_loss
+    from plait.parallel.pipeline.runtime import PipelineRuntime
+    from plait.parallel.pipeline.schedules import build_schedule
+    from plait.parallel.pipeline.split import split_transformer
+
+    mesh = ctx.mesh(dp=1, pp=ctx.world_size)
+    stages = split_transformer(Transformer(mcfg, seed=0), mesh, chunks=v)
+    rt = PipelineRuntime(
+        stages,
+        build_schedule(name, ctx.world_size, m, v),
+        mesh.axis("pp"),
+        lm_loss,
+        (micro, seq, mcfg.dim),
+        torch.float32,
+    )
+    x, y = _batch(m, micro, seq, mcfg.vocab_size, 1)
+
+    def step() -> list[Record]:
+        rt.step(x, y)
+        stages.zero_grad(set_to_none=True)
+        t0 = rt.step_start
+        return [(r.rank, r.action, t0 + r.start, t0 + r.end) for r in rt.records]
+
+    return step
+
+
+def _torch_step(
+    ctx: Any, mcfg: Any, name: str, m: int, micro: int, seq: int
+) -> Callable[[], list[Record]]:
+    """One step of torch.distributed.pipelining over the same pieces."""
+    import torch.distributed.pipelining as tpp
+
+    from plait.model import Transformer, lm_loss
+    from plait.parallel.pipeline.split import split_transformer
+
+    mesh = ctx.mesh(dp=1, pp=ctx.world_size)
+    stages = split_transformer(Transformer(mcfg, seed=0), mesh, chunks=1)
+    piece = stages.chunks[0]
+    p, r = ctx.world_size, ctx.rank
+    stage = tpp.PipelineStage(piece, r, p, torch.device("cpu"))
+    sched = getattr(tpp, TORCH[name])(stage, n_microbatches=m, loss_fn=lm_loss)
+    x, y = _batch(m, micro, seq, mcfg.vocab_size, 1)
+
+    def step() -> list[Record]:
+        if r == 0:
+            sched.step(x)
+        elif r == p - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        piece.zero_grad(set_to_none=True)
+        return []
+
+    return step
+
+
+def _timed(ctx: Any, step: Callable[[], list[Record]]) -> tuple[float, list[Record]]:
+    """Barrier (untimed), then one step: (seconds, records)."""
+    from plait import comm
+
+    comm.barrier(ctx.mesh(dp=1, pp=ctx.world_size).axis("pp"))
+    t0 = time.perf_counter()
+    recs = step()
+    return time.perf_counter() - t0, recs
+
+
+def bench_body(
+    ctx: Any,
+    model_kwargs: dict[str, Any],
+    ms: list[int],
+    micro: int,
+    seq: int,
+    warmup: int,
+    steps: int,
+) -> dict[str, Any]:
+    """On every rank: plait (each schedule) and torch (GPipe, 1F1B) for each m; plait's
+    and torch's steps alternate in ABBA order."""
+    from plait.config import ModelConfig
+
+    mcfg = ModelConfig(**model_kwargs)
+    out: dict[str, Any] = {}
+    for m in ms:
+        for name, v in SCHEDULES:
+            runners = {"plait": _plait_step(ctx, mcfg, name, v, m, micro, seq)}
+            if name in TORCH:
+                runners["torch"] = _torch_step(ctx, mcfg, name, m, micro, seq)
+            res: dict[str, tuple[list[float], list[list[Record]]]] = {k: ([], []) for k in runners}
+            for i in range(warmup + steps):
+                order = list(runners) if i % 2 == 0 else list(reversed(runners))
+                for k in order:
+                    secs, recs = _timed(ctx, runners[k])
+                    if i >= warmup:
+                        res[k][0].append(secs)
+                        res[k][1].append(recs)
+            out[f"plait/{name}/{m}"] = res["plait"]
+            if name in TORCH:
+                out[f"torch/{name}/{m}"] = res["torch"][0]
+    return out
+
+
+def _steps(per_rank: list[list[float]]) -> tuple[int, float, float]:
+    """(index of the fastest step, its time, the median time); a step's time is the
+    slowest rank's."""
+    slow = [max(ts) for ts in zip(*per_rank, strict=True)]
+    k = min(range(len(slow)), key=slow.__getitem__)
+    return k, slow[k], statistics.median(slow)
+
+
+def _analyse(results: list[dict[str, Any]], p: int, ms: list[int]) -> list[dict[str, Any]]:
+    from fractions import Fraction
+
+    from plait.parallel.pipeline.actions import Op
+    from plait.parallel.pipeline.schedules import build_schedule
+    from plait.parallel.pipeline.simulate import Costs, simulate
+    from plait.viz import bubble_fraction
+
+    rows = []
+    for m in ms:
+        for name, v in SCHEDULES:
+            key = f"plait/{name}/{m}"
+            k, step, med = _steps([r[key][0] for r in results])
+            recs = [rec for r in results for rec in r[key][1][k]]
+            t0 = min(s for _, _, s, _ in recs)
+            recs = [(rank, a, s - t0, e - t0) for rank, a, s, e in recs]
+            mean = {
+                op: statistics.mean(e - s for _, a, s, e in recs if a.op == op) or 0.0
+                for op in {a.op for _, a, _, _ in recs if a.op.is_compute}
+            }
+            costs = Costs(
+                forward=Fraction(mean[Op.FORWARD]),
+                backward=Fraction(mean.get(Op.BACKWARD, 0.0)),
+                backward_input=Fraction(mean.get(Op.BACKWARD_INPUT, 0.0)),
+                backward_weight=Fraction(mean.get(Op.BACKWARD_WEIGHT, 0.0)),
+                per_chunk=False,
+            )
+            sched = build_schedule(name, p, m, v)
+            sim = float(simulate(sched, costs).bubble)
+            formula = float(simulate(sched).bubble) if name == "zb" else (p - 1) / (m + p - 1) / v
+            tkey = f"torch/{name}/{m}"
+            ref = _steps([r[tkey] for r in results]) if name in TORCH else None
+            rows.append(
+                {
+                    "p": p,
+                    "m": m,
+                    "schedule": name if v == 1 else f"{name} (v={v})",
+                    "step_ms": step * 1e3,
+                    "median_ms": med * 1e3,
+                    "measured": bubble_fraction(recs, p),
+                    "simulated": sim,
+                    "formula": formula,
+                    "records": recs,
+                    "name": name,
+                    "torch_ms": ref[1] * 1e3 if ref else None,
+                    "torch_median_ms": ref[2] * 1e3 if ref else None,
+                    "f_ms": mean[Op.FORWARD] * 1e3,
+                }
+            )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| p | m | schedule | measured bubble | simulated (measured F/B) | formula | "
+        "mean F ms | plait step ms fastest (median) | torch.pipelining ms fastest (median) "
+        "| plait/torch fastest (median) |\n"
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for r in rows:
+        t, tm = r["torch_ms"], r["torch_median_ms"]
+        ref = (
+            f"{t:.0f} ({tm:.0f}) | {r['step_ms'] / t:.2f} ({r['median_ms'] / tm:.2f})"
+            if t
+            else "— | —"
+        )
+        lines.append(
+            f"| {r['p']} | {r['m']} | {r['schedule']} | {r['measured']:.3f} | "
+            f"{r['simulated']:.3f} | {r['formula']:.3f} | {r['f_ms']:.1f} | "
+            f"{r['step_ms']:.0f} ({r['median_ms']:.0f}) | {ref} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    if SECTION_BEGIN in text and SECTION_END in text:
+        pre, rest = text.split(SECTION_BEGIN, 1)
+        _, post = rest.split(SECTION_END, 1)
+        text = pre + section.rstrip("\n") + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="2,4", help="pipeline sizes p (default 2,4)")
+    ap.add_argument("--microbatches", default="4,8,16", help="m values (default 4,8,16)")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--out", type=Path, default=None, help="rewrite this benchmark's section")
+    ap.add_argument(
+        "--pictures",
+        type=Path,
+        default=None,
+        help="folder for one measured timeline per schedule (p = max, m = 8)",
+    )
+    args = ap.parse_args(argv)
+
+    from plait.model.transformer import param_count
+    from plait.testing.pool import WorkerPool
+    from plait.viz import draw_timeline
+
+    model_kwargs = {
+        "vocab_size": args.vocab,
+        "dim": args.dim,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+        "max_seq_len": args.seq,
+    }
+    from plait.config import ModelConfig
+
+    n_params = param_count(ModelConfig(**model_kwargs))
+    ms = [int(x) for x in args.microbatches.split(",")]
+    rows: list[dict[str, Any]] = []
+    for p in [int(x) for x in args.stages.split(",")]:
+        with WorkerPool(p, comm_timeout_s=args.timeout) as pool:
+            res = pool.run(
+                BODY,
+                model_kwargs,
+                ms,
+                args.micro,
+                args.seq,
+                args.warmup,
+                args.steps,
+                timeout_s=args.timeout,
+            )
+        part = _analyse(res, p, ms)
+        print(_table(part), flush=True)
+        rows += part
+    if args.pictures is not None:
+        p = max(r["p"] for r in rows)
+        m = 8 if 8 in ms else ms[0]
+        for r in rows:
+            if r["p"] == p and r["m"] == m:
+                out = args.pictures / f"measured_{r['name']}_p{p}_m{m}.png"
+                draw_timeline(
+                    r["records"], out, f"measured {r['schedule']}, p={p}, m={m}", ranks=p, unit="s"
+                )
+                print(f"wrote {out}")
+    command = "python " + " ".join(
+        shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd()), *sys.argv[1:]]
+    )
+    notes = [
+        f"- Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; torch "
+        f"{torch.__version__}; Python {platform.python_version()}; {os.cpu_count()} cores; "
+        "gloo on loopback. **Taken under load**: other engineers' tests and benchmarks "
+        "shared the machine, and p = 4 puts four single-threaded ranks on two cores.",
+        f"- Command: `{command}`",
+        f"- Model: built-in Transformer, dim {args.dim}, {args.layers} layers, {args.heads} "
+        f"heads, vocab {args.vocab}, {n_params / 1e6:.2f} M parameters, cut into equal "
+        f"block counts; micro-batch {args.micro} x seq {args.seq}, fp32; forward + backward "
+        "only (no optimizer step) for both implementations.",
+        f"- Timing: {args.warmup} warm-up + {args.steps} measured steps per cell, each after "
+        "an untimed barrier, plait's and torch's steps alternating in ABBA order; a step's "
+        "time is the slowest rank's; the fastest step's timeline gives the measured bubble "
+        "and the mean action times fed to the simulator.",
+    ]
+    section = (
+        f"{SECTION_BEGIN}\n## Pipeline bubble (issue 5)\n\n"
+        + _table(rows)
+        + "\n"
+        + "\n".join(notes)
+        + f"\n{SECTION_END}\n"
+    )
+    if args.out is not None:
+        _write_section(args.out, section)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
