@@ -1,35 +1,38 @@
 """The planner's predictions against real runs on this machine, and against published runs.
 
-Part 1 (measured here). The hardware is calibrated first (``plait bench calibrate``: matmul,
-attention and element-wise rates, operator overhead, optimizer bandwidth, gloo alpha-beta
-fits) in the same kind of pool the runs use: gloo ranks of one thread each. Then every
-layout of :data:`ROWS` trains the built-in ``small`` model (0.87 M parameters, fp32,
-AdamW) with plait's own :class:`~plait.train.trainer.Trainer` on synthetic-free real
-data (the built-in corpus), and for each the script prints
+Part 1 (measured here). Every layout of :data:`ROWS` trains the built-in ``small`` model
+(0.87 M parameters, fp32, AdamW) with plait's own :class:`~plait.train.trainer.Trainer`
+on the built-in corpus, in a pool of gloo ranks of one thread each. Just before the
+steps the same ranks calibrate the machine all at once (:func:`plait.plan.calibrate.
+calibrate_body`: matmul, attention and element-wise rates, operator overhead, optimizer
+rate, alpha-beta fits of the collectives at this rank count), and re-measure the compute
+rates just after; each rate is timed on two clocks, wall and process CPU time. For each
+layout the script prints
 
-* per-rank **state bytes** (weights, gradients, AdamW ``exp_avg``/``exp_avg_sq``/``step``)
-  read from the real tensors, and the data-parallel **bucket** bytes, against
-  :func:`plait.plan.memory.memory_per_rank`;
-* **activation bytes** of one micro-batch, counted with
+* rank 0's **state bytes** (weights, gradients, fp32 masters, AdamW state, exactly as
+  :func:`plait.train.memory.memory_report` reads them from the tensors) and plait's
+  data-parallel **bucket** copies, against the planner (pipeline stage 0, shard 0);
+* **activation bytes** of one micro-batch on rank 0's stage, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and buffers
-  excluded), against the planner's fp32 / no-dropout derivation for this block (see
-  :mod:`plait.plan.activations`) and against Korthikanti et al.'s 16-bit-with-dropout
-  formula ``s·b·h·(34 + 5·a·s/h)`` per layer (with the same embedding/head terms);
-* **step time**: the median over measured steps of the slowest rank's
-  ``Trainer.train_step`` (forward, backward with the overlapped all-reduce, clipping,
-  AdamW, the loss average), each step started after a barrier, against
-  :func:`plait.plan.estimate.step_time` with the calibrated profile.
+  excluded), against the planner's list of saved tensors for plait's block (see
+  :mod:`plait.plan.activations`) and, for scale, Korthikanti et al.'s 16-bit-with-
+  dropout formula per layer (with the planner's embedding/head terms);
+* **step time**: the median over steps of the slowest rank's ``Trainer.train_step``
+  (after a barrier), in process CPU time against the planner with the CPU-time profile,
+  and in wall time against the planner with the wall-clock profile. The machine is
+  shared: CPU time is blind to the time other jobs take the cores (and to ranks
+  oversubscribing them), wall time is not; the load average is recorded per row.
 
 Layouts the runtime does not implement yet (``Config.validate`` refuses them) are listed
 as "not yet available"; they become measured rows as soon as it does.
 
-Part 2 (published). The planner's MFU for runs whose configuration the papers state,
-with the datasheet presets, against the reported figure.
+Part 2 (published). The planner's utilisation for large runs whose configuration the
+papers state, with the datasheet presets, against the reported figure.
 
 Run from the repository root::
 
-    python benchmarks/planner_vs_measured.py                      # print
-    python benchmarks/planner_vs_measured.py --out benchmarks/PLANNER.md
+    python benchmarks/planner_vs_measured.py                       # print
+    python benchmarks/planner_vs_measured.py --out benchmarks/RESULTS.md  # its section
 """
 
 from __future__ import annotations
@@ -538,19 +541,46 @@ def published_table() -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
+SECTION_BEGIN = "<!-- planner_vs_measured:begin -->"
+SECTION_END = "<!-- planner_vs_measured:end -->"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
+    block = f"{SECTION_BEGIN}\n{section.rstrip()}\n{SECTION_END}"
+    if SECTION_BEGIN in text and SECTION_END in text:
+        pre, rest = text.split(SECTION_BEGIN, 1)
+        _, post = rest.split(SECTION_END, 1)
+        text = pre + block + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def _profile_line(hw: Any) -> str:
+    ar = hw.intra.fit("all_reduce")
+    return (
+        f"`{hw.name}`: matmul up to {hw.matmul.peak / 1e9:.1f} GFLOP/s, attention up to "
+        f"{hw.attention.peak / 1e9:.1f} GFLOP/s, element-wise up to "
+        f"{hw.elementwise.peak / 1e9:.1f} GB/s, {hw.op_overhead_s * 1e6:.1f} us per operator, "
+        f"all-reduce alpha {ar[0] * 1e6:.0f} us, B {ar[1] / 1e9:.2f} GB/s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from plait.plan.calibrate import calibrate
-    from plait.plan.hardware import dump_hardware, load_hardware
+    from plait.plan.hardware import load_hardware
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", help="use this hardware profile instead of calibrating")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per layout")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
-    ap.add_argument("--out", help="write the tables to this markdown file")
+    ap.add_argument("--out", help="rewrite this script's section of this markdown file")
     ap.add_argument("--only", default="", help="measure only rows whose name contains this")
     ap.add_argument("--no-published", action="store_true", help="skip part 2")
     ap.add_argument(
-        "--max-wait", type=float, default=300.0, help="seconds to wait for a quiet machine"
+        "--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine"
     )
     args = ap.parse_args(argv)
 
@@ -562,33 +592,32 @@ def main(argv: list[str] | None = None) -> int:
     measured = measured_table(hw, args.steps, args.warmup, args.max_wait, args.only)
     published = [] if args.no_published else published_table()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python benchmarks/planner_vs_measured.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     text = [
-        "# Planner against measurement",
+        "## Planner vs measured (issue 6)",
         "",
-        f"Generated by `python benchmarks/planner_vs_measured.py` on {stamp} "
-        f"({platform.processor() or platform.machine()}, torch fp32, gloo ranks of one "
-        f"thread; {args.steps} measured steps per layout after {args.warmup}; "
-        f"{time.time() - t0:.0f} s). Model `{MODEL}` (0.87 M parameters), sequence {SEQ}.",
+        f"Written by `{cmd.strip()}` on {stamp} "
+        f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch fp32, "
+        f"gloo ranks of one thread; {args.steps} measured steps per layout after "
+        f"{args.warmup}; {time.time() - t0:.0f} s). Model `{MODEL}` (0.87 M parameters), "
+        f"sequence {SEQ}, AdamW, plait's Trainer.",
         "",
-        "## Measured on this machine",
+        "### Measured on this machine",
         "",
         *measured,
         "",
-        "## Published large-scale runs",
+        "### Published large-scale runs",
         "",
         *published,
         "",
-        "## Hardware profile used",
-        "",
-        "```toml",
-        dump_hardware(hw).rstrip(),
-        "```",
-        "",
+        f"Reference profile (`--profile`, used for memory and names): {_profile_line(hw)}.",
     ]
     out = "\n".join(text)
     print(out)
     if args.out:
-        Path(args.out).write_text(out, encoding="utf-8")
+        write_section(Path(args.out), out)
     return 0
 
 

@@ -4,11 +4,13 @@
 CPU), and on every rank at once, so that the ranks compete for the machine as they do
 in training, measures
 
-* dense fp32 matmul FLOP/s at several sizes (the ``matmul`` curve; its best point is the
-  peak used for MFU);
+* dense fp32 square matmul FLOP/s at several sizes (its best point is the peak used for
+  MFU), and the FLOP/s of a linear layer in training, forward and both gradients, at
+  several sizes (the ``matmul`` curve the planner charges GEMMs at);
 * fused attention forward + backward FLOP/s at several sequence lengths (causal, the
   FLOP convention of :mod:`plait.plan.compute`);
-* memory-bound bytes/s of an element-wise product at several tensor sizes, and the
+* memory-bound bytes/s of a block's norm, rotary, activation and residual layers in
+  training, charged as the planner charges them (the ``elementwise`` curve), and the
   fixed cost of one operator call;
 * the AdamW step plus gradient clipping, as bytes/s of the traffic the planner charges
   for it;
@@ -40,7 +42,8 @@ from plait.plan.hardware import Curve, Hardware, Link
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
 ATTENTION_SEQS = (64, 128, 256, 512)
-ELEMENTWISE_ELEMS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22)
+ELEMENTWISE_ELEMS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**21)
+LINEAR_SIZES = (32, 64, 128, 256, 512)
 MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 ATTN_BATCH, ATTN_HEADS, ATTN_HEAD_DIM = 4, 4, 32
 
@@ -108,16 +111,59 @@ def measure_attention(seqs: Sequence[int], reps: int) -> Points:
     return _rates(out, lambda s: 3 * 4.0 * b * s * s * a * d)
 
 
+MEMORY_BOUND_ELEMENTS = 6 + 9 + 5 + 3
+"""Forward elements read or written per element of the calibration chain, as
+:func:`plait.plan.compute.block_traffic` charges them: an unfused RMSNorm (6), rotary
+(9), silu(a)·b (5), a residual add (3)."""
+
+
 def measure_elementwise(elems: Sequence[int], reps: int) -> Points:
-    """``(tensor bytes, bytes/s)`` of ``c = a * b`` in fp32 (3 x 4 bytes per element)."""
+    """``(tensor bytes, bytes/s)`` of the memory-bound layers of a block *in training*:
+    an RMSNorm written in plain PyTorch, a rotary-style rotation of halves, silu(a)·b and
+    a residual add on an ``(n/128, 128)`` fp32 tensor, forward and backward, charged as
+    the planner charges them (:data:`MEMORY_BOUND_ELEMENTS` x 4 bytes forward, twice that
+    backward). Short autograd chains cost far more per byte than one streaming kernel
+    (on a CPU ~3x for this chain), so the rate is measured on the chain, not on ``a*b``."""
     import torch
+    import torch.nn.functional as F
 
     out = []
     for n in elems:
-        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        t = _median_times(functools.partial(torch.mul, a, b, out=c), reps, 0.01)
-        out.append((4.0 * n, t))
-    return _rates(out, lambda nbytes: 3.0 * nbytes)
+        rows = max(1, n // 128)
+        x = torch.randn(rows, 128, requires_grad=True)
+        w = torch.ones(128, requires_grad=True)
+        c, sn = torch.rand(1, 64), torch.rand(1, 64)
+        g = torch.randn(rows, 128)
+
+        def step(x: Any = x, w: Any = w, c: Any = c, sn: Any = sn, g: Any = g) -> None:
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # RMSNorm
+            y1, y2 = y.chunk(2, dim=-1)
+            r = torch.cat((y1 * c - y2 * sn, y1 * sn + y2 * c), dim=-1)  # rotary
+            z = F.silu(r) * y  # SwiGLU's activation
+            (z + x).backward(g)  # residual
+
+        out.append((4.0 * rows * 128, _median_times(step, reps, 0.01)))
+    charged = 3.0 * MEMORY_BOUND_ELEMENTS  # forward + backward (2x)
+    return _rates(out, lambda nbytes: charged * nbytes)
+
+
+def measure_linear(sizes: Sequence[int], reps: int) -> Points:
+    """``(size, FLOP/s)`` of a linear layer *in training*: ``y = x·Wᵀ`` with x ``(4n, n)``
+    and W ``(n, n)``, forward and both gradients (three GEMMs of ``2·M·K·N`` FLOPs, some
+    on transposed operands, and the gradient accumulation); size ``(M·K·N)^(1/3)``."""
+    import torch
+
+    out = []
+    for n in sizes:
+        x = torch.randn(4 * n, n, requires_grad=True)
+        w = torch.randn(n, n, requires_grad=True)
+        g = torch.randn(4 * n, n)
+
+        def step(x: Any = x, w: Any = w, g: Any = g) -> None:
+            (x @ w.t()).backward(g)
+
+        out.append(((4.0 * n**3) ** (1.0 / 3.0), _median_times(step, reps, 0.02)))
+    return _rates(out, lambda size: 3 * 2.0 * size**3)
 
 
 def measure_op_overhead(reps: int) -> dict[str, float]:
@@ -244,13 +290,15 @@ def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
     reps = 3 if quick else 7
     sizes = MATMUL_SIZES[:4] if quick else MATMUL_SIZES
     mm = measure_matmul(sizes, reps)
+    lin = measure_linear(LINEAR_SIZES[:4] if quick else LINEAR_SIZES, reps)
     at = measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps)
-    ew = measure_elementwise(ELEMENTWISE_ELEMS[:5] if quick else ELEMENTWISE_ELEMS, reps)
+    ew = measure_elementwise(ELEMENTWISE_ELEMS[:4] if quick else ELEMENTWISE_ELEMS, reps)
     oo = measure_op_overhead(reps)
     op = measure_optimizer(2**19 if quick else 2**21, 16, reps)
     per = {
         c: {
             "matmul": mm[c],
+            "linear": lin[c],
             "attention": at[c],
             "elementwise": ew[c],
             "op_overhead": oo[c],
@@ -285,10 +333,12 @@ def _merge(curves: list[list[tuple[float, float]]]) -> Curve:
 
 def _compute_fields(comp: list[dict[str, Any]]) -> dict[str, Any]:
     """Hardware fields from every rank's :func:`compute_body` result."""
-    matmul = _merge([c["matmul"] for c in comp])
+    square = _merge([c["matmul"] for c in comp])
+    # the rate a linear layer trains at (forward and backward GEMMs) where measured
+    linear = _merge([c["linear"] for c in comp]) if all("linear" in c for c in comp) else square
     return {
-        "peak_flops": matmul.peak,
-        "matmul": matmul,
+        "peak_flops": square.peak,
+        "matmul": linear,
         "attention": _merge([c["attention"] for c in comp]),
         "elementwise": _merge([c["elementwise"] for c in comp]),
         "op_overhead_s": statistics.median(c["op_overhead"] for c in comp),

@@ -124,12 +124,15 @@ class Hardware:
     peak_flops: float
     """Dense peak FLOP/s of one device in the compute dtype: the MFU denominator."""
     matmul: Curve
-    """Achieved GEMM FLOP/s as a function of the GEMM's size (M*K*N)^(1/3)."""
+    """Achieved GEMM FLOP/s as a function of the GEMM's size (M*K*N)^(1/3) (a calibrated
+    profile: of a linear layer in training, forward and backward GEMMs together)."""
     attention: Curve
     """Achieved fused-attention FLOP/s (forward + backward, causal mask not discounted)
     as a function of the sequence length."""
     elementwise: Curve
-    """Achieved memory-bound bytes/s (reads + writes) as a function of tensor bytes."""
+    """Achieved memory-bound bytes/s (reads + writes) as a function of tensor bytes (a
+    calibrated profile: of a block's norm/rotary/activation/residual layers in training,
+    with backward charged twice the forward bytes)."""
     optimizer_bandwidth: float
     """Effective bytes/s of the optimizer step (Adam) plus gradient clipping."""
     op_overhead_s: float
