@@ -64,3 +64,22 @@ def test_groups_inside_a_node_use_the_fast_link() -> None:
     hybrid = Layout(dp=16, tp=2, zero=3, shard_group=4)
     assert not group(hybrid, hw, "dp", size=4).crosses_nodes
     assert group(hybrid, hw, "dp", size=4, step=4).crosses_nodes
+
+
+def test_overlap_hides_data_parallel_traffic_only_where_the_device_can() -> None:
+    import dataclasses
+
+    from plait.plan.estimate import step_time
+    from plait.plan.layout import PRECISIONS, RUNTIMES
+    from plait.plan.modelspec import MODEL_PRESETS
+
+    gpu = PRESETS["a100-80gb"]
+    cpu_like = dataclasses.replace(gpu, comm_overlap=0.0)
+    spec, rt, pr = MODEL_PRESETS["gpt2-355m"], RUNTIMES["plait"], PRECISIONS["bf16-mixed"]
+    for lay in (Layout(dp=8, micro_batch=4), Layout(dp=8, zero=3, micro_batch=4)):
+        hidden = step_time(spec, lay, gpu, pr, rt, 1024)
+        exposed = step_time(spec, lay, cpu_like, pr, rt, 1024)
+        assert hidden.dp_comm < exposed.dp_comm
+        assert hidden.dp_comm_total == exposed.dp_comm_total
+        if lay.zero == 0:  # nothing hidden: all of it on the step
+            assert exposed.dp_comm == pytest.approx(exposed.dp_comm_total)

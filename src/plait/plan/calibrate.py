@@ -390,6 +390,7 @@ def profile_from_results(
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     hw = Hardware(
         name=name,
+        comm_overlap=0.0,  # one core per rank: gloo's threads move bytes on those cores
         memory_bytes=float(memory_bytes),
         devices_per_node=cores,
         intra=link,

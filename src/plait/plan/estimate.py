@@ -16,7 +16,9 @@ are reduced as their gradients become ready, so only ``max(last bucket, comm - (
 1/buckets)·backward)`` is exposed. ZeRO-1/2 reduce-scatter gradients the same way and
 all-gather the updated weights after the step (exposed); ZeRO-3 all-gathers every
 unit before its forward and backward and reduce-scatters its gradients, with the next
-unit prefetched, exposing ``max(one unit, comm - compute)`` per micro-batch.
+unit prefetched, exposing ``max(one unit, comm - compute)`` per micro-batch. Every
+compute window is scaled by the hardware's ``comm_overlap`` (1 on GPUs; 0 for CPU ranks
+of one core each, where the transport's threads compete with compute for the core).
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def step_time(
         attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(seq_len)
         fwd_passes = 2 if layout.recompute == "full" else 1
         # backward moves twice the bytes (K, V and their gradients) over twice the work
-        cp_exposed = (fwd_passes + 2) * max(0.0, ring_f - attn_f)
+        cp_exposed = (fwd_passes + 2) * max(0.0, ring_f - hw.comm_overlap * attn_f)
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
@@ -274,7 +276,8 @@ def _dp_comm(
     weights = params * precision.param_bytes
     bucket = runtime.bucket_mb * 2**20
     nb = max(1, math.ceil(grads / bucket))
-    window = bwd * (1 - 1 / nb)  # backward left after the first bucket is ready
+    ov = hw.comm_overlap
+    window = ov * bwd * (1 - 1 / nb)  # backward left after the first bucket is ready
     f = layout.shard_factor
     if layout.zero == 0:
         g = group(layout, hw, "dp+cp")
@@ -296,7 +299,7 @@ def _dp_comm(
     ag = all_gather_time(weights, shard.size, shard.link)
     rs = reduce_scatter_time(grads, shard.size, shard.link)
     m = layout.micro_batches
-    per_mb = max(ag / units, ag - fwd) + max((ag + rs) / units, ag + rs - bwd)
+    per_mb = max(ag / units, ag - ov * fwd) + max((ag + rs) / units, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross
 
 

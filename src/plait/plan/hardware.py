@@ -146,10 +146,16 @@ class Hardware:
     """The per-device link between nodes."""
     source: str = ""
     """Where the figures come from (datasheet, measurement date and machine)."""
+    comm_overlap: float = 1.0
+    """Fraction of the compute window that data-parallel / ZeRO / context-parallel
+    traffic can hide under: 1 on GPUs (copy engines and NICs move the bytes), 0 for CPU
+    ranks of one core each, whose transport threads need the same cores."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("hardware.name must not be empty.")
+        if not 0.0 <= self.comm_overlap <= 1.0:
+            raise ConfigError(f"hardware.comm_overlap must be in [0, 1], got {self.comm_overlap}.")
         for key in ("memory_bytes", "peak_flops", "optimizer_bandwidth", "devices_per_node"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"hardware.{key} must be positive, got {getattr(self, key)}.")
@@ -295,6 +301,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"elementwise = {_curve_toml(hw.elementwise)}",
         f"optimizer_bandwidth = {hw.optimizer_bandwidth!r}",
         f"op_overhead_s = {hw.op_overhead_s!r}",
+        f"comm_overlap = {hw.comm_overlap!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -360,6 +367,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             intra=_parse_link("intra", data["intra"]),
             inter=_parse_link("inter", data["inter"]),
             source=str(d.get("source", "")),
+            comm_overlap=float(d.get("comm_overlap", 1.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None
