@@ -9,8 +9,10 @@
 * ``B`` back-propagates one micro-batch through one piece (input and weight gradients).
 * ``I`` / ``W`` split ``B`` for zero-bubble schedules (Qi et al. 2023): ``I`` computes
   only the gradient with respect to the piece's input (``torch.autograd.grad`` with the
-  input as the only target, graph retained), ``W`` later accumulates the weight
-  gradients (``backward(inputs=params)``, graph released).
+  input as the only target, graph retained, the gradients entering each weight's
+  consumer node kept), ``W`` later computes only the weight gradients from them
+  (:class:`~plait.parallel.pipeline.zb.BackwardSplit`); the first piece, whose input is
+  token ids, does its whole backward in ``W``.
 * A run of consecutive communication actions becomes one batched isend/irecv
   (:func:`plait.comm.batch_isend_irecv` on the pp axis). Every message has a known shape
   ``(micro, seq, dim)`` and dtype, so no shape handshake precedes it, and a tag unique
@@ -48,6 +50,7 @@ from plait.comm import P2P, AxisGroup, Handle
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.split import PipelineStages
+from plait.parallel.pipeline.zb import BackwardSplit
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _ACT, _GRAD = 0, 1
@@ -170,6 +173,7 @@ class PipelineRuntime:
         self._recv: dict[tuple[int, int, int], torch.Tensor] = {}  # (kind, mb, stage)
         self._to_send: dict[tuple[int, int, int], torch.Tensor] = {}
         self._grad_out: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._splits: dict[tuple[int, int], BackwardSplit] = {}
         self._sends: list[tuple[Handle, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
         self.records = []
@@ -242,12 +246,16 @@ class PipelineRuntime:
             out, grad = self._outputs[key], self._take_grad(a)
             self._grad_out[key] = grad
             inp = self._inputs.pop(key)
-            if a.stage > 0:
-                (g,) = torch.autograd.grad(out, [inp], grad, retain_graph=True)
-                self._send_input_grad(a, g)
+            if a.stage > 0:  # the first piece's input (token ids) has no gradient
+                split = BackwardSplit(out, inp, self._params[a.stage])
+                self._splits[key] = split
+                self._send_input_grad(a, split.input_grad(grad))
         elif a.op == Op.BACKWARD_WEIGHT:
             out, grad = self._outputs.pop(key), self._grad_out.pop(key)
-            torch.autograd.backward(out, grad, inputs=self._params[a.stage])
+            if key in self._splits:
+                self._splits.pop(key).weight_grads()
+            else:
+                torch.autograd.backward(out, grad, inputs=self._params[a.stage])
         else:  # pragma: no cover - Op is closed
             raise ValueError(f"unknown action {a}")
 
