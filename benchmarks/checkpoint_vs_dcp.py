@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import shutil
 import statistics
 import sys
@@ -43,8 +42,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 import torch  # noqa: E402
 
-SECTION_BEGIN = "<!-- checkpoint_vs_dcp:begin -->"
-SECTION_END = "<!-- checkpoint_vs_dcp:end -->"
+from plait.bench.results import load_average, write_section  # noqa: E402
 
 
 def _dir_bytes(path: Path) -> int:
@@ -174,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     from plait.testing.pool import WorkerPool
 
     params = param_count(ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=4))
-    load0 = os.getloadavg()[0]
+    load0 = load_average()
     rows = []
     with WorkerPool(args.world, comm_timeout_s=600) as pool:
         for layout in ("dp", "zero3"):
@@ -198,12 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             slowest["plait bytes"] = res[0]["plait bytes"]
             slowest["dcp bytes"] = res[0]["dcp bytes"]
             rows.append((f"{layout} x{args.world}", slowest))
-    load1 = os.getloadavg()[0]
+    load1 = load_average()
     table = _table(rows)
     print(table)
     if args.out is not None:
         section = (
-            f"{SECTION_BEGIN}\n## Checkpoints vs torch.distributed.checkpoint (issue 7)\n\n"
+            "## Checkpoints vs torch.distributed.checkpoint (issue 7)\n\n"
             f"plait's sharded checkpoint against DCP (`dcp.save`/`dcp.load`, FSDP2 for "
             f"zero3) on the same gloo ranks: {params / 1e6:.2f} M parameters + AdamW state "
             f"(fp32), median of {args.reps} reps, slowest rank; ratio = plait / DCP "
@@ -215,17 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             "place before replacing `latest`; a plait load verifies every checksum and "
             "reads the full weights on each rank (they are loaded into the one-device "
             "model before sharding), which DCP does not, so the load ratio includes "
-            "that.\n"
-            f"{SECTION_END}\n"
+            "that."
         )
-        text = args.out.read_text() if args.out.exists() else "# Benchmark results\n"
-        if SECTION_BEGIN in text and SECTION_END in text:
-            pre, rest = text.split(SECTION_BEGIN, 1)
-            _, post = rest.split(SECTION_END, 1)
-            text = pre + section.rstrip("\n") + post
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        args.out.write_text(text)
+        write_section(args.out, "checkpoint_vs_dcp", section)
     return 0
 
 

@@ -37,11 +37,9 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -55,9 +53,9 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 import torch  # noqa: E402
 
+from plait.bench.results import command_line, environment, write_section  # noqa: E402
+
 BODY = "benchmarks.dp_vs_torch_ddp:bench_body"
-SECTION_BEGIN = "<!-- dp_vs_torch_ddp:begin -->"
-SECTION_END = "<!-- dp_vs_torch_ddp:end -->"
 
 
 # --------------------------------------------------------------------------- rank side
@@ -309,13 +307,12 @@ def _section(rows: list[Row], args: argparse.Namespace, n_params: int, command: 
     cores = os.cpu_count()
     worlds = [r.world for r in rows]
     over = [w for w in worlds if w * args.threads > (cores or 1)]
-    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     model = (
         f"dim {args.dim}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}, "
         f"{n_params / 1e6:.2f} M parameters ({n_params * 4 / 2**20:.1f} MiB of fp32 gradients)"
     )
     notes = [
-        f"- Date: {date}; torch {torch.__version__}; Python {platform.python_version()}; "
+        f"- {environment()}; "
         f"machine: {platform.machine()} {platform.processor() or ''} with {cores} cores "
         f"(`os.cpu_count()`), gloo on loopback.".replace("  ", " "),
         f"- Command: `{command}`",
@@ -351,24 +348,11 @@ def _section(rows: list[Row], args: argparse.Namespace, n_params: int, command: 
             "contention as much as the implementations."
         )
     return (
-        f"{SECTION_BEGIN}\n## plait DataParallel vs torch DistributedDataParallel (CPU, gloo)\n\n"
+        "## plait DataParallel vs torch DistributedDataParallel (CPU, gloo)\n\n"
         + _table(rows)
         + "\n"
         + "\n".join(notes)
-        + f"\n{SECTION_END}\n"
     )
-
-
-def _write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + section.rstrip("\n") + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     n_params = param_count(ModelConfig(**model_kwargs))
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
-    command = "python " + " ".join(
-        shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd()), *sys.argv[1:]]
-    )
+    command = command_line(__file__)
     print(
         f"model: {n_params / 1e6:.2f} M params, batch {args.batch} x seq {args.seq} per rank; "
         f"bucket {args.bucket_mb} MiB for both (DDP first bucket = bucket_cap_mb, set "
@@ -450,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_table(rows))
     if args.out is not None:
-        _write_section(args.out, _section(rows, args, n_params, command))
+        write_section(args.out, "dp_vs_torch_ddp", _section(rows, args, n_params, command))
         print(f"wrote {args.out}")
     return 0
 

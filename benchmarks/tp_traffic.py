@@ -41,10 +41,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -57,8 +54,8 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 import torch  # noqa: E402
 
-SECTION_BEGIN = "<!-- tp_traffic:begin -->"
-SECTION_END = "<!-- tp_traffic:end -->"
+from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
+
 IMPLS = ("dp2", "tp2", "tp2+sp", "dtensor-tp2", "dtensor-tp2+sp")
 
 
@@ -295,18 +292,6 @@ def _table(results: list[dict[str, Any]], shape: dict[str, int]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + section.rstrip("\n") + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20, help="measured steps per implementation")
@@ -336,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_seq_len": args.seq,
     }
     n_params = param_count(ModelConfig(**model_kwargs))
-    command = "python " + " ".join(
-        shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd()), *sys.argv[1:]]
-    )
+    command = command_line(__file__)
     gb = 2 * args.batch
     print(f"model: {n_params / 1e6:.2f} M params, global batch {gb} x seq {args.seq}", flush=True)
     t0 = time.perf_counter()
@@ -362,11 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out is not None:
         cores = os.cpu_count()
-        date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         notes = [
-            f"- Date: {date}; torch {torch.__version__}; Python {platform.python_version()}; "
+            f"- {environment()}; "
             f"{cores} cores (`os.cpu_count()`), gloo on loopback, one torch thread per rank. "
-            f"Taken under load (load average {os.getloadavg()[0]:.1f} at the end) from other "
+            f"Taken under load (load average {load_average():.1f} at the end) from other "
             "engineers' tests and benchmarks: absolute "
             "times are noisy; the implementations alternate in the same processes, so the "
             "ratios hold better than the times.",
@@ -389,14 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             "layout.",
             f"- Check passed: all five loss trajectories within {worst:.1e} relative of dp2's.",
         ]
-        section = (
-            f"{SECTION_BEGIN}\n## Tensor parallel traffic (issue 4)\n\n"
-            + table
-            + "\n"
-            + "\n".join(notes)
-            + f"\n{SECTION_END}\n"
-        )
-        _write_section(args.out, section)
+        section = "## Tensor parallel traffic (issue 4)\n\n" + table + "\n" + "\n".join(notes)
+        write_section(args.out, "tp_traffic", section)
         print(f"wrote {args.out}")
     return 0
 

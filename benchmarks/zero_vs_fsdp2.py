@@ -35,10 +35,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -51,8 +48,8 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 import torch  # noqa: E402
 
-SECTION_BEGIN = "<!-- zero_vs_fsdp2:begin -->"
-SECTION_END = "<!-- zero_vs_fsdp2:end -->"
+from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
+
 IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp")
 
 
@@ -336,18 +333,6 @@ def _memory_table(mem: dict[int, list[dict[int, Any]]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + section.rstrip("\n") + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
@@ -379,15 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     n_params = param_count(ModelConfig(**model_kwargs))
     worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
-    command = "python " + " ".join(
-        shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd()), *sys.argv[1:]]
-    )
+    command = command_line(__file__)
     print(f"model: {n_params / 1e6:.2f} M params, batch {args.batch} x seq {args.seq} per rank")
     rows, mem = [], {}
     loads: dict[int, tuple[float, float]] = {}
     for world in worlds:
         t0 = time.perf_counter()
-        load0 = os.getloadavg()[0]
+        load0 = load_average()
         with WorkerPool(world, comm_timeout_s=args.timeout) as pool:
             results = pool.run(
                 "benchmarks.zero_vs_fsdp2:bench_body",
@@ -404,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             mem[world] = pool.run(
                 "benchmarks.zero_vs_fsdp2:memory_body", model_kwargs, timeout_s=args.timeout
             )
-        loads[world] = (load0, os.getloadavg()[0])
+        loads[world] = (load0, load_average())
         _check(results)
         rows.append({"world": world, "results": results})
         meds = {k: _median_ms(results, k)[0] for k in IMPLS}
@@ -424,10 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     print(mtable)
     if args.out is not None:
         cores = os.cpu_count()
-        date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         over = [w for w in worlds if w > (cores or 1)]
         notes = [
-            f"- Date: {date}; torch {torch.__version__}; Python {platform.python_version()}; "
+            f"- {environment()}; "
             f"{cores} cores (`os.cpu_count()`), gloo on loopback, one torch thread per rank.",
             f"- Command: `{command}`",
             f"- Model: the built-in Transformer, dim {args.dim}, {args.layers} layers, "
@@ -471,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 "the implementations."
             )
         section = (
-            f"{SECTION_BEGIN}\n## ZeRO vs FSDP2 (issue 3)\n\nplait ZeRO-3 against torch FSDP2 "
+            "## ZeRO vs FSDP2 (issue 3)\n\nplait ZeRO-3 against torch FSDP2 "
             "`fully_shard`, ZeRO-1/2 against plait DP (CPU, gloo; written by "
             "`benchmarks/zero_vs_fsdp2.py`).\n\n"
             + table
@@ -479,9 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             + mtable
             + "\n"
             + "\n".join(notes)
-            + f"\n{SECTION_END}\n"
         )
-        _write_section(args.out, section)
+        write_section(args.out, "zero_vs_fsdp2", section)
         print(f"wrote {args.out}")
     return 0
 

@@ -18,7 +18,6 @@ asymptotic class of SPEC.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ import torch
 
 from plait import comm
 from plait.bench.alphabeta import LIBRARY, Measurement, fit_all, plot, summary_table, tables
+from plait.bench.results import environment, load_average, write_section
 from plait.comm import algorithms as algo
 from plait.comm.costs import Cost, traffic_table
 from plait.errors import ConfigError
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
     while s <= hi:
         sizes.append(s - s % 4)
         s *= args.factor
-    t0, load0 = time.perf_counter(), _load()
+    t0, load0 = time.perf_counter(), load_average()
     ms, traffic, counted = run(worlds, names, sizes, args.reps, args.timeout)
     fits, fits_by_world = fit_all(ms)
     text = (
@@ -189,7 +189,7 @@ def main(argv: list[str]) -> int:
         "Timings and the alpha-beta fit:\n\n" + tables(ms, fits, fits_by_world, traffic)
     )
     print(text)
-    head = _header(argv, time.perf_counter() - t0, (load0, _load()))
+    head = _header(argv, time.perf_counter() - t0, (load0, load_average()))
     if args.md:
         title = "# All-reduce algorithms on point-to-point messages vs the alpha-beta model\n\n"
         Path(args.md).write_text(title + head + f"{text}\n")
@@ -213,37 +213,21 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _load() -> float:
-    """The 1-minute load average (0 where the platform has none)."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-
-
-SECTION_BEGIN, SECTION_END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
-
-
 def _write_section(path: Path, head: str, body: str, full: str | None) -> None:
     """Replace the issue-8 section of ``path`` (between its markers) or append it."""
     where = f" The full table (every size, per-N fits) is in `{full}`." if full else ""
     section = (
-        f"{SECTION_BEGIN}\n## Collective algorithms (issue 8)\n\n"
+        "## Collective algorithms (issue 8)\n\n"
         "All-reduce algorithms of `plait.comm.algorithms` on counted point-to-point "
         f"messages against gloo's own all-reduce (`library`).{where}\n\n"
-        f"{head}{body}\n{SECTION_END}\n"
+        f"{head}{body}"
     )
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + section.rstrip("\n") + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_section(path, "collectives", section)
 
 
 def _header(argv: list[str], seconds: float, load: tuple[float, float]) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        f"- Date: {now}; torch {torch.__version__}; Python {platform.python_version()}; "
+        f"- {environment()}; "
         f"{platform.machine()} with {os.cpu_count()} cores; gloo on loopback; fp32.\n"
         f"- Command: `plait bench comm {' '.join(argv)}` ({seconds:.0f} s).\n"
         f"- Taken under load: 1-minute load average {load[0]:.1f} at the start and "
