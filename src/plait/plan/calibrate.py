@@ -14,9 +14,10 @@ in training, measures
   fixed cost of one operator call;
 * the AdamW step plus gradient clipping, as bytes/s of the traffic the planner charges
   for it;
-* all-reduce, all-gather, reduce-scatter and point-to-point times over message sizes,
-  fitted to ``t = c_alpha·alpha + bytes/B`` by least squares on relative error, with
-  the algorithm's step count ``c_alpha`` and bytes per rank (ring: ``2(N-1)`` and
+* all-reduce, all-gather, reduce-scatter and point-to-point times over message sizes
+  (the mean over repetitions: a step pays the long tail too), fitted to
+  ``t = c_alpha·alpha + bytes/B`` by least squares on relative error, with the
+  algorithm's step count ``c_alpha`` and bytes per rank (ring: ``2(N-1)`` and
   ``2(N-1)/N·S`` for all-reduce; ``N-1`` and ``(N-1)/N·S`` for all-gather and
   reduce-scatter; 1 and S for a message).
 
@@ -256,7 +257,9 @@ def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, Any
                 fn()
                 for c, clock in CLOCKS.items():
                     samples[c].append(max(clock() - start[c], 1e-9))
-            return {c: statistics.median(v) for c, v in samples.items()}
+            # the mean, not the median: a step pays for every collective it makes, and
+            # loopback collectives have a long tail (median 0.5 ms, mean 2 ms is common)
+            return {c: statistics.fmean(v) for c, v in samples.items()}
 
         ops: dict[str, Callable[[], object]] = {
             "all_reduce": functools.partial(comm.all_reduce, t, g),
