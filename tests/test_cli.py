@@ -13,33 +13,9 @@ import torch
 
 from plait.cli import main
 from plait.launch.local import LaunchError, launch_local
+from tests.tiny import tiny_args
 
-TINY = [
-    "--model.dim",
-    "32",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "4",
-    "--model.max_seq_len",
-    "32",
-    "--seq-len",
-    "32",
-    "--global-batch",
-    "8",
-    "--data.max_bytes",
-    "200000",
-    "--train.eval_every",
-    "0",
-    "--train.eval_batches",
-    "1",
-    "--progress",
-    "lines",
-    "--log.log_every",
-    "1",
-    "--log.peak_tflops",
-    "1",
-]
+TINY = [*tiny_args(), "--log.log_every", "1"]
 
 
 def _metrics(path: Path) -> list[dict[str, float]]:
@@ -94,8 +70,10 @@ def test_tensor_parallel_runs_match_one_process(tmp_path: Path) -> None:
     assert want[0]["grad_norm"] > 1.0  # clipping engaged
     runs = {
         "tp2": ["--nproc", "2", "--tp", "2"],
-        "dp2xtp2": ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1"]
-        + ["--parallel.sequence_parallel", "true"],
+        "dp2xtp2": [
+            *["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "1"],
+            *["--parallel.sequence_parallel", "true"],
+        ],
     }
     for name, layout in runs.items():
         out = tmp_path / f"{name}.jsonl"

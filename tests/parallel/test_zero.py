@@ -38,6 +38,7 @@ from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 from plait.train.recompute import apply_recompute
 from tests.parallel.test_data import VOCAB
+from tests.tiny import tiny_args, tiny_config
 
 M = "tests.parallel.test_zero"
 STEPS = 5
@@ -721,30 +722,10 @@ def test_bad_arguments() -> None:
 # ----------------------------------------------------------------------------- trainer / CLI
 
 
-def _trainer_cfg(parallel: dict[str, Any], micro_batch: int | None = None) -> Any:
-    from plait.config import Config, DataConfig, LogConfig, ModelConfig, TrainConfig
-
-    return Config(
-        model=ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
-        parallel=ParallelConfig(**parallel),
-        train=TrainConfig(
-            steps=4,
-            global_batch=8,
-            micro_batch=micro_batch,
-            seq_len=32,
-            warmup_steps=2,
-            eval_every=2,
-            eval_batches=1,
-        ),
-        data=DataConfig(max_bytes=200_000),
-        log=LogConfig(progress="none", peak_tflops=1.0),
-    )
-
-
 def _run_trainer(mesh: Mesh, parallel: dict[str, Any], micro: int | None) -> dict[str, Any]:
     from plait.train.trainer import Trainer
 
-    trainer = Trainer(_trainer_cfg(parallel, micro), mesh, show_progress=False)
+    trainer = Trainer(tiny_config(micro, parallel=parallel), mesh, show_progress=False)
     summary = trainer.run()
     return {
         "losses": summary.losses,
@@ -820,28 +801,7 @@ def test_cli_train_zero3_two_processes(tmp_path: Any) -> None:
 
     out = tmp_path / "m.jsonl"
     args = [
-        "--model.dim",
-        "32",
-        "--model.n_layers",
-        "2",
-        "--model.n_heads",
-        "4",
-        "--model.max_seq_len",
-        "32",
-        "--seq-len",
-        "32",
-        "--global-batch",
-        "8",
-        "--data.max_bytes",
-        "200000",
-        "--train.eval_every",
-        "0",
-        "--train.eval_batches",
-        "1",
-        "--progress",
-        "lines",
-        "--log.peak_tflops",
-        "1",
+        *tiny_args(),
         "--nproc",
         "2",
         "--steps",

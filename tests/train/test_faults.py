@@ -33,6 +33,7 @@ from plait.errors import CommError, CommTimeoutError
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.faults import StopSignals, find_stragglers
 from plait.train.trainer import Trainer
+from tests.tiny import tiny_args
 
 M = "tests.train.test_faults"
 
@@ -163,28 +164,8 @@ def test_slow_rank_is_reported_as_straggler(
 # ---------------------------------------------------------------------------- restart
 
 TORCHRUN_ARGS = [
-    *[
-        "--model.dim",
-        "32",
-        "--model.n_layers",
-        "2",
-        "--model.n_heads",
-        "4",
-        "--model.max_seq_len",
-        "32",
-    ],
-    *[
-        "--seq-len",
-        "32",
-        "--global-batch",
-        "8",
-        "--data.max_bytes",
-        "100000",
-        "--train.eval_every",
-        "0",
-    ],
-    *["--train.eval_batches", "1", "--train.warmup_steps", "2", "--progress", "lines"],
-    *["--log.peak_tflops", "1", "--steps", "6", "--launch.threads", "1"],  # as the pool
+    *tiny_args(max_bytes=100_000),
+    *["--train.warmup_steps", "2", "--steps", "6", "--launch.threads", "1"],  # as the pool
 ]
 
 

@@ -13,29 +13,12 @@ from collections.abc import Callable
 import pytest
 
 from plait import init_mesh
-from plait.config import Config, DataConfig, LogConfig, ModelConfig, TrainConfig
+from plait.config import Config, TrainConfig
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.trainer import Trainer, lr_at
+from tests.tiny import tiny_config
 
 M = "tests.train.test_trainer"
-STEPS = 4
-
-
-def tiny_config(micro_batch: int | None = None, steps: int = STEPS) -> Config:
-    return Config(
-        model=ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
-        train=TrainConfig(
-            steps=steps,
-            global_batch=8,
-            micro_batch=micro_batch,
-            seq_len=32,
-            warmup_steps=2,
-            eval_every=2,
-            eval_batches=1,
-        ),
-        data=DataConfig(max_bytes=200_000),
-        log=LogConfig(progress="none", peak_tflops=1.0),
-    )
 
 
 def _run(cfg: Config, dp: int | None, ctx: WorkerContext | None) -> dict[str, object]:
