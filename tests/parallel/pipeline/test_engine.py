@@ -14,6 +14,10 @@ Tolerance: float64, rtol=1e-9 / atol=1e-11 (summation order only).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,16 +159,29 @@ def test_composition_matches_one_process(
     assert seen == set(ref["weights"])  # type: ignore[arg-type]
 
 
+def _metrics(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_cli_pipeline_run_matches_one_process(tmp_path: Path) -> None:
     """`plait train --nproc 2 --pp 2` end to end (1F1B, 4 micro-batches, clipping at
     1.0 engaged): the losses and clipping norms of one process (fp32, rtol 1e-5)."""
     from plait.cli import main
-    from tests.test_cli import TINY, _cli, _metrics
+    from tests.tiny import tiny_args
 
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
-    assert main(["train", *TINY, "--nproc", "1", "--steps", "3", "--metrics", str(one)]) == 0
-    args = ["train", *TINY, "--nproc", "2", "--pp", "2", "--steps", "3", "--metrics", str(two)]
-    r = _cli(args, tmp_path)
+    tiny = [*tiny_args(), "--steps", "3"]
+    layout = ["--nproc", "2", "--pp", "2", "--metrics", str(two)]
+    assert main(["train", *tiny, "--nproc", "1", "--metrics", str(one)]) == 0
+    r = subprocess.run(
+        [sys.executable, "-m", "plait", "train", *tiny, *layout],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline 1f1b: pp 2 x chunks 1, 4 micro-batches" in r.stdout
     want, got = _metrics(one), _metrics(two)
