@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm import AxisGroup
 from plait.parallel.tensor import shard_info
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero_flat import FlatUnit
@@ -306,15 +307,22 @@ class ZeroOptimizer:
             sq = torch.zeros((), dtype=torch.float64, device=device)
         groups = []
         if self.zero is not None and self.zero.shard_group.size > 1:
-            groups.append(self.zero.shard_group)
-        mesh = getattr(self.model, "mesh", None)
-        if mesh is not None and mesh.size("tp") > 1:
-            groups.append(mesh.axis("tp"))
+            groups.append(self.zero.shard_group)  # the ZeRO shards of the replica
+        tp = self._tp_group()
+        if tp is not None and tp.size > 1:
+            groups.append(tp)  # the tensor-parallel pieces
         if groups:
             sq = sq.reshape(1)
             for group in groups:
                 comm.all_reduce(sq, group, op="sum")
         return float(sq.sqrt().item())
+
+    def _tp_group(self) -> AxisGroup | None:
+        """The tensor-parallel group the norm also sums over: the tp axis of the wrapped
+        model's mesh (``DataParallel`` and ``ZeroDataParallel`` carry it) when it spans
+        more than one rank; None otherwise."""
+        mesh = getattr(self.model, "mesh", None)
+        return mesh.axis("tp") if mesh is not None and mesh.size("tp") > 1 else None
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The separate fp32 master tensors (empty when the masters are the parameters)."""
