@@ -79,13 +79,6 @@ class _Slot:
     norm_pieces: list[tuple[int, int, float]]  # (start, end, weight) of every parameter piece
 
 
-def _norm_weight(p: torch.Tensor) -> float:
-    """Weight of ``p``'s squared gradient norm in a norm summed over the tp axis: 1, or
-    1/k for a tensor held identically by k tp ranks (:class:`plait.parallel.tensor.TPShard`)."""
-    info = shard_info(p)
-    return info.norm_weight if info is not None else 1.0
-
-
 def _rebuild(
     optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
@@ -185,7 +178,7 @@ class ZeroOptimizer:
                 master = init.to(master_device, wide, copy=True)  # (shard_numel,)
             u.fp32_init = None
             segments = []
-            pieces = [(a, b, _norm_weight(u.params[i])) for i, a, b in u.local_segments()]
+            pieces = [(a, b, self._norm_weight(u.params[i])) for i, a, b in u.local_segments()]
             for i, start, end in u.local_segments():
                 group = group_of.get(u.params[i])
                 if group is None:
@@ -287,7 +280,7 @@ class ZeroOptimizer:
             for p in self._params:
                 if p.grad is not None:
                     pieces.append(p.grad)
-                    weights.append(_norm_weight(p))
+                    weights.append(self._norm_weight(p))
         else:
             for slot, g in zip(self.slots, grads, strict=True):
                 if all(w == 1.0 for _, _, w in slot.norm_pieces):
@@ -305,17 +298,30 @@ class ZeroOptimizer:
             sq = sq64.sum()
         else:
             sq = torch.zeros((), dtype=torch.float64, device=device)
+        groups = self._norm_groups()
+        if groups:
+            sq = sq.reshape(1)
+            for group in groups:
+                comm.all_reduce(sq, group, op="sum")
+        return float(sq.sqrt().item())
+
+    def _norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in a norm summed over the tp axis: 1, or
+        1/k for a tensor held identically by k tp ranks (:class:`plait.parallel.tensor.
+        TPShard`). Called while the ZeRO slots are built (in ``__init__``) and per step."""
+        info = shard_info(p)
+        return info.norm_weight if info is not None else 1.0
+
+    def _norm_groups(self) -> list[AxisGroup]:
+        """The groups the local squared norm is summed over, in order: the ZeRO shard
+        group, then the tensor-parallel group (each only when it has several ranks)."""
         groups = []
         if self.zero is not None and self.zero.shard_group.size > 1:
             groups.append(self.zero.shard_group)  # the ZeRO shards of the replica
         tp = self._tp_group()
         if tp is not None and tp.size > 1:
             groups.append(tp)  # the tensor-parallel pieces
-        if groups:
-            sq = sq.reshape(1)
-            for group in groups:
-                comm.all_reduce(sq, group, op="sum")
-        return float(sq.sqrt().item())
+        return groups
 
     def _tp_group(self) -> AxisGroup | None:
         """The tensor-parallel group the norm also sums over: the tp axis of the wrapped
