@@ -89,12 +89,13 @@ def _body_pipeline(
     v: int,
     tied: bool = False,
     boundaries: list[int] | None = None,
+    placement: str = "adjacent",
 ) -> dict[str, object]:
     p = ctx.world_size
     mesh = ctx.mesh(dp=1, pp=p)
     model = Transformer(model_config(tied=tied), seed=3).double()
     stages = split_transformer(model, mesh, chunks=v, boundaries=boundaries)
-    schedule = build_schedule(name, p, m, v)
+    schedule = build_schedule(name, p, m, v, placement=placement)
     runtime = PipelineRuntime(
         stages, schedule, mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16), torch.float64
     )
@@ -136,6 +137,19 @@ def test_every_schedule_matches_one_process(
     p: int,
 ) -> None:
     check_parity(pools(p).run(f"{M}:_body_pipeline", name, m, v), refs[False])
+
+
+@pytest.mark.parametrize(("name", "m", "v"), [("interleaved", MICRO, 2), ("zb", MICRO, 1)])
+def test_lockstep_placement_matches_one_process(
+    pools: Callable[[int], WorkerPool],
+    refs: dict[bool, dict[str, object]],
+    name: str,
+    m: int,
+    v: int,
+) -> None:
+    """The comm placement for rendezvous (NCCL-like) sends runs the same math."""
+    results = pools(4).run(f"{M}:_body_pipeline", name, m, v, False, None, "lockstep")
+    check_parity(results, refs[False])
 
 
 def test_tied_embeddings_across_first_and_last_stage(

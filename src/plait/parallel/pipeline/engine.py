@@ -83,7 +83,12 @@ class PipelineEngine:
         m = cfg.pipeline_microbatches(world)
         self.model = model
         self.stages = stages
-        self.schedule = build_schedule(p.pipeline_schedule, mesh.size("pp"), m, p.chunks)
+        # NCCL's grouped send/recv is a rendezvous: place messages so that no batch
+        # waits on a send whose receive comes later (the validator's rendezvous model).
+        placement = "lockstep" if comm.world_backend() == "nccl" else "adjacent"
+        self.schedule = build_schedule(
+            p.pipeline_schedule, mesh.size("pp"), m, p.chunks, placement=placement
+        )
         seq = t.seq_len // (mesh.size("tp") if p.sequence_parallel else 1)
         dtype = next(stages.parameters()).dtype
         self.runtime = PipelineRuntime(
