@@ -47,6 +47,16 @@ def test_find_stragglers_against_the_lower_median() -> None:
     assert find_stragglers([0.1, 5.0], 0.0) == []  # off
 
 
+def test_pipeline_stages_are_compared_only_within_themselves() -> None:
+    # pp2 x dp2: ranks {0, 1} are stage 0, {2, 3} the (heavier) last stage
+    times = [0.1, 0.1, 0.5, 0.5]
+    assert find_stragglers(times, 2.0, groups=[[0, 1], [2, 3]]) == []
+    assert [s.rank for s in find_stragglers(times, 2.0)] == [2, 3]  # one group: flagged
+    (s,) = find_stragglers([0.1, 0.1, 0.5, 1.5], 2.0, groups=[[0, 1], [2, 3]])
+    assert (s.rank, round(s.factor, 6)) == (3, 3.0)
+    assert find_stragglers([0.1, 0.9], 2.0, groups=[[0], [1]]) == []  # pp2, dp1
+
+
 def test_stop_signals_set_a_flag_and_are_restored() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:

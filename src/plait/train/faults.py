@@ -77,13 +77,30 @@ class StepHealth:
         return [{"rank": s.rank, "factor": round(s.factor, 3)} for s in self.stragglers]
 
 
-def find_stragglers(compute_s: Sequence[float], factor: float) -> list[Straggler]:
+def find_stragglers(
+    compute_s: Sequence[float], factor: float, groups: Sequence[Sequence[int]] | None = None
+) -> list[Straggler]:
     """Ranks slower than ``factor`` × the lower median of ``compute_s`` (the lower median
-    so that with two ranks the slow one is compared with the fast one)."""
-    if factor <= 0 or len(compute_s) < 2:
+    so that with two ranks the slow one is compared with the fast one).
+
+    ``groups`` (default: all ranks together) lists the sets of ranks that do the same work
+    and are compared only with each other — pipeline stages differ in cost by design
+    (the last one carries the head and the loss), so each stage is its own group.
+    """
+    if factor <= 0:
         return []
-    med = max(statistics.median_low(compute_s), 1e-9)
-    return [Straggler(r, c / med, c, med) for r, c in enumerate(compute_s) if c > factor * med]
+    found: list[Straggler] = []
+    for group in groups if groups is not None else [range(len(compute_s))]:
+        times = [compute_s[r] for r in group]
+        if len(times) < 2:
+            continue
+        med = max(statistics.median_low(times), 1e-9)
+        found += [
+            Straggler(r, compute_s[r] / med, compute_s[r], med)
+            for r in group
+            if compute_s[r] > factor * med
+        ]
+    return sorted(found, key=lambda s: s.rank)
 
 
 class StopSignals:
@@ -122,6 +139,10 @@ class FaultMonitor:
         self.inject_step = cfg.train.fault_inject_step
         self.inject_rank = cfg.train.fault_inject_rank
         self.group = mesh.world() if mesh.world_size > 1 else None
+        stages: dict[int, list[int]] = {}
+        for r in range(mesh.world_size):  # ranks of one pipeline stage do the same work
+            stages.setdefault(mesh.layout.coords(r)["pp"], []).append(r)
+        self.peers = list(stages.values())
         self.reported: dict[int, int] = {}  # rank -> steps it was a straggler
         self.signals = StopSignals()
 
@@ -152,7 +173,7 @@ class FaultMonitor:
             assert isinstance(out, torch.Tensor)
             rows = out.cpu().view(-1, 2)  # (world, 2): compute seconds, stop flag
         compute = [float(x) for x in rows[:, 0].tolist()]
-        stragglers = find_stragglers(compute, self.factor)
+        stragglers = find_stragglers(compute, self.factor, self.peers)
         health = StepHealth(bool(rows[:, 1].max() > 0), stragglers, compute)
         for s in health.stragglers:
             self.reported[s.rank] = self.reported.get(s.rank, 0) + 1
