@@ -329,6 +329,8 @@ class Trainer:
             f"{len(self.train_set):,} training / {len(self.val_set):,} validation sequences "
             f"of {t.seq_len} tokens\n"
             f"plait: global batch {t.global_batch} = dp {self.mesh.size('dp')} x micro-batch "
-            f"{self.micro_batch} x accumulation {self.accum}; {lr_note}; "
+            f"{self.micro_batch} x "
+            f"{'pipeline micro-batches' if self.mesh.size('pp') > 1 else 'accumulation'} "
+            f"{self.accum}; {lr_note}; "
             f"{t.steps} steps on {self.device.type}"
         )
