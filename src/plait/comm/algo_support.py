@@ -1,5 +1,6 @@
 """Building blocks of :mod:`plait.comm.algorithms`: traffic metering from the comm
-counters, the cross-rank shape check, and the pipelined ring phases.
+counters, the cross-rank shape check, metered message rounds, and the pipelined ring
+phases.
 
 Everything here uses only plait's counted point-to-point operations
 (:func:`plait.comm.isend` / :func:`plait.comm.irecv`) and, for the shape check and the
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.comm import ops
+from plait.comm import costs, ops
 from plait.comm.costs import Cost
 from plait.comm.group import AxisGroup, Handle
 
@@ -88,6 +89,40 @@ class Meter:
         recv = tuple(int(v) for v in per[:, :, 3].sum(1))
         crit = int(torch.maximum(per[:, :, 2], per[:, :, 3]).amax(0).sum())
         return Cost(algorithm, self.g.size, nbytes, int(active.sum()), sent, recv, crit)
+
+    def report(self, algorithm: str, t: torch.Tensor, measure: bool) -> Report:
+        """The call's :class:`Report`: the closed form of ``algorithm`` for ``t`` over this
+        group and, with ``measure``, the traffic measured (:meth:`gather`)."""
+        numel, size = t.numel(), t.element_size()
+        formula = costs.formula(algorithm, self.g.size, numel, size)
+        return Report(formula, self.gather(algorithm, numel * size) if measure else None)
+
+
+def send_step(x: torch.Tensor, g: AxisGroup, dst: int, meter: Meter, k: int) -> None:
+    """Round ``k`` of the schedule: send ``x`` to rank ``dst`` of ``g`` and wait."""
+    with meter.at(k):
+        h = ops.isend(x, g, dst)
+    h.wait()
+
+
+def recv_step(buf: torch.Tensor, g: AxisGroup, src: int, meter: Meter, k: int) -> None:
+    """Round ``k`` of the schedule: receive ``buf`` from rank ``src`` of ``g`` and wait."""
+    with meter.at(k):
+        h = ops.irecv(buf, g, src)
+    h.wait()
+
+
+def exchange_step(
+    sends: list[torch.Tensor], recvs: list[torch.Tensor], g: AxisGroup, meter: Meter, k: int
+) -> None:
+    """Round ``k``: this rank sends ``sends[j]`` to every other rank j and receives
+    ``recvs[j]`` from it, all posted at once, then waits for all of them."""
+    i, n = g.index, g.size
+    with meter.at(k):
+        hs = [ops.isend(sends[j], g, j) for j in range(n) if j != i]
+        hs += [ops.irecv(recvs[j], g, j) for j in range(n) if j != i]
+    for h in hs:
+        h.wait()
 
 
 def check_same_shape(t: torch.Tensor, g: AxisGroup, what: str) -> None:

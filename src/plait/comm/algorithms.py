@@ -39,13 +39,16 @@ from typing import Any, Literal
 
 import torch
 
-from plait.comm import costs, ops
+from plait.comm import ops
 from plait.comm.algo_support import (
     Meter,
     Report,
     check_same_shape,
+    exchange_step,
+    recv_step,
     ring_all_gather_phase,
     ring_reduce_scatter_phase,
+    send_step,
 )
 from plait.comm.algorithms_gather import (
     direct_all_to_all,
@@ -99,9 +102,7 @@ def _finish(
         flat.div_(g.size)
     if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
         t.detach().copy_(flat.view(t.shape))
-    formula = costs.formula(name, g.size, t.numel(), t.element_size())
-    measured = meter.gather(name, t.numel() * t.element_size()) if measure else None
-    return Report(formula, measured)
+    return meter.report(name, t, measure)
 
 
 def _wait(handles: list[Handle]) -> None:
@@ -134,21 +135,13 @@ def all_reduce_naive(
     if n > 1 and i == 0:
         tmp = torch.empty_like(flat)  # (numel,)
         for src in range(1, n):
-            with meter.at(src - 1):
-                h = ops.irecv(tmp, g, src)
-            h.wait()
+            recv_step(tmp, g, src, meter, src - 1)
             flat += tmp
         for dst in range(1, n):
-            with meter.at(n - 2 + dst):
-                h = ops.isend(flat, g, dst)
-            h.wait()
+            send_step(flat, g, dst, meter, n - 2 + dst)
     elif n > 1:
-        with meter.at(i - 1):
-            h = ops.isend(flat, g, 0)
-        h.wait()
-        with meter.at(n - 2 + i):
-            h = ops.irecv(flat, g, 0)
-        h.wait()
+        send_step(flat, g, 0, meter, i - 1)
+        recv_step(flat, g, 0, meter, n - 2 + i)
     return _finish(t, flat, g, op, "naive", meter, measure)
 
 
@@ -179,12 +172,8 @@ def all_reduce_central(
             hs = [ops.isend(flat, g, j) for j in range(n) if j != root]
         _wait(hs)
     elif n > 1:
-        with meter.at(0):
-            h = ops.isend(flat, g, root)
-        h.wait()
-        with meter.at(1):
-            h = ops.irecv(flat, g, root)
-        h.wait()
+        send_step(flat, g, root, meter, 0)
+        recv_step(flat, g, root, meter, 1)
     return _finish(t, flat, g, op, "central", meter, measure)
 
 
@@ -233,14 +222,10 @@ def _fold_in(flat: torch.Tensor, g: AxisGroup, meter: Meter) -> None:
     if i >= 2 * r:
         return
     if i % 2 == 0:
-        with meter.at(0):
-            h = ops.isend(flat, g, i + 1)
-        h.wait()
+        send_step(flat, g, i + 1, meter, 0)
     else:
         tmp = torch.empty_like(flat)
-        with meter.at(0):
-            h = ops.irecv(tmp, g, i - 1)
-        h.wait()
+        recv_step(tmp, g, i - 1, meter, 0)
         flat += tmp
 
 
@@ -249,9 +234,10 @@ def _fold_out(flat: torch.Tensor, g: AxisGroup, meter: Meter, k: int) -> None:
     i, r = g.index, g.size - pow2_floor(g.size)
     if i >= 2 * r:
         return
-    with meter.at(k):
-        h = ops.isend(flat, g, i - 1) if i % 2 else ops.irecv(flat, g, i + 1)
-    h.wait()
+    if i % 2:
+        send_step(flat, g, i - 1, meter, k)
+    else:
+        recv_step(flat, g, i + 1, meter, k)
 
 
 def all_reduce_recursive_doubling(
@@ -367,12 +353,8 @@ def all_reduce_tree(
         _wait(hs)
         _sum_in_order([flat, *bufs], flat)
     if i > 0:
-        with meter.at(h - depth):
-            hd = ops.isend(flat, g, (i - 1) // 2)
-        hd.wait()
-        with meter.at(h + depth - 1):
-            hd = ops.irecv(flat, g, (i - 1) // 2)
-        hd.wait()
+        send_step(flat, g, (i - 1) // 2, meter, h - depth)
+        recv_step(flat, g, (i - 1) // 2, meter, h + depth - 1)
     if children:
         with meter.at(h + depth):
             hs = [ops.isend(flat, g, c) for c in children]
@@ -395,10 +377,7 @@ def all_reduce_direct(
     meter = Meter(g, 1 if n > 1 else 0)
     if n > 1:
         parts = [flat if j == i else torch.empty_like(flat) for j in range(n)]
-        with meter.at(0):
-            hs = [ops.isend(flat, g, j) for j in range(n) if j != i]
-            hs += [ops.irecv(parts[j], g, j) for j in range(n) if j != i]
-        _wait(hs)
+        exchange_step([flat] * n, parts, g, meter, 0)
         _sum_in_order(parts, flat)
     return _finish(t, flat, g, op, "direct", meter, measure)
 

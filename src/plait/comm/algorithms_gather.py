@@ -12,11 +12,11 @@ from typing import Literal
 
 import torch
 
-from plait.comm import costs, ops
 from plait.comm.algo_support import (
     Meter,
     Report,
     check_same_shape,
+    exchange_step,
     ring_all_gather_phase,
     ring_reduce_scatter_phase,
 )
@@ -53,9 +53,7 @@ def ring_all_gather(
     chunks[g.index].copy_(x.view(-1))
     meter = Meter(g, g.size - 1)
     ring_all_gather_phase(chunks, g, meter, 0, pipeline)
-    formula = costs.formula("ring_all_gather", g.size, x.numel(), x.element_size())
-    measured = meter.gather("ring_all_gather", x.numel() * x.element_size()) if measure else None
-    return out, Report(formula, measured)
+    return out, meter.report("ring_all_gather", x, measure)
 
 
 def ring_reduce_scatter(
@@ -80,11 +78,7 @@ def ring_reduce_scatter(
     out = chunks[g.index].view(x.shape[0] // g.size, *x.shape[1:]).clone()  # (m, ...)
     if op == "avg" and g.size > 1:
         out.div_(g.size)
-    formula = costs.formula("ring_reduce_scatter", g.size, x.numel(), x.element_size())
-    measured = (
-        meter.gather("ring_reduce_scatter", x.numel() * x.element_size()) if measure else None
-    )
-    return out, Report(formula, measured)
+    return out, meter.report("ring_reduce_scatter", x, measure)
 
 
 def direct_all_to_all(
@@ -102,11 +96,5 @@ def direct_all_to_all(
     dst[i].copy_(src[i])
     meter = Meter(g, 1 if n > 1 else 0)
     if n > 1:
-        with meter.at(0):
-            hs = [ops.isend(src[j], g, j) for j in range(n) if j != i]
-            hs += [ops.irecv(dst[j], g, j) for j in range(n) if j != i]
-        for h in hs:
-            h.wait()
-    formula = costs.formula("direct_all_to_all", g.size, x.numel(), x.element_size())
-    measured = meter.gather("direct_all_to_all", x.numel() * x.element_size()) if measure else None
-    return out, Report(formula, measured)
+        exchange_step(src, dst, g, meter, 0)
+    return out, meter.report("direct_all_to_all", x, measure)
