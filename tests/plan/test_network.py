@@ -83,3 +83,19 @@ def test_overlap_hides_data_parallel_traffic_only_where_the_device_can() -> None
         assert hidden.dp_comm_total == exposed.dp_comm_total
         if lay.zero == 0:  # nothing hidden: all of it on the step
             assert exposed.dp_comm == pytest.approx(exposed.dp_comm_total)
+
+
+def test_a_measured_curve_replaces_the_line_inside_its_range_and_group_size() -> None:
+    from plait.plan.hardware import Curve
+
+    curve = Curve(((1e3, 1e-3), (1e6, 4e-3)))
+    link = Link(1e-5, 1e10, (), (("all_reduce", 2, curve), ("p2p", 2, curve)))
+    assert all_reduce_time(1e3, 2, link) == pytest.approx(1e-3)
+    assert all_reduce_time(1e6, 2, link) == pytest.approx(4e-3)
+    assert all_reduce_time(3e4, 2, link) == pytest.approx(curve.at(3e4))
+    line = all_reduce_time(3e4, 2, Link(1e-5, 1e10))
+    assert all_reduce_time(3e4, 4, link) != curve.at(3e4)  # another group size: the line
+    assert all_reduce_time(1e8, 2, link) == pytest.approx(all_reduce_time(1e8, 2, Link(1e-5, 1e10)))
+    assert all_reduce_time(3e4, 2, link, "ring") == pytest.approx(line)  # explicit algorithm
+    assert p2p_time(1e3, link) == pytest.approx(1e-3)
+    assert all_gather_time(1e3, 2, link) == pytest.approx(1e-5 + 0.5e3 / 1e10)

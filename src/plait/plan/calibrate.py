@@ -389,6 +389,8 @@ def profile_from_results(
         ar.alpha if ar else 0.0,
         ar.bandwidth if ar else 1e9,
         tuple((f.op, f.alpha, f.bandwidth) for f in fits),
+        # the measurements themselves, interpolated for groups of this size
+        tuple((f.op, n, Curve(f.points)) for f in fits),
     )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     hw = Hardware(

@@ -92,6 +92,11 @@ class Link:
     collectives: tuple[tuple[str, float, float], ...] = ()
     """Measured ``(operation, alpha, B)`` fits that replace the generic figures for that
     operation (operations from :data:`COLLECTIVES`)."""
+    measured: tuple[tuple[str, int, Curve], ...] = ()
+    """Measured ``(operation, group size, seconds as a function of message bytes)``: for a
+    message inside the measured range on a group of that size, the interpolated
+    measurement replaces the alpha-beta line (a two-parameter line cannot follow a
+    transport whose latency tail varies with the size, as gloo's on loopback does)."""
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth <= 0:
@@ -104,6 +109,15 @@ class Link:
                 raise ConfigError(f"unknown collective {op!r}; use one of {COLLECTIVES}.")
             if a < 0 or b <= 0:
                 raise ConfigError(f"collective fit {op}: alpha must be >= 0 and B > 0.")
+
+    def measured_seconds(self, op: str, n: int, nbytes: float) -> float | None:
+        """The interpolated measurement of ``op`` on ``n`` ranks for ``nbytes`` (the
+        op's message convention), or None outside what was measured."""
+        for name, size, curve in self.measured:
+            lo, hi = curve.points[0][0], curve.points[-1][0]
+            if name == op and (size == n or op == "p2p") and lo <= nbytes <= hi:
+                return curve.at(nbytes)
+        return None
 
     def fit(self, op: str) -> tuple[float, float]:
         """``(alpha, B)`` for ``op``: the measured fit when there is one."""
@@ -285,6 +299,8 @@ def _link_toml(section: str, link: Link) -> list[str]:
     lines = [f"[{section}]", f"latency_s = {link.latency_s!r}", f"bandwidth = {link.bandwidth!r}"]
     for op, a, b in link.collectives:
         lines.append(f"{op} = [{a!r}, {b!r}]")
+    for op, n, curve in link.measured:
+        lines.append(f"{op}_measured = [{n}, {_curve_toml(curve)}]")
     return lines
 
 
@@ -330,15 +346,22 @@ def _parse_curve(where: str, value: Any) -> Curve:
 
 def _parse_link(where: str, data: Mapping[str, Any]) -> Link:
     extra = []
+    measured = []
     for op in COLLECTIVES:
         if op in data:
             a, b = data[op]
             extra.append((op, float(a), float(b)))
-    unknown = set(data) - {"latency_s", "bandwidth", *COLLECTIVES}
+        if f"{op}_measured" in data:
+            n, pts = data[f"{op}_measured"]
+            measured.append((op, int(n), _parse_curve(f"{where}.{op}_measured", pts)))
+    known = {"latency_s", "bandwidth", *COLLECTIVES, *(f"{op}_measured" for op in COLLECTIVES)}
+    unknown = set(data) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}.")
     try:
-        return Link(float(data["latency_s"]), float(data["bandwidth"]), tuple(extra))
+        return Link(
+            float(data["latency_s"]), float(data["bandwidth"]), tuple(extra), tuple(measured)
+        )
     except KeyError as e:
         raise ConfigError(f"[{where}] needs {e.args[0]}.") from None
 

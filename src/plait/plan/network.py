@@ -14,7 +14,10 @@ recursive doubling  ceil(log2 N)·(alpha + S/B)                    log2 N · S
 
 All-gather and reduce-scatter (ring): ``(N-1)·alpha + (N-1)/N · S/B`` with S the full
 (gathered, or pre-scatter) tensor; all-to-all the same; point-to-point ``alpha + S/B``.
-``auto`` takes the fastest of ring and tree, as NCCL does.
+``auto`` takes the fastest of ring and tree, as NCCL does — unless the link carries a
+measurement of the operation on a group of that size covering the message size
+(:attr:`plait.plan.hardware.Link.measured`, written by calibration), which is then
+interpolated instead.
 
 Where a group sits decides its link. Ranks are laid out like :class:`plait.mesh.MeshLayout`
 (``pp, dp, cp, tp``, tp fastest), so a group whose members lie within one node's range
@@ -49,6 +52,10 @@ def all_reduce_time(nbytes: float, n: int, link: Link, algorithm: Algorithm = "a
     """Seconds for an all-reduce of ``nbytes`` over ``n`` ranks on ``link``."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "auto":  # the library's own choice is what a profile measured
+        seen = link.measured_seconds("all_reduce", n, nbytes)
+        if seen is not None:
+            return seen
     alpha, bw = link.fit("all_reduce")
     ring = 2 * (n - 1) * alpha + ring_bytes_per_rank(nbytes, n) / bw
     tree = 2 * _log2(n) * alpha + 2.0 * nbytes / bw
@@ -66,6 +73,9 @@ def all_reduce_time(nbytes: float, n: int, link: Link, algorithm: Algorithm = "a
 def _ring_half(op: str, nbytes: float, n: int, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
+    seen = link.measured_seconds(op, n, nbytes)
+    if seen is not None:
+        return seen
     alpha, bw = link.fit(op)
     return (n - 1) * alpha + (n - 1) / n * nbytes / bw
 
@@ -89,6 +99,9 @@ def p2p_time(nbytes: float, link: Link) -> float:
     """One point-to-point message."""
     if nbytes <= 0:
         return 0.0
+    seen = link.measured_seconds("p2p", 2, nbytes)
+    if seen is not None:
+        return seen
     alpha, bw = link.fit("p2p")
     return alpha + nbytes / bw
 
