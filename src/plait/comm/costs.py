@@ -137,16 +137,21 @@ def recursive_doubling(world: int, n: int, e: int) -> Cost:
     s = n * e
     p, r = _fold(world)
     lg = p.bit_length() - 1
-    sent, recv = [], []
+    per = _folded_bytes(world, s, lambda j: lg * s)  # sent = received
+    steps = lg + (2 if r else 0)
+    return Cost("recursive_doubling", world, s, steps, per, per, steps * s)
+
+
+def _folded_bytes(world: int, s: int, moved: Callable[[int], int]) -> tuple[int, ...]:
+    """Bytes each rank sends (and receives) in a power-of-two algorithm with the fold:
+    ``moved(j)`` for participant j, plus S for each of the first 2r ranks (the fold
+    message in and the result out)."""
+    _, r = _fold(world)
+    out = []
     for rank in range(world):
         j = participant(rank, world)
-        extra_s = extra_r = 0
-        if rank < 2 * r:
-            extra_s = extra_r = s
-        sent.append(lg * s * (j is not None) + extra_s)
-        recv.append(lg * s * (j is not None) + extra_r)
-    steps = lg + (2 if r else 0)
-    return Cost("recursive_doubling", world, s, steps, tuple(sent), tuple(recv), steps * s)
+        out.append((moved(j) if j is not None else 0) + (s if rank < 2 * r else 0))
+    return tuple(out)
 
 
 def _aligned(j: int, size: int, n: int, p: int) -> int:
@@ -168,23 +173,17 @@ def rabenseifner(world: int, n: int, e: int) -> Cost:
     s = n * e
     p, r = _fold(world)
     lg = p.bit_length() - 1
-    sent, recv = [], []
-    for rank in range(world):
-        j = participant(rank, world)
-        extra = s if rank < 2 * r else 0
-        if j is None:
-            sent.append(extra)
-            recv.append(extra)
-            continue
+
+    def moved(j: int) -> int:  # halving sends n - c_j, receives the kept ranges; doubling back
         kept = sum(_aligned(j, p >> k, n, p) for k in range(1, lg + 1))
-        both = (n - block(j, n, p) + kept) * e
-        sent.append(both + extra)
-        recv.append(both + extra)
+        return (n - block(j, n, p) + kept) * e
+
+    per = _folded_bytes(world, s, moved)  # sent = received
     # the largest half moved in halving step k is the first aligned range of p/2^(k+1)
     halves = sum(block_start(p >> (k + 1), n, p) for k in range(lg)) * e
     steps = 2 * lg + (2 if r else 0)
     crit = 2 * halves + (2 * s if r else 0)
-    return Cost("rabenseifner", world, s, steps, tuple(sent), tuple(recv), crit)
+    return Cost("rabenseifner", world, s, steps, per, per, crit)
 
 
 def tree_height(world: int) -> int:
