@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 import torch  # noqa: E402
 
 from plait.bench.results import command_line, environment, write_section  # noqa: E402
+from plait.bench.timing import median_iqr, rotate_blocks, slowest_ms  # noqa: E402
 
 BODY = "benchmarks.dp_vs_torch_ddp:bench_body"
 
@@ -165,14 +166,7 @@ def bench_body(
         run("plait", 1, timed=False)
         run("ddp", 1, timed=False)
     # Measured: blocks in ABBA order.
-    order = ["plait", "ddp"]
-    left = {"plait": steps, "ddp": steps}
-    while left["plait"] or left["ddp"]:
-        for name in order:
-            n = min(block, left[name])
-            run(name, n, timed=True)
-            left[name] -= n
-        order.reverse()
+    rotate_blocks(["plait", "ddp"], steps, block, lambda name, n: run(name, n, timed=True))
 
     ddp_bucket_bytes: list[int] | None = None
     try:  # private API: the sizes are informative only
@@ -233,19 +227,11 @@ def _mib_list(sizes: list[int] | None) -> str:
     return ", ".join(f"{b / 2**20:.2f}" for b in sizes)
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(xs, n=4)
-    return q[0], q[2]
-
-
 def _summarise(results: list[dict[str, Any]]) -> Row:
     world = results[0]["world"]
-    steps = len(results[0]["times"]["plait"])
     # A step takes as long as its slowest rank.
-    slow: dict[str, list[float]] = {
-        name: [max(r["times"][name][i] for r in results) * 1e3 for i in range(steps)]
-        for name in ("plait", "ddp")
-    }
+    plait_ms, *plait_iqr = median_iqr(slowest_ms([r["times"]["plait"] for r in results]))
+    ddp_ms, *ddp_iqr = median_iqr(slowest_ms([r["times"]["ddp"] for r in results]))
     step1 = max(abs(r["losses"]["plait"][0] - r["losses"]["ddp"][0]) for r in results)
     rel = max(
         abs(a - b) / max(abs(b), 1e-12)
@@ -267,18 +253,16 @@ def _summarise(results: list[dict[str, Any]]) -> Row:
         raise SystemExit(f"world {world}: plait bus bytes per step {per_step} != {formula}")
     return Row(
         world=world,
-        plait_ms=statistics.median(slow["plait"]),
-        ddp_ms=statistics.median(slow["ddp"]),
-        plait_iqr=_quartiles(slow["plait"]),
-        ddp_iqr=_quartiles(slow["ddp"]),
+        plait_ms=plait_ms,
+        ddp_ms=ddp_ms,
+        plait_iqr=(plait_iqr[0], plait_iqr[1]),
+        ddp_iqr=(ddp_iqr[0], ddp_iqr[1]),
         plait_bucket_bytes=results[0]["plait_bucket_bytes"],
         ddp_bucket_bytes=results[0]["ddp_bucket_bytes"],
         plait_bytes=next(iter(per_step)),
         formula_bytes=formula,
         plait_calls=statistics.mean(results[0]["plait_calls"]),
-        plait_wait_ms=statistics.median(
-            [max(r["plait_wait"][i] for r in results) * 1e3 for i in range(steps)]
-        ),
+        plait_wait_ms=statistics.median(slowest_ms([r["plait_wait"] for r in results])),
         step1_loss_diff=step1,
         max_rel_loss_diff=rel,
     )

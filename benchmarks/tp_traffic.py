@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 import torch  # noqa: E402
 
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
+from plait.bench.timing import median_iqr, rotate_blocks, slowest_ms  # noqa: E402
 
 IMPLS = ("dp2", "tp2", "tp2+sp", "dtensor-tp2", "dtensor-tp2+sp")
 
@@ -207,17 +207,15 @@ def bench_body(
     for _ in range(warmup):
         for name in IMPLS:
             losses[name].append(step(name))
-    order = list(IMPLS)
-    left = dict.fromkeys(IMPLS, steps)
-    while any(left.values()):
-        for name in order:
-            for _ in range(min(block, left[name])):
-                comm.barrier(dp_mesh.axis("dp"))
-                t0 = time.perf_counter()
-                losses[name].append(step(name))
-                times[name].append(time.perf_counter() - t0)
-            left[name] -= min(block, left[name])
-        order.reverse()
+
+    def timed(name: str, n: int) -> None:
+        for _ in range(n):
+            comm.barrier(dp_mesh.axis("dp"))
+            t0 = time.perf_counter()
+            losses[name].append(step(name))
+            times[name].append(time.perf_counter() - t0)
+
+    rotate_blocks(IMPLS, steps, block, timed)
     return {
         "rank": rank,
         "times": times,
@@ -247,10 +245,7 @@ def predicted_bytes(
 
 
 def _median_ms(results: list[dict[str, Any]], name: str) -> tuple[float, float, float]:
-    n = len(results[0]["times"][name])
-    slow = [max(r["times"][name][i] for r in results) * 1e3 for i in range(n)]
-    q = statistics.quantiles(slow, n=4)
-    return statistics.median(slow), q[0], q[2]
+    return median_iqr(slowest_ms([r["times"][name] for r in results]))
 
 
 def _check(results: list[dict[str, Any]]) -> float:

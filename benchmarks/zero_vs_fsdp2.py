@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 import torch  # noqa: E402
 
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
+from plait.bench.timing import median_iqr, rotate_blocks, slowest_ms  # noqa: E402
 
 IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp")
 
@@ -173,14 +174,7 @@ def bench_body(
             state_bytes[name] = _fsdp2_bytes(model, opt)
         else:
             state_bytes[name] = memory_report(model, opt, rank).bytes
-    order = list(IMPLS)
-    left = dict.fromkeys(IMPLS, steps)
-    while any(left.values()):
-        for name in order:
-            n = min(block, left[name])
-            run(name, n, timed=True)
-            left[name] -= n
-        order.reverse()
+    rotate_blocks(IMPLS, steps, block, lambda name, n: run(name, n, timed=True))
     dist.barrier(group=g.pg)
     numel = sum(p.numel() for p in base.parameters())
     return {
@@ -225,10 +219,7 @@ def memory_body(ctx: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _median_ms(results: list[dict[str, Any]], name: str) -> tuple[float, float, float]:
-    n = len(results[0]["times"][name])
-    slow = [max(r["times"][name][i] for r in results) * 1e3 for i in range(n)]
-    q = statistics.quantiles(slow, n=4)
-    return statistics.median(slow), q[0], q[2]
+    return median_iqr(slowest_ms([r["times"][name] for r in results]))
 
 
 def _paired_ratio(results: list[dict[str, Any]], name: str, ref: str) -> float:
