@@ -232,8 +232,9 @@ def fit_alpha_beta(
 
 
 def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, Any]:
-    """On every rank: time each collective per message size (rank 0's clocks). The
-    result holds the wall-clock points, and under ``"cpu"`` the CPU-time points."""
+    """On every rank: time each collective per message size (this rank's clocks; the
+    profile takes the slowest rank). The result holds the wall-clock points, and under
+    ``"cpu"`` the CPU-time points."""
     import torch
 
     from plait import comm
@@ -319,6 +320,19 @@ def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     return {"compute": compute_body(ctx, quick), "comm": _collective_body(ctx, sizes, reps)}
 
 
+def _slowest(comms: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per operation and message size, the slowest rank's time: a collective is done
+    when its last rank is (and on one rank's clock the peer's share is invisible)."""
+    ops = [op for op in comms[0] if op != "cpu"]
+    out: dict[str, list[tuple[float, float]]] = {}
+    for op in ops:
+        pts = [c.get(op, []) for c in comms]
+        if not pts[0] or any(len(p) != len(pts[0]) for p in pts):
+            continue
+        out[op] = [(pts[0][i][0], max(p[i][1] for p in pts)) for i in range(len(pts[0]))]
+    return out
+
+
 def _on_clock(part: dict[str, Any], clock: str) -> dict[str, Any]:
     """A body's result on ``clock`` (the top level is the wall clock)."""
     if clock not in CLOCKS:
@@ -365,7 +379,7 @@ def profile_from_results(
     the wall clock or in CPU time (``clock="cpu"``)."""
     n = len(results)
     fields = _compute_fields([_on_clock(r["compute"], clock) for r in results])
-    comm = _on_clock(results[0]["comm"], clock)
+    comm = _slowest([_on_clock(r["comm"], clock) for r in results])
     shape = {
         "all_reduce": (2.0 * (n - 1), 2.0 * (n - 1) / n),
         "all_gather": (n - 1.0, (n - 1.0) / n),
