@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,13 +12,11 @@ import torch
 
 from plait.cli import main
 from plait.launch.local import LaunchError, launch_local
+from tests.tiny import read_metrics as _metrics
+from tests.tiny import run_plait as _cli
 from tests.tiny import tiny_args
 
 TINY = [*tiny_args(), "--log.log_every", "1"]
-
-
-def _metrics(path: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_train_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,19 +30,6 @@ def test_train_one_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert rows[-1]["val_loss"] is not None
     assert {"lr", "grad_norm", "tokens_per_s", "mfu", "comm_bytes", "comm_seconds"} <= set(rows[0])
-
-
-def _cli(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "plait", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def test_train_two_processes_matches_one(tmp_path: Path) -> None:

@@ -3,10 +3,17 @@
 :func:`tiny_args` spells it as ``plait train`` flags, :func:`tiny_config` as a
 :class:`plait.config.Config`: dim 32, 2 layers, 4 heads, sequences of 32 tokens, a
 global batch of 8, a small slice of the built-in corpus, one evaluation batch.
+:func:`run_plait` runs the CLI in a fresh process and :func:`read_metrics` reads the
+metrics file it wrote.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -43,3 +50,23 @@ def tiny_config(
         data=DataConfig(max_bytes=200_000),
         log=LogConfig(progress="none", peak_tflops=1.0),
     )
+
+
+def run_plait(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m plait ARGS`` in a fresh process in ``cwd`` (unbuffered output,
+    captured as text; the exit code is the caller's to check)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "plait", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``--metrics`` JSONL file, in step order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -38,7 +38,7 @@ from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 from plait.train.recompute import apply_recompute
 from tests.parallel.test_data import VOCAB
-from tests.tiny import tiny_args, tiny_config
+from tests.tiny import read_metrics, run_plait, tiny_args, tiny_config
 
 M = "tests.parallel.test_zero"
 STEPS = 5
@@ -794,11 +794,6 @@ def test_cli_refuses_bad_zero_input(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.slow
 def test_cli_train_zero3_two_processes(tmp_path: Any) -> None:
     """`plait train --nproc 2 --zero 3` end to end: banner, memory report, metrics."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "m.jsonl"
     args = [
         *tiny_args(),
@@ -815,20 +810,12 @@ def test_cli_train_zero3_two_processes(tmp_path: Any) -> None:
         "--metrics",
         str(out),
     ]
-    r = subprocess.run(
-        [sys.executable, "-m", "plait", "train", *args],
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    r = run_plait(["train", *args], tmp_path, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ZeRO stage 3 over dp: shard groups of 2" in r.stdout
     assert "offload optimizer" in r.stdout and "recompute full" in r.stdout
     assert r.stdout.count("memory of rank 0") == 2  # at start and after the first step
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = read_metrics(out)
     assert [row["step"] for row in rows] == [1, 2, 3]
     mem = rows[0]["memory"]
     assert mem["master"] > 0 and mem["optimizer"] > 0 and mem["total_cpu"] == mem["total"]
