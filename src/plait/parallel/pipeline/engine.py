@@ -26,13 +26,13 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.comm import AxisGroup
 from plait.config import Config, ModelConfig, ParallelConfig
 from plait.mesh import Mesh
 from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.split import PipelineStages, StagePiece, split_transformer
-from plait.parallel.tensor import shard_info
 from plait.parallel.tp_optim import TensorParallelOptimizer
 
 
@@ -126,46 +126,19 @@ class PipelineOptimizer(TensorParallelOptimizer):
     """A :class:`TensorParallelOptimizer` whose clipping norm also spans the pp axis."""
 
     def __init__(self, model: nn.Module, optimizer: Any, mesh: Mesh, **kwargs: Any) -> None:
-        super().__init__(model, optimizer, mesh, **kwargs)
-        self.pp_group = mesh.axis("pp")
         stages = find_stages(model)
         last = stages is not None and stages.pp_index == stages.stages - 1
-        self._skip = stages.tied if stages is not None and last else None
+        self._skip = stages.tied if stages is not None and last else None  # before the slots
+        super().__init__(model, optimizer, mesh, **kwargs)
+        self.pp_group = mesh.axis("pp")
 
-    def _weight(self, p: torch.Tensor) -> float:
+    def _norm_weight(self, p: torch.Tensor) -> float:
         if p is self._skip:
             return 0.0  # the first stage counts the tied matrix
-        info = shard_info(p)
-        return info.norm_weight if info is not None else 1.0
+        return super()._norm_weight(p)
 
-    def _local_square_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """``(k,)`` float64 weighted squared norms of this rank's gradient pieces."""
-        parts: list[torch.Tensor] = []
-        weights: list[float] = []
-        if self.zero is None:  # grads: the parameters that have one, in order
-            with_grad = [p for p in self._params if p.grad is not None]
-            for p, g in zip(with_grad, grads, strict=True):
-                parts.append(g)
-                weights.append(self._weight(p))
-        else:  # grads: one flat (shard_numel,) shard per ZeRO unit
-            for slot, g in zip(self.slots, grads, strict=True):
-                for i, start, end in slot.unit.local_segments():
-                    parts.append(g[start:end])
-                    weights.append(self._weight(slot.unit.params[i]))
-        device = self.zero.device if self.zero is not None else torch.device("cpu")
-        if not parts:
-            return torch.zeros(1, dtype=torch.float64, device=device)
-        norms = torch._foreach_norm(parts)  # per-piece L2 norms
-        sq = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)  # (k,)
-        return sq * torch.tensor(weights, dtype=torch.float64, device=device)
-
-    def _global_norm(self, grads: list[torch.Tensor]) -> float:
-        """L2 norm over every element of the model, each counted once (dp, tp, pp)."""
-        sq = self._local_square_norms(grads).sum().reshape(1)  # (1,)
-        if self.zero is not None and self.zero.shard_group.size > 1:
-            comm.all_reduce(sq, self.zero.shard_group, op="sum")  # ZeRO shards of a stage
-        if self.tp_group.size > 1:
-            comm.all_reduce(sq, self.tp_group, op="sum")  # tensor-parallel pieces
+    def _norm_groups(self) -> list[AxisGroup]:
+        groups = super()._norm_groups()  # ZeRO shards of a stage, tensor-parallel pieces
         if self.pp_group.size > 1:
-            comm.all_reduce(sq, self.pp_group, op="sum")  # pipeline stages
-        return float(sq.sqrt().item())
+            groups.append(self.pp_group)  # pipeline stages
+        return groups
