@@ -88,6 +88,23 @@ def _make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int) 
     return buckets
 
 
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, group: AxisGroup) -> None:
+    """Make every replica's parameters and buffers equal to the group's first rank
+    (one broadcast per dtype and device)."""
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])  # (total,)
+        comm.broadcast(flat, group, src=0)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
 class DataParallel(nn.Module):
     """Wrap ``module`` for data parallelism over ``mesh``'s ``axes`` (default "dp").
 
@@ -137,18 +154,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ set-up
 
     def _broadcast_state(self) -> None:
-        """Make every replica equal to the group's first rank (one broadcast per dtype)."""
-        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_dtype.values():
-            flat = torch.cat([t.reshape(-1) for t in group])  # (total,)
-            comm.broadcast(flat, self.group, src=0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        broadcast_module_state(self.module, self.group)
 
     # ------------------------------------------------------------------ hooks
 

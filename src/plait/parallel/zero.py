@@ -52,6 +52,7 @@ from plait import comm
 from plait.comm import Handle
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.parallel.data import broadcast_module_state
 from plait.parallel.zero_flat import ROOT, FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero_reduce import GradientReduction
 from plait.train.precision import parse_dtype
@@ -189,18 +190,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
     # ------------------------------------------------------------------ set-up
 
     def _broadcast_state(self) -> None:
-        """Make every replica equal to the dp group's first rank (one broadcast per dtype)."""
-        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_kind.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_kind.values():
-            flat = torch.cat([t.reshape(-1) for t in group])  # (total,)
-            comm.broadcast(flat, self.dp_group, src=0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        broadcast_module_state(self.module, self.dp_group)
 
     @torch.no_grad()
     def _init_unit(self, u: FlatUnit) -> None:
