@@ -33,10 +33,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -50,9 +47,9 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 import torch  # noqa: E402
 
+from plait.bench.results import command_line, environment, write_section  # noqa: E402
+
 BODY = "benchmarks.pipeline_bubble:bench_body"
-SECTION_BEGIN = "<!-- pipeline_bubble:begin -->"
-SECTION_END = "<!-- pipeline_bubble:end -->"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -254,18 +251,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + section.rstrip("\n") + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", default="2,4", help="pipeline sizes p (default 2,4)")
@@ -329,15 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                     r["records"], out, f"measured {r['schedule']}, p={p}, m={m}", ranks=p, unit="s"
                 )
                 print(f"wrote {out}")
-    command = "python " + " ".join(
-        shlex.quote(a) for a in [os.path.relpath(__file__, Path.cwd()), *sys.argv[1:]]
-    )
     notes = [
-        f"- Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; torch "
-        f"{torch.__version__}; Python {platform.python_version()}; {os.cpu_count()} cores; "
+        f"- {environment()}; {os.cpu_count()} cores; "
         "gloo on loopback. **Taken under load**: other engineers' tests and benchmarks "
         "shared the machine, and p = 4 puts four single-threaded ranks on two cores.",
-        f"- Command: `{command}`",
+        f"- Command: `{command_line(__file__)}`",
         f"- Model: built-in Transformer, dim {args.dim}, {args.layers} layers, {args.heads} "
         f"heads, vocab {args.vocab}, {n_params / 1e6:.2f} M parameters, cut into equal "
         f"block counts; micro-batch {args.micro} x seq {args.seq}, fp32; forward + backward "
@@ -347,15 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         "time is the slowest rank's; the fastest step's timeline gives the measured bubble "
         "and the mean action times fed to the simulator.",
     ]
-    section = (
-        f"{SECTION_BEGIN}\n## Pipeline bubble (issue 5)\n\n"
-        + _table(rows)
-        + "\n"
-        + "\n".join(notes)
-        + f"\n{SECTION_END}\n"
-    )
+    section = "## Pipeline bubble (issue 5)\n\n" + _table(rows) + "\n" + "\n".join(notes)
     if args.out is not None:
-        _write_section(args.out, section)
+        write_section(args.out, "pipeline_bubble", section)
         print(f"wrote {args.out}")
     return 0
 
