@@ -13,13 +13,9 @@ from safetensors import safe_open
 
 from plait.cli import main
 from plait.train.reshard import CheckpointReader
+from tests.tiny import tiny_args
 
-TINY = [
-    *["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4"],
-    *["--model.max_seq_len", "32", "--seq-len", "32", "--global-batch", "8"],
-    *["--data.max_bytes", "100000", "--train.eval_every", "0", "--train.eval_batches", "1"],
-    *["--progress", "lines", "--log.peak_tflops", "1", "--nproc", "1"],
-]
+TINY = [*tiny_args(max_bytes=100_000), "--nproc", "1"]
 
 
 @pytest.fixture(scope="module")
