@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
     sys.path.insert(0, str(ROOT))
 
 BODY = "benchmarks.planner_vs_measured:measure_body"
-COMPUTE_BODY = "plait.plan.calibrate:compute_body"
+COMPUTE_BODY = "plait.plan.measure:compute_body"
 CALIBRATE_BODY = "plait.plan.calibrate:calibrate_body"
 QUIET = 0.10
 """Background CPU use (fraction of all cores) below which a measurement starts."""

@@ -27,7 +27,7 @@ def _imports(tree: ast.AST, top_level_only: bool) -> list[str]:
 
 # modules allowed to import torch (never torch.distributed) inside a function: the
 # calibration measures the machine; fit.py asks CUDA for the device the run will use
-LAZY_TORCH = ("calibrate.py", "fit.py")
+LAZY_TORCH = ("calibrate.py", "measure.py", "fit.py")
 
 
 def _problems(source: str, name: str) -> list[str]:
