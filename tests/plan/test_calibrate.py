@@ -55,6 +55,13 @@ def test_profile_with_curves_and_fits_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
     path.write_text(dump_hardware(hw, comment="two\nlines"), encoding="utf-8")
     assert load_hardware(str(path)) == hw
+    # measured curves, the in-step all-reduce included, survive too
+    curve = Curve(((4096.0, 1e-3), (524288.0, 2e-3)))
+    hw = dataclasses.replace(
+        hw, intra=Link(1e-4, 1e9, (), (("all_reduce", 2, curve), ("all_reduce_in_step", 2, curve)))
+    )
+    path.write_text(dump_hardware(hw), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
 
 
 @pytest.mark.parametrize(
@@ -95,6 +102,11 @@ def test_calibration_on_two_ranks_feeds_the_planner(
         assert f.alpha >= 0 and f.bandwidth > 0
         assert hw.intra.fit(f.op) == (f.alpha, f.bandwidth)
     assert 0 < hw.op_overhead_s < 1e-2 and hw.optimizer_bandwidth > 0
+    # the in-step all-reduce (interleaved with compute, no barrier) on pairs of ranks
+    (in_step,) = [(n, c) for op, n, c in hw.intra.measured if op == "all_reduce_in_step"]
+    assert in_step[0] == 2
+    assert [s for s, _ in in_step[1].points] == [2.0**12, 2.0**19]
+    assert all(t > 0 for _, t in in_step[1].points)
     path = tmp_path / "cpu.toml"
     path.write_text(dump_hardware(hw), encoding="utf-8")
     assert load_hardware(str(path)) == hw

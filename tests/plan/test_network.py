@@ -12,6 +12,7 @@ from plait.plan.network import (
     all_gather_time,
     all_reduce_time,
     group,
+    in_step_all_reduce_time,
     p2p_time,
     reduce_scatter_time,
 )
@@ -49,6 +50,21 @@ def test_measured_fits_override_the_generic_link() -> None:
     link = Link(1e-5, 1e10, (("all_gather", 1e-3, 1e8),))
     assert all_gather_time(1e8, 2, link) == pytest.approx(1e-3 + 0.5)
     assert reduce_scatter_time(1e8, 2, link) == pytest.approx(1e-5 + 5e-3)
+
+
+def test_in_step_all_reduce_uses_its_own_measurement_where_it_has_one() -> None:
+    from plait.plan.hardware import Curve
+
+    ar = Curve(((1e3, 1e-4), (1e6, 1e-3)))
+    in_step = Curve(((1e3, 1e-3), (1e6, 2e-3)))
+    link = Link(1e-5, 1e10, (), (("all_reduce", 2, ar), ("all_reduce_in_step", 2, in_step)))
+    assert in_step_all_reduce_time(1e6, 2, link) == pytest.approx(2e-3)
+    assert all_reduce_time(1e6, 2, link) == pytest.approx(1e-3)
+    # outside its range or group size, and on profiles without it: the all-reduce
+    assert in_step_all_reduce_time(1e7, 2, link) == all_reduce_time(1e7, 2, link)
+    assert in_step_all_reduce_time(1e6, 4, link) == all_reduce_time(1e6, 4, link)
+    assert in_step_all_reduce_time(1e6, 2, LINK) == all_reduce_time(1e6, 2, LINK)
+    assert in_step_all_reduce_time(1e6, 1, link) == 0.0
 
 
 def test_groups_inside_a_node_use_the_fast_link() -> None:

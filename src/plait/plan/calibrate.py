@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plait.plan.hardware import Curve, Hardware, Link
+from plait.plan.hardware import IN_STEP, Curve, Hardware, Link
 from plait.plan.measure import CLOCKS, compute_body
 
 __all__ = [
@@ -51,11 +51,21 @@ __all__ = [
     "calibrate_body",
     "compute_body",
     "fit_alpha_beta",
+    "measure_in_step",
     "profile_from_results",
     "with_compute",
 ]
 
 MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
+IN_STEP_BYTES = (2**12, 2**16, 2**19, 2**21)
+"""Message sizes of the in-step all-reduce measurement (tensor-parallel activations)."""
+IN_STEP_WORK = (1024, 128, 256)
+"""``(M, K, N)`` of the linear layer (forward + both gradients, ~2 ms on one x86 core) run
+between two in-step all-reduces: about the work a tensor-parallel rank of the validated
+``small`` model does between two of its all-reduces (a quarter of a block's forward +
+backward). The in-step cost grows with that work (measured at 512 KiB on 2 loaded cores:
+0.6-1.0 ms CPU with 0.3 ms of work between, 1.4-1.6 ms with 1.3 ms), so a profile
+measured with this chunk fits models of that scale."""
 
 
 @dataclass(frozen=True)
@@ -147,11 +157,74 @@ def _collective_body(ctx: Any, sizes: Sequence[int], reps: int) -> dict[str, Any
     return {**out["wall"], "cpu": out["cpu"]}
 
 
+def measure_in_step(g: Any, sizes: Sequence[int], reps: int) -> dict[str, list[Any]]:
+    """Per clock, ``(message bytes, seconds)`` one all-reduce adds to a step when issued
+    as tensor parallelism issues it (Megatron-LM's f/g operators, Shoeybi et al. 2019):
+    synchronously, back to back with compute, no barrier before it. Each rank runs
+    ``reps`` x (a linear layer of :data:`IN_STEP_WORK` in training, then an all-reduce
+    of the message); the cost is that loop minus the same loop without the all-reduces,
+    per all-reduce. Unlike the barrier-separated times of :func:`_collective_body` it
+    includes waiting for the slower peer and gloo's polling and wake-ups while it waits,
+    which is what a step pays."""
+    import torch
+
+    from plait import comm
+
+    m, k, n = IN_STEP_WORK
+    x = torch.randn(m, k, requires_grad=True)
+    w = torch.randn(n, k, requires_grad=True)
+    gy = torch.randn(m, n)
+
+    def work() -> None:
+        (x @ w.t()).backward(gy)
+
+    def loop(t: Any | None) -> dict[str, float]:
+        comm.barrier(g)
+        start = {c: clock() for c, clock in CLOCKS.items()}
+        for _ in range(reps):
+            work()
+            if t is not None:
+                comm.all_reduce(t, g)
+        return {c: clock() - start[c] for c, clock in CLOCKS.items()}
+
+    out: dict[str, list[Any]] = {c: [] for c in CLOCKS}
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4))
+        loop(t)  # warm-up
+        # alternate, so that a change of background load hits both loops alike
+        with_ar, without = [], []
+        for _ in range(3):
+            with_ar.append(loop(t))
+            without.append(loop(None))
+        for c in CLOCKS:
+            extra = statistics.median(a[c] for a in with_ar) - statistics.median(
+                b[c] for b in without
+            )
+            out[c].append((4.0 * t.numel(), max(extra, 1e-9) / reps))
+    return out
+
+
+def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
+    """The in-step all-reduce on groups of two ranks (tensor-parallel pairs; all pairs
+    at once), labelled with that group size; empty on one rank or an odd world."""
+    w = ctx.world_size
+    if w < 2 or w % 2:
+        return {"cpu": {}}
+    g = ctx.mesh(dp=w // 2, tp=2).axis("tp")
+    sizes = (IN_STEP_BYTES[0], IN_STEP_BYTES[2]) if quick else IN_STEP_BYTES
+    res = measure_in_step(g, sizes, 10 if quick else 20)
+    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}}
+
+
 def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     """The whole calibration on one rank (a :class:`~plait.testing.WorkerPool` body)."""
     sizes = MESSAGE_BYTES[:4] if quick else MESSAGE_BYTES
     reps = 5 if quick else 15
-    return {"compute": compute_body(ctx, quick), "comm": _collective_body(ctx, sizes, reps)}
+    comms = _collective_body(ctx, sizes, reps)
+    step = _in_step_body(ctx, quick)
+    comms.update({k: v for k, v in step.items() if k != "cpu"})
+    comms["cpu"].update(step["cpu"])
+    return {"compute": compute_body(ctx, quick), "comm": comms}
 
 
 def _slowest(comms: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -238,7 +311,9 @@ def profile_from_results(
         ar.bandwidth if ar else 1e9,
         tuple((f.op, f.alpha, f.bandwidth) for f in fits),
         # the measurements themselves, interpolated for groups of this size
-        tuple((f.op, n, Curve(f.points)) for f in fits),
+        tuple((f.op, n, Curve(f.points)) for f in fits)
+        # TP-style all-reduces, as a step issues them, on pairs of ranks
+        + (((IN_STEP, 2, Curve(tuple(comm[IN_STEP]))),) if comm.get(IN_STEP) else ()),
     )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     hw = Hardware(

@@ -41,6 +41,7 @@ from plait.plan.network import (
     all_gather_time,
     all_reduce_time,
     group,
+    in_step_all_reduce_time,
     p2p_time,
     reduce_scatter_time,
 )
@@ -183,8 +184,15 @@ def step_time(
     edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
     msg = _act_msg(spec, layout, precision, seq_len)
     tp_g = group(layout, hw, "tp")
-    tp_ar = all_reduce_time(msg, tp_g.size, tp_g.link)
+    # issued synchronously between compute: the in-step cost where calibrated
+    tp_ar = in_step_all_reduce_time(msg, tp_g.size, tp_g.link)
     n_tp = 4 + (2 if layout.recompute == "full" else 0)
+    # the vocabulary-parallel loss all-reduces the tokens' max logit (b·s/c fp32) and
+    # their target logit and sum of exponentials (2·b·s/c fp32) across the tp group
+    tok_bytes = 4.0 * layout.micro_batch * seq_len / layout.cp
+    tp_loss = in_step_all_reduce_time(tok_bytes, tp_g.size, tp_g.link) + (
+        in_step_all_reduce_time(2 * tok_bytes, tp_g.size, tp_g.link)
+    )
 
     # context parallelism: K and V blocks travel the ring (c - 1) steps forward, and
     # K, V plus their gradients backward, overlapped with the blocks' attention
@@ -217,6 +225,7 @@ def step_time(
             comp_f += edge.head_forward
             comp_b += edge.head_backward
             tp += tp_ar  # gradient of the head's (replicated) input
+            tp += tp_loss  # vocabulary-parallel cross-entropy
         cp = sp.layers * cp_exposed
         pp = p2p if p > 1 else 0.0
         total = comp_f + comp_b + rc + tp + cp + pp
@@ -246,6 +255,7 @@ def step_time(
         other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
     dpcp = group(layout, hw, "dp+cp")
     other += runtime.step_collectives * all_reduce_time(8, dpcp.size, dpcp.link)
+    other += all_reduce_time(8, tp_g.size, tp_g.link)  # gradient norm over the tp shards
     return StepTime(
         compute=m * (comp_f + comp_b),
         recompute=m * rc,

@@ -37,6 +37,15 @@ else:  # pragma: no cover
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 """Operations a link can carry a measured (alpha, bandwidth) fit for."""
 
+IN_STEP = "all_reduce_in_step"
+"""A measured-only operation: the CPU/wall cost one all-reduce adds to a step when it is
+issued as tensor parallelism issues it (synchronously, back to back with compute, no
+barrier before it), which includes waiting for the slower peer; see
+:func:`plait.plan.calibrate.measure_in_step`."""
+
+MEASURED_OPS = (*COLLECTIVES, IN_STEP)
+"""Operations a link can carry measured ``(group size, curve)`` points for."""
+
 
 @dataclass(frozen=True)
 class Curve:
@@ -347,14 +356,14 @@ def _parse_curve(where: str, value: Any) -> Curve:
 def _parse_link(where: str, data: Mapping[str, Any]) -> Link:
     extra = []
     measured = []
-    for op in COLLECTIVES:
-        if op in data:
+    for op in MEASURED_OPS:
+        if op in data and op in COLLECTIVES:
             a, b = data[op]
             extra.append((op, float(a), float(b)))
         if f"{op}_measured" in data:
             n, pts = data[f"{op}_measured"]
             measured.append((op, int(n), _parse_curve(f"{where}.{op}_measured", pts)))
-    known = {"latency_s", "bandwidth", *COLLECTIVES, *(f"{op}_measured" for op in COLLECTIVES)}
+    known = {"latency_s", "bandwidth", *COLLECTIVES, *(f"{op}_measured" for op in MEASURED_OPS)}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}.")

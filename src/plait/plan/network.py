@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from plait.errors import ConfigError
-from plait.plan.hardware import Hardware, Link
+from plait.plan.hardware import IN_STEP, Hardware, Link
 from plait.plan.layout import Layout
 
 Algorithm = Literal["auto", "ring", "tree", "recursive_doubling"]
@@ -68,6 +68,17 @@ def all_reduce_time(nbytes: float, n: int, link: Link, algorithm: Algorithm = "a
     if algorithm == "auto":
         return min(ring, tree)
     raise ConfigError(f"unknown all-reduce algorithm {algorithm!r}; use one of {ALGORITHMS}.")
+
+
+def in_step_all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Seconds one synchronous all-reduce adds to a step when issued between compute, as
+    tensor parallelism issues it: the profile's in-step measurement where it has one for
+    this group size and message (it includes waiting for the slower peer), else
+    :func:`all_reduce_time`."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    seen = link.measured_seconds(IN_STEP, n, nbytes)
+    return seen if seen is not None else all_reduce_time(nbytes, n, link)
 
 
 def _ring_half(op: str, nbytes: float, n: int, link: Link) -> float:
