@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
-IN_STEP_BYTES = (2**12, 2**16, 2**19, 2**21)
+IN_STEP_BYTES = (2**9, 2**16, 2**19, 2**21)
 """Message sizes of the in-step all-reduce measurement (tensor-parallel activations)."""
 IN_STEP_WORK = (1024, 128, 256)
 """``(M, K, N)`` of the linear layer (forward + both gradients, ~2 ms on one x86 core) run

@@ -187,6 +187,15 @@ def step_time(
     # issued synchronously between compute: the in-step cost where calibrated
     tp_ar = in_step_all_reduce_time(msg, tp_g.size, tp_g.link)
     n_tp = 4 + (2 if layout.recompute == "full" else 0)
+    block_tp, edge_tp = n_tp * tp_ar, tp_ar
+    if layout.sequence_parallel and layout.tp > 1:
+        # each all-reduce becomes a reduce-scatter and an all-gather (Korthikanti et al.
+        # 2022), each moving the bytes of an all-reduce of half the tensor and each
+        # paying the in-step wait; the norms' gains sum their gradients over tp (one
+        # small all-reduce per norm and micro-batch, plait's sum_grad_over)
+        half = in_step_all_reduce_time(msg / 2, tp_g.size, tp_g.link)
+        gain = in_step_all_reduce_time(spec.hidden * precision.grad_bytes, tp_g.size, tp_g.link)
+        block_tp, edge_tp = 2 * n_tp * half + 2 * gain, 2 * half
     # the vocabulary-parallel loss all-reduces the tokens' max logit (b·s/c fp32) and
     # their target logit and sum of exponentials (2·b·s/c fp32) across the tp group
     tok_bytes = 4.0 * layout.micro_batch * seq_len / layout.cp
@@ -216,16 +225,18 @@ def step_time(
         comp_f = sp.layers * blk.forward
         comp_b = sp.layers * blk.backward
         rc = sp.layers * blk.recompute
-        tp = sp.layers * n_tp * tp_ar
+        tp = sp.layers * block_tp
         if stage == 0:
             comp_f += edge.embed_forward
             comp_b += edge.embed_backward
-            tp += tp_ar  # vocabulary-parallel embedding output all-reduce
+            tp += edge_tp  # vocabulary-parallel embedding output all-reduce
         if stage == p - 1:
             comp_f += edge.head_forward
             comp_b += edge.head_backward
-            tp += tp_ar  # gradient of the head's (replicated) input
+            tp += edge_tp  # gradient of the head's (replicated) input
             tp += tp_loss  # vocabulary-parallel cross-entropy
+            if layout.sequence_parallel and layout.tp > 1:
+                tp += gain  # the final norm's gain
         cp = sp.layers * cp_exposed
         pp = p2p if p > 1 else 0.0
         total = comp_f + comp_b + rc + tp + cp + pp
