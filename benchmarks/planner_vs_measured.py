@@ -5,7 +5,8 @@ Part 1 (measured here). Every layout of :data:`ROWS` trains the built-in ``small
 on the built-in corpus, in a pool of gloo ranks of one thread each. Just before the
 steps the same ranks calibrate the machine all at once (:func:`plait.plan.calibrate.
 calibrate_body`: matmul, attention and element-wise rates, operator overhead, optimizer
-rate, alpha-beta fits of the collectives at this rank count), and re-measure the compute
+rate, alpha-beta fits of the collectives at this rank count, and the in-step cost of a
+tensor-parallel all-reduce on pairs of ranks), and re-measure the compute
 rates just after; each rate is timed on two clocks, wall and process CPU time. For each
 layout the script prints
 

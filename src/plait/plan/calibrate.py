@@ -19,7 +19,10 @@ in training, measures
   ``t = c_alpha·alpha + bytes/B`` by least squares on relative error, with the
   algorithm's step count ``c_alpha`` and bytes per rank (ring: ``2(N-1)`` and
   ``2(N-1)/N·S`` for all-reduce; ``N-1`` and ``(N-1)/N·S`` for all-gather and
-  reduce-scatter; 1 and S for a message).
+  reduce-scatter; 1 and S for a message);
+* the cost one all-reduce adds *inside a step* (:func:`measure_in_step`: on pairs of
+  ranks, interleaved with a linear layer's training work, synchronous, no barrier), the
+  ``all_reduce_in_step`` curve the planner charges tensor-parallel collectives at.
 
 The compute measurements live in :mod:`plait.plan.measure` (medians, two clocks); a
 collective's time is the slowest rank's, and the profile keeps both the fit and the
