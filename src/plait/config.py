@@ -410,9 +410,15 @@ class LogConfig:
     peak_tflops: float | None = None
     """Peak dense FLOP/s per device (in TFLOP/s) for the MFU estimate (default: measured
     with a short matmul on CPU, the device's datasheet bf16 figure on CUDA)."""
+    timeline: str | None = None
+    """Pipeline runs (parallel.pp > 1): draw the last training step's measured timeline
+    (ranks as rows, forward/backward/weight-gradient actions, bubble in the title) into
+    this PNG file, the picture `plait pipeline draw` makes of a simulated schedule."""
 
     def __post_init__(self) -> None:
         _positive("log", log_every=self.log_every, peak_tflops=self.peak_tflops)
+        if self.timeline is not None and not self.timeline.lower().endswith(".png"):
+            raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")
         if self.progress not in ("auto", "bar", "lines", "none"):
             raise ConfigError(
                 f"log.progress must be auto, bar, lines or none, got {self.progress!r}."

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,15 @@ _OPS = {
     "min": dist.ReduceOp.MIN,
     "product": dist.ReduceOp.PRODUCT,
 }
+
+# torch >= 2.13 names the single-tensor all-gather / reduce-scatter *_single and warns on
+# the older *_tensor names (kept for the older torch versions the package range allows).
+_all_gather_single: Callable[..., Any] = getattr(
+    dist, "all_gather_single", dist.all_gather_into_tensor
+)
+_reduce_scatter_single: Callable[..., Any] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
 
 
 def _reduce_op(op: str) -> dist.ReduceOp.RedOpType:
@@ -104,7 +113,7 @@ def all_gather(
             g,
             "all_gather",
             tensor_bytes(out),
-            lambda a: dist.all_gather_into_tensor(out, t, group=g.pg, async_op=a),
+            lambda a: _all_gather_single(out, t, group=g.pg, async_op=a),
             async_op,
         )
     return (out, h) if h is not None else out
@@ -134,7 +143,7 @@ def reduce_scatter(
             g,
             "reduce_scatter",
             tensor_bytes(t),
-            lambda a: dist.reduce_scatter_tensor(out, t, op=rop, group=g.pg, async_op=a),
+            lambda a: _reduce_scatter_single(out, t, op=rop, group=g.pg, async_op=a),
             async_op,
             then,
         )

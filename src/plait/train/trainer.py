@@ -241,6 +241,8 @@ class Trainer:
             t0 = time.perf_counter()
             loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
+            if self.pipe is not None and cfg.log.timeline and step == t.steps - 1:
+                self._draw_timeline(cfg.log.timeline)
             health = self.faults.after_step(dt, self.mesh.stats.total_seconds() - secs0)
             mem = None
             if step == 0:
@@ -286,6 +288,24 @@ class Trainer:
         return RunSummary(
             t.steps, losses, vals, tokens_per_step / steady, self.params, self.optimizer.skipped
         )
+
+    def _draw_timeline(self, path: str) -> None:
+        """Write the last step's measured pipeline timeline to ``path`` (rank 0 draws)."""
+        assert self.pipe is not None
+        records = self.pipe.gather_timeline()  # collective over pp
+        if records is not None and self.is_main:
+            from plait.viz import draw_timeline
+
+            s = self.pipe.schedule
+            bubble = draw_timeline(
+                records,
+                path,
+                f"measured {s.name}, p={s.stages}, m={s.microbatches}",
+                ranks=s.stages,
+                chunks=s.chunks,
+                unit="s",
+            )
+            self.progress.message(f"plait: wrote {path} (measured bubble {bubble:.1%})")
 
     def _banner(self) -> str:
         cfg, t = self.cfg, self.cfg.train

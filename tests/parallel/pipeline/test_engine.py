@@ -165,13 +165,15 @@ def _metrics(path: Path) -> list[dict[str, float]]:
 
 def test_cli_pipeline_run_matches_one_process(tmp_path: Path) -> None:
     """`plait train --nproc 2 --pp 2` end to end (1F1B, 4 micro-batches, clipping at
-    1.0 engaged): the losses and clipping norms of one process (fp32, rtol 1e-5)."""
+    1.0 engaged): the losses and clipping norms of one process (fp32, rtol 1e-5); the
+    measured timeline of the last step is drawn (`--log.timeline`)."""
     from plait.cli import main
     from tests.tiny import tiny_args
 
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     tiny = [*tiny_args(), "--steps", "3"]
-    layout = ["--nproc", "2", "--pp", "2", "--metrics", str(two)]
+    png = tmp_path / "timeline.png"
+    layout = ["--nproc", "2", "--pp", "2", "--metrics", str(two), "--log.timeline", str(png)]
     assert main(["train", *tiny, "--nproc", "1", "--metrics", str(one)]) == 0
     r = subprocess.run(
         [sys.executable, "-m", "plait", "train", *tiny, *layout],
@@ -184,6 +186,9 @@ def test_cli_pipeline_run_matches_one_process(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pipeline 1f1b: pp 2 x chunks 1, 4 micro-batches" in r.stdout
+    # the last step's measured timeline: both ranks' 8 compute actions drawn
+    assert f"wrote {png} (measured bubble" in r.stdout
+    assert png.stat().st_size > 10_000
     want, got = _metrics(one), _metrics(two)
     assert want[0]["grad_norm"] > 1.0
     for key in ("loss", "grad_norm"):

@@ -111,6 +111,32 @@ class PipelineEngine:
         """The mean loss of one batch (forward actions only), on every pipeline rank."""
         return self.runtime.loss_to_all(self.runtime.forward_loss(tokens, targets))
 
+    def gather_timeline(self) -> list[tuple[int, Any, float, float]] | None:
+        """The last training step's measured timeline of every pipeline rank, on pp index
+        0 (``None`` elsewhere): ``(rank, action, start, end)`` records in seconds from the
+        earliest start, the format :func:`plait.viz.draw_timeline` draws.
+
+        Each rank's records follow its schedule's action list, so only the times travel:
+        one gather over pp of ``(n_max, 2)`` float64 (start, end on the ``perf_counter``
+        clock, which the processes of one machine share; across machines the times are
+        aligned only as well as the hosts' monotonic clocks). Collective over pp.
+        """
+        rt, sched = self.runtime, self.schedule
+        n_max = max(len(a) for a in sched.actions)
+        mine = torch.zeros(n_max, 2, dtype=torch.float64)  # (action, start/end)
+        for i, r in enumerate(rt.records):
+            mine[i, 0], mine[i, 1] = rt.step_start + r.start, rt.step_start + r.end
+        pp = rt.group
+        rows = comm.gather(mine, pp, dst=0)
+        if rows is None:
+            return None
+        t0 = min(float(rows[r][0, 0]) for r in range(pp.size) if sched.actions[r])
+        return [
+            (r, action, float(rows[r][i, 0]) - t0, float(rows[r][i, 1]) - t0)
+            for r in range(pp.size)
+            for i, action in enumerate(sched.actions[r])
+        ]
+
     def describe(self) -> str:
         """One line: schedule, micro-batches, pieces and this rank's block ranges."""
         s, b = self.schedule, self.stages.boundaries
