@@ -450,6 +450,7 @@ def test_format_field_docs(width: int) -> None:
         (lambda: DataConfig(val_fraction=1.0), r"data\.val_fraction must be in \(0, 1\)"),
         (lambda: LogConfig(log_every=0), r"log\.log_every must be positive"),
         (lambda: LogConfig(peak_tflops=0.0), r"log\.peak_tflops must be positive"),
+        (lambda: LogConfig(timeline="step.svg"), r"log\.timeline must name a \.png file"),
         (lambda: LogConfig(progress="fancy"), r"log\.progress must be auto, bar, lines or none"),
         (lambda: LaunchConfig(nproc=0), r"launch\.nproc must be positive"),
         (lambda: LaunchConfig(threads=0), r"launch\.threads must be positive"),
