@@ -88,6 +88,8 @@ def test_modes_on_the_pool(pools: Pools) -> None:
         (["--nproc", "3", "--slow-worker", "2"], "--slow-worker 2 (a worker index 0..1)"),
         (["--batch", "0"], "--batch 0"),
         (["--dim", "10"], "--dim 10 / --layers 2: model.dim (10) must be divisible"),
+        (["--lr", "-1"], "--lr -1.0 (> 0)"),
+        (["--nproc", "1"], "needs at least 2 ranks"),
     ],
 )
 def test_bad_input_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

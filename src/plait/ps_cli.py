@@ -88,6 +88,8 @@ def _check_args(args: argparse.Namespace, workers: int) -> None:
         problems.append(f"--slow-work {args.slow_work} (>= 0)")
     if not -1 <= args.slow_worker < workers:
         problems.append(f"--slow-worker {args.slow_worker} (a worker index 0..{workers - 1})")
+    if not args.lr > 0:  # AdamW would refuse it in every child, after the launch
+        problems.append(f"--lr {args.lr} (> 0)")
     if args.timeout <= 0:
         problems.append(f"--timeout {args.timeout} (> 0 seconds)")
     if problems:

@@ -170,6 +170,8 @@ def test_bad_config() -> None:
         PSConfig(servers=3).validate(3)
     with pytest.raises(ConfigError, match="1 <= servers < world"):
         PSConfig(servers=0).validate(3)
+    with pytest.raises(ConfigError, match="at least 2 ranks"):
+        PSConfig().validate(1)
     with pytest.raises(ConfigError, match="mode 'gossip' unknown"):
         PSConfig(mode="gossip").validate(3)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="steps must be >= 1"):

@@ -81,10 +81,15 @@ class PSConfig:
             raise ConfigError(f"staleness={self.staleness} needs mode='bounded', not {self.mode!r}")
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if world < 2:
+            raise ConfigError(
+                f"a parameter server needs at least 2 ranks (1 server and 1 worker), got "
+                f"{world}; use --nproc 2 or more"
+            )
         if not 1 <= self.servers < world:
             raise ConfigError(
                 f"{self.servers} server(s) on {world} rank(s): need 1 <= servers < world so "
-                f"at least one rank is a worker; use servers between 1 and {max(1, world - 1)}"
+                f"at least one rank is a worker; use servers between 1 and {world - 1}"
             )
 
 
