@@ -50,3 +50,14 @@ def test_bad_input_exits_2_naming_the_numbers(capsys: pytest.CaptureFixture[str]
     assert main(il) == EXIT_BAD_INPUT
     assert "deadlock: rank 0 waits in batch" in capsys.readouterr().err
     assert main([*il, "--placement", "lockstep"]) == 0
+
+
+def test_cost_or_size_out_of_range_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """A zero-denominator cost is argparse's exit 2 (no ZeroDivisionError traceback); a
+    schedule too large to simulate is refused up front (no hang building it)."""
+    with pytest.raises(SystemExit) as e:
+        main(["pipeline", "show", "--forward", "1/0"])
+    assert e.value.code == EXIT_BAD_INPUT
+    assert "not a cost: '1/0'" in capsys.readouterr().err
+    assert main(["pipeline", "show", "--microbatches", "1000000000"]) == EXIT_BAD_INPUT
+    assert "8000000000 forward/backward actions" in capsys.readouterr().err

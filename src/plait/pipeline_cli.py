@@ -22,6 +22,17 @@ from plait.parallel.pipeline.schedules import PLACEMENTS, SCHEDULES, build_sched
 from plait.parallel.pipeline.simulate import Costs, SimResult, simulate
 from plait.parallel.pipeline.validate import validate
 
+MAX_ACTIONS = 1_000_000
+"""Most compute actions (p·m·v forward + backward) the CLI builds and simulates."""
+
+
+def _cost(text: str) -> Fraction:
+    """A cost such as ``2`` or ``3/2``; a bad one is argparse's exit-2 error."""
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError) as e:
+        raise argparse.ArgumentTypeError(f"not a cost: {text!r} ({e})") from None
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plait pipeline", description=__doc__.split("\n\n")[0])
@@ -33,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
         s.add_argument("--microbatches", type=int, default=8, help="micro-batches m (default 8)")
         s.add_argument("--chunks", type=int, default=1, help="chunks per rank v (interleaved)")
-        s.add_argument("--forward", type=Fraction, default=Fraction(1), help="forward cost")
-        s.add_argument("--backward", type=Fraction, default=Fraction(2),
+        s.add_argument("--forward", type=_cost, default=Fraction(1), help="forward cost")
+        s.add_argument("--backward", type=_cost, default=Fraction(2),
                        help="backward cost (I = W = half of it for zb)")
-        s.add_argument("--comm", type=Fraction, default=Fraction(0), help="cost per comm batch")
+        s.add_argument("--comm", type=_cost, default=Fraction(0), help="cost per comm batch")
         s.add_argument("--placement", choices=PLACEMENTS, default="adjacent",
                        help="where the send/receive actions go (default adjacent)")
         s.add_argument("--rendezvous", action="store_true",
@@ -51,6 +62,14 @@ def _build(ns: argparse.Namespace) -> tuple[Schedule, SimResult]:
         raise ConfigError(
             f"costs must be >= 0, got --forward {ns.forward} --backward {ns.backward} "
             f"--comm {ns.comm}"
+        )
+    n = 2 * ns.stages * ns.microbatches * ns.chunks
+    if n > MAX_ACTIONS:
+        raise ConfigError(
+            f"--stages {ns.stages} x --microbatches {ns.microbatches} x --chunks {ns.chunks} "
+            f"is {n} forward/backward actions, more than the {MAX_ACTIONS} this command "
+            "simulates; use fewer micro-batches (the bubble fraction settles after a few "
+            "times the stage count)"
         )
     sched = build_schedule(ns.schedule, ns.stages, ns.microbatches, ns.chunks, ns.placement)
     validate(sched, rendezvous=ns.rendezvous)

@@ -233,3 +233,31 @@ def test_batch_that_does_not_split_is_refused() -> None:
         ConfigError, match="a batch of 6 sequences does not split into 4 micro-batches of 2"
     ):
         rt.step(x, x)
+
+
+def _body_p2p_bytes(ctx: WorkerContext, name: str, m: int, v: int) -> dict[str, float]:
+    p = ctx.world_size
+    mesh = ctx.mesh(dp=1, pp=p)
+    stages = split_transformer(Transformer(model_config(), seed=3).double(), mesh, chunks=v)
+    runtime = PipelineRuntime(
+        stages, build_schedule(name, p, m, v), mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16),
+        torch.float64,
+    )
+    x, y = batches()[0]
+    mesh.stats.reset()
+    runtime.step(x, y)
+    return {op: mesh.stats.get("pp", op).bytes for op in ("send", "recv")}
+
+
+@pytest.mark.parametrize(("name", "m", "v"), [("1f1b", MICRO, 1), ("interleaved", MICRO, 2)])
+def test_p2p_bytes_match_the_boundary_formula(
+    pools: Callable[[int], WorkerPool], name: str, m: int, v: int
+) -> None:
+    """Bytes sent over pp in one step, summed over ranks, from the comm counters: each of
+    the p·v - 1 piece boundaries carries m activations forward and m gradients back, each
+    (BATCH/m, SEQ, dim) float64; every byte sent is received once."""
+    p = 4
+    results = pools(p).run(f"{M}:_body_p2p_bytes", name, m, v)
+    want = (p * v - 1) * m * 2 * (BATCH // m) * SEQ * 16 * 8
+    assert sum(r["send"] for r in results) == want
+    assert sum(r["recv"] for r in results) == want
