@@ -158,3 +158,16 @@ def test_indivisible_sequence_refused_before_communication(pools: Pools) -> None
     for msg, calls in pools(4).run(f"{M}:_body_bad_sequence"):
         assert "length 6" in msg and "multiple of 4" in msg
         assert calls == 0
+
+
+@pytest.mark.parametrize(("length", "hint"), [(6, "(e.g. 4 or 8)"), (2, "(e.g. 4)")])
+def test_indivisible_message_suggests_distinct_lengths(length: int, hint: str) -> None:
+    """The refusal names the nearest multiples; a length below the group size has only
+    one (no "e.g. 4 or 4"). Raised before any communication: no process group needed."""
+    from plait.comm.group import AxisGroup
+    from plait.comm.stats import CommStats
+
+    g = AxisGroup("tp", (0, 1, 2, 3), 0, 1.0, CommStats())
+    with pytest.raises(ConfigError, match="multiple of 4") as e:
+        R.split_along(torch.zeros(length, 3), g, 0, "the sequence")
+    assert str(e.value).endswith(hint), str(e.value)

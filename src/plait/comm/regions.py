@@ -54,10 +54,11 @@ def _all_reduce(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 def _check_divisible(length: int, g: AxisGroup, what: str) -> None:
     if length % g.size:
-        fits = [k * g.size for k in range(max(1, length // g.size), length // g.size + 2)]
+        below, above = length // g.size * g.size, (length // g.size + 1) * g.size
+        fits = f"{below} or {above}" if below else f"{above}"
         raise ConfigError(
             f"{what} of length {length} cannot be split over the {g.size} ranks of mesh axis "
-            f"'{g.name}': it must be a multiple of {g.size} (e.g. {fits[0]} or {fits[-1]})"
+            f"'{g.name}': it must be a multiple of {g.size} (e.g. {fits})"
         )
 
 
