@@ -90,6 +90,7 @@ def _body_ps(
     out = dataclasses.asdict(res)
     out["staleness"] = [a.staleness for a in res.records]
     out["weights"] = _weights(model)
+    out["sent"] = dataclasses.asdict(g.stats.get(g.name, "send"))
     return out
 
 
@@ -113,6 +114,16 @@ def test_sync_equals_data_parallel(pools: Pools, world: int, servers: int) -> No
         assert set(sv["staleness"]) == {0}
     for wk in results[servers:]:
         assert wk["role"] == "worker" and wk["steps"] == STEPS and len(wk["losses"]) == STEPS
+    # traffic from the comm counters: every message is a 32-byte header + one fp64 shard;
+    # a worker pushes one per server and step, a server sends the initial weights and
+    # one reply per worker and step (the final broadcast is not a send)
+    workers, numel = world - servers, sum(p.numel() for p in _model().parameters())
+    per_round = servers * 32 + numel * 8  # one message to (or from) every server
+    for wk in results[servers:]:
+        assert wk["sent"]["calls"] == STEPS * servers
+        assert wk["sent"]["bytes"] == STEPS * per_round
+    assert sum(sv["sent"]["calls"] for sv in results[:servers]) == (STEPS + 1) * workers * servers
+    assert sum(sv["sent"]["bytes"] for sv in results[:servers]) == (STEPS + 1) * workers * per_round
 
 
 def test_bounded_zero_is_sync(pools: Pools) -> None:
