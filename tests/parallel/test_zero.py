@@ -401,7 +401,6 @@ def test_traffic_matches_formulas(pools: Callable[[int], WorkerPool], world: int
             assert r["all_reduce"] == (pytest.approx(2 * f * 8, rel=1e-12), 1)  # the norm
             if stage < 3:
                 assert ag == pytest.approx(f * padded_bytes, rel=1e-12)
-                assert rs + ag == pytest.approx(2 * f * (s_bytes + padded_bytes - s_bytes))
                 assert (rs + ag) / dp["all_reduce"][0] == pytest.approx(1.0, rel=0.01)
             else:
                 assert ag == pytest.approx(2 * f * padded_bytes, rel=1e-12)

@@ -25,7 +25,6 @@ process starts.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,11 +153,6 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
-
-
-def is_finite(value: float) -> bool:
-    """Whether a Python float is neither inf nor NaN."""
-    return math.isfinite(value)
 
 
 @functools.cache
