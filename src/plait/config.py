@@ -3,7 +3,8 @@
 Every field has a docstring (the string literal under it); `plait train --help-config`
 prints them. Each dataclass validates its own fields in ``__post_init__``; checks that
 need several sections (the layout against the world size, the global batch against
-the layout) live in :meth:`Config.validate`, which runs before any process starts.
+the layout) run in :meth:`Config.validate` (written in :mod:`plait.config_checks`),
+before any process starts.
 
 The **global batch** (``train.global_batch``, in sequences) is the invariant of a run:
 the per-rank micro-batch and the number of accumulation steps are derived from it and
@@ -469,78 +470,12 @@ class Config:
         """Check the sections against each other for a world of ``world_size`` ranks.
 
         Raises :class:`ConfigError` with one paragraph saying what is wrong and what
-        would work. Runs before any process starts.
+        would work. Runs before any process starts. The checks live in
+        :mod:`plait.config_checks`.
         """
-        p, t = self.parallel, self.train
-        dp = p.resolved_dp(world_size)
-        product = dp * p.tp * p.pp * p.cp
-        if product != world_size:
-            raise ConfigError(
-                f"the layout dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {product} ranks "
-                f"does not match the world size {world_size}; choose degrees whose product "
-                f"is {world_size} (or start {product} processes)."
-            )
-        if p.cp > 1:
-            raise ConfigError(
-                "this version of plait runs data, tensor, sequence and pipeline parallelism and "
-                f"ZeRO (parallel.dp, tp, pp, zero) only; cp={p.cp} is not available yet. Use "
-                "parallel.dp x parallel.tp x parallel.pp equal to the number of processes."
-            )
-        if p.pp > 1:
-            self._validate_pipeline(dp)
-        if p.tp > 1:  # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
-            from plait.parallel.tp_plan import check_tensor_parallel
+        from plait.config_checks import check_run
 
-            check_tensor_parallel(self.model, p.tp, p.sequence_parallel, t.seq_len)
-        self._validate_zero(dp)
-        micro = self.micro_batch(world_size)
-        if t.global_batch % (dp * micro):
-            raise ConfigError(
-                f"train.global_batch ({t.global_batch}) must be divisible by dp x micro_batch "
-                f"= {dp} x {micro} = {dp * micro}; for example use global_batch "
-                f"{dp * micro * max(1, t.global_batch // (dp * micro))}."
-            )
-        if t.seq_len > self.model.max_seq_len:
-            raise ConfigError(
-                f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len "
-                f"({self.model.max_seq_len}); raise model.max_seq_len or shorten train.seq_len."
-            )
-        if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
-            raise ConfigError(
-                f"the byte tokenizer needs model.vocab_size >= 256, got {self.model.vocab_size}."
-            )
-
-    def _validate_zero(self, dp: int) -> None:
-        """ZeRO, offload and precision checks (the device check needs torch)."""
-        p = self.parallel
-        f = p.zero_shard_size
-        if f is not None:
-            if p.zero == 0 and f != 1:
-                raise ConfigError(
-                    f"parallel.zero_shard_size = {f} needs parallel.zero >= 1 (it is the "
-                    "hybrid sharding factor of ZeRO); leave it unset for plain data parallelism."
-                )
-            if dp % f:
-                divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-                raise ConfigError(
-                    f"parallel.zero_shard_size (F = {f}) must divide the data-parallel degree "
-                    f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
-                )
-        if p.offload != "none" and p.zero == 0:
-            raise ConfigError(
-                f"parallel.offload = {p.offload!r} needs ZeRO (parallel.zero >= 1): the "
-                "offloaded optimizer steps on the shards the ZeRO wrapper owns. Set "
-                "parallel.zero = 1, 2 or 3, or parallel.offload = 'none'."
-            )
-        if p.offload == "params" and p.zero != 3:
-            raise ConfigError(
-                f"parallel.offload = 'params' needs parallel.zero = 3 (got {p.zero}): only "
-                "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
-                "stages 1 and 2."
-            )
-        from plait.train.precision import check_device_supports
-
-        check_device_supports(self.precision.dtype, self.launch.device)
+        check_run(self, world_size)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank
@@ -561,48 +496,6 @@ class Config:
             dp = p.resolved_dp(world_size)
             return max(1, self.train.global_batch // (dp * self.train.micro_batch))
         return 2 * p.pp
-
-    def _validate_pipeline(self, dp: int) -> None:
-        """pp > 1: blocks per piece, micro-batches, schedule and ZeRO stage."""
-        p, t = self.parallel, self.train
-        pieces = p.pp * p.chunks
-        if self.model.n_layers < pieces:
-            raise ConfigError(
-                f"the model has {self.model.n_layers} transformer blocks (model.n_layers) but "
-                f"pp {p.pp} x chunks {p.chunks} = {pieces} pipeline pieces need at least one "
-                f"block each; use model.n_layers >= {pieces} or fewer stages/chunks."
-            )
-        m = self.pipeline_microbatches(dp * p.tp * p.pp * p.cp)
-        if p.pipeline_schedule == "interleaved" and m < p.pp:
-            raise ConfigError(
-                f"the interleaved schedule needs at least as many micro-batches as pipeline "
-                f"stages: {m} micro-batches (parallel.microbatches) < pp {p.pp}; use a multiple "
-                f"of {p.pp} such as {p.pp} or {2 * p.pp}."
-            )
-        per_rank = t.global_batch // dp
-        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        if t.global_batch % dp or per_rank % m:
-            raise ConfigError(
-                f"train.global_batch ({t.global_batch}) must split into dp {dp} x {m} pipeline "
-                f"micro-batches (parallel.microbatches) of equal size: {t.global_batch} / {dp} "
-                f"= {t.global_batch / dp:g} sequences per rank is not divisible by {m}; use a "
-                f"global_batch multiple of {dp * m} (e.g. {dp * m * max(1, per_rank // m)}) "
-                f"or parallel.microbatches among {divisors}."
-            )
-        if t.micro_batch is not None and t.micro_batch * m != per_rank:
-            raise ConfigError(
-                f"train.micro_batch ({t.micro_batch}) x parallel.microbatches ({m}) must equal "
-                f"the per-rank batch global_batch / dp = {per_rank}; leave one of them unset."
-            )
-        if p.zero > 1:
-            raise ConfigError(
-                f"parallel.zero = {p.zero} with pipeline parallelism is not supported: stages "
-                "2 and 3 reduce gradients on every backward pass, i.e. per micro-batch. Use "
-                "parallel.zero = 1 (sharded optimizer state) or 0 with pp > 1."
-            )
-        from plait.parallel.pipeline.schedules import build_schedule
-
-        build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step: global_batch / (dp · micro_batch)."""
