@@ -92,3 +92,22 @@ def test_bad_input_is_one_paragraph(
     shard.write_bytes(bytes(data))
     err = _bad(["checkpoint", "info", str(copy)], capsys)
     assert "rank00000.safetensors fails its checksum" in err
+
+
+def test_consolidate_verifies_each_file_once(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI opens (and checksums) the checkpoint once and hands that reader on."""
+    from plait.train import checkpoint_meta
+
+    seen: list[str] = []
+    real = checkpoint_meta.sha256_file
+
+    def counted(path: Path) -> str:
+        seen.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint_meta, "sha256_file", counted)
+    out = tmp_path / "model.safetensors"
+    assert main(["checkpoint", "consolidate", str(root / "step_00000002"), "-o", str(out)]) == 0
+    assert seen and len(seen) == len(set(seen)), seen

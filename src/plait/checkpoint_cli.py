@@ -78,7 +78,7 @@ def checkpoint_main(argv: Sequence[str]) -> int:
         return 0
     reader = _open(args.path)
     out = Path(args.output)
-    summary = consolidate(reader.folder, out)
+    summary = consolidate(reader, out)  # verified once, by _open
     print(
         f"plait: wrote {out} ({summary['tensors']} tensors, {summary['parameters']:,} "
         f"parameters, {summary['bytes']:,} bytes) from step {summary['step']} of "

@@ -230,3 +230,27 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(
     assert "resumed from" in r.stdout
     want = pools(2).run(f"{M}:_body_uninterrupted")[0]
     assert rows[-1]["loss"] == want[-1]
+
+
+def _body_monitor_bytes(ctx: WorkerContext) -> tuple[float, int, list[float], bool]:
+    from plait.train.faults import FaultMonitor
+
+    mesh = ctx.mesh(dp=ctx.world_size)
+    monitor = FaultMonitor(_tiny(1, straggler_factor=2.0), mesh)
+    mesh.stats.reset()
+    health = monitor.after_step(0.25 * (ctx.rank + 1), 0.0)
+    ops = mesh.stats.snapshot()
+    return mesh.stats.total_bytes(), sum(int(v["calls"]) for v in ops.values()), (
+        health.compute_s
+    ), health.stop
+
+
+def test_monitor_moves_16_bytes_per_rank(pools: Callable[[int], WorkerPool]) -> None:
+    """One all-gather per step of (compute seconds, stop flag) float64 per rank: bus bytes
+    from the comm counters = (N-1)/N · 16N; every rank gets every rank's compute time."""
+    n = 4
+    for total, calls, compute, stop in pools(n).run(f"{M}:_body_monitor_bytes"):
+        assert calls == 1
+        assert total == 16 * (n - 1)
+        assert compute == [0.25 * (r + 1) for r in range(n)]
+        assert stop is False

@@ -184,11 +184,13 @@ def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{p} is not a readable safetensors file ({e})") from None
 
 
-def consolidate(folder: str | Path, out: str | Path) -> dict[str, Any]:
-    """Write the whole model of checkpoint ``folder`` into the safetensors file ``out``
-    (one-device names, the stored dtype: fp32 masters where they existed); returns a
-    summary (step, tensors, parameters, bytes)."""
-    reader = CheckpointReader(folder)
+def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[str, Any]:
+    """Write the whole model of checkpoint ``source`` (a folder, or a reader already
+    opened and verified) into the safetensors file ``out`` (one-device names, the stored
+    dtype: fp32 masters where they existed); returns a summary (step, tensors,
+    parameters, bytes)."""
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    folder = reader.folder
     state = {k: v.contiguous() for k, v in reader.model_state().items()}
     meta = {
         "format": "plait-consolidated",
