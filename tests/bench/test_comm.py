@@ -43,6 +43,7 @@ def test_parse_bytes_and_plan() -> None:
         (["--algorithms", "ring,butterfly"], "['butterfly']"),
         (["--factor", "1"], "factor 1"),
         (["--max-bytes", "2"], "4 <= --min-bytes"),
+        (["--timeout", "0"], "--timeout must be positive"),
     ],
 )
 def test_bad_arguments_exit_2_before_any_process(

@@ -175,6 +175,8 @@ def main(argv: list[str]) -> int:
     lo, hi = _parse_bytes(args.min_bytes), _parse_bytes(args.max_bytes)
     if lo < 4 or hi < lo:
         raise ConfigError(f"need 4 <= --min-bytes <= --max-bytes, got {lo} and {hi}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be positive (seconds), got {args.timeout}")
     sizes = []
     s = lo
     while s <= hi:
