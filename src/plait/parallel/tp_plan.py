@@ -307,13 +307,3 @@ def load_full_state(model: nn.Module, mesh: Mesh, state: dict[str, torch.Tensor]
         info = shard_info(t)
         src = state[key]
         t.copy_(info.shard(src, index) if info is not None else src)
-
-
-def grad_norm_weights(model: nn.Module) -> dict[str, float]:
-    """Per parameter, the weight of its local squared gradient norm in a global norm
-    that is all-reduced (summed) over tp: 1 for a shard, ``1/k`` for a tensor held
-    identically by ``k`` tp ranks (replicated norms, replicated KV heads)."""
-    return {
-        n: (info.norm_weight if (info := shard_info(p)) is not None else 1.0)
-        for n, p in model.named_parameters()
-    }
