@@ -261,3 +261,28 @@ def test_p2p_bytes_match_the_boundary_formula(
     want = (p * v - 1) * m * 2 * (BATCH // m) * SEQ * 16 * 8
     assert sum(r["send"] for r in results) == want
     assert sum(r["recv"] for r in results) == want
+
+
+def _body_eval(ctx: WorkerContext, name: str, m: int, v: int) -> list[float]:
+    p = ctx.world_size
+    mesh = ctx.mesh(dp=1, pp=p)
+    stages = split_transformer(Transformer(model_config(), seed=3).double(), mesh, chunks=v)
+    runtime = PipelineRuntime(
+        stages, build_schedule(name, p, m, v), mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16),
+        torch.float64,
+    )
+    with torch.no_grad():
+        return [runtime.loss_to_all(runtime.forward_loss(x, y)) for x, y in batches()]
+
+
+@pytest.mark.parametrize(("name", "m", "v"), [("1f1b", MICRO, 1), ("interleaved", MICRO, 2)])
+def test_forward_only_evaluation_matches_one_process(
+    pools: Callable[[int], WorkerPool], name: str, m: int, v: int
+) -> None:
+    """``PipelineEngine.evaluate``'s path (forward actions, loss broadcast from the last
+    stage): every rank gets the one-process loss of each batch (float64, rtol 1e-9)."""
+    model = Transformer(model_config(), seed=3).double()
+    with torch.no_grad():
+        want = [loss64(model(x), y).item() for x, y in batches()]
+    for got in pools(4).run(f"{M}:_body_eval", name, m, v):
+        assert got == pytest.approx(want, rel=RTOL)
