@@ -139,6 +139,8 @@ def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "small", "--seq", "0"], "--seq must be positive, got 0"),
         (["--model", "small", "--search", "--global-batch", "0"], "--global-batch must be"),
         (["--params", "1B", "--kv-heads", "-2"], "--kv-heads must be positive"),
+        (["--model", "gpt2-124m", "--kv-heads", "5"], "--kv-heads only shape(s) a model"),
+        (["--params", "1B", "--ffn", "100", "--style", "gpt"], "--ffn, --style only shape(s)"),
         (["--model", "small", "--headroom", "1.5"], "--headroom must be in [0, 1)"),
         (["--model", "tiny", "--devices", "6", "--tp", "4"], "does not divide the 6 devices"),
         (["--params=-3B"], "must be positive"),

@@ -70,7 +70,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int, help="default: --heads")
     m.add_argument("--ffn", type=int, help="MLP width (default: 8h/3 llama, 4h gpt)")
     m.add_argument("--vocab", type=int)
-    m.add_argument("--style", choices=("llama", "gpt"), default="llama")
+    m.add_argument("--style", choices=("llama", "gpt"), help="default: llama")
     m.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
     h = p.add_argument_group("hardware")
     h.add_argument(
@@ -111,6 +111,13 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
             "give exactly one model: --model NAME (one of "
             f"{', '.join(MODEL_PRESETS)}), --params N, or --layers --hidden --heads --vocab."
         )
+    shaping = [f"--{f.replace('_', '-')}" for f in ("kv_heads", "ffn", "style") if getattr(ns, f)]
+    if shaping and (ns.model is not None or ns.params is not None):
+        raise ConfigError(
+            f"{', '.join(shaping)} only shape(s) a model given by --layers --hidden --heads "
+            "--vocab; --model and --params choose their own shape, so drop "
+            f"{', '.join(shaping)} or give the full shape instead."
+        )
     if ns.model is not None:
         return model_spec_preset(ns.model)
     if ns.params is not None:
@@ -129,7 +136,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
         ns.kv_heads or ns.heads,
         ffn,
         ns.vocab,
-        ns.style,
+        ns.style or "llama",
         ns.seq or 2048,
     )
 
