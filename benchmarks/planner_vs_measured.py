@@ -293,16 +293,9 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
     return here, res
 
 
-def _load() -> float:
-    """The 1-minute load average (0 where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return 0.0
-
-
 def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
     """Run every available row and format the comparison."""
+    from plait.bench.results import load_average
     from plait.plan.calibrate import profile_from_results
     from plait.plan.memory import copies_gradients, stage_memory, stage_params
     from plait.testing import WorkerPool
@@ -335,11 +328,11 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             # measure the rates of exactly this many concurrent ranks just before and
             # after the steps, on both clocks
             wait_quiet(QUIET, max_wait_s)
-            load0 = _load()
+            load0 = load_average()
             _, before = profile_here(pool, hw)
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
             after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
-            load1 = _load()
+            load1 = load_average()
             pooled = [*before, *({"compute": c, "comm": before[0]["comm"]} for c in after)]
             prof = {
                 c: profile_from_results(pooled, hw.memory_bytes, hw.name, clock=c)[0]
@@ -542,23 +535,6 @@ def published_table() -> list[str]:
 # --------------------------------------------------------------------------- main
 
 
-SECTION_BEGIN = "<!-- planner_vs_measured:begin -->"
-SECTION_END = "<!-- planner_vs_measured:end -->"
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (between its markers) or append it."""
-    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    block = f"{SECTION_BEGIN}\n{section.rstrip()}\n{SECTION_END}"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        pre, rest = text.split(SECTION_BEGIN, 1)
-        _, post = rest.split(SECTION_END, 1)
-        text = pre + block + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text, encoding="utf-8")
-
-
 def _profile_line(hw: Any) -> str:
     ar = hw.intra.fit("all_reduce")
     return (
@@ -570,6 +546,7 @@ def _profile_line(hw: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from plait.bench.results import write_section
     from plait.plan.calibrate import calibrate
     from plait.plan.hardware import load_hardware
 
@@ -618,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     out = "\n".join(text)
     print(out)
     if args.out:
-        write_section(Path(args.out), out)
+        write_section(Path(args.out), "planner_vs_measured", out.rstrip())
     return 0
 
 
