@@ -273,7 +273,12 @@ class ZeroOptimizer:
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
         """L2 norm over every shard of every rank (each element counted once): the local
         squared norm, summed over the shard group and the tensor-parallel axis."""
-        device = self.zero.device if self.zero is not None else torch.device("cpu")
+        # the collective runs where the gradients live (NCCL cannot reduce CPU tensors)
+        device = (
+            self.zero.device
+            if self.zero is not None
+            else next((p.device for p in self._params), torch.device("cpu"))
+        )
         pieces: list[torch.Tensor] = []
         weights: list[float] = []
         if self.zero is None:
