@@ -1,7 +1,7 @@
 """All-reduce algorithms on point-to-point messages vs the library all-reduce and the
 alpha-beta model: the recorded run of ``plait bench comm``.
 
-Every algorithm of :mod:`plait.comm.algorithms` and gloo's own all-reduce at world sizes
+Every algorithm of :mod:`plait.collectives.algorithms` and gloo's own all-reduce at world sizes
 2, 4 and 8, fp32 messages of 4 B to 64 MiB (x8 steps); median time (slowest rank),
 algorithm and bus bandwidth; alpha and beta fitted per algorithm on
 ``time = steps·alpha + critical_bytes·beta`` with the prediction error beside every

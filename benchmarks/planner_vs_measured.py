@@ -3,7 +3,7 @@
 Part 1 (measured here). Every layout of :data:`ROWS` trains the built-in ``small`` model
 (0.87 M parameters, fp32, AdamW) with plait's own :class:`~plait.train.trainer.Trainer`
 on the built-in corpus, in a pool of gloo ranks of one thread each. Just before the
-steps the same ranks calibrate the machine all at once (:func:`plait.plan.calibrate.
+steps the same ranks calibrate the machine all at once (:func:`plait.bench.calibrate.
 calibrate_body`: matmul, attention and element-wise rates, operator overhead, optimizer
 rate, alpha-beta fits of the collectives at this rank count, and the in-step cost of a
 tensor-parallel all-reduce on pairs of ranks), and re-measure the compute
@@ -54,8 +54,8 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
     sys.path.insert(0, str(ROOT))
 
 BODY = "benchmarks.planner_vs_measured:measure_body"
-COMPUTE_BODY = "plait.plan.measure:compute_body"
-CALIBRATE_BODY = "plait.plan.calibrate:calibrate_body"
+COMPUTE_BODY = "plait.bench.measure:compute_body"
+CALIBRATE_BODY = "plait.bench.calibrate:calibrate_body"
 QUIET = 0.10
 """Background CPU use (fraction of all cores) below which a measurement starts."""
 MODEL = "small"
@@ -286,7 +286,7 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
     """``hw`` re-measured on ``pool``'s ranks, all at once: the compute rates, and the
     collectives' alpha-beta fits at this rank count (ranks share the cores, so both
     depend on how many run)."""
-    from plait.plan.calibrate import profile_from_results
+    from plait.bench.calibrate import profile_from_results
 
     res = pool.run(CALIBRATE_BODY, False, timeout_s=600.0)
     here, _ = profile_from_results(res, hw.memory_bytes, hw.name)
@@ -295,8 +295,8 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
 
 def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
     """Run every available row and format the comparison."""
+    from plait.bench.calibrate import profile_from_results
     from plait.bench.results import load_average
-    from plait.plan.calibrate import profile_from_results
     from plait.plan.memory import copies_gradients, stage_memory, stage_params
     from plait.testing import WorkerPool
 
@@ -546,8 +546,8 @@ def _profile_line(hw: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from plait.bench.calibrate import calibrate
     from plait.bench.results import write_section
-    from plait.plan.calibrate import calibrate
     from plait.plan.hardware import load_hardware
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

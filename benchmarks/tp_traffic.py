@@ -129,7 +129,7 @@ def bench_body(
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer, lm_loss
     from plait.parallel.data import DataParallel
-    from plait.parallel.tp_plan import apply_tensor_parallel, tensor_parallel_loss
+    from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_loss
 
     torch.set_num_threads(1)
     cfg = ModelConfig(**model_kwargs)

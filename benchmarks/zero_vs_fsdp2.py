@@ -104,7 +104,7 @@ def bench_body(
     from plait.model.transformer import Transformer, lm_loss
     from plait.parallel.data import DataParallel
     from plait.parallel.zero import ZeroDataParallel
-    from plait.parallel.zero_optim import ZeroOptimizer
+    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     torch.set_num_threads(1)
@@ -194,7 +194,7 @@ def memory_body(ctx: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
     from plait.config import ModelConfig, ParallelConfig, PrecisionConfig
     from plait.model.transformer import Transformer, lm_loss
     from plait.parallel.parallelize import parallelize
-    from plait.parallel.zero_optim import ZeroOptimizer
+    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     torch.set_num_threads(1)

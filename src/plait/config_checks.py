@@ -41,7 +41,7 @@ def check_run(cfg: Config, world_size: int) -> None:
     if p.pp > 1:
         check_pipeline(cfg, dp)
     if p.tp > 1:  # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
-        from plait.parallel.tp_plan import check_tensor_parallel
+        from plait.parallel.tensor.plan import check_tensor_parallel
 
         check_tensor_parallel(cfg.model, p.tp, p.sequence_parallel, t.seq_len)
     check_zero(cfg, dp)
@@ -91,7 +91,7 @@ def check_zero(cfg: Config, dp: int) -> None:
             "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
             "stages 1 and 2."
         )
-    from plait.train.precision import check_device_supports
+    from plait.parallel.precision import check_device_supports
 
     check_device_supports(cfg.precision.dtype, cfg.launch.device)
 

@@ -23,7 +23,7 @@ def _body_saved(ctx: Any, sp: bool, batch: int, seq: int) -> int:
     import torch
 
     from plait.model import Transformer
-    from plait.parallel.tp_plan import apply_tensor_parallel, tensor_parallel_loss
+    from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_loss
 
     mesh = ctx.mesh(tp=ctx.world_size)
     model = Transformer(CFG, seed=0)

@@ -65,7 +65,7 @@ def test_the_planner_runs_without_torch_distributed() -> None:
         "import sys, types\n"
         f"pkg = types.ModuleType('plait'); pkg.__path__ = [{str(PLAN.parent)!r}]\n"
         "sys.modules['plait'] = pkg\n"
-        "from plait.plan.cli import plan_main\n"
+        "from plait.cli.plan import plan_main\n"
         "plan_main(['--model', 'llama2-7b', '--search', '--devices', '8', '--top', '1'])\n"
         "plan_main(['--model', 'gpt2-124m', '--devices', '8', '--zero', '3', '--json'])\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
@@ -79,9 +79,9 @@ def test_the_planner_runs_without_torch_distributed() -> None:
 def test_the_planner_runs_without_a_process_group() -> None:
     code = (
         "import sys\n"
-        "from plait.plan.cli import plan_main\n"
+        "from plait.cli.plan import plan_main\n"
         "plan_main(['--model', 'llama2-7b', '--search', '--devices', '8', '--top', '1'])\n"
-        "assert 'plait.plan.calibrate' not in sys.modules\n"
+        "assert 'plait.bench.calibrate' not in sys.modules\n"
         "import torch.distributed as dist\n"
         "assert not dist.is_initialized()\n"
     )

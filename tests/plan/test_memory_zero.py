@@ -36,7 +36,7 @@ def _body_state(ctx: Any, model: str, stage: int, shard: int | None, dtype: str)
 
     from plait.model import Transformer, lm_loss
     from plait.parallel.zero import ZeroDataParallel
-    from plait.parallel.zero_optim import ZeroOptimizer
+    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     cfg = MODELS[model]

@@ -37,7 +37,7 @@ from plait.config import (
     PrecisionConfig,
     TrainConfig,
 )
-from plait.parallel.tp_plan import gather_full_state
+from plait.parallel.tensor.plan import gather_full_state
 from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
 from plait.train import checkpoint

@@ -5,7 +5,7 @@ comm       all-reduce algorithms on point-to-point messages and the library all-
            with the alpha-beta model fitted to the measurements (:mod:`plait.bench.comm`)
 calibrate  this machine's matmul/attention/element-wise rates and the collectives' alpha
            and beta, written as a hardware profile for ``plait plan --hardware PATH``
-           (:mod:`plait.plan.calibrate`)
+           (:mod:`plait.bench.calibrate`)
 =========  ==============================================================================
 """
 
@@ -17,7 +17,7 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "comm": ("plait.bench.comm:main", "collective algorithms vs the alpha-beta model"),
     "calibrate": (
-        "plait.plan.cli:calibrate_main",
+        "plait.cli.plan:calibrate_main",
         "measure alpha-beta and compute rates; write a profile for `plait plan --hardware`",
     ),
 }

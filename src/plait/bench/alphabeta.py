@@ -1,7 +1,7 @@
 """The alpha-beta (Hockney) model fitted to measured collective times, tables and plot.
 
 Model of one algorithm: ``time = steps·alpha + critical_bytes·beta`` with ``steps`` and
-``critical_bytes`` from the closed forms of :mod:`plait.comm.costs` (the library's own
+``critical_bytes`` from the closed forms of :mod:`plait.collectives.costs` (the library's own
 all-reduce is modelled as a ring: gloo's default CPU algorithm is a ring). The fit is a
 least-squares fit of the *relative* error (each equation divided by the measured time),
 so microsecond and second measurements weigh alike; a coefficient that would come out
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.comm import costs
+from plait.collectives import costs
 
 LIBRARY = "library"
 

@@ -1,4 +1,4 @@
-"""``plait bench comm``: every all-reduce algorithm of :mod:`plait.comm.algorithms` and
+"""``plait bench comm``: every all-reduce algorithm of :mod:`plait.collectives.algorithms` and
 the library's own all-reduce, timed on gloo ranks of this machine, with the alpha-beta
 model fitted per algorithm and its prediction error beside each measurement.
 
@@ -31,8 +31,8 @@ import torch
 from plait import comm
 from plait.bench.alphabeta import LIBRARY, Measurement, fit_all, plot, summary_table, tables
 from plait.bench.results import environment, load_average, write_section
-from plait.comm import algorithms as algo
-from plait.comm.costs import Cost, traffic_table
+from plait.collectives import algorithms as algo
+from plait.collectives.costs import Cost, traffic_table
 from plait.errors import ConfigError
 from plait.testing import WorkerContext
 
@@ -220,7 +220,7 @@ def _write_section(path: Path, head: str, body: str, full: str | None) -> None:
     where = f" The full table (every size, per-N fits) is in `{full}`." if full else ""
     section = (
         "## Collective algorithms (issue 8)\n\n"
-        "All-reduce algorithms of `plait.comm.algorithms` on counted point-to-point "
+        "All-reduce algorithms of `plait.collectives.algorithms` on counted point-to-point "
         f"messages against gloo's own all-reduce (`library`).{where}\n\n"
         f"{head}{body}"
     )
@@ -237,10 +237,10 @@ def _header(argv: list[str], seconds: float, load: tuple[float, float]) -> str:
         "machine); absolute times are noisy, compare algorithms within one run.\n"
         "- Traffic table: steps and bytes counted by `plait.comm` on every rank for one "
         "all-reduce, in units of S; `counters = formula` means the counted per-rank bytes, "
-        "steps and critical-path bytes equal the closed form of `plait.comm.costs` exactly "
+        "steps and critical-path bytes equal the closed form of `plait.collectives.costs` exactly "
         "(for that tensor and an odd 1001-element one, at every world size).\n"
         "- Model per algorithm: time = steps·alpha + critical_bytes·beta, with steps and "
-        "critical-path bytes from `plait.comm.costs`; `library` (gloo's all-reduce) is "
+        "critical-path bytes from `plait.collectives.costs`; `library` (gloo's all-reduce) is "
         "modelled as a ring. Fitted by least squares on the relative error over all world "
         "sizes and message sizes of that algorithm (fit table; its prediction is `model ms`, "
         "error = (model - measured) / measured), and again per algorithm and world size "

@@ -4,9 +4,9 @@ The order (as in DESIGN.md): tensor/sequence parallel -> context parallel -> pip
 split -> activation recomputation -> ZeRO/FSDP sharding or data parallel. Each step
 replaces or wraps modules from outside; the model file never changes. This version
 implements tensor/sequence parallelism (when the mesh's tp axis is wider than 1:
-:func:`~plait.parallel.tp_plan.apply_tensor_parallel` with the built-in transformer's
+:func:`~plait.parallel.tensor.plan.apply_tensor_parallel` with the built-in transformer's
 plan; the model's logits are then vocabulary-sharded, so use
-:func:`~plait.parallel.tp_plan.tensor_parallel_loss`) and the last two steps, which
+:func:`~plait.parallel.tensor.plan.tensor_parallel_loss`) and the last two steps, which
 reduce over the dp axis only; the pipeline split when pp > 1
 (:func:`~plait.parallel.pipeline.engine.split_for_pipeline`: the result wraps this
 rank's pieces, run by :class:`~plait.parallel.pipeline.engine.PipelineEngine`); context
@@ -30,10 +30,10 @@ from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import split_for_pipeline
-from plait.parallel.tp_plan import apply_tensor_parallel
+from plait.parallel.precision import PrecisionPolicy
+from plait.parallel.recompute import RecomputeMode, apply_recompute
+from plait.parallel.tensor.plan import apply_tensor_parallel
 from plait.parallel.zero import ZeroDataParallel
-from plait.train.precision import PrecisionPolicy
-from plait.train.recompute import RecomputeMode, apply_recompute
 
 
 def parallelize(

@@ -2,7 +2,7 @@
 
 Pure arithmetic over a model shape, a layout, a precision policy and a hardware
 profile; nothing here imports ``torch.distributed`` or needs a process group (except
-:mod:`plait.plan.calibrate`, which measures the machine and is imported on demand).
+:mod:`plait.bench.calibrate`, which measures the machine and is imported on demand).
 """
 
 from plait.plan.estimate import Estimate, StepTime, estimate, step_time

@@ -6,7 +6,7 @@ A :class:`Hardware` says what one device can hold and how fast it computes and t
   the GEMM's size), fused attention (FLOP/s as a function of sequence length) and
   memory-bound element-wise work (bytes/s as a function of tensor size). A datasheet
   preset gives each curve one point (a constant: peak x an achievable fraction); a
-  calibrated profile (:mod:`plait.plan.calibrate`) measures several points.
+  calibrated profile (:mod:`plait.bench.calibrate`) measures several points.
 * **links** in the alpha-beta model (Hockney 1994): sending ``S`` bytes over a link
   costs ``alpha + S / B``. Two link classes: inside a node (NVLink; loopback for CPU
   processes) and between nodes (InfiniBand/RoCE, the per-device share of the NICs).
@@ -41,7 +41,7 @@ IN_STEP = "all_reduce_in_step"
 """A measured-only operation: the CPU/wall cost one all-reduce adds to a step when it is
 issued as tensor parallelism issues it (synchronously, back to back with compute, no
 barrier before it), which includes waiting for the slower peer; see
-:func:`plait.plan.calibrate.measure_in_step`."""
+:func:`plait.bench.calibrate.measure_in_step`."""
 
 MEASURED_OPS = (*COLLECTIVES, IN_STEP)
 """Operations a link can carry measured ``(group size, curve)`` points for."""

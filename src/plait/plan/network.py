@@ -15,8 +15,8 @@ recursive doubling  ceil(log2 N)·(alpha + S/B)                    log2 N · S
 All-gather and reduce-scatter (ring): ``(N-1)·alpha + (N-1)/N · S/B`` with S the full
 (gathered, or pre-scatter) tensor; all-to-all the same; point-to-point ``alpha + S/B``.
 "tree" here is NCCL's pipelined (double binary) tree, whose bandwidth term does not grow
-with depth; it is not the unpipelined binary tree of :mod:`plait.comm.algorithms`
-(inner nodes send 3·S per step, costed in :mod:`plait.comm.costs`).
+with depth; it is not the unpipelined binary tree of :mod:`plait.collectives.algorithms`
+(inner nodes send 3·S per step, costed in :mod:`plait.collectives.costs`).
 ``auto`` takes the fastest of ring and tree, as NCCL does — unless the link carries a
 measurement of the operation on a group of that size covering the message size
 (:attr:`plait.plan.hardware.Link.measured`, written by calibration), which is then

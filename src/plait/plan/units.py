@@ -4,7 +4,7 @@
 (the token embedding, every transformer block, the output head; the final norm and
 any tied matrix stay in the root unit, last) into one buffer padded with zeros to a
 multiple of the shard count F, and gives rank ``r`` of a shard group the elements
-``[r·S, (r+1)·S)``, ``S = ceil(numel / F)`` (:mod:`plait.parallel.zero_flat`). The
+``[r·S, (r+1)·S)``, ``S = ceil(numel / F)`` (:mod:`plait.parallel.zero.flat`). The
 sharded optimizer keeps one parameter per piece of a tensor inside that range, so
 Adam's per-tensor ``step`` scalar is counted per piece and its moments cover only the
 non-padding elements. With N parameters the result differs from the textbook

@@ -37,7 +37,7 @@ from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.parallel.pipeline.engine import find_stages
-from plait.parallel.tensor import shard_info
+from plait.parallel.tensor.layers import shard_info
 from plait.train.checkpoint_meta import (
     FORMAT,
     LATEST,

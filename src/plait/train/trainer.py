@@ -8,7 +8,7 @@ is the mean over the global batch whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
 keep only gradient shards).
 
-The optimizer is always a :class:`~plait.parallel.zero_optim.ZeroOptimizer` around
+The optimizer is always a :class:`~plait.parallel.zero.optim.ZeroOptimizer` around
 AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradient
 norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not
 finite. A skipped step leaves weights, optimizer state and the learning-rate schedule's
@@ -36,16 +36,16 @@ from plait.mesh import Mesh
 from plait.model import Transformer, flops_per_token, lm_loss, param_count
 from plait.parallel.parallelize import parallelize
 from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer
-from plait.parallel.tp_optim import TensorParallelOptimizer
-from plait.parallel.tp_plan import tensor_parallel_loss
+from plait.parallel.precision import DynamicLossScaler
+from plait.parallel.tensor.optim import TensorParallelOptimizer
+from plait.parallel.tensor.plan import tensor_parallel_loss
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero_optim import StepReport, ZeroOptimizer
+from plait.parallel.zero.optim import StepReport, ZeroOptimizer
 from plait.train.checkpoint import Checkpointing
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
 from plait.train.faults import FaultMonitor
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
-from plait.train.precision import DynamicLossScaler
 
 
 def lr_at(step: int, cfg: Config) -> float:

@@ -29,9 +29,13 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer, split_for_pipeline
-from plait.parallel.tp_plan import apply_tensor_parallel, gather_full_state, tensor_parallel_loss
+from plait.parallel.tensor.plan import (
+    apply_tensor_parallel,
+    gather_full_state,
+    tensor_parallel_loss,
+)
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero_optim import ZeroOptimizer
+from plait.parallel.zero.optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.pipeline.test_runtime import (
     BATCH,

@@ -10,7 +10,7 @@ from plait import init_mesh
 from plait.model import Transformer
 from plait.parallel.pipeline.split import split_transformer
 from plait.parallel.pipeline.zb import BackwardSplit
-from plait.train.recompute import apply_recompute
+from plait.parallel.recompute import apply_recompute
 from tests.parallel.pipeline.test_runtime import SEQ, model_config
 
 

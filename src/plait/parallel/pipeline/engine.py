@@ -11,7 +11,7 @@ runtime.pipeline_step`) or one evaluation pass, returning the mean loss on every
 the pipeline.
 
 :class:`PipelineOptimizer` clips by the global gradient norm of the whole model: the
-local squared norms (weighted over tp as in :class:`~plait.parallel.tp_optim.
+local squared norms (weighted over tp as in :class:`~plait.parallel.tensor.optim.
 TensorParallelOptimizer`) are summed over the ZeRO shard group, tp and pp. The last
 stage's copy of a tied embedding matrix is left out of its sum (the first stage's copy,
 equal after :meth:`~plait.parallel.pipeline.split.PipelineStages.sync_tied_grads`,
@@ -33,7 +33,7 @@ from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.split import PipelineStages, StagePiece, split_transformer
-from plait.parallel.tp_optim import TensorParallelOptimizer
+from plait.parallel.tensor.optim import TensorParallelOptimizer
 
 
 def split_for_pipeline(model: nn.Module, mesh: Mesh, cfg: Config | ParallelConfig) -> nn.Module:

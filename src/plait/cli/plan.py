@@ -1,0 +1,271 @@
+"""``plait plan`` (predict one layout, or search) and ``plait bench calibrate`` (measure).
+
+``plan_main`` is registered in :data:`plait.cli.SUBCOMMANDS`, ``calibrate_main`` in
+:data:`plait.bench.BENCHMARKS` (and as ``plait calibrate``, an alias kept for scripts);
+both take the arguments after the subcommand name, return an exit code, and raise
+:class:`~plait.errors.ConfigError` for bad input (``plait`` prints it as one paragraph
+and exits with code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from plait.errors import ConfigError
+from plait.plan.hardware import PRESETS as HARDWARE
+from plait.plan.hardware import load_hardware
+from plait.plan.layout import (
+    PRECISIONS,
+    RECOMPUTE,
+    RUNTIMES,
+    SCHEDULES,
+    Layout,
+    precision_preset,
+    runtime_preset,
+)
+from plait.plan.modelspec import MODEL_PRESETS, ModelSpec, model_spec_preset
+
+_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> float:
+    """``7e9``, ``7B``, ``175b``, ``1.5T``, ``350M`` -> a number."""
+    if text.strip().startswith("-"):
+        raise ConfigError(f"the parameter count must be positive, got {text}.")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not m:
+        raise ConfigError(
+            f"cannot read {text!r} as a parameter count; write e.g. 7e9, 7B, 350M or 1.5T."
+        )
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input as a ConfigError (one paragraph, exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help).")
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="plait plan",
+        description=(
+            "Predict per-rank memory, step time, tokens/s and MFU of a training layout, or "
+            "search every layout (--search) and explain the best. Pure arithmetic: nothing "
+            "runs."
+        ),
+    )
+    m = p.add_argument_group("model (a preset, --params, or a shape)")
+    m.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
+    m.add_argument("--params", help="parameter count (e.g. 7B); a llama-style shape is chosen")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int)
+    m.add_argument("--kv-heads", type=int, help="default: --heads")
+    m.add_argument("--ffn", type=int, help="MLP width (default: 8h/3 llama, 4h gpt)")
+    m.add_argument("--vocab", type=int)
+    m.add_argument("--style", choices=("llama", "gpt"), help="default: llama")
+    m.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
+    h = p.add_argument_group("hardware")
+    h.add_argument(
+        "--hardware",
+        default="a100-80gb",
+        help=f"preset ({', '.join(HARDWARE)}) or a profile from `plait bench calibrate`",
+    )
+    h.add_argument("--devices", type=int, help="devices in the job (default: one node)")
+    h.add_argument("--headroom", type=float, default=0.05, help="memory fraction kept free")
+    lay = p.add_argument_group("layout")
+    for axis in ("dp", "tp", "pp", "cp"):
+        lay.add_argument(f"--{axis}", type=int)
+    lay.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    lay.add_argument("--shard-group", type=int, help="hybrid ZeRO factor F (default dp)")
+    lay.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    lay.add_argument("--micro-batch", type=int, default=1)
+    lay.add_argument("--micro-batches", type=int, help="per step (default: global/(dp·mb))")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    lay.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    lay.add_argument("--virtual-stages", type=int, default=1)
+    lay.add_argument("--sequence-parallel", action="store_true")
+    lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
+    lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
+    o = p.add_argument_group("output")
+    o.add_argument("--search", action="store_true", help="rank every layout that fits")
+    o.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    o.add_argument("--json", action="store_true", help="print JSON for tools")
+    o.add_argument("--list", action="store_true", help="list the presets and exit")
+    return p
+
+
+def model_from_args(ns: argparse.Namespace) -> ModelSpec:
+    """The model of ``--model``, ``--params`` or the shape flags."""
+    shape = [ns.layers, ns.hidden, ns.heads, ns.vocab]
+    given = sum(x is not None for x in (ns.model, ns.params)) + any(x is not None for x in shape)
+    if given != 1:
+        raise ConfigError(
+            "give exactly one model: --model NAME (one of "
+            f"{', '.join(MODEL_PRESETS)}), --params N, or --layers --hidden --heads --vocab."
+        )
+    shaping = [f"--{f.replace('_', '-')}" for f in ("kv_heads", "ffn", "style") if getattr(ns, f)]
+    if shaping and (ns.model is not None or ns.params is not None):
+        raise ConfigError(
+            f"{', '.join(shaping)} only shape(s) a model given by --layers --hidden --heads "
+            "--vocab; --model and --params choose their own shape, so drop "
+            f"{', '.join(shaping)} or give the full shape instead."
+        )
+    if ns.model is not None:
+        return model_spec_preset(ns.model)
+    if ns.params is not None:
+        return ModelSpec.from_params(parse_count(ns.params), seq=ns.seq or 2048)
+    if any(x is None for x in shape):
+        raise ConfigError("a model shape needs all of --layers --hidden --heads --vocab.")
+    for name, v in zip(("layers", "hidden", "heads", "vocab"), shape, strict=True):
+        if v <= 0:
+            raise ConfigError(f"--{name} must be positive, got {v}.")
+    ffn = ns.ffn or (4 * ns.hidden if ns.style == "gpt" else 256 * -(-8 * ns.hidden // 3 // 256))
+    return ModelSpec(
+        "custom",
+        ns.layers,
+        ns.hidden,
+        ns.heads,
+        ns.kv_heads or ns.heads,
+        ffn,
+        ns.vocab,
+        ns.style or "llama",
+        ns.seq or 2048,
+    )
+
+
+def _list() -> str:
+    lines = ["models:"]
+    for name, s in MODEL_PRESETS.items():
+        lines.append(
+            f"  {name:<12} {s.param_count() / 1e9:8.3f} B  L={s.n_layers} h={s.hidden} "
+            f"a={s.n_heads} kv={s.n_kv_heads} f={s.ffn_hidden} V={s.vocab} ({s.style})"
+        )
+    lines.append("hardware:")
+    for name, hw in HARDWARE.items():
+        lines.append(
+            f"  {name:<12} {hw.memory_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"{hw.devices_per_node} per node"
+        )
+    lines.append(f"precisions: {', '.join(PRECISIONS)}; runtimes: {', '.join(RUNTIMES)}")
+    return "\n".join(lines)
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """``plait plan``."""
+    from plait.plan.report import estimate_json, format_estimate, format_search, search_json
+    from plait.plan.search import Query, search, with_layout
+
+    ns = _plan_parser().parse_args(list(argv))
+    if ns.list:
+        print(_list())
+        return 0
+    positive = (
+        "seq", "devices", "tp", "pp", "cp", "dp", "micro_batch", "micro_batches",
+        "global_batch", "top", "ffn", "kv_heads", "shard_group", "virtual_stages",
+    )  # fmt: skip
+    for flag in positive:  # before any default is applied: 0 is refused, never replaced
+        v = getattr(ns, flag)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {v}.")
+    if not 0.0 <= ns.headroom < 1.0:
+        raise ConfigError(f"--headroom must be in [0, 1), got {ns.headroom}.")
+    spec = model_from_args(ns)
+    hw = load_hardware(ns.hardware)
+    seq = ns.seq or spec.max_positions
+    devices = ns.devices if ns.devices is not None else hw.devices_per_node
+    prec, rt = precision_preset(ns.precision), runtime_preset(ns.runtime)
+    if ns.search:
+        gb = ns.global_batch or devices
+        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom)
+        result = search(q, top=ns.top)
+        print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
+        return 0
+    tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
+    if devices % (tp * pp * cp):
+        raise ConfigError(
+            f"tp x pp x cp = {tp} x {pp} x {cp} = {tp * pp * cp} does not divide the "
+            f"{devices} devices; choose degrees whose product divides {devices}."
+        )
+    dp = ns.dp or devices // (tp * pp * cp)
+    mb = ns.micro_batch
+    if ns.micro_batches is not None:
+        m = ns.micro_batches
+    elif ns.global_batch is not None:
+        if ns.global_batch % (dp * mb):
+            raise ConfigError(
+                f"--global-batch {ns.global_batch} is not divisible by dp x micro-batch = "
+                f"{dp} x {mb}."
+            )
+        m = ns.global_batch // (dp * mb)
+    else:
+        m = pp  # enough micro-batches to fill the pipeline
+    layout = Layout(
+        dp,
+        tp,
+        pp,
+        cp,
+        ns.zero,
+        ns.shard_group,
+        mb,
+        m,
+        ns.recompute,
+        ns.schedule,
+        ns.virtual_stages,
+        ns.sequence_parallel,
+    )
+    q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
+    e = with_layout(q, layout)
+    print(json.dumps(estimate_json(e), indent=2) if ns.json else format_estimate(e))
+    return 0
+
+
+def calibrate_main(argv: Sequence[str]) -> int:
+    """``plait bench calibrate``: measure this machine and write a hardware profile."""
+    from pathlib import Path
+
+    from plait.bench.calibrate import calibrate
+    from plait.plan.hardware import dump_hardware
+
+    p = _Parser(
+        prog="plait bench calibrate",
+        description=(
+            "Measure matmul, attention and memory-bound rates and the alpha-beta cost of "
+            "the collectives (gloo) across local processes, and write a hardware profile "
+            "for `plait plan --hardware PATH`."
+        ),
+    )
+    p.add_argument("--out", default="plait-hardware.toml", help="profile path (TOML)")
+    p.add_argument("--nproc", type=int, default=2, help="local processes (ranks)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--memory-gb", type=float, help="device memory (default: RAM / cores)")
+    ns = p.parse_args(list(argv))
+    if ns.nproc < 2:
+        raise ConfigError(f"--nproc must be at least 2 to measure collectives, got {ns.nproc}.")
+    if ns.memory_gb is not None and ns.memory_gb <= 0:
+        raise ConfigError(f"--memory-gb must be positive, got {ns.memory_gb}.")
+    mem = ns.memory_gb * 1e9 if ns.memory_gb else None
+    hw, fits = calibrate(ns.nproc, quick=ns.quick, memory_bytes=mem)
+    text = dump_hardware(hw, comment=f"written by plait bench calibrate --nproc {ns.nproc}")
+    Path(ns.out).write_text(text, encoding="utf-8")
+    print(f"matmul: {', '.join(f'{int(s)}: {r / 1e9:.1f}' for s, r in hw.matmul.points)} GFLOP/s")
+    print(
+        "attention: "
+        + ", ".join(f"s={int(s)}: {r / 1e9:.1f}" for s, r in hw.attention.points)
+        + " GFLOP/s"
+    )
+    print(
+        f"element-wise: up to {hw.elementwise.peak / 1e9:.1f} GB/s; op overhead "
+        f"{hw.op_overhead_s * 1e6:.1f} us; optimizer {hw.optimizer_bandwidth / 1e9:.1f} GB/s"
+    )
+    for f in fits:
+        print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")
+    print(f"wrote {ns.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,181 @@
+"""``plait ps-train``: train the built-in transformer with a parameter server.
+
+Starts ``--nproc`` local ranks (or joins torchrun's world): ranks 0..k-1 are servers
+holding shards of the weights and AdamW, the others workers (see
+:mod:`plait.ps.server`). Each worker takes its slice of every step's global
+batch (``--batch`` sequences per worker) from the built-in corpus. ``--slow-worker I
+--slow-work K`` makes worker I run K extra 128x128 matrix products before each step,
+to watch the consistency models deal with a straggler. Rank 0 prints the run's
+summary: steps per worker, withheld replies, the staleness of every applied gradient
+(histogram) and the validation loss of the final weights; ``--records DIR`` writes
+every applied gradient of every server as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from plait.comm.group import AxisGroup
+from plait.errors import ConfigError
+from plait.ps.server import MODES, PSConfig, PSResult, train_parameter_server
+
+if TYPE_CHECKING:
+    from plait.config import ModelConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="plait ps-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=3, help="ranks (servers + workers; default 3)")
+    p.add_argument("--servers", type=int, default=1, help="server ranks k (default 1)")
+    p.add_argument("--mode", choices=MODES, default="sync", help="consistency model")
+    p.add_argument("--staleness", type=int, default=0, help="s for --mode bounded")
+    p.add_argument("--steps", type=int, default=20, help="steps per worker (default 20)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per worker and step")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slow-worker", type=int, default=-1, help="index of a slow worker")
+    p.add_argument("--slow-work", type=int, default=0, help="its extra matmuls per step")
+    p.add_argument("--timeout", type=float, default=300.0, help="comm timeout (s)")
+    p.add_argument(
+        "--records",
+        metavar="DIR",
+        help="each server writes every applied gradient (worker, step, read version, "
+        "version, staleness) to DIR/server<s>.jsonl",
+    )
+    return p
+
+
+def ps_train_main(argv: list[str]) -> int:
+    """``plait ps-train``; returns the exit code."""
+    from plait.launch.local import launch_local, torchrun_env
+
+    args = _parser().parse_args(argv)
+    env = torchrun_env()
+    world = env.world_size if env is not None else args.nproc
+    cfg = PSConfig(args.servers, args.mode, args.staleness, args.steps)
+    cfg.validate(world)  # every bad input fails here, before any process starts
+    _check_args(args, world - cfg.servers)
+    if env is None:
+        launch_local(world, ["ps-train", *argv])
+        return 0
+    _run_rank(args, cfg, env.rank, env.world_size)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a torchrun child: leave without gloo's exit-time abort
+
+
+def _check_args(args: argparse.Namespace, workers: int) -> None:
+    problems = []
+    if args.batch < 1 or args.seq_len < 2:
+        problems.append(f"--batch {args.batch} (>= 1) and --seq-len {args.seq_len} (>= 2)")
+    try:  # the model's own validation (head count dividing dim, ...), in the parent
+        _model_config(args)
+    except ConfigError as e:
+        problems.append(f"--dim {args.dim} / --layers {args.layers}: {e}")
+    if args.slow_work < 0:
+        problems.append(f"--slow-work {args.slow_work} (>= 0)")
+    if not -1 <= args.slow_worker < workers:
+        problems.append(f"--slow-worker {args.slow_worker} (a worker index 0..{workers - 1})")
+    if not args.lr > 0:  # AdamW would refuse it in every child, after the launch
+        problems.append(f"--lr {args.lr} (> 0)")
+    if args.timeout <= 0:
+        problems.append(f"--timeout {args.timeout} (> 0 seconds)")
+    if problems:
+        raise ConfigError("plait ps-train: bad arguments: " + "; ".join(problems))
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    from plait.config import ModelConfig
+
+    return ModelConfig(dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
+
+
+def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) -> None:
+    from plait import comm
+    from plait.mesh import init_mesh
+
+    torch.set_num_threads(1)
+    comm.init_world("gloo", rank, world, "env://", timeout_s=args.timeout)
+    try:
+        g = init_mesh(dp=world, timeout_s=args.timeout).axis("dp")
+        summary = run_on_group(args, cfg, g)
+        if rank == 0:
+            print(summary)
+    finally:
+        comm.destroy_world()
+
+
+def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:
+    """Train on the ranks of ``g`` (every rank calls it); returns the run's summary
+    (meaningful on axis index 0, server 0). Every rank ends with the final weights."""
+    from plait.config import DataConfig
+    from plait.model import Transformer, lm_loss
+    from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
+
+    model = Transformer(_model_config(args), seed=args.seed)
+    train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
+    train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
+    workers = g.size - cfg.servers
+    samplers = [
+        BatchSampler(len(train_set), args.batch * workers, w, workers, args.seed)
+        for w in range(workers)
+    ]
+    heavy = torch.ones(128, 128)
+
+    def loss_fn(m: torch.nn.Module, worker: int, step: int) -> torch.Tensor:
+        if worker == args.slow_worker:  # deterministic extra work, no sleeping
+            for _ in range(args.slow_work):
+                heavy.copy_(torch.mm(heavy, heavy).clamp_(-1, 1))
+        x, y = train_set.batch(samplers[worker].rank_indices(step))  # (batch, seq)
+        return lm_loss(m(x), y)
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+    t0 = time.perf_counter()
+    res = train_parameter_server(model, g, loss_fn, adamw, cfg)
+    seconds = time.perf_counter() - t0
+    if args.records and res.role == "server":
+        _write_records(Path(args.records) / f"server{res.index}.jsonl", res)
+    with torch.no_grad():
+        x, y = val_set.batch(list(range(min(len(val_set), 16))))  # (16, seq)
+        val_loss = float(lm_loss(model(x), y))
+    return _summary(res, cfg, g.size, seconds, val_loss)
+
+
+def _write_records(path: Path, res: PSResult) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        json.dumps({"server": res.index, **dataclasses.asdict(a), "staleness": a.staleness})
+        for a in res.records
+    ]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def _summary(res: PSResult, cfg: PSConfig, world: int, seconds: float, val: float) -> str:
+    mode = f"{cfg.mode} (s={cfg.staleness})" if cfg.mode == "bounded" else cfg.mode
+    hist = ", ".join(f"{k}: {v}" for k, v in res.staleness_histogram().items())
+    return "\n".join(
+        [
+            f"plait ps-train: {cfg.servers} server(s), {world - cfg.servers} worker(s), "
+            f"mode {mode}, {seconds:.1f} s",
+            f"  server 0 applied {res.steps} update(s) from {len(res.records)} gradient(s)",
+            f"  steps per worker: {res.worker_steps}",
+            f"  replies withheld per worker: {res.blocked}",
+            f"  staleness of applied gradients (staleness: count): {hist}",
+            f"  max staleness: {res.max_staleness()}",
+            f"  validation loss of the final weights: {val:.4f}",
+        ]
+    )

@@ -1,0 +1,313 @@
+"""Tensor-parallel plans as data, applied to a full one-device model from outside.
+
+A plan is a table of ``(module-name pattern, style)`` rows. A pattern matches a dotted
+module name segment by segment (``*`` matches one segment: ``layers.*.attention.wq``).
+Styles (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism):
+
+=================  ==============================================================
+style              what happens to the matched module
+=================  ==============================================================
+colwise            :class:`ColumnParallelLinear` inside a region (no entrance)
+colwise_heads      the same, split by whole attention heads (``head_dim`` rows)
+colwise_kv_heads   by whole key/value heads; when there are fewer KV heads than tp
+                   ranks (tp divisible by them), each KV head is *replicated* on
+                   tp/kv consecutive ranks, whose weight gradients are summed
+rowwise            :class:`RowParallelLinear`; its output leaves the region
+rowwise_heads      the same, its input split by whole heads
+vocab_embedding    :class:`VocabParallelEmbedding` (padded vocabulary)
+vocab_head         :class:`ColumnParallelLinear` over the padded vocabulary that
+                   enters a region and keeps its logits sharded (use
+                   :func:`tensor_parallel_loss`); shares the embedding's shard when
+                   the one-device model ties the two
+region             the module's first input enters a tensor-parallel region
+                   (``f``, or the sequence all-gather)
+replicate          parameters kept whole; under sequence parallelism their
+                   gradients are summed over tp (each rank saw a sequence shard)
+=================  ==============================================================
+
+Every parameter of the model must be covered by a parameter style. All checks (heads,
+KV heads, MLP width divisible by tp; every pattern matching) run before any process
+group is created or anything is sent, and fail with :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from plait.comm.group import AxisGroup
+from plait.config import ModelConfig
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.model.transformer import IGNORE_INDEX
+from plait.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPShard,
+    VocabParallelEmbedding,
+    set_shard_info,
+    shard_info,
+    split_units,
+    vocab_parallel_cross_entropy,
+)
+from plait.parallel.tensor.sequence import (
+    check_sequence_length,
+    enter_region,
+    mark_sequence_parallel,
+)
+
+Style = Literal[
+    "colwise",
+    "colwise_heads",
+    "colwise_kv_heads",
+    "rowwise",
+    "rowwise_heads",
+    "vocab_embedding",
+    "vocab_head",
+    "region",
+    "replicate",
+]
+Plan = Sequence[tuple[str, Style]]
+
+TRANSFORMER_TP_PLAN: tuple[tuple[str, Style], ...] = (
+    ("tok_embeddings", "vocab_embedding"),
+    ("layers.*.attention_norm", "replicate"),
+    ("layers.*.attention", "region"),
+    ("layers.*.attention.wq", "colwise_heads"),
+    ("layers.*.attention.wk", "colwise_kv_heads"),
+    ("layers.*.attention.wv", "colwise_kv_heads"),
+    ("layers.*.attention.wo", "rowwise_heads"),
+    ("layers.*.ffn_norm", "replicate"),
+    ("layers.*.feed_forward", "region"),
+    ("layers.*.feed_forward.w1", "colwise"),
+    ("layers.*.feed_forward.w3", "colwise"),
+    ("layers.*.feed_forward.w2", "rowwise"),
+    ("norm", "replicate"),
+    ("output", "vocab_head"),
+)
+"""The plan of :class:`plait.model.Transformer`: per block one region for attention
+(Q, K, V column-parallel by heads, output row-parallel) and one for the SwiGLU MLP
+(gate/up column-parallel, down row-parallel), norms replicated, embedding and head
+vocabulary-parallel."""
+
+_HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "rowwise_heads")
+
+
+def _matches(pattern: str, name: str) -> bool:
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n, strict=True))
+
+
+def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
+    """``{module name: style}`` for every module the plan names (first match wins).
+
+    Raises :class:`ConfigError` for a pattern that matches nothing, an unknown style, or
+    a parameter whose module no parameter style covers.
+    """
+    known = set(Style.__args__)  # type: ignore[attr-defined]
+    out: dict[str, Style] = {}
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern, style in plan:
+        if style not in known:
+            raise ConfigError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}")
+        hits = [n for n in names if _matches(pattern, n)]
+        if not hits:
+            raise ConfigError(f"tensor-parallel plan: {pattern!r} matches no module of the model")
+        for n in hits:
+            out.setdefault(n, style)
+    missing = [
+        f"{mod}.{pn}" if mod else pn
+        for mod, m in model.named_modules()
+        for pn, _ in m.named_parameters(recurse=False)
+        if out.get(mod, "region") == "region"
+    ]
+    if missing:
+        raise ConfigError(
+            f"tensor-parallel plan leaves {len(missing)} parameter(s) without a style: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; add a row for "
+            "their modules (e.g. 'replicate')"
+        )
+    return out
+
+
+def _head_dim(model: nn.Module, name: str) -> int:
+    parent = model.get_submodule(name.rpartition(".")[0])
+    hd = getattr(parent, "head_dim", None)
+    if not isinstance(hd, int):
+        raise ConfigError(
+            f"tensor-parallel plan: {name} is split by heads but its parent "
+            "module has no integer attribute 'head_dim'"
+        )
+    return hd
+
+
+def _kv_replicas(kv: int, tp: int, name: str) -> int:
+    """1 when the KV heads split over tp; tp/kv when each is replicated; else an error."""
+    if kv % tp == 0:
+        return 1
+    if tp % kv == 0:
+        return tp // kv
+    ok = sorted({d for d in range(1, 2 * max(kv, tp) + 1) if kv % d == 0 or d % kv == 0})
+    raise ConfigError(
+        f"{name}: {kv} key/value heads cannot be split over tp={tp} (not divisible) nor "
+        f"replicated (tp is not a multiple of {kv}); use a tp that divides {kv} or is a "
+        f"multiple of it, e.g. one of {[d for d in ok if d <= 2 * tp][:8]}"
+    )
+
+
+def _validate(model: nn.Module, styles: dict[str, Style], tp: int) -> dict[str, int]:
+    """Every divisibility check, before anything is built; returns KV replica counts."""
+    replicas: dict[str, int] = {}
+    for name, style in styles.items():
+        m = model.get_submodule(name)
+        linear_style = style.startswith(("colwise", "rowwise")) or style == "vocab_head"
+        if linear_style and not isinstance(m, nn.Linear):
+            raise ConfigError(f"{name}: style {style!r} needs an nn.Linear, got {type(m)}")
+        if style == "vocab_embedding" and not isinstance(m, nn.Embedding):
+            raise ConfigError(f"{name}: style 'vocab_embedding' needs an nn.Embedding")
+        if not isinstance(m, nn.Linear) or style not in (*_HEAD_STYLES, "colwise", "rowwise"):
+            continue
+        rows = style.startswith("colwise")
+        length = m.out_features if rows else m.in_features
+        if style in _HEAD_STYLES:
+            hd = _head_dim(model, name)
+            what = "key/value heads" if style == "colwise_kv_heads" else "heads"
+            label = f"{name}: {length // hd} {what}"
+            rep = _kv_replicas(length // hd, tp, name) if style == "colwise_kv_heads" else 1
+            replicas[name] = rep
+            split_units(length, hd, tp, rep, False, label)
+        else:
+            kind = "output" if rows else "input"
+            split_units(length, 1, tp, 1, False, f"{name}: {length} {kind} features")
+    return replicas
+
+
+def check_tensor_parallel(
+    cfg: ModelConfig, tp: int, sequence_parallel: bool = False, seq_len: int | None = None
+) -> None:
+    """Config-time check of the built-in transformer at tp degree ``tp`` (no torch work):
+    heads, KV heads (unless replicated), MLP width and, with sequence parallelism, the
+    sequence length divisible by tp. Raises :class:`ConfigError` with the numbers."""
+    if tp <= 1:
+        return
+    split_units(cfg.n_heads, 1, tp, 1, False, f"model.n_heads: {cfg.n_heads} heads")
+    _kv_replicas(cfg.kv_heads, tp, "model.n_kv_heads")
+    split_units(cfg.hidden_dim, 1, tp, 1, False, f"model.ffn_dim: {cfg.hidden_dim} features")
+    if sequence_parallel and seq_len is not None:
+        check_sequence_length(seq_len, tp)
+
+
+def _entry_hook(group: AxisGroup, sp: bool) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (enter_region(args[0], group, sp), *args[1:])  # (b, s, h) on every rank
+
+    return hook
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    mesh: Mesh,
+    sequence_parallel: bool = False,
+    plan: Plan | None = None,
+) -> nn.Module:
+    """Shard the full one-device ``model`` over ``mesh``'s tp axis in place; returns it.
+
+    ``plan`` defaults to :data:`TRANSFORMER_TP_PLAN`. Modules are replaced by their
+    parallel versions (same attribute names, so parameter names do not change);
+    regions get forward pre-hooks. The model's logits become vocabulary-sharded: use
+    :func:`tensor_parallel_loss`. Parameters are plain local shards, so
+    :class:`~plait.parallel.data.DataParallel` or ZeRO can wrap the result over dp.
+    """
+    group = mesh.axis("tp")
+    tp, sp = group.size, sequence_parallel
+    styles = resolve_plan(model, TRANSFORMER_TP_PLAN if plan is None else plan)
+    replicas = _validate(model, styles, tp)  # every ConfigError is raised by here
+    sharded: dict[int, nn.Parameter] = {}  # id(full weight) -> shard (tied weights)
+    for name, style in styles.items():
+        m = model.get_submodule(name)
+        new: nn.Module | None = None
+        if style == "region":
+            m.register_forward_pre_hook(_entry_hook(group, sp))
+        elif style == "replicate":
+            for p in m.parameters(recurse=False):
+                set_shard_info(p, TPShard.replicated(tp))
+                if sp and tp > 1:
+                    mark_sequence_parallel(p, group)
+        elif style == "vocab_embedding":
+            assert isinstance(m, nn.Embedding)
+            new = VocabParallelEmbedding(m, group, sequence_parallel=sp, name=name)
+            sharded[id(m.weight)] = new.weight
+        elif style == "vocab_head":
+            assert isinstance(m, nn.Linear)
+            tied = sharded.get(id(m.weight))
+            new = ColumnParallelLinear(m, group, sequence_parallel=sp, pad=True, name=name)
+            if tied is not None:
+                new.weight = tied
+        elif style.startswith("colwise"):
+            assert isinstance(m, nn.Linear)
+            rep = replicas.get(name, 1)
+            rgroup = mesh.split_axis("tp", rep)[0] if rep > 1 else None
+            unit = _head_dim(model, name) if style in _HEAD_STYLES else 1
+            new = ColumnParallelLinear(
+                m,
+                group,
+                enter=False,
+                sequence_parallel=sp,
+                unit=unit,
+                replica_group=rgroup,
+                name=name,
+            )
+        else:  # rowwise, rowwise_heads
+            assert isinstance(m, nn.Linear)
+            unit = _head_dim(model, name) if style in _HEAD_STYLES else 1
+            new = RowParallelLinear(m, group, sequence_parallel=sp, unit=unit, name=name)
+        if new is not None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+def tensor_parallel_loss(
+    mesh: Mesh, vocab_size: int, ignore_index: int = IGNORE_INDEX
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss for a model sharded by :func:`apply_tensor_parallel`: mean cross-entropy
+    of vocabulary-sharded logits ``(b, s, Vp/N)`` against targets ``(b, s)`` — the same
+    value as :func:`plait.model.lm_loss` on the one-device model's full logits."""
+    group = mesh.axis("tp")
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab_size, ignore_index)
+
+    return loss
+
+
+@torch.no_grad()
+def gather_full_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """The one-device ``state_dict`` of a tensor-parallel model, on every tp rank.
+
+    Sharded parameters are all-gathered over tp (padding and KV-head replicas removed);
+    replicated parameters and buffers are copied. Keys and shapes are those of the
+    unsharded model, so the result loads into it (``load_state_dict``).
+    """
+    group = mesh.axis("tp")
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        info = shard_info(t)
+        out[key] = info.gather(t, group) if info is not None else t.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, mesh: Mesh, state: dict[str, torch.Tensor]) -> None:
+    """Copy a one-device ``state`` into a tensor-parallel model: each rank takes its own
+    pieces (no communication). The inverse of :func:`gather_full_state`."""
+    index = mesh.index("tp")
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key not in state:
+            raise KeyError(f"load_full_state: {key!r} missing from the state")
+        info = shard_info(t)
+        src = state[key]
+        t.copy_(info.shard(src, index) if info is not None else src)

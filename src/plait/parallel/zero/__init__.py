@@ -1,0 +1,11 @@
+"""ZeRO / fully sharded data parallelism over the data-parallel axis.
+
+* :mod:`~plait.parallel.zero.flat` — wrap units: parameters flattened, padded, sharded.
+* :mod:`~plait.parallel.zero.reduce` — the gradient path of one unit inside backward.
+* :mod:`~plait.parallel.zero.wrapper` — :class:`ZeroDataParallel`, stages 0-3.
+* :mod:`~plait.parallel.zero.optim` — the sharded fp32 masters the optimizer steps.
+"""
+
+from plait.parallel.zero.wrapper import ZeroDataParallel
+
+__all__ = ["ZeroDataParallel"]

@@ -1,0 +1,131 @@
+"""Hardware profiles: curves, TOML round trips, the alpha-beta fit, a real calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from plait.bench.calibrate import calibrate, fit_alpha_beta
+from plait.cli import main
+from plait.errors import ConfigError
+from plait.plan.hardware import PRESETS, Curve, Link, dump_hardware, load_hardware
+from plait.testing import WorkerPool
+
+
+def test_curve_interpolates_log_log_and_clamps() -> None:
+    c = Curve(((10.0, 1.0), (1000.0, 100.0)))
+    assert c.at(100.0) == pytest.approx(10.0)  # power law between the points
+    assert c.at(1.0) == 1.0 and c.at(1e6) == 100.0
+    assert Curve.constant(5.0).at(123.0) == 5.0
+    with pytest.raises(ConfigError, match="increase strictly"):
+        Curve(((2.0, 1.0), (1.0, 1.0)))
+    with pytest.raises(ConfigError, match="positive"):
+        Curve(((1.0, 0.0),))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fit_recovers_alpha_and_beta(n: int) -> None:
+    alpha, bw = 2.5e-4, 1.3e9
+    steps, factor = 2.0 * (n - 1), 2.0 * (n - 1) / n
+    pts = [(s, steps * alpha + factor * s / bw) for s in (1e3, 1e5, 1e6, 1e7, 1e8)]
+    a, b = fit_alpha_beta(pts, steps, factor)
+    assert a == pytest.approx(alpha, rel=1e-6)
+    assert b == pytest.approx(bw, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_round_trip_through_toml(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(dump_hardware(PRESETS[name]), encoding="utf-8")
+    assert load_hardware(str(path)) == PRESETS[name]
+
+
+def test_profile_with_curves_and_fits_round_trips(tmp_path: Path) -> None:
+    hw = dataclasses.replace(
+        PRESETS["a100-80gb"],
+        name='my "cpu"',
+        matmul=Curve(((64.0, 1e10), (512.0, 5e10))),
+        intra=Link(1e-4, 1e9, (("all_gather", 3e-4, 3e8), ("p2p", 1e-4, 2e9))),
+    )
+    path = tmp_path / "p.toml"
+    path.write_text(dump_hardware(hw, comment="two\nlines"), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
+    # measured curves, the in-step all-reduce included, survive too
+    curve = Curve(((4096.0, 1e-3), (524288.0, 2e-3)))
+    hw = dataclasses.replace(
+        hw, intra=Link(1e-4, 1e9, (), (("all_reduce", 2, curve), ("all_reduce_in_step", 2, curve)))
+    )
+    path.write_text(dump_hardware(hw), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[device\n", "not valid TOML"),
+        ("[device]\nname='x'\n", "no [intra] table"),
+        ("[device]\n[intra]\n[inter]\n", "needs name"),
+    ],
+)
+def test_bad_profiles_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_hardware(str(path))
+
+
+def test_unknown_key_in_a_profile_is_refused(tmp_path: Path) -> None:
+    text = dump_hardware(PRESETS["h200"]).replace("[device]\n", "[device]\nspeed = 3\n")
+    path = tmp_path / "bad.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_hardware(str(path))
+
+
+def test_calibration_on_two_ranks_feeds_the_planner(
+    pools: Callable[[int], WorkerPool], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t0 = time.perf_counter()
+    hw, fits = calibrate(2, quick=True, pool=pools(2), memory_bytes=4e9)
+    assert time.perf_counter() - t0 < 60
+    assert hw.memory_bytes == 4e9
+    assert hw.peak_flops > 1e8 and hw.matmul.peak > 1e8  # any CPU does > 0.1 GFLOP/s
+    # the matmul curve is a linear layer in training at sizes (4n·n·n)^(1/3)
+    assert [round(s**3 / 4) for s, _ in hw.matmul.points] == [n**3 for n in (32, 64, 128, 256)]
+    assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for f in fits:
+        assert f.alpha >= 0 and f.bandwidth > 0
+        assert hw.intra.fit(f.op) == (f.alpha, f.bandwidth)
+    assert 0 < hw.op_overhead_s < 1e-2 and hw.optimizer_bandwidth > 0
+    # the in-step all-reduce (interleaved with compute, no barrier) on pairs of ranks
+    (in_step,) = [(n, c) for op, n, c in hw.intra.measured if op == "all_reduce_in_step"]
+    assert in_step[0] == 2
+    assert [s for s, _ in in_step[1].points] == [2.0**9, 2.0**19]
+    assert all(t > 0 for _, t in in_step[1].points)
+    path = tmp_path / "cpu.toml"
+    path.write_text(dump_hardware(hw), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
+    code = main(["plan", "--model", "small", "--hardware", str(path), "--devices", "2",
+                 "--seq", "128", "--global-batch", "16", "--json"])  # fmt: skip
+    assert code == 0
+    assert '"fits": true' in capsys.readouterr().out
+
+
+def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
+    from plait.bench.calibrate import profile_from_results
+
+    results = pools(2).run("plait.bench.calibrate:calibrate_body", True)
+    wall, _ = profile_from_results(results, 4e9)
+    cpu, fits = profile_from_results(results, 4e9, clock="cpu")
+    assert "CPU time" in cpu.source and "wall clock" in wall.source
+    assert cpu.matmul.points != wall.matmul.points  # two clocks, two sets of rates
+    assert [s for s, _ in cpu.matmul.points] == [s for s, _ in wall.matmul.points]
+    assert cpu.peak_flops > 1e8 and cpu.op_overhead_s > 0
+    assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    with pytest.raises(ValueError, match="unknown clock"):
+        profile_from_results(results, 4e9, clock="sundial")

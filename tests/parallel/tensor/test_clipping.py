@@ -1,0 +1,102 @@
+"""Gradient clipping of a tensor-parallel model: the global norm spans dp shards and tp.
+
+Both optimizer wrappers sum the squared gradient norm over the tp axis, counting a
+tensor held identically by k tp ranks 1/k on each rank:
+:class:`~plait.parallel.tensor.optim.TensorParallelOptimizer` (what the trainer uses at
+tp > 1; the mesh is explicit, so a bare module works) and
+:class:`~plait.parallel.zero.optim.ZeroOptimizer` (reads the mesh of the DataParallel /
+ZeRO wrapper).
+
+Protocol: the model of ``test_tensor_model`` (vocab 37 padded, 4 heads, 2 KV heads: at
+tp 4 each KV head is replicated on two ranks; tied embeddings at tp 4) in float64. The
+reference is one process with ``torch.nn.utils.clip_grad_norm_`` at a max norm small
+enough that every step clips. Each layout reports the pre-clipping norm of every step
+(compared at rtol 1e-10) and the gathered weights after STEPS steps (rtol 1e-9 /
+atol 1e-12, or the fp32-rotary tolerance of ``test_tensor_model`` with replicated KV
+heads). Counting a replicated tensor once per tp rank, or leaving out the tp sum,
+changes the norm by far more than that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait.model import Transformer
+from plait.parallel.data import DataParallel
+from plait.parallel.tensor.optim import TensorParallelOptimizer
+from plait.parallel.tensor.plan import (
+    apply_tensor_parallel,
+    gather_full_state,
+    tensor_parallel_loss,
+)
+from plait.parallel.zero.optim import ZeroOptimizer
+from plait.testing import WorkerContext, WorkerPool
+from tests.parallel.tensor.test_model import FP32_ROPE, GLOBAL_BATCH, IGN, V, _batches, _cfg
+
+M = "tests.parallel.tensor.test_clipping"
+Pools = Callable[[int], WorkerPool]
+MAX_NORM = 0.05
+
+
+def _adamw(params: object) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)  # type: ignore[arg-type]
+
+
+def _reference(tie: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = Transformer(_cfg(tie), seed=7).double()
+    opt = _adamw(model.parameters())
+    norms = []
+    for x, y in _batches():
+        F.cross_entropy(model(x).reshape(-1, V), y.reshape(-1), ignore_index=IGN).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms, model.state_dict()
+
+
+def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[str, object]:
+    mesh = ctx.mesh(dp=dp, tp=tp)
+    model = apply_tensor_parallel(Transformer(_cfg(tie), seed=7).double(), mesh)
+    wrapped: torch.nn.Module = model if kind == "bare" else DataParallel(model, mesh)
+    opt = (
+        ZeroOptimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
+        if kind == "zero_optim"
+        else TensorParallelOptimizer(wrapped, _adamw(model.parameters()), mesh, max_norm=MAX_NORM)
+    )
+    loss_fn = tensor_parallel_loss(mesh, V)
+    r, per = mesh.index("dp"), GLOBAL_BATCH // dp
+    norms = []
+    for x, y in _batches():
+        loss_fn(wrapped(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad(set_to_none=True)
+    return {"norms": norms, "weights": gather_full_state(model, mesh)}
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "tie", "kind"),
+    [
+        pytest.param(1, 4, True, "bare", id="tp4-kv-replicated-tied-bare"),
+        pytest.param(1, 4, True, "zero_optim", id="tp4-kv-replicated-tied-ZeroOptimizer"),
+        pytest.param(2, 2, False, "dp", id="dp2xtp2"),
+    ],
+)
+def test_clipping_norm_matches_one_process(
+    pools: Pools, dp: int, tp: int, tie: bool, kind: str
+) -> None:
+    """ "bare": TensorParallelOptimizer on the TP model itself; "dp": on DataParallel
+    over dp; "zero_optim": ZeroOptimizer on DataParallel (ZeRO stages on TP shards:
+    tests/parallel/zero/test_zero.py)."""
+    want_norms, want_weights = _reference(tie)
+    assert min(want_norms) > MAX_NORM  # every step clips
+    replicated_kv = _cfg(tie).kv_heads < tp
+    rtol, atol = FP32_ROPE["weights"] if replicated_kv else (1e-9, 1e-12)
+    for res in pools(dp * tp).run(f"{M}:_body", dp, tp, tie, kind):
+        norm_rtol = 1e-10 if not replicated_kv else 1e-6
+        assert res["norms"] == pytest.approx(want_norms, rel=norm_rtol)
+        for k, w in want_weights.items():
+            torch.testing.assert_close(res["weights"][k], w, rtol=rtol, atol=atol, msg=k)
