@@ -129,7 +129,8 @@ def bench_body(
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer, lm_loss
     from plait.parallel.data import DataParallel
-    from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_loss
+    from plait.parallel.tensor.loss import vocab_parallel_loss
+    from plait.parallel.tensor.plan import apply_tensor_parallel
 
     torch.set_num_threads(1)
     cfg = ModelConfig(**model_kwargs)
@@ -143,7 +144,7 @@ def bench_body(
     impls["dp2"] = (DataParallel(m, dp_mesh, bucket_mb=4.0), m, lm_loss)
     for name, sp in (("tp2", False), ("tp2+sp", True)):
         m = apply_tensor_parallel(Transformer(cfg, seed=seed), tp_mesh, sp)
-        impls[name] = (m, m, tensor_parallel_loss(tp_mesh, cfg.vocab_size))
+        impls[name] = (m, m, vocab_parallel_loss(tp_mesh, cfg.vocab_size))
 
     def dtensor_loss(logits: Any, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())

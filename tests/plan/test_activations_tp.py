@@ -23,12 +23,13 @@ def _body_saved(ctx: Any, sp: bool, batch: int, seq: int) -> int:
     import torch
 
     from plait.model import Transformer
-    from plait.parallel.tensor.plan import apply_tensor_parallel, tensor_parallel_loss
+    from plait.parallel.tensor.loss import vocab_parallel_loss
+    from plait.parallel.tensor.plan import apply_tensor_parallel
 
     mesh = ctx.mesh(tp=ctx.world_size)
     model = Transformer(CFG, seed=0)
     apply_tensor_parallel(model, mesh, sequence_parallel=sp)
-    loss_fn = tensor_parallel_loss(mesh, CFG.vocab_size)
+    loss_fn = vocab_parallel_loss(mesh, CFG.vocab_size)
     fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, int] = {}
 

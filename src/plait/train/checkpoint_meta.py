@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from plait.errors import ConfigError
+from plait.pieces import TPSplit
 
 FORMAT = "plait-checkpoint"
 VERSION = 1
@@ -61,54 +62,6 @@ def step_dirname(step: int) -> str:
 def rank_filename(rank: int) -> str:
     """``rank00003.safetensors`` for rank 3."""
     return f"rank{rank:05d}.safetensors"
-
-
-@dataclass(frozen=True)
-class TPSplit:
-    """Which tensor-parallel block of a parameter a rank holds.
-
-    The full length ``full`` along ``dim`` is zero-padded to ``shards * block``; tp rank
-    ``index`` holds block ``index // replicas`` (see ``TPShard``).
-    """
-
-    dim: int
-    full: int
-    shards: int
-    replicas: int
-    block: int
-    index: int
-
-    def local_shape(self, global_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Shape of the block a rank holds."""
-        shape = list(global_shape)
-        shape[self.dim] = self.block
-        return tuple(shape)
-
-    def to_json(self) -> list[int]:
-        return [self.dim, self.full, self.shards, self.replicas, self.block, self.index]
-
-    @staticmethod
-    def from_json(v: list[int] | None) -> TPSplit | None:
-        return None if v is None else TPSplit(*[int(x) for x in v])
-
-    def same_block(self, other: TPSplit | None) -> bool:
-        """Whether ``other`` describes the very same elements (replicas included)."""
-        if other is None:
-            return False
-        return (self.dim, self.full, self.shards, self.block, self.index // self.replicas) == (
-            other.dim,
-            other.full,
-            other.shards,
-            other.block,
-            other.index // other.replicas,
-        )
-
-
-def same_split(a: TPSplit | None, b: TPSplit | None) -> bool:
-    """Whether two pieces' blocks hold the same elements (None: the whole tensor)."""
-    if a is None or b is None:
-        return a is None and b is None
-    return a.same_block(b)
 
 
 @dataclass

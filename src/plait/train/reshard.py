@@ -34,20 +34,19 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from torch import nn
 
+from plait.pieces import TPSplit, same_split
 from plait.train.checkpoint_meta import (
     LATEST,
     METADATA,
     CheckpointError,
     ParamEntry,
     Piece,
-    TPSplit,
     dtype_from_name,
     global_flat_index,
     list_steps,
     params_of,
     read_latest,
     read_metadata,
-    same_split,
     verify_files,
     write_durable,
 )

@@ -37,8 +37,8 @@ from plait.model import Transformer, flops_per_token, lm_loss, param_count
 from plait.parallel.parallelize import parallelize
 from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer
 from plait.parallel.precision import DynamicLossScaler
+from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.optim import TensorParallelOptimizer
-from plait.parallel.tensor.plan import tensor_parallel_loss
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import StepReport, ZeroOptimizer
 from plait.train.checkpoint import Checkpointing
@@ -108,7 +108,7 @@ class Trainer:
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
         self.tp = mesh.size("tp")  # tp > 1: logits vocabulary-sharded, norm summed over tp
-        self.loss_fn = tensor_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
+        self.loss_fn = vocab_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
         pp = mesh.size("pp") > 1  # the step runs the pipeline schedule (PipelineEngine)
         self.pipe = PipelineEngine(self.model, mesh, cfg, self.loss_fn) if pp else None
         prec = cfg.precision

@@ -29,10 +29,10 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer, split_for_pipeline
+from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
     gather_full_state,
-    tensor_parallel_loss,
 )
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import ZeroOptimizer
@@ -101,7 +101,7 @@ def _body_compose(
         if zero
         else DataParallel(stages, mesh, bucket_mb=0.01)
     )
-    loss_fn = tensor_parallel_loss(mesh, VOCAB) if tp > 1 else loss64
+    loss_fn = vocab_parallel_loss(mesh, VOCAB) if tp > 1 else loss64
     engine = PipelineEngine(wrapped, mesh, cfg, loss_fn)
     opt = PipelineOptimizer(
         wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh, max_norm=CLIP

@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 from plait.model import Transformer
 from plait.parallel.data import DataParallel
+from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.optim import TensorParallelOptimizer
 from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
     gather_full_state,
-    tensor_parallel_loss,
 )
 from plait.parallel.zero.optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
@@ -67,7 +67,7 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
         if kind == "zero_optim"
         else TensorParallelOptimizer(wrapped, _adamw(model.parameters()), mesh, max_norm=MAX_NORM)
     )
-    loss_fn = tensor_parallel_loss(mesh, V)
+    loss_fn = vocab_parallel_loss(mesh, V)
     r, per = mesh.index("dp"), GLOBAL_BATCH // dp
     norms = []
     for x, y in _batches():

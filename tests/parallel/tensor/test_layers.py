@@ -28,8 +28,8 @@ from plait.parallel.tensor.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     shard_info,
-    vocab_parallel_cross_entropy,
 )
+from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
 from plait.parallel.tensor.plan import (
     TRANSFORMER_TP_PLAN,
     apply_tensor_parallel,
@@ -316,7 +316,7 @@ def test_tp1_is_the_one_device_model() -> None:
     """The degenerate mesh (no process group): same loss and gradients as the model."""
     ref = Transformer(_cfg(n_layers=2), seed=3).double()
     mesh = init_mesh()
-    from plait.parallel.tensor.plan import tensor_parallel_loss
+    from plait.parallel.tensor.loss import vocab_parallel_loss
 
     for sp in (False, True):
         model = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=sp)
@@ -324,7 +324,7 @@ def test_tp1_is_the_one_device_model() -> None:
         y = x.roll(-1, 1)
         y[:, -1] = IGN
         want = F.cross_entropy(ref(x).reshape(-1, V), y.reshape(-1), ignore_index=IGN)
-        got = tensor_parallel_loss(mesh, V)(model(x), y)
+        got = vocab_parallel_loss(mesh, V)(model(x), y)
         want.backward()
         got.backward()
         torch.testing.assert_close(got, want, **TOL)

@@ -27,10 +27,10 @@ from plait.model import Transformer
 from plait.model.transformer import RMSNorm
 from plait.parallel.data import DataParallel
 from plait.parallel.tensor.layers import shard_info
+from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
     gather_full_state,
-    tensor_parallel_loss,
 )
 from plait.testing import WorkerContext, WorkerPool
 
@@ -95,7 +95,7 @@ def _gather_grads(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
 def _train(mesh: Mesh, sp: bool, tie: bool, kv: int) -> dict[str, object]:
     model = apply_tensor_parallel(Transformer(_cfg(tie, kv=kv), seed=7).double(), mesh, sp)
     wrapped = DataParallel(model, mesh, bucket_mb=0.01)
-    loss_fn = tensor_parallel_loss(mesh, V)
+    loss_fn = vocab_parallel_loss(mesh, V)
     opt = _optimizer(model)
     n, r = mesh.size("dp"), mesh.index("dp")
     per = GLOBAL_BATCH // n
@@ -188,7 +188,7 @@ def _body_zero(ctx: WorkerContext, stage: int, sp: bool, dtype: str) -> dict[str
     low = {"param_dtype": "bf16", "reduce_dtype": "fp32"} if dtype == "bf16" else {}
     wrapped = ZeroDataParallel(model, mesh, stage=stage, **low)  # type: ignore[arg-type]
     opt = ZeroOptimizer(wrapped, _optimizer(model))
-    loss_fn = tensor_parallel_loss(mesh, V)
+    loss_fn = vocab_parallel_loss(mesh, V)
     r, per = mesh.index("dp"), GLOBAL_BATCH // 2
     losses = []
     for x, y in _batches():
@@ -241,7 +241,7 @@ def _body_recompute(ctx: WorkerContext, mode: str) -> tuple[bool, dict, dict]:
         apply_recompute(model, m)  # type: ignore[arg-type]
         x, y = _batches()[0]
         mesh.stats.reset()
-        tensor_parallel_loss(mesh, V)(model(x), y).backward()
+        vocab_parallel_loss(mesh, V)(model(x), y).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
         stats.append({k: v["calls"] for k, v in mesh.stats.snapshot().items()})
     same = all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])  # type: ignore[arg-type]
@@ -271,7 +271,7 @@ def test_composes_with_recomputation(pools: Pools, mode: str) -> None:
 def _body_traffic(ctx: WorkerContext, sp: bool, n_layers: int) -> dict[str, dict]:
     mesh = ctx.mesh(tp=ctx.world_size)
     model = apply_tensor_parallel(Transformer(_cfg(n_layers=n_layers), seed=0), mesh, sp)
-    loss_fn = tensor_parallel_loss(mesh, V)
+    loss_fn = vocab_parallel_loss(mesh, V)
     x, y = _batches()[0]
     mesh.stats.reset()
     loss = loss_fn(model(x), y)
@@ -389,7 +389,7 @@ def _body_memory(ctx: WorkerContext, sp: bool) -> tuple[int, int]:
 
     x, y = _batches()[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = tensor_parallel_loss(mesh, V)(model(x), y)
+        loss = vocab_parallel_loss(mesh, V)(model(x), y)
     loss.backward()
     return norms.bytes, total.bytes
 

@@ -17,8 +17,8 @@ rowwise_heads      the same, its input split by whole heads
 vocab_embedding    :class:`VocabParallelEmbedding` (padded vocabulary)
 vocab_head         :class:`ColumnParallelLinear` over the padded vocabulary that
                    enters a region and keeps its logits sharded (use
-                   :func:`tensor_parallel_loss`); shares the embedding's shard when
-                   the one-device model ties the two
+                   :func:`plait.parallel.tensor.loss.vocab_parallel_loss`); shares the
+                   embedding's shard when the one-device model ties the two
 region             the module's first input enters a tensor-parallel region
                    (``f``, or the sequence all-gather)
 replicate          parameters kept whole; under sequence parallelism their
@@ -42,7 +42,6 @@ from plait.comm.group import AxisGroup
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.model.transformer import IGNORE_INDEX
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -51,7 +50,6 @@ from plait.parallel.tensor.layers import (
     set_shard_info,
     shard_info,
     split_units,
-    vocab_parallel_cross_entropy,
 )
 from plait.parallel.tensor.sequence import (
     check_sequence_length,
@@ -218,7 +216,7 @@ def apply_tensor_parallel(
     ``plan`` defaults to :data:`TRANSFORMER_TP_PLAN`. Modules are replaced by their
     parallel versions (same attribute names, so parameter names do not change);
     regions get forward pre-hooks. The model's logits become vocabulary-sharded: use
-    :func:`tensor_parallel_loss`. Parameters are plain local shards, so
+    :func:`~plait.parallel.tensor.loss.vocab_parallel_loss`. Parameters are plain local shards, so
     :class:`~plait.parallel.data.DataParallel` or ZeRO can wrap the result over dp.
     """
     group = mesh.axis("tp")
@@ -268,20 +266,6 @@ def apply_tensor_parallel(
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
     return model
-
-
-def tensor_parallel_loss(
-    mesh: Mesh, vocab_size: int, ignore_index: int = IGNORE_INDEX
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss for a model sharded by :func:`apply_tensor_parallel`: mean cross-entropy
-    of vocabulary-sharded logits ``(b, s, Vp/N)`` against targets ``(b, s)`` — the same
-    value as :func:`plait.model.lm_loss` on the one-device model's full logits."""
-    group = mesh.axis("tp")
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, group, vocab_size, ignore_index)
-
-    return loss
 
 
 @torch.no_grad()
