@@ -4,12 +4,12 @@ Five implementations train the same built-in transformer in the *same* gloo rank
 :class:`plait.testing.WorkerPool`), fp32, AdamW, same per-rank data, one torch thread per
 rank:
 
-* ``zero3`` — plait ``ZeroDataParallel(stage=3)`` + ``ZeroOptimizer``;
+* ``zero3`` — plait ``ZeroDataParallel(stage=3)`` + ``Optimizer``;
 * ``fsdp2`` — ``torch.distributed.fsdp.fully_shard`` on the token embedding, every block
   and the output head, then on the root (plait's default units), both with
   ``reshard_after_forward=True``; ``torch.optim.AdamW`` over the DTensor shards;
 * ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2;
-* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``ZeroOptimizer`` (replicated).
+* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated).
 
 Every copy is built from the same seed on every rank, so all five start from identical
 weights. Measured steps rotate through the implementations in blocks, in an order that
@@ -102,9 +102,9 @@ def bench_body(
     from plait import comm
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer, lm_loss
+    from plait.optim import Optimizer
     from plait.parallel.data import DataParallel
     from plait.parallel.zero import ZeroDataParallel
-    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     torch.set_num_threads(1)
@@ -120,10 +120,10 @@ def bench_body(
     for stage in (3, 1, 2):
         m = build()
         z = ZeroDataParallel(m, mesh, stage)
-        impls[f"zero{stage}"] = (z, ZeroOptimizer(z, torch.optim.AdamW(m.parameters(), lr=lr)))
+        impls[f"zero{stage}"] = (z, Optimizer(z, torch.optim.AdamW(m.parameters(), lr=lr)))
     base = build()
     dpm = DataParallel(base, mesh, bucket_mb=4.0)
-    impls["dp"] = (dpm, ZeroOptimizer(dpm, torch.optim.AdamW(base.parameters(), lr=lr)))
+    impls["dp"] = (dpm, Optimizer(dpm, torch.optim.AdamW(base.parameters(), lr=lr)))
     fmodel = build()
     dmesh = DeviceMesh.from_group(g.pg, "cpu") if g.pg is not None else None
     for module in [fmodel.tok_embeddings, *fmodel.layers, fmodel.output]:
@@ -193,8 +193,8 @@ def memory_body(ctx: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every rank: one small bf16 step per ZeRO stage; the per-rank memory report."""
     from plait.config import ModelConfig, ParallelConfig, PrecisionConfig
     from plait.model.transformer import Transformer, lm_loss
+    from plait.optim import Optimizer
     from plait.parallel.parallelize import parallelize
-    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     torch.set_num_threads(1)
@@ -206,7 +206,7 @@ def memory_body(ctx: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
         wrapped = parallelize(
             model, mesh, ParallelConfig(zero=stage), precision=PrecisionConfig(dtype="bf16")
         )
-        opt = ZeroOptimizer(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        opt = Optimizer(wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3))
         x = torch.randint(0, cfg.vocab_size, (1, 8))
         lm_loss(wrapped(x), x).backward()
         opt.step()

@@ -24,10 +24,10 @@ from plait import init_mesh
 from plait.cli import main
 from plait.config import Config, DataConfig, LogConfig, ModelConfig, PrecisionConfig, TrainConfig
 from plait.errors import ConfigError
+from plait.optim import Optimizer
 from plait.parallel import precision
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero.optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import peak_memory, reset_peak_memory
 from plait.train.trainer import Trainer, lr_at
@@ -90,7 +90,7 @@ def test_policy_defaults() -> None:
 # ----------------------------------------------------------------------------- fp16 scaler
 
 
-def _snapshot(zdp: ZeroDataParallel, opt: ZeroOptimizer) -> dict[str, Any]:
+def _snapshot(zdp: ZeroDataParallel, opt: Optimizer) -> dict[str, Any]:
     return {
         "shards": [zdp.param_shard(u).clone() for u in zdp.units],
         "masters": [m.clone() for m in opt.master_tensors()],
@@ -116,7 +116,7 @@ def _body_overflow(ctx: WorkerContext, dtype: str) -> dict[str, Any]:
     model = _model()
     zdp = ZeroDataParallel(model, mesh, 2, param_dtype=dtype)
     scaler = DynamicLossScaler(init_scale=2.0**16, growth_interval=3) if dtype == "fp16" else None
-    opt = ZeroOptimizer(
+    opt = Optimizer(
         zdp, torch.optim.AdamW(model.parameters(), lr=1e-3), scaler=scaler, nonfinite="skip"
     )
     per = BATCH // ctx.world_size
@@ -290,7 +290,7 @@ def _body_curve(ctx: WorkerContext, dtype: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _model()
     zdp = ZeroDataParallel(model, mesh, 2, param_dtype=dtype)
-    opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=1.0)
+    opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=1.0)
     per = BATCH // ctx.world_size
     losses = []
     for step in range(20):
@@ -322,7 +322,7 @@ def _body_reduce_dtype(ctx: WorkerContext, stage: int, reduce_dtype: str) -> dic
     torch.manual_seed(0)
     model = _model()
     zdp = ZeroDataParallel(model, mesh, stage, param_dtype="bf16", reduce_dtype=reduce_dtype)
-    opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x, y = _batch(0)
     per = BATCH // ctx.world_size
     mesh.stats.reset()
@@ -368,11 +368,11 @@ def test_nonfinite_policy_error_or_skip() -> None:
     torch.manual_seed(0)
     model = _model()
     x, y = _batch(0)
-    err = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    err = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     _loss(model(x), y).backward()
     with pytest.raises(NonFiniteError, match=r"loss is not finite.*precision\.nonfinite"):
         err.step(loss_finite=False)
-    skip = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), nonfinite="skip")
+    skip = Optimizer(model, torch.optim.AdamW(model.parameters()), nonfinite="skip")
     first = next(iter(model.parameters()))
     assert first.grad is not None
     first.grad[0] = math.nan  # a NaN gradient with a finite loss
@@ -387,7 +387,7 @@ def test_nonfinite_policy_error_or_skip() -> None:
     # the same with a sharded single-rank wrapper
     zmodel = _model()
     zdp = ZeroDataParallel(zmodel, init_mesh(), 3)
-    zopt = ZeroOptimizer(zdp, torch.optim.AdamW(zmodel.parameters()), nonfinite="error")
+    zopt = Optimizer(zdp, torch.optim.AdamW(zmodel.parameters()), nonfinite="error")
     _loss(zdp(x), y).backward()
     with pytest.raises(NonFiniteError):
         zopt.step(loss_finite=False)
@@ -424,7 +424,7 @@ def test_gpu_offload_step_runs_on_the_cpu() -> None:
     torch.manual_seed(0)
     model = _model().cuda()
     zdp = ZeroDataParallel(model, init_mesh(device="cuda"), 3, param_dtype="bf16", offload="params")
-    opt = ZeroOptimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x, y = _batch(0)
     device = torch.device("cuda")
     reset_peak_memory(device)

@@ -35,15 +35,15 @@ def _body_state(ctx: Any, model: str, stage: int, shard: int | None, dtype: str)
     import torch
 
     from plait.model import Transformer, lm_loss
+    from plait.optim import Optimizer
     from plait.parallel.zero import ZeroDataParallel
-    from plait.parallel.zero.optim import ZeroOptimizer
     from plait.train.memory import memory_report
 
     cfg = MODELS[model]
     mesh = ctx.mesh(dp=ctx.world_size)
     base = Transformer(cfg, seed=0)
     wrapped = ZeroDataParallel(base, mesh, stage, shard_size=shard, param_dtype=dtype)
-    opt = ZeroOptimizer(wrapped, torch.optim.AdamW(base.parameters(), lr=1e-3))
+    opt = Optimizer(wrapped, torch.optim.AdamW(base.parameters(), lr=1e-3))
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     lm_loss(wrapped(x).float(), x).backward()
     opt.step()

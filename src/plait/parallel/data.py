@@ -29,6 +29,7 @@ from plait import comm
 from plait.comm import AxisGroup, Handle
 from plait.errors import PlaitError
 from plait.mesh import Mesh
+from plait.pieces import LocalPiece
 
 
 class UnusedParametersError(PlaitError, RuntimeError):
@@ -237,6 +238,18 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module."""
         return self.module(*args, **kwargs)
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """Every trainable parameter whole, in the module's own names; the first rank of
+        the group writes (the replicas are identical)."""
+        first = self.group.index == 0
+        out = []
+        for n, p in self.module.named_parameters():
+            if p.requires_grad:
+                flat = p.detach().reshape(-1)  # (numel,) a view of the parameter
+                shape = list(p.shape)
+                out.append(LocalPiece(n, shape, None, 0, p.numel(), flat, p, p.dtype, first))
+        return out
 
     def bucket_summary(self) -> list[tuple[int, int, int]]:
         """``(bucket index, parameter count, bytes)`` for each bucket."""

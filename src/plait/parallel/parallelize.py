@@ -1,96 +1,389 @@
 """Apply parallelism to a model written for one device, in one fixed order.
 
-The order (as in DESIGN.md): tensor/sequence parallel -> context parallel -> pipeline
-split -> activation recomputation -> ZeRO/FSDP sharding or data parallel. Each step
-replaces or wraps modules from outside; the model file never changes. This version
-implements tensor/sequence parallelism (when the mesh's tp axis is wider than 1:
-:func:`~plait.parallel.tensor.plan.apply_tensor_parallel` with the built-in transformer's
-plan; the model's logits are then vocabulary-sharded, so use
-:func:`~plait.parallel.tensor.plan.tensor_parallel_loss`) and the last two steps, which
-reduce over the dp axis only; the pipeline split when pp > 1
-(:func:`~plait.parallel.pipeline.engine.split_for_pipeline`: the result wraps this
-rank's pieces, run by :class:`~plait.parallel.pipeline.engine.PipelineEngine`); context
-parallelism is refused by :meth:`plait.config.Config.validate` before any process starts.
+``parallelize(model, mesh, ...)`` replaces and wraps modules from outside (the model
+file never changes) in this order, as DESIGN.md fixes it:
 
-The last step picks the wrapper:
+1. **tensor / sequence parallelism** over the tp axis (when it has several ranks): a
+   TP plan as data (default: the built-in transformer's), applied in place by
+   :func:`~plait.parallel.tensor.plan.apply_tensor_parallel`;
+2. **context parallelism** over cp: refused before any process starts in this version;
+3. **pipeline split** over pp (when it has several ranks): this rank's pieces
+   (:func:`~plait.parallel.pipeline.engine.split_for_pipeline`);
+4. **activation recomputation** (:func:`~plait.parallel.recompute.apply_recompute`);
+5. **ZeRO sharding or data parallelism** over dp:
+   ``zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`; ``zero = 0``
+   with fp32 parameters and reduction -> :class:`~plait.parallel.data.DataParallel`
+   (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
+   reduction dtype) -> ``ZeroDataParallel`` at stage 0 (replicated, but flattened so the
+   optimizer holds fp32 masters).
 
-* ``parallel.zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`;
-* ``parallel.zero = 0`` with fp32 parameters and fp32 reduction ->
-  :class:`~plait.parallel.data.DataParallel` (bucketed, overlapped all-reduce);
-* ``parallel.zero = 0`` with bf16/fp16 parameters (or another reduction dtype) ->
-  ``ZeroDataParallel`` at stage 0: everything replicated and all-reduced, but the
-  parameters are flattened so the optimizer wrapper can hold their fp32 masters.
+The result, a :class:`ParallelModel`, holds all a training step needs: the wrapped
+module, the loss that fits the layout (vocabulary-parallel when tp > 1, so the full
+logits are never gathered), and the pipeline driver when pp > 1. Its :meth:`step` is the
+same call with or without a pipeline, so a user's own loop and plait's trainer are the
+same few lines::
+
+    pm = plait.parallelize(model, mesh, zero=3)
+    opt = plait.optim.Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    loss = pm.step(tokens, targets)          # forward + backward (+ pipeline schedule)
+    opt.step(); opt.zero_grad()
+
+One rank is the degenerate case of the same path: every wrapper is applied, its
+collectives are counted no-ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
 from torch import nn
 
+from plait import comm
+from plait.comm import AxisGroup
 from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
-from plait.parallel.pipeline.engine import split_for_pipeline
+from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32, split_for_pipeline
+from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.precision import PrecisionPolicy
 from plait.parallel.recompute import RecomputeMode, apply_recompute
-from plait.parallel.tensor.plan import apply_tensor_parallel
+from plait.parallel.tensor.layers import shard_info, tensor_parallel_piece
+from plait.parallel.tensor.loss import IGNORE_INDEX, vocab_parallel_loss
+from plait.parallel.tensor.plan import Plan, apply_tensor_parallel, vocab_size_of
 from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero.pieces import zero_local_pieces
+from plait.pieces import LocalPiece
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy_loss(ignore_index: int = IGNORE_INDEX) -> LossFn:
+    """Mean cross-entropy of logits ``(..., vocab)`` against targets ``(...)``, in at
+    least float32, skipping ``ignore_index`` — the default loss at tp = 1."""
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=ignore_index
+        )
+
+    return loss
+
+
+class ParallelModel(nn.Module):
+    """A model prepared for a mesh: the wrapped module, its loss and its step driver.
+
+    Built by :func:`parallelize`; see the module docstring. Attributes:
+
+    * ``module`` — the outermost wrapper (:class:`DataParallel` or
+      :class:`ZeroDataParallel`) around the (tensor-parallel) model or, when pp > 1,
+      around this rank's :class:`PipelineStages`;
+    * ``loss_fn`` — ``(logits, targets) -> mean loss`` that fits the layout;
+    * ``pipeline`` — the :class:`PipelineEngine` when pp > 1, else None;
+    * ``mesh`` — the mesh it was built for.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        loss_fn: LossFn,
+        pipeline: PipelineEngine | None,
+        names: dict[int, str],
+        param_names: list[str],
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.pipeline = pipeline
+        self._names = names
+        self.param_names = param_names
+        """Every parameter's one-device name, in the one-device model's order."""
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def zero(self) -> ZeroDataParallel | None:
+        """The ZeRO wrapper (None under plain data parallelism)."""
+        return self.module if isinstance(self.module, ZeroDataParallel) else None
+
+    @property
+    def stages(self) -> PipelineStages | None:
+        """This rank's pipeline pieces (None when pp = 1)."""
+        return self.pipeline.stages if self.pipeline is not None else None
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over, in order:
+        the ZeRO shard group (each element of a replica on exactly one rank), tp (the
+        tensor-parallel pieces) and pp (the stages), each only when it has several
+        ranks. Replicas (dp outside the shard group, cp) are not summed: they are equal."""
+        groups: list[AxisGroup] = []
+        zero = self.zero
+        if zero is not None and zero.shard_group.size > 1:
+            groups.append(zero.shard_group)
+        for axis in ("tp", "pp"):
+            if self.mesh.size(axis) > 1:
+                groups.append(self.mesh.axis(axis))
+        return groups
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
+        held identically by k tp ranks, 0 for the last stage's copy of a tied matrix
+        (the first stage counts it), else 1."""
+        stages = self.stages
+        if stages is not None and p is stages.tied and stages.pp_index > 0:
+            return 0.0
+        info = shard_info(p)
+        return info.norm_weight if info is not None else 1.0
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """The parameter pieces this rank holds, in one-device names and shapes, each
+        written by exactly one rank: the data wrapper's pieces (whole tensors, or ZeRO
+        shard segments) refined by tensor parallelism (the block held) and the pipeline
+        (the tied copy is written by the first stage); cp replicas do not write."""
+        inner = self.module
+        own = zero_local_pieces(inner) if isinstance(inner, ZeroDataParallel) else None
+        if own is None:
+            assert isinstance(inner, DataParallel)
+            own = inner.local_pieces()
+        tp_index = self.mesh.index("tp")
+        cp_first = self.mesh.index("cp") == 0
+        stages = self.stages
+        skip = stages.tied if stages is not None and stages.pp_index > 0 else None
+        out = []
+        for piece in own:
+            piece = tensor_parallel_piece(piece, tp_index)
+            write = piece.write and cp_first and piece.key is not skip
+            out.append(piece.but(name=self._names[id(piece.key)], write=write))
+        return out
+
+    # ------------------------------------------------------------------ step
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without communicating."""
+        with self.module.no_sync():
+            yield
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward (not available when pp > 1: use :meth:`step`)."""
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "a pipeline-parallel model runs through ParallelModel.step / evaluate "
+                "(the schedule drives every stage), not forward()"
+            )
+        return self.module(*args, **kwargs)
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` averaged over the data-parallel ranks (float64, detached)."""
+        v = value.detach().to(torch.float64).reshape(1).clone()
+        comm.all_reduce(v, self.mesh.axis("dp"), op="avg")
+        return v.reshape(())
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        micro_batches: int = 1,
+        loss_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns the mean loss of the global
+        batch (averaged over dp; float64, detached).
+
+        Without a pipeline the batch is cut into ``micro_batches`` equal micro-batches;
+        all but the last accumulate without communicating (``no_sync``) and each loss
+        is divided by their number, so the gradient is the batch mean whatever the
+        split. With a pipeline the schedule cuts it into its own ``m`` micro-batches
+        (``micro_batches`` must then be 1 or m). ``loss_scale`` multiplies the loss
+        before backward (the fp16 loss scaler: :attr:`plait.optim.Optimizer.loss_scale`).
+        After the call every gradient is reduced and ready for the optimizer.
+        """
+        if self.pipeline is not None:
+            m = self.pipeline.schedule.microbatches
+            if micro_batches not in (1, m):
+                raise ValueError(
+                    f"the pipeline cuts each batch into its {m} micro-batches; pass "
+                    f"micro_batches=1 or {m}, not {micro_batches}"
+                )
+            loss = self.pipeline.train(inputs, targets, loss_scale)
+            return self._dp_mean(torch.tensor(loss, dtype=torch.float64))
+        if inputs.shape[0] % micro_batches:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} does not split into {micro_batches} "
+                "equal micro-batches"
+            )
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
+        for k, (x, y) in enumerate(pairs):
+            last = k == len(pairs) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss = self.loss_fn(at_least_fp32(self.module(x)), y)
+                (loss * (loss_scale / micro_batches)).backward()
+            total += loss.detach().double() / micro_batches
+        return self._dp_mean(total)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch without backward (averaged over dp; float64)."""
+        if self.pipeline is not None:
+            loss = self.pipeline.evaluate(inputs, targets)
+            return self._dp_mean(torch.tensor(loss, dtype=torch.float64))
+        loss = self.loss_fn(at_least_fp32(self.module(inputs)), targets)
+        return self._dp_mean(loss)
+
+    def describe(self) -> str:
+        """One line: the wrappers applied, outermost last."""
+        zero = self.zero
+        if zero is not None:
+            note = (
+                f"ZeRO stage {zero.stage} over dp: shard groups of {zero.shard_group.size}, "
+                f"replicated x{zero.replicate_group.size}, {len(zero.units)} units"
+                + (f", offload {zero.offload}" if zero.offload != "none" else "")
+            )
+        else:
+            note = "plain data parallel (bucketed all-reduce)"
+        tp = self.mesh.size("tp")
+        if tp > 1:
+            note = f"tensor parallel tp {tp} (vocabulary-parallel loss); {note}"
+        if self.pipeline is not None:
+            note = f"{self.pipeline.describe()}; {note}"
+        return note
+
+
+def _one_device_names(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
+    """(id(parameter) -> canonical name, every name -> canonical name) of ``model``;
+    a tensor reachable under several names (tied weights) is named by its first."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    aliases = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    return canonical, aliases
 
 
 def parallelize(
     model: nn.Module,
     mesh: Mesh,
-    cfg: ParallelConfig | Config,
+    cfg: ParallelConfig | Config | None = None,
     *,
+    zero: int | None = None,
+    zero_shard_size: int | None = None,
+    tp_plan: Plan | None = None,
+    sequence_parallel: bool | None = None,
     recompute: RecomputeMode | None = None,
-    precision: PrecisionConfig | None = None,
-) -> nn.Module:
-    """Return ``model`` prepared for ``mesh`` according to ``cfg``.
+    precision: PrecisionConfig | str | None = None,
+    loss_fn: LossFn | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> ParallelModel:
+    """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
-    ``cfg`` is the parallel section or a whole :class:`Config` (which also supplies
-    ``train.recompute`` and the ``precision`` section; explicit keyword arguments win).
-    Data parallelism wraps the model even when dp = 1: one rank is the degenerate case
-    of the same code path (its collectives are counted no-ops).
+    ``cfg`` is the parallel section, a whole :class:`Config` (which also supplies
+    ``train.recompute``, the ``precision`` section and the pipeline's profiling shape)
+    or None (defaults); keyword arguments override it: ``zero`` (stage 0-3),
+    ``zero_shard_size`` (hybrid factor F), ``tp_plan`` (a plan as data; default: the
+    built-in transformer's), ``sequence_parallel``, ``recompute`` (none / selective /
+    full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
+    ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
+    ``ignore_index``). The degrees come from ``mesh``.
     """
-    if isinstance(cfg, Config):
-        recompute = recompute if recompute is not None else cfg.train.recompute
-        precision = precision if precision is not None else cfg.precision
-        p = cfg.parallel
-    else:
-        p = cfg
-    precision = precision or PrecisionConfig()
+    full = cfg if isinstance(cfg, Config) else None
+    p = full.parallel if full is not None else (cfg or ParallelConfig())
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in (
+            ("zero", zero),
+            ("zero_shard_size", zero_shard_size),
+            ("sequence_parallel", sequence_parallel),
+        )
+        if v is not None
+    }
+    p = dataclasses.replace(p, **overrides) if overrides else p  # validated again
+    if recompute is None:
+        recompute = full.train.recompute if full is not None else "none"
+    if isinstance(precision, str):
+        precision = PrecisionConfig(dtype=precision)  # type: ignore[arg-type]
+    precision = precision or (full.precision if full is not None else PrecisionConfig())
     policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
-    # 1. tensor (and sequence) parallelism over the tp axis: the built-in plan.
-    if mesh.size("tp") > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=p.sequence_parallel)
-    # 2. context parallelism: not in this version.
-    # 3. pipeline split (pp > 1): keep this rank's pieces (PipelineEngine runs them).
-    if mesh.size("pp") > 1:
-        model = split_for_pipeline(model, mesh, cfg)
+    tp, pp = mesh.size("tp"), mesh.size("pp")
+    sp = p.sequence_parallel and tp > 1
+    if loss_fn is None:
+        loss_fn = (
+            vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index)
+            if tp > 1
+            else cross_entropy_loss(ignore_index)
+        )
+    # 1. tensor (and sequence) parallelism over the tp axis.
+    if tp > 1:
+        apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
+    names, aliases = _one_device_names(model)
+    param_names = list(names.values())
+    # 2. context parallelism: not in this version (refused by the config checks).
+    # 3. pipeline split (pp > 1): keep this rank's pieces.
+    inner: nn.Module = model
+    if pp > 1:
+        shape = (full.micro_batch(mesh.world_size), full.train.seq_len) if full else (1, 0)
+        inner = split_for_pipeline(
+            model,
+            mesh,
+            chunks=p.chunks,
+            balance=p.balance,
+            profile_shape=shape,
+            seq_factor=tp if sp else 1,
+        )
+        for n, q in model.named_parameters():  # a copy made by the split (tied matrix)
+            names.setdefault(id(q), aliases.get(n, n))
     # 4. activation recomputation.
-    if recompute and recompute != "none":
-        apply_recompute(model, recompute)
-    # 5. ZeRO sharding or data parallelism.
+    if recompute != "none":
+        apply_recompute(inner, recompute)
+    # 5. ZeRO sharding or data parallelism over dp.
     plain = (
         p.zero == 0
         and not policy.needs_master_weights
         and policy.grad_reduce_dtype == policy.param_dtype
     )
+    wrapped: nn.Module
     if plain:
-        return DataParallel(
-            model,
+        wrapped = DataParallel(
+            inner, mesh, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters
+        )
+    else:
+        wrapped = ZeroDataParallel(
+            inner,
             mesh,
-            bucket_mb=p.bucket_mb,
+            stage=p.zero,
+            zero_shard_size=p.zero_shard_size if p.zero > 0 else None,
+            reshard_after_forward=p.reshard_after_forward,
+            prefetch=p.prefetch,
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.grad_reduce_dtype,
+            offload=p.offload,
             find_unused_parameters=p.find_unused_parameters,
         )
-    return ZeroDataParallel(
-        model,
-        mesh,
-        stage=p.zero,
-        shard_size=p.zero_shard_size if p.zero > 0 else None,
-        reshard_after_forward=p.reshard_after_forward,
-        prefetch=p.prefetch,
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.grad_reduce_dtype,
-        offload=p.offload,
-        find_unused_parameters=p.find_unused_parameters,
-    )
+    pipeline = None
+    if pp > 1:
+        m = full.pipeline_microbatches(mesh.world_size) if full else (p.microbatches or 2 * pp)
+        pipeline = PipelineEngine(
+            wrapped,
+            mesh,
+            loss_fn,
+            schedule=p.pipeline_schedule,
+            microbatches=m,
+            hidden_dim=_hidden_dim(model),
+            seq_factor=tp if sp else 1,
+        )
+    return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names)
+
+
+def _hidden_dim(model: nn.Module) -> int:
+    """The width of the activations passed between pipeline pieces."""
+    cfg = getattr(model, "cfg", None)
+    dim = getattr(cfg, "dim", None)
+    if not isinstance(dim, int):
+        raise TypeError(
+            f"pipeline parallelism needs the model's hidden width: {type(model).__name__} "
+            "has no cfg.dim (the pipeline split supports plait's built-in Transformer)"
+        )
+    return dim

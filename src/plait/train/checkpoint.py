@@ -1,9 +1,12 @@
-"""Sharded, atomic, resumable checkpoints of a :class:`~plait.train.trainer.Trainer`.
+"""Sharded, atomic, resumable checkpoints of a :class:`~plait.train.state.TrainState`.
 
-**Save** (every rank, at a step boundary): each rank describes the pieces it holds
-(:func:`local_pieces`: ZeRO flat-shard segments, tensor-parallel blocks, a pipeline
-stage's layers) and writes the ones no other rank writes (one replica of each) with their
-optimizer state and its own RNG states into ``rank<r>.safetensors`` inside a temporary
+Checkpoint code names no parallelism: it sees the model and optimizer only through the
+local-pieces protocol (:mod:`plait.pieces`, :mod:`plait.train.state`).
+
+**Save** (every rank, at a step boundary): each rank takes the pieces it holds from the
+optimizer (``local_pieces()``: one-device names, global shapes, the tensor-parallel
+block, the flat element range, which rank writes) and writes the ones it is the writer
+of with their optimizer state and its own RNG states into ``rank<r>.safetensors`` inside a temporary
 folder, fsynced, plus a small index; rank 0 then merges the indexes into
 ``metadata.json`` (global shapes, pieces, sha256 of every file, config, layout, step,
 schedule, loss scaler, sampler), fsyncs, renames the folder into place and only then
@@ -25,9 +28,8 @@ import dataclasses
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
@@ -36,8 +38,6 @@ from torch import nn
 from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.parallel.pipeline.engine import find_stages
-from plait.parallel.tensor.layers import shard_info
 from plait.train.checkpoint_meta import (
     FORMAT,
     LATEST,
@@ -46,7 +46,6 @@ from plait.train.checkpoint_meta import (
     CheckpointError,
     ParamEntry,
     Piece,
-    TPSplit,
     dtype_to_name,
     fsync_dir,
     json_bytes,
@@ -67,127 +66,30 @@ from plait.train.reshard import (
     load_weights_file,
     restore_rng,
 )
-
-if TYPE_CHECKING:
-    from plait.train.trainer import Trainer
+from plait.train.state import TrainState
 
 SaveHook = Callable[[str], None]
-_save_hook: SaveHook | None = None
-"""FOR TESTS ONLY: called after each durable stage of a save ("shard", "index",
-"metadata", "renamed", "latest") so a test can kill the process there."""
-
-
-def _stage(name: str) -> None:
-    if _save_hook is not None:
-        _save_hook(name)
-
-
-@dataclass
-class LocalPiece:
-    """A piece of one parameter this rank holds, and where its optimizer state lives."""
-
-    name: str
-    shape: list[int]  # global shape
-    tp: TPSplit | None
-    start: int
-    end: int
-    value: torch.Tensor  # (end - start,) the values (fp32 master where one exists)
-    opt_param: torch.Tensor  # the inner optimizer's key for this piece's state
-    param_dtype: torch.dtype
-    write: bool  # this rank is the one replica that writes it
-
-
-def _tp_of(
-    p: torch.Tensor, local_shape: tuple[int, ...], tp_index: int
-) -> tuple[TPSplit | None, list[int], bool]:
-    """(tp split, global shape, whether this tp rank writes) of a parameter."""
-    info = shard_info(p)
-    if info is None or info.dim is None:
-        return None, list(local_shape), tp_index == 0
-    split = TPSplit(info.dim, info.full, info.shards, info.replicas, info.block, tp_index)
-    shape = list(local_shape)
-    shape[info.dim] = info.full
-    return split, shape, tp_index % info.replicas == 0
-
-
-def local_pieces(trainer: Trainer) -> list[LocalPiece]:
-    """Every parameter piece this rank's optimizer steps, in a fixed order."""
-    mesh, opt = trainer.mesh, trainer.optimizer
-    tp_index = mesh.index("tp")
-    replica_first = mesh.index("cp") == 0
-    out: list[LocalPiece] = []
-    names = {id(p): n for n, p in trainer.base.named_parameters()}  # one-device names
-    stages = find_stages(trainer.model)  # pp > 1: the tied matrix is written by stage 0
-    skip = stages.tied if stages is not None and stages.pp_index > 0 else None
-    if stages is not None and stages.tied is not None:  # the last stage's copy of the
-        names[id(stages.tied)] = "tok_embeddings.weight"  # tied matrix: its one-device name
-    zero = opt.zero
-    if zero is not None:
-        replica_first = replica_first and zero.replicate_group.index == 0
-        for slot in opt.slots:
-            u = slot.unit
-            seg_of = {(s, e): seg for seg, s, e in slot.segments}
-            for i, s, e in u.local_segments():
-                seg = seg_of.get((s, e))
-                if seg is None:
-                    continue
-                p = u.params[i]
-                tp, shape, tp_write = _tp_of(p, tuple(u.shapes[i]), tp_index)
-                a = u.lo + s - u.offsets[i]
-                out.append(
-                    LocalPiece(
-                        names[id(p)],
-                        shape,
-                        tp,
-                        a,
-                        a + (e - s),
-                        slot.master[s:e],
-                        seg,
-                        zero.param_dtype,
-                        replica_first and tp_write and p is not skip,
-                    )
-                )
-        return out
-    replica_first = replica_first and mesh.index("dp") == 0
-    mine = {id(p) for p in trainer.model.parameters()}  # pp > 1: this stage's only
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if id(p) not in mine:
-                continue
-            tp, shape, tp_write = _tp_of(p, tuple(p.shape), tp_index)
-            out.append(
-                LocalPiece(
-                    names[id(p)],
-                    shape,
-                    tp,
-                    0,
-                    p.numel(),
-                    p.detach().reshape(-1),
-                    p,
-                    p.dtype,
-                    replica_first and tp_write and p is not skip,
-                )
-            )
-    return out
+"""Called after each durable stage of a save ("shard", "index", "metadata", "renamed",
+"latest"); tests use it (:attr:`Checkpointing.on_stage`) to kill a save midway."""
 
 
 # ---------------------------------------------------------------------------- save
 
 
-def _rank_payload(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _rank_payload(ts: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's tensors and its index (pieces with global shapes, RNG scalars)."""
-    rank = trainer.mesh.rank
+    rank = ts.mesh.rank
     fname = rank_filename(rank)
-    tensors, rng = rng_payload(trainer.device)
+    tensors, rng = rng_payload(ts.device)
     params: dict[str, dict[str, Any]] = {}
-    state = trainer.optimizer.state
-    for lp in local_pieces(trainer):
+    state = ts.optimizer.inner.state
+    for lp in ts.optimizer.local_pieces():
         if not lp.write:
             continue
         tag = f"{lp.name}/{lp.start}"
         piece = Piece(fname, lp.start, lp.end, lp.tp, {"param": f"param/{tag}"})
         tensors[f"param/{tag}"] = lp.value.detach().to("cpu", copy=True)
-        for k, v in state.get(lp.opt_param, {}).items():
+        for k, v in state.get(lp.key, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise CheckpointError(f"optimizer state {k!r} of {lp.name} is not a tensor")
             if v.dim() == 0:
@@ -199,7 +101,7 @@ def _rank_payload(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, 
         entry = params.setdefault(
             lp.name,
             ParamEntry(
-                lp.shape, dtype_to_name(lp.value.dtype), dtype_to_name(lp.param_dtype)
+                lp.shape, dtype_to_name(lp.value.dtype), dtype_to_name(lp.dtype)
             ).to_json(),
         )
         entry["pieces"].append(piece.to_json())
@@ -207,7 +109,7 @@ def _rank_payload(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, index
 
 
-def _merge(trainer: Trainer, step: int, indexes: list[dict[str, Any]]) -> dict[str, Any]:
+def _merge(ts: TrainState, step: int, indexes: list[dict[str, Any]]) -> dict[str, Any]:
     """``metadata.json`` from every rank's index (rank 0)."""
     params: dict[str, dict[str, Any]] = {}
     for ix in indexes:
@@ -222,22 +124,22 @@ def _merge(trainer: Trainer, step: int, indexes: list[dict[str, Any]]) -> dict[s
                     f"vs {e['shape']} {e['dtype']}"
                 )
             have["pieces"].extend(e["pieces"])
-    rank_of = {n: i for i, (n, _) in enumerate(trainer.base.named_parameters())}
+    rank_of = {n: i for i, n in enumerate(ts.model.param_names)}
     params = {n: params[n] for n in sorted(params, key=lambda n: (rank_of.get(n, len(rank_of)), n))}
-    cfg, mesh = trainer.cfg, trainer.mesh
-    opt = trainer.optimizer
+    cfg, mesh = ts.config, ts.mesh
+    opt = ts.optimizer
     return {
         "format": FORMAT,
         "version": VERSION,
         "step": step,
-        "sched_step": trainer.sched_step,
+        "sched_step": ts.sched_step,
         "optimizer": {
             "class": type(opt.inner).__name__,
             "steps": opt.steps,
             "skipped": opt.skipped,
             "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         },
-        "sampler": {**trainer.sampler.state_dict(), "step": step},
+        "sampler": {**ts.sampler.state_dict(), "step": step},
         "layout": {
             "world_size": mesh.world_size,
             **{a: mesh.size(a) for a in ("dp", "tp", "pp", "cp")},
@@ -260,10 +162,17 @@ def _barrier(mesh: Mesh) -> None:
         comm.barrier(mesh.world())
 
 
-def save_checkpoint(trainer: Trainer, root: str | Path, step: int, keep: int) -> Path:
+def save_checkpoint(
+    ts: TrainState, root: str | Path, step: int, keep: int, on_stage: SaveHook | None = None
+) -> Path:
     """Write the checkpoint of ``step`` (optimizer steps done) under ``root`` on every
     rank (collective); returns its folder. See the module docstring for the protocol."""
-    mesh = trainer.mesh
+    mesh = ts.mesh
+
+    def _stage(name: str) -> None:
+        if on_stage is not None:
+            on_stage(name)
+
     root = Path(root)
     final = root / step_dirname(step)
     tmp = root / f".tmp-{final.name}"
@@ -272,7 +181,7 @@ def save_checkpoint(trainer: Trainer, root: str | Path, step: int, keep: int) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(mesh)
-    tensors, index = _rank_payload(trainer)
+    tensors, index = _rank_payload(ts)
     data = st_save(tensors)
     write_durable(tmp / index["file"], data)
     index["checksum"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
@@ -283,7 +192,7 @@ def save_checkpoint(trainer: Trainer, root: str | Path, step: int, keep: int) ->
     if mesh.rank == 0:
         parts = [tmp / f"rank{r:05d}.json" for r in range(mesh.world_size)]
         indexes = [json.loads(p.read_text("utf-8")) for p in parts]
-        write_durable(tmp / METADATA, json_bytes(_merge(trainer, step, indexes)))
+        write_durable(tmp / METADATA, json_bytes(_merge(ts, step, indexes)))
         for p in parts:
             p.unlink()
         fsync_dir(tmp)
@@ -319,43 +228,38 @@ def prune(root: Path, keep: int) -> list[Path]:
 
 
 @torch.no_grad()
-def restore_training_state(trainer: Trainer, reader: CheckpointReader) -> int:
+def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     """Optimizer state of this rank's pieces, counters, scaler, sampler, RNG; returns
     the step to continue from."""
     meta = reader.meta
-    opt = trainer.optimizer
-    for lp in local_pieces(trainer):
+    opt = ts.optimizer
+    for lp in opt.local_pieces():
         state: dict[str, torch.Tensor] = {}
         for kind in reader.kinds(lp.name):
             if kind == "param":
                 continue
             vals = reader.read(lp.name, kind, lp.tp, lp.start, lp.end)
-            state[kind] = vals.to(lp.opt_param.device).view(lp.opt_param.shape).clone()
+            state[kind] = vals.to(lp.key.device).view(lp.key.shape).clone()
         for s in reader.scalar_names(lp.name):
             v = reader.scalar(lp.name, s)
             if v is not None:
                 state[s] = v.clone()
         if state:
-            opt.inner.state[lp.opt_param] = state
+            opt.inner.state[lp.key] = state
     o = meta["optimizer"]
     opt.steps, opt.skipped = int(o["steps"]), int(o["skipped"])
     if opt.scaler is not None and o.get("scaler"):
         opt.scaler.load_state_dict(o["scaler"])
-    trainer.sched_step = int(meta["sched_step"])
-    trainer.sampler.load_state_dict(meta["sampler"])
-    restore_rng(reader, trainer.mesh.rank, trainer.device)
+    ts.sched_step = int(meta["sched_step"])
+    ts.sampler.load_state_dict(meta["sampler"])
+    restore_rng(reader, ts.mesh.rank, ts.device)
     return reader.step
 
 
 def check_start(cfg: Config, world: int) -> None:
-    """Before any process starts: the resume / init-from sources exist, and the fault
-    injection rank (tests) is in the world. Raises :class:`CheckpointError`."""
+    """Before any process starts: the resume / init-from sources exist. Raises
+    :class:`CheckpointError`."""
     t = cfg.train
-    if t.fault_inject_step and not 0 <= t.fault_inject_rank < world:
-        raise CheckpointError(
-            f"train.fault_inject_rank = {t.fault_inject_rank} is not a rank of a world of "
-            f"{world}; use 0..{world - 1}."
-        )
     if t.resume in ("latest", "auto"):
         root = Path(t.checkpoint_dir or ".")
         if t.resume == "latest" and read_latest(root) is None and not list_steps(root):
@@ -389,6 +293,8 @@ class Checkpointing:
         self.reader = find_checkpoint(mode, self.root, mesh.rank == 0) if mode else None
         self.init_from = t.init_from
         self.saved: list[Path] = []
+        self.on_stage: SaveHook | None = None
+        """Called after each durable stage of every save (tests kill a save midway)."""
 
     @property
     def resume_step(self) -> int:
@@ -409,28 +315,27 @@ class Checkpointing:
         elif self.init_from:
             load_weights(model, load_weights_file(self.init_from), self.init_from)
 
-    def restore(self, trainer: Trainer) -> int:
-        """Everything else once the optimizer exists; the step to continue from."""
+    def restore(self, ts: TrainState, say: Callable[[str], None] | None = None) -> int:
+        """Everything else once the optimizer exists; the step to continue from. ``say``
+        (rank 0's progress messages) hears where the run started from."""
         if self.reader is None:
-            if self.init_from and trainer.is_main:
-                trainer.progress.message(f"plait: started from the weights in {self.init_from}")
+            if self.init_from and say is not None:
+                say(f"plait: started from the weights in {self.init_from}")
             return 0
-        step = restore_training_state(trainer, self.reader)
-        if trainer.is_main:
+        step = restore_training_state(ts, self.reader)
+        if say is not None:
             how = f" (elastic restart {restart_count()})" if restart_count() else ""
-            trainer.progress.message(
-                f"plait: resumed from {self.reader.folder} at step {step}{how}"
-            )
+            say(f"plait: resumed from {self.reader.folder} at step {step}{how}")
         self.reader = None  # free the cached tensors
         return step
 
-    def after_step(self, trainer: Trainer, done: int, stop: bool) -> Path | None:
-        """Save after ``done`` steps when due (every k, the last step, a stop request)."""
+    def after_step(self, ts: TrainState, done: int, last: int, stop: bool) -> Path | None:
+        """Save after ``done`` steps when due (every k, the ``last`` step, a stop request)."""
         if self.root is None:
             return None
         due = self.every > 0 and done % self.every == 0
-        if not (due or stop or done == trainer.cfg.train.steps):
+        if not (due or stop or done == last):
             return None
-        path = save_checkpoint(trainer, self.root, done, self.keep)
+        path = save_checkpoint(ts, self.root, done, self.keep, self.on_stage)
         self.saved.append(path)
         return path

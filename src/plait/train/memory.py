@@ -121,7 +121,7 @@ def memory_report(model: nn.Module, optimizer: object | None = None, rank: int =
     ``model`` may be a :class:`~plait.parallel.zero.ZeroDataParallel`, a
     :class:`~plait.parallel.data.DataParallel` (whose bucket buffers count as gradients:
     they hold a second copy during the all-reduce) or any module; ``optimizer`` a
-    :class:`~plait.parallel.zero.optim.ZeroOptimizer` or a ``torch.optim`` optimizer.
+    :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
     """
     from plait.parallel.zero import ZeroDataParallel
 

@@ -6,9 +6,11 @@ it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided
 number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
 is the mean over the global batch whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
-keep only gradient shards).
+keep only gradient shards). Checkpoints see a :class:`~plait.train.state.TrainState`.
 
-The optimizer is always a :class:`~plait.parallel.zero.optim.ZeroOptimizer` around
+The trainer uses only the public path a user's own loop uses: ``parallelize`` returns a
+:class:`~plait.parallel.parallelize.ParallelModel` whose ``step`` runs forward and
+backward (the pipeline schedule when pp > 1), and :class:`plait.optim.Optimizer` wraps
 AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradient
 norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not
 finite. A skipped step leaves weights, optimizer state and the learning-rate schedule's
@@ -20,32 +22,26 @@ step's metrics.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from plait import comm
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.model import Transformer, flops_per_token, lm_loss, param_count
+from plait.model import Transformer, flops_per_token, param_count
+from plait.optim import Optimizer, StepReport
+from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
-from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer
 from plait.parallel.precision import DynamicLossScaler
-from plait.parallel.tensor.loss import vocab_parallel_loss
-from plait.parallel.tensor.optim import TensorParallelOptimizer
-from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero.optim import StepReport, ZeroOptimizer
 from plait.train.checkpoint import Checkpointing
 from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
 from plait.train.faults import FaultMonitor
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
+from plait.train.state import TrainState
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -93,7 +89,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: Mesh, show_progress: bool = True) -> None:
         world = mesh.world_size
-        cfg.validate(world)
+        validate_run(cfg, world)
         self.cfg = cfg
         self.mesh = mesh
         self.device = mesh.device
@@ -103,33 +99,22 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
-        self.base = base
         self.checkpoints = Checkpointing(cfg, mesh)  # resume / init_from, periodic saves
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
-        self.tp = mesh.size("tp")  # tp > 1: logits vocabulary-sharded, norm summed over tp
-        self.loss_fn = vocab_parallel_loss(mesh, cfg.model.vocab_size) if self.tp > 1 else lm_loss
-        pp = mesh.size("pp") > 1  # the step runs the pipeline schedule (PipelineEngine)
-        self.pipe = PipelineEngine(self.model, mesh, cfg, self.loss_fn) if pp else None
         prec = cfg.precision
         scaler = (
             DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
             if prec.dtype == "fp16"
             else None
         )
-        opt_kw: dict[str, Any] = {
-            "max_norm": cfg.train.grad_clip,
-            "scaler": scaler,
-            "nonfinite": prec.nonfinite,
-        }
-        self.optimizer = (
-            ZeroOptimizer(self.model, make_optimizer(base, cfg), **opt_kw)
-            if self.tp == 1 and not pp  # tp > 1: the clipping norm summed over tp too
-            else TensorParallelOptimizer(self.model, make_optimizer(base, cfg), mesh, **opt_kw)
-            if not pp  # pp > 1: also over the pipeline stages
-            else PipelineOptimizer(self.model, make_optimizer(base, cfg), mesh, **opt_kw)
+        self.optimizer = Optimizer(
+            self.model,
+            make_optimizer(self.model, cfg),
+            max_norm=cfg.train.grad_clip,
+            scaler=scaler,
+            nonfinite=prec.nonfinite,
         )
-        self.sched_step = 0  # applied (not skipped) optimizer steps: the schedule's clock
 
         tokens = load_tokens(cfg.data)
         train_tokens, val_tokens = split_train_val(tokens, cfg.data.val_fraction)
@@ -143,6 +128,7 @@ class Trainer:
         self.val_sampler = BatchSampler(
             len(self.val_set), cfg.train.global_batch, dp_rank, dp, seed + 1
         )
+        self.state = TrainState(self.model, self.optimizer, self.sampler, mesh, cfg)
 
         self.params = param_count(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -154,24 +140,21 @@ class Trainer:
             cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and show_progress
         )
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
-        self.start_step = self.checkpoints.restore(self)  # optimizer, schedule, sampler, RNG
+        say = self.progress.message if self.is_main else None
+        self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
+
+    @property
+    def sched_step(self) -> int:
+        """Applied (not skipped) optimizer steps: the learning-rate schedule's clock."""
+        return self.state.sched_step
 
     # ------------------------------------------------------------------ pieces
 
-    def _micro_batches(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for idx in self.sampler.micro_batches(step, self.micro_batch):
-            x, y = self.train_set.batch(idx)  # (micro, seq), (micro, seq)
-            yield x.to(self.device), y.to(self.device)
-
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)  # (micro, seq, vocab) or, tp > 1, (micro, seq, padded vocab/tp)
-        return self.loss_fn(logits.float(), y)
-
-    def _global_mean(self, value: torch.Tensor) -> float:
-        """Average a scalar over the data-parallel ranks."""
-        v = value.detach().to(torch.float64).reshape(1).clone()
-        comm.all_reduce(v, self.mesh.axis("dp"), op="avg")
-        return float(v.item())
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of step ``step``'s global batch, ``(batch, seq)`` twice."""
+        idx = self.sampler.rank_indices(step)
+        x, y = self.train_set.batch(idx)  # (per-rank batch, seq), (per-rank batch, seq)
+        return x.to(self.device), y.to(self.device)
 
     def train_step(self, step: int) -> tuple[float, StepReport]:
         """One optimizer step on the data of step ``step``; returns (global mean loss,
@@ -179,47 +162,32 @@ class Trainer:
         lr = lr_at(self.sched_step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        batches = self._micro_batches(step)
-        if self.pipe is not None:  # the schedule runs every micro-batch, dp-reduced
-            xs, ys = zip(*batches, strict=True)
-            scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
-            total += self.pipe.train(torch.cat(xs), torch.cat(ys), scale)
-            batches = iter(())
-        for k, (x, y) in enumerate(batches):
-            last = k == self.accum - 1
-            no_sync = getattr(self.model, "no_sync", None)
-            sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-            with sync:
-                loss = self._loss(x, y)
-                self.optimizer.scale_loss(loss / self.accum).backward()
-            total += loss.detach().double() / self.accum
-        mean = self._global_mean(total)
+        x, y = self._batch(step)
+        loss = self.model.step(
+            x, y, micro_batches=self.accum, loss_scale=self.optimizer.loss_scale
+        )
+        mean = float(loss.item())
         report = self.optimizer.step(loss_finite=math.isfinite(mean))
         self.optimizer.zero_grad(set_to_none=True)
         if not report.skipped:
-            self.sched_step += 1
+            self.state.sched_step += 1
         return mean, report
 
     def memory_report(self) -> MemoryReport:
         """Exact bytes of this rank's parameters, gradients, masters, optimizer state."""
-        return memory_report(self.model, self.optimizer, self.mesh.rank)
+        return memory_report(self.model.module, self.optimizer, self.mesh.rank)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``train.eval_batches`` global batches."""
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = 0.0
         n = self.cfg.train.eval_batches
         for b in range(n):
-            idx = self.val_sampler.rank_indices(b)
-            x, y = self.val_set.batch(idx)
-            if self.pipe is not None:
-                total += self.pipe.evaluate(x.to(self.device), y.to(self.device)) / n
-                continue
-            total += self._loss(x.to(self.device), y.to(self.device)).double() / n
+            x, y = self.val_set.batch(self.val_sampler.rank_indices(b))
+            total += float(self.model.evaluate(x.to(self.device), y.to(self.device))) / n
         self.model.train()
-        return self._global_mean(total)
+        return total
 
     # ------------------------------------------------------------------ loop
 
@@ -241,7 +209,7 @@ class Trainer:
             t0 = time.perf_counter()
             loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
-            if self.pipe is not None and cfg.log.timeline and step == t.steps - 1:
+            if self.model.pipeline is not None and cfg.log.timeline and step == t.steps - 1:
                 self._draw_timeline(cfg.log.timeline)
             health = self.faults.after_step(dt, self.mesh.stats.total_seconds() - secs0)
             mem = None
@@ -279,7 +247,7 @@ class Trainer:
             self.progress.update(m)
             if health.stragglers and self.is_main:
                 self.progress.message(self.faults.describe(n, health))
-            self.checkpoints.after_step(self, n, stop=health.stop)
+            self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
             if health.stop:
                 break
         self.progress.close()
@@ -291,12 +259,13 @@ class Trainer:
 
     def _draw_timeline(self, path: str) -> None:
         """Write the last step's measured pipeline timeline to ``path`` (rank 0 draws)."""
-        assert self.pipe is not None
-        records = self.pipe.gather_timeline()  # collective over pp
+        pipe = self.model.pipeline
+        assert pipe is not None
+        records = pipe.gather_timeline()  # collective over pp
         if records is not None and self.is_main:
             from plait.viz import draw_timeline
 
-            s = self.pipe.schedule
+            s = pipe.schedule
             bubble = draw_timeline(
                 records,
                 path,
@@ -315,24 +284,9 @@ class Trainer:
             if t.scale_lr
             else f"lr {t.lr:.2e}"
         )
-        if isinstance(self.model, ZeroDataParallel):
-            z = self.model
-            zero_note = (
-                f"ZeRO stage {z.stage} over dp: shard groups of {z.shard_group.size}, "
-                f"replicated x{z.replicate_group.size}, {len(z.units)} units"
-                + (f", offload {z.offload}" if z.offload != "none" else "")
-            )
-        else:
-            zero_note = "plain data parallel (bucketed all-reduce)"
-        if self.tp > 1:
-            sp = cfg.parallel.sequence_parallel
-            sp_note = ", sequence parallel" if sp else ""
-            zero_note = (
-                f"tensor parallel tp {self.tp} (Megatron plan, vocabulary-parallel loss"
-                f"{sp_note}); {zero_note}"
-            )
-        if self.pipe is not None:
-            zero_note = f"{self.pipe.describe()}; {zero_note}"
+        zero_note = self.model.describe()
+        if cfg.parallel.sequence_parallel and self.mesh.size("tp") > 1:
+            zero_note += "; sequence parallel"
         prec = cfg.precision
         prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
             prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype

@@ -2,7 +2,7 @@
 
 Parity protocol (as in test_runtime.py): the built-in transformer (8 blocks, 4 heads, 2
 KV heads) is built from one seed in float64; the reference runs STEPS AdamW steps in
-the pytest process on the whole global batch through :class:`ZeroOptimizer` with
+the pytest process on the whole global batch through :class:`Optimizer` with
 global-norm clipping at CLIP (engaged: the first step's norm is above it). Each layout
 applies tensor parallelism (tp > 1), ``split_for_pipeline``, then ``DataParallel`` or
 ZeRO-1 over dp, and steps a :class:`PipelineOptimizer` (clipping norm over dp shards,
@@ -35,7 +35,7 @@ from plait.parallel.tensor.plan import (
     gather_full_state,
 )
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero.optim import ZeroOptimizer
+from plait.optim import Optimizer
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.pipeline.test_runtime import (
     BATCH,
@@ -54,7 +54,7 @@ RTOL, ATOL = 1e-9, 1e-11
 
 def reference(tied: bool) -> dict[str, object]:
     model = Transformer(model_config(tied=tied), seed=3).double()
-    opt = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
+    opt = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
     losses, norms = [], []
     for x, y in batches():
         loss = loss64(model(x), y)

@@ -4,7 +4,7 @@ Both optimizer wrappers sum the squared gradient norm over the tp axis, counting
 tensor held identically by k tp ranks 1/k on each rank:
 :class:`~plait.parallel.tensor.optim.TensorParallelOptimizer` (what the trainer uses at
 tp > 1; the mesh is explicit, so a bare module works) and
-:class:`~plait.parallel.zero.optim.ZeroOptimizer` (reads the mesh of the DataParallel /
+:class:`~plait.parallel.zero.optim.Optimizer` (reads the mesh of the DataParallel /
 ZeRO wrapper).
 
 Protocol: the model of ``test_tensor_model`` (vocab 37 padded, 4 heads, 2 KV heads: at
@@ -26,14 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from plait.model import Transformer
+from plait.optim import Optimizer
 from plait.parallel.data import DataParallel
 from plait.parallel.tensor.loss import vocab_parallel_loss
-from plait.parallel.tensor.optim import TensorParallelOptimizer
 from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
     gather_full_state,
 )
-from plait.parallel.zero.optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.tensor.test_model import FP32_ROPE, GLOBAL_BATCH, IGN, V, _batches, _cfg
 
@@ -63,9 +62,9 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
     model = apply_tensor_parallel(Transformer(_cfg(tie), seed=7).double(), mesh)
     wrapped: torch.nn.Module = model if kind == "bare" else DataParallel(model, mesh)
     opt = (
-        ZeroOptimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
+        Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
         if kind == "zero_optim"
-        else TensorParallelOptimizer(wrapped, _adamw(model.parameters()), mesh, max_norm=MAX_NORM)
+        else Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
     )
     loss_fn = vocab_parallel_loss(mesh, V)
     r, per = mesh.index("dp"), GLOBAL_BATCH // dp
@@ -81,7 +80,7 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
     ("dp", "tp", "tie", "kind"),
     [
         pytest.param(1, 4, True, "bare", id="tp4-kv-replicated-tied-bare"),
-        pytest.param(1, 4, True, "zero_optim", id="tp4-kv-replicated-tied-ZeroOptimizer"),
+        pytest.param(1, 4, True, "zero_optim", id="tp4-kv-replicated-tied-Optimizer"),
         pytest.param(2, 2, False, "dp", id="dp2xtp2"),
     ],
 )
@@ -89,7 +88,7 @@ def test_clipping_norm_matches_one_process(
     pools: Pools, dp: int, tp: int, tie: bool, kind: str
 ) -> None:
     """ "bare": TensorParallelOptimizer on the TP model itself; "dp": on DataParallel
-    over dp; "zero_optim": ZeroOptimizer on DataParallel (ZeRO stages on TP shards:
+    over dp; "zero_optim": Optimizer on DataParallel (ZeRO stages on TP shards:
     tests/parallel/zero/test_zero.py)."""
     want_norms, want_weights = _reference(tie)
     assert min(want_norms) > MAX_NORM  # every step clips

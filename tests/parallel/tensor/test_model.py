@@ -179,15 +179,15 @@ def test_parity_with_one_process(
 
 def _body_zero(ctx: WorkerContext, stage: int, sp: bool, dtype: str) -> dict[str, object]:
     """dp2 x tp2 with ZeRO over dp: the TP model's local shards are ZeRO's parameters."""
+    from plait.optim import Optimizer
     from plait.parallel.zero import ZeroDataParallel
-    from plait.parallel.zero.optim import ZeroOptimizer
 
     mesh = ctx.mesh(dp=2, tp=2)
     model = Transformer(_cfg(kv=2), seed=7)
     model = apply_tensor_parallel(model.double() if dtype == "fp64" else model, mesh, sp)
     low = {"param_dtype": "bf16", "reduce_dtype": "fp32"} if dtype == "bf16" else {}
     wrapped = ZeroDataParallel(model, mesh, stage=stage, **low)  # type: ignore[arg-type]
-    opt = ZeroOptimizer(wrapped, _optimizer(model))
+    opt = Optimizer(wrapped, _optimizer(model))
     loss_fn = vocab_parallel_loss(mesh, V)
     r, per = mesh.index("dp"), GLOBAL_BATCH // 2
     losses = []

@@ -1,64 +1,61 @@
-"""The pipeline as the trainer sees it: schedule and runtime from the config, and the
-optimizer whose clipping norm spans every pipeline stage.
+"""The pipeline as ``parallelize`` sets it up: the split, the schedule and the runtime.
 
-:func:`find_stages` locates this rank's :class:`~plait.parallel.pipeline.split.
-PipelineStages` inside the (data-parallel / ZeRO) wrapper that ``parallelize``
-returns. :class:`PipelineEngine` builds the schedule named by
-``parallel.pipeline_schedule`` and a :class:`~plait.parallel.pipeline.runtime.
-PipelineRuntime` with the activation shape ``(micro, seq, dim)`` (``seq / tp`` under
-sequence parallelism), and runs one training step (:func:`~plait.parallel.pipeline.
-runtime.pipeline_step`) or one evaluation pass, returning the mean loss on every rank of
-the pipeline.
-
-:class:`PipelineOptimizer` clips by the global gradient norm of the whole model: the
-local squared norms (weighted over tp as in :class:`~plait.parallel.tensor.optim.
-TensorParallelOptimizer`) are summed over the ZeRO shard group, tp and pp. The last
-stage's copy of a tied embedding matrix is left out of its sum (the first stage's copy,
-equal after :meth:`~plait.parallel.pipeline.split.PipelineStages.sync_tied_grads`,
-counts it once).
+:func:`split_for_pipeline` is ``parallelize``'s pipeline step: it cuts the full model
+into pieces (equal block counts or balanced by measured cost) and keeps this rank's.
+:func:`find_stages` locates those :class:`~plait.parallel.pipeline.split.PipelineStages`
+inside the (data-parallel / ZeRO) wrapper. :class:`PipelineEngine` builds the named
+schedule and a :class:`~plait.parallel.pipeline.runtime.PipelineRuntime`, and runs one
+training step (:func:`~plait.parallel.pipeline.runtime.pipeline_step`) or one
+evaluation pass, returning the mean loss on every rank of the pipeline; it is the
+driver behind :meth:`plait.parallel.parallelize.ParallelModel.step` when pp > 1.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait import comm
-from plait.comm import AxisGroup
-from plait.config import Config, ModelConfig, ParallelConfig
+from plait.config import Balance
 from plait.mesh import Mesh
 from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.split import PipelineStages, StagePiece, split_transformer
-from plait.parallel.tensor.optim import TensorParallelOptimizer
 
 
-def split_for_pipeline(model: nn.Module, mesh: Mesh, cfg: Config | ParallelConfig) -> nn.Module:
-    """``parallelize``'s step 3: this rank's :class:`PipelineStages` of the full model.
+def split_for_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    *,
+    chunks: int = 1,
+    balance: Balance = "equal",
+    profile_shape: tuple[int, int] = (1, 0),
+    seq_factor: int = 1,
+) -> PipelineStages:
+    """This rank's :class:`PipelineStages` of the full model: ``mesh.size("pp") x
+    chunks`` pieces of contiguous blocks.
 
-    Boundaries follow ``parallel.balance``: "equal" block counts, or "measured" (every
-    rank profiles the full model on one micro-batch of the run's shape, the profiles are
-    averaged, and the split minimising the slowest piece is taken; rank 0 prints both
-    splits with their predicted per-piece times).
+    Boundaries follow ``balance``: "equal" block counts, or "measured" (every rank
+    profiles the full model on one micro-batch of ``profile_shape`` = (micro-batch,
+    sequence length; 0: the model's longest), the profiles are averaged, and the split
+    minimising the slowest piece is taken; rank 0 prints both splits with their
+    predicted per-piece times). ``seq_factor`` is tp under sequence parallelism.
     """
-    p = cfg.parallel if isinstance(cfg, Config) else cfg
-    tp = mesh.size("tp")
-    seq_factor = tp if p.sequence_parallel and tp > 1 else 1
-    if isinstance(cfg, Config):
-        micro, seq = cfg.micro_batch(mesh.world_size), cfg.train.seq_len
-    else:
-        micro, seq = 1, cast(ModelConfig, model.cfg).max_seq_len
-    pieces = mesh.size("pp") * p.chunks
-    bounds, text = choose_boundaries(model, mesh, pieces, p.balance, micro, seq, seq_factor)
-    if p.balance == "measured" and mesh.rank == 0:
+    micro, seq = profile_shape
+    if seq <= 0:
+        cfg = getattr(model, "cfg", None)
+        seq = int(getattr(cfg, "max_seq_len", 128))
+    pieces = mesh.size("pp") * chunks
+    bounds, text = choose_boundaries(model, mesh, pieces, balance, micro, seq, seq_factor)
+    if balance == "measured" and mesh.rank == 0:
         print(text, flush=True)
-    return split_transformer(model, mesh, p.chunks, bounds, seq_factor)
+    return split_transformer(model, mesh, chunks, bounds, seq_factor)
 
 
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+def at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     """16-bit logits are cast to float32 for the loss; float32/float64 stay as they are."""
     return t.float() if t.element_size() < 4 else t
 
@@ -72,43 +69,81 @@ def find_stages(model: nn.Module) -> PipelineStages | None:
 
 
 class PipelineEngine:
-    """Schedule + runtime for a ``parallelize``-d model on a mesh with pp > 1."""
+    """Schedule + runtime for this rank's pipeline pieces on a mesh with pp > 1.
 
-    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, loss_fn: LossFn) -> None:
+    Args:
+        model: the (data-parallel / ZeRO) wrapper around this rank's
+            :class:`PipelineStages` (``find_stages`` locates them).
+        mesh: the device mesh (its pp axis carries the messages).
+        loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
+        schedule: the schedule's name (``naive``, ``gpipe``, ``1f1b``, ``interleaved``,
+            ``zb``).
+        microbatches: m, the micro-batches each step's batch is cut into.
+        hidden_dim: width of the activations passed between pieces.
+        seq_factor: tp under sequence parallelism (messages hold ``seq / tp``
+            positions), else 1.
+
+    The message shape ``(batch / m, seq / seq_factor, hidden_dim)`` follows each call's
+    tokens, so training and evaluation batches may differ.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        loss_fn: LossFn,
+        *,
+        schedule: str,
+        microbatches: int,
+        hidden_dim: int,
+        seq_factor: int = 1,
+    ) -> None:
         stages = find_stages(model)
         if stages is None:
             raise ValueError("the model is not split for pipeline parallelism (pp = 1?)")
-        p, t = cfg.parallel, cfg.train
-        world = mesh.world_size
-        m = cfg.pipeline_microbatches(world)
         self.model = model
         self.stages = stages
+        self.hidden_dim = hidden_dim
+        self.seq_factor = seq_factor
         # NCCL's grouped send/recv is a rendezvous: place messages so that no batch
         # waits on a send whose receive comes later (the validator's rendezvous model).
         placement = "lockstep" if comm.world_backend() == "nccl" else "adjacent"
+        chunks = len(stages.chunks)
         self.schedule = build_schedule(
-            p.pipeline_schedule, mesh.size("pp"), m, p.chunks, placement=placement
+            schedule, mesh.size("pp"), microbatches, chunks, placement=placement
         )
-        seq = t.seq_len // (mesh.size("tp") if p.sequence_parallel else 1)
         dtype = next(stages.parameters()).dtype
         self.runtime = PipelineRuntime(
             stages,
             self.schedule,
             mesh.axis("pp"),
-            lambda logits, targets: loss_fn(_at_least_fp32(logits), targets),
-            (cfg.micro_batch(world), seq, cfg.model.dim),
+            lambda logits, targets: loss_fn(at_least_fp32(logits), targets),
+            (1, 1, hidden_dim),  # set from each batch (see _shape_for)
             dtype,
             mesh.device,
         )
 
+    def _shape_for(self, tokens: torch.Tensor) -> None:
+        """Size the activation messages for a batch ``(batch, seq)`` of tokens."""
+        m = self.schedule.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(
+                f"a batch of {tokens.shape[0]} sequences does not split into the "
+                f"pipeline's {m} micro-batches; use a multiple of {m}"
+            )
+        seq = tokens.shape[1] // self.seq_factor
+        self.runtime.act_shape = (tokens.shape[0] // m, seq, self.hidden_dim)
+
     def train(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> float:
         """Forward + backward of this rank's batch ``(batch, seq)``; gradients reduced
         over dp; returns the mean loss on every pipeline rank."""
+        self._shape_for(tokens)
         return pipeline_step(self.model, self.runtime, tokens, targets, scale)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The mean loss of one batch (forward actions only), on every pipeline rank."""
+        self._shape_for(tokens)
         return self.runtime.loss_to_all(self.runtime.forward_loss(tokens, targets))
 
     def gather_timeline(self) -> list[tuple[int, Any, float, float]] | None:
@@ -146,25 +181,3 @@ class PipelineEngine:
             f"pipeline {s.name}: pp {s.stages} x chunks {s.chunks}, {s.microbatches} "
             f"micro-batches per step; boundaries {b}; this rank: {mine}"
         )
-
-
-class PipelineOptimizer(TensorParallelOptimizer):
-    """A :class:`TensorParallelOptimizer` whose clipping norm also spans the pp axis."""
-
-    def __init__(self, model: nn.Module, optimizer: Any, mesh: Mesh, **kwargs: Any) -> None:
-        stages = find_stages(model)
-        last = stages is not None and stages.pp_index == stages.stages - 1
-        self._skip = stages.tied if stages is not None and last else None  # before the slots
-        super().__init__(model, optimizer, mesh, **kwargs)
-        self.pp_group = mesh.axis("pp")
-
-    def _norm_weight(self, p: torch.Tensor) -> float:
-        if p is self._skip:
-            return 0.0  # the first stage counts the tied matrix
-        return super()._norm_weight(p)
-
-    def _norm_groups(self) -> list[AxisGroup]:
-        groups = super()._norm_groups()  # ZeRO shards of a stage, tensor-parallel pieces
-        if self.pp_group.size > 1:
-            groups.append(self.pp_group)  # pipeline stages
-        return groups

@@ -45,6 +45,7 @@ from plait.parallel.tensor.sequence import (
     leave_region,
     mark_sequence_parallel,
 )
+from plait.pieces import LocalPiece, TPSplit
 
 _ATTR = "plait_tp"
 
@@ -101,6 +102,19 @@ class TPShard:
 def shard_info(p: torch.Tensor) -> TPShard | None:
     """The :class:`TPShard` of a parameter placed by tensor parallelism (None otherwise)."""
     return getattr(p, _ATTR, None)
+
+
+def tensor_parallel_piece(piece: LocalPiece, tp_index: int) -> LocalPiece:
+    """``piece`` of a (possibly) tensor-parallel parameter in one-device terms: the
+    global shape and the block this tp rank holds; only one tp rank writes a tensor held
+    whole or replicated (``index % replicas == 0``)."""
+    info = shard_info(piece.key)
+    if info is None or info.dim is None:
+        return piece.but(write=piece.write and tp_index == 0)
+    split = TPSplit(info.dim, info.full, info.shards, info.replicas, info.block, tp_index)
+    shape = list(piece.shape)
+    shape[info.dim] = info.full
+    return piece.but(tp=split, shape=shape, write=piece.write and tp_index % info.replicas == 0)
 
 
 def set_shard_info(p: nn.Parameter, info: TPShard) -> nn.Parameter:

@@ -131,6 +131,24 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
     return out
 
 
+def vocab_size_of(model: nn.Module, plan: Plan | None = None) -> int:
+    """The vocabulary size of ``model``'s head: the output features of the module the
+    plan (default :data:`TRANSFORMER_TP_PLAN`) marks ``vocab_head``. Call it before
+    :func:`apply_tensor_parallel` (whose loss needs it); raises :class:`ConfigError`
+    when the plan has no vocabulary head."""
+    styles = resolve_plan(model, TRANSFORMER_TP_PLAN if plan is None else plan)
+    heads = [n for n, s in styles.items() if s == "vocab_head"]
+    if not heads:
+        raise ConfigError(
+            "tensor-parallel plan: no module is styled 'vocab_head', so the loss of the "
+            "vocabulary-sharded logits is unknown; pass parallelize(..., loss_fn=...)"
+        )
+    out = getattr(model.get_submodule(heads[0]), "out_features", None)
+    if not isinstance(out, int):
+        raise ConfigError(f"tensor-parallel plan: {heads[0]} has no integer out_features")
+    return out
+
+
 def _head_dim(model: nn.Module, name: str) -> int:
     parent = model.get_submodule(name.rpartition(".")[0])
     hd = getattr(parent, "head_dim", None)

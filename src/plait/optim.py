@@ -1,0 +1,273 @@
+"""One optimizer wrapper for every layout: global-norm clipping, loss scaling, skipping.
+
+:class:`Optimizer` wraps any element-wise ``torch.optim`` optimizer (AdamW, Adam, SGD
+with momentum, ...) around a :class:`~plait.parallel.parallelize.ParallelModel` (or a
+bare :class:`~plait.parallel.data.DataParallel` / :class:`~plait.parallel.zero.
+ZeroDataParallel` / plain module). It takes what depends on the layout from the model:
+
+* under ZeRO (stages 0-3), the optimizer is rebuilt over this rank's fp32 master
+  *shards* (:class:`~plait.parallel.zero.optim.ShardedMasters`); otherwise the
+  parameters are their own masters and must be fp32 or fp64;
+* the groups the global gradient norm is summed over (ZeRO shard group, tp, pp: from
+  the mesh via :meth:`ParallelModel.norm_groups`) and each tensor's weight in it (1/k
+  for a tensor held identically by k tp ranks, 0 for the last stage's copy of a tied
+  matrix: :meth:`ParallelModel.norm_weight`), so every element counts exactly once.
+
+One :meth:`Optimizer.step`:
+
+1. master gradients (ZeRO: the reduced gradient shards in fp32), divided by the loss
+   scale;
+2. the global L2 norm: the weighted local squared norm, summed over the norm groups;
+3. a non-finite norm (or loss) skips the step: fp16 backs the loss scale off
+   (:class:`~plait.parallel.precision.DynamicLossScaler`); fp32/bf16 warn or raise
+   according to the policy. A skipped step touches neither weights nor optimizer state;
+4. clipping by ``max_norm / (norm + 1e-6)`` (torch's formula), the inner step, and
+   under ZeRO the copy of the masters back into the model dtype and the all-gather of
+   the updated shards (stages 1/2).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm import AxisGroup
+from plait.mesh import Mesh
+from plait.parallel.parallelize import ParallelModel
+from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
+from plait.parallel.tensor.layers import shard_info
+from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
+from plait.parallel.zero.pieces import zero_local_pieces
+from plait.pieces import LocalPiece
+
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step did."""
+
+    grad_norm: float  # global L2 norm before clipping (after unscaling)
+    skipped: bool
+    loss_scale: float | None  # the scale the step's loss was multiplied by (fp16)
+    reason: str = ""
+
+
+def _tp_weight(p: torch.Tensor) -> float:
+    info = shard_info(p)
+    return info.norm_weight if info is not None else 1.0
+
+
+def _norm_layout(
+    model: nn.Module, zero: ZeroDataParallel | None
+) -> tuple[list[AxisGroup], Callable[[torch.Tensor], float]]:
+    """(groups the squared norm is summed over, weight of each tensor) for ``model``."""
+    if isinstance(model, ParallelModel):
+        return model.norm_groups(), model.norm_weight
+    groups: list[AxisGroup] = []  # a bare wrapper: its ZeRO shards and the mesh's tp axis
+    if zero is not None and zero.shard_group.size > 1:
+        groups.append(zero.shard_group)
+    mesh = getattr(model, "mesh", None)
+    if isinstance(mesh, Mesh) and mesh.size("tp") > 1:
+        groups.append(mesh.axis("tp"))
+    return groups, _tp_weight
+
+
+class Optimizer:
+    """Wrap ``optimizer`` for ``model`` (see the module docstring).
+
+    Args:
+        model: a :class:`ParallelModel` (or a bare data-parallel / ZeRO wrapper, or a
+            plain module whose gradients are complete on every rank).
+        optimizer: a ``torch.optim`` optimizer built over the model's parameters (its
+            param groups and defaults are copied under ZeRO; it must not have stepped
+            yet), or a factory ``groups -> optimizer``.
+        max_norm: clip gradients to this global L2 norm (0: no clipping).
+        scaler: the dynamic loss scaler (fp16).
+        nonfinite: "error" (raise :class:`NonFiniteError`) or "skip" (warn) when the
+            loss or gradient norm is not finite and no scaler is in use.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        *,
+        max_norm: float = 0.0,
+        scaler: DynamicLossScaler | None = None,
+        nonfinite: Literal["error", "skip"] = "error",
+    ) -> None:
+        if max_norm < 0:
+            raise ValueError(f"max_norm must not be negative, got {max_norm}")
+        if nonfinite not in ("error", "skip"):
+            raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if type(optimizer).__name__ in _NOT_ELEMENTWISE:
+                raise TypeError(
+                    f"{type(optimizer).__name__} needs whole parameters; plait's Optimizer "
+                    "shards flat parameters and supports element-wise optimizers only"
+                )
+            if any(optimizer.state.values()):
+                raise ValueError("wrap the optimizer before its first step (it has state)")
+        self.model = model
+        self.max_norm = max_norm
+        self.scaler = scaler
+        self.nonfinite = nonfinite
+        self.steps = 0
+        self.skipped = 0
+        inner_model = model.module if isinstance(model, ParallelModel) else model
+        self.zero = inner_model if isinstance(inner_model, ZeroDataParallel) else None
+        self._groups, self._weight = _norm_layout(model, self.zero)
+        self.sharded: ShardedMasters | None = None
+        self._params: list[torch.Tensor] = []
+        if self.zero is not None:
+            self.sharded = ShardedMasters(self.zero, optimizer)
+            self.inner = self.sharded.inner
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        if any(is_low_precision(p.dtype) for p in params):
+            raise TypeError(
+                "16-bit parameters need fp32 master weights: parallelize with "
+                "precision='bf16'/'fp16' (or wrap the model in ZeroDataParallel; stage 0 "
+                "replicates, as plain data parallelism does)"
+            )
+        self.inner = (
+            optimizer
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else optimizer([{"params": params}])
+        )
+        self._params = [p for g in self.inner.param_groups for p in g["params"]]
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups (set ``lr`` here)."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The inner optimizer's state (for the shards only under ZeRO)."""
+        return self.inner.state
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (1 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward()`` on: multiplied by the loss scale under fp16."""
+        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (ZeRO: zero the gradient buffers and shards)."""
+        if self.zero is not None:
+            self.zero.zero_grad()
+        else:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, loss_finite: bool = True) -> StepReport:
+        """Unscale, measure the global norm, skip or clip, step, write back (see above)."""
+        scale = self.scaler.scale if self.scaler is not None else None
+        grads = self._master_grads()
+        if scale is not None:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = self._global_norm(grads)
+        if not (math.isfinite(norm) and loss_finite):
+            what = "loss" if not loss_finite else "gradient norm"
+            self.skipped += 1
+            if self.scaler is not None:
+                self.scaler.update(found_inf=True)
+                return StepReport(norm, True, scale, f"fp16 overflow ({what} not finite)")
+            msg = f"optimizer step {self.steps + self.skipped}: the {what} is not finite"
+            if self.nonfinite == "error":
+                raise NonFiniteError(
+                    f"{msg} ({norm}); stopping. Set precision.nonfinite = 'skip' to skip such "
+                    "steps instead, or lower the learning rate."
+                )
+            warnings.warn(f"{msg}; the step is skipped", RuntimeWarning, stacklevel=2)
+            return StepReport(norm, True, scale, f"{what} not finite")
+        if self.max_norm > 0:
+            coef = self.max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        if self.sharded is not None:
+            self.sharded.step(grads)
+        else:
+            self.inner.step()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self.steps += 1
+        return StepReport(norm, False, scale)
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        """The separate fp32 master tensors (empty when the masters are the parameters)."""
+        return self.sharded.master_tensors() if self.sharded is not None else []
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """The model's pieces (:meth:`ParallelModel.local_pieces`) that this optimizer
+        steps, each with its master values (``value``) and the key of its optimizer
+        state (``key``): what a checkpoint saves and restores."""
+        if isinstance(self.model, ParallelModel):
+            pieces = self.model.local_pieces()
+        elif self.zero is not None:
+            pieces = zero_local_pieces(self.zero)
+        else:
+            local_pieces = getattr(self.model, "local_pieces", None)
+            if local_pieces is None:
+                raise TypeError(
+                    f"{type(self.model).__name__} does not describe its pieces; wrap it "
+                    "with plait.parallelize"
+                )
+            pieces = local_pieces()
+        if self.sharded is not None:
+            described = [self.sharded.describe(p) for p in pieces]
+            return [p for p in described if p is not None]
+        mine = {id(p) for p in self._params}
+        return [p for p in pieces if id(p.key) in mine]
+
+    # ------------------------------------------------------------------ pieces
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients on the master device, one per slot (ZeRO) or parameter."""
+        if self.sharded is not None:
+            return self.sharded.grads()
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """L2 norm over every element of the model, each counted once: the weighted local
+        squared norm, summed over the norm groups."""
+        # the collective runs where the gradients live (NCCL cannot reduce CPU tensors)
+        device = (
+            self.zero.device
+            if self.zero is not None
+            else next((p.device for p in self._params), torch.device("cpu"))
+        )
+        if self.sharded is not None:
+            pieces, weights = self.sharded.norm_pieces(grads, self._weight)
+        else:
+            held = [p for p in self._params if p.grad is not None]
+            pieces = [p.grad for p in held if p.grad is not None]
+            weights = [self._weight(p) for p in held]
+        if pieces:
+            norms = torch._foreach_norm(pieces)  # per-tensor norms
+            sq64 = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)
+            if any(w != 1.0 for w in weights):
+                sq64 = sq64 * torch.tensor(weights, dtype=torch.float64, device=device)
+            sq = sq64.sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float64, device=device)
+        if self._groups:
+            sq = sq.reshape(1)
+            for group in self._groups:
+                comm.all_reduce(sq, group, op="sum")
+        return float(sq.sqrt().item())
