@@ -4,11 +4,11 @@ Parity protocol (as in test_runtime.py): the built-in transformer (8 blocks, 4 h
 KV heads) is built from one seed in float64; the reference runs STEPS AdamW steps in
 the pytest process on the whole global batch through :class:`Optimizer` with
 global-norm clipping at CLIP (engaged: the first step's norm is above it). Each layout
-applies tensor parallelism (tp > 1), ``split_for_pipeline``, then ``DataParallel`` or
-ZeRO-1 over dp, and steps a :class:`PipelineOptimizer` (clipping norm over dp shards,
-tp and pp); each dp rank feeds its contiguous slice of the global batch into the
-pipeline. Compared: the dp-averaged loss at every step, the clipping norm at every
-step, and every weight after the last step (tp shards gathered), by one-device name.
+is prepared by ``parallelize`` (tensor parallelism when tp > 1, the pipeline split, then
+``DataParallel`` or ZeRO-1 over dp) and stepped by :class:`plait.optim.Optimizer`
+(clipping norm over dp shards, tp and pp from the mesh); each dp rank feeds its
+contiguous slice of the global batch to ``ParallelModel.step``. Compared: the
+dp-averaged loss at every step, the clipping norm at every step, and every weight after the last step (tp shards gathered), by one-device name.
 Tolerance: float64, rtol=1e-9 / atol=1e-11 (summation order only).
 """
 
@@ -23,25 +23,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
-from plait.parallel.data import DataParallel
-from plait.parallel.pipeline.engine import PipelineEngine, PipelineOptimizer, split_for_pipeline
-from plait.parallel.tensor.loss import vocab_parallel_loss
+from plait.optim import Optimizer
+from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.plan import (
-    apply_tensor_parallel,
     gather_full_state,
 )
-from plait.parallel.zero import ZeroDataParallel
-from plait.optim import Optimizer
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.pipeline.test_runtime import (
     BATCH,
     SEQ,
     STEPS,
-    VOCAB,
     batches,
     loss64,
     model_config,
@@ -86,6 +80,7 @@ def _body_compose(
         chunks=chunks,
         microbatches=2,
         sequence_parallel=sp,
+        bucket_mb=0.01,
     )
     cfg = Config(
         model=model_config(tied=tied),
@@ -93,28 +88,19 @@ def _body_compose(
         train=TrainConfig(global_batch=BATCH, seq_len=SEQ, grad_clip=CLIP),
     )
     model = Transformer(cfg.model, seed=3).double()
-    if tp > 1:
-        apply_tensor_parallel(model, mesh, sequence_parallel=sp)
-    stages = split_for_pipeline(model, mesh, cfg)
-    wrapped: nn.Module = (
-        ZeroDataParallel(stages, mesh, stage=1)
-        if zero
-        else DataParallel(stages, mesh, bucket_mb=0.01)
-    )
-    loss_fn = vocab_parallel_loss(mesh, VOCAB) if tp > 1 else loss64
-    engine = PipelineEngine(wrapped, mesh, cfg, loss_fn)
-    opt = PipelineOptimizer(
-        wrapped, torch.optim.AdamW(model.parameters(), lr=1e-2), mesh, max_norm=CLIP
-    )
+    pm = parallelize(model, mesh, cfg)
+    assert pm.pipeline is not None and pm.stages is not None
+    opt = Optimizer(pm, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
     per = BATCH // dp
     r = mesh.index("dp")
     losses, norms = [], []
     for x, y in batches():
-        losses.append(engine.train(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]))
+        loss = pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        losses.append(float(loss))
         norms.append(opt.step().grad_norm)
         opt.zero_grad()
     weights: dict[str, torch.Tensor] = {}
-    for piece in stages.chunks:
+    for piece in pm.stages.chunks:
         weights.update(gather_full_state(piece, mesh))
     return {"losses": losses, "norms": norms, "weights": weights}
 
@@ -151,9 +137,8 @@ def test_composition_matches_one_process(
     assert ref["norms"][0] > CLIP  # type: ignore[index]  # clipping is engaged
     results = pools(world).run(f"{M}:_body_compose", dp, tp, schedule, chunks, zero, tied, sp)
     for step in range(STEPS):
-        mean = sum(r["losses"][step] for r in results) / world  # every rank: its dp slice
-        assert mean == pytest.approx(ref["losses"][step], rel=RTOL)  # type: ignore[index]
-        for r in results:
+        for r in results:  # the dp-averaged loss on every rank
+            assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=RTOL)  # type: ignore[index]
             assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=RTOL)  # type: ignore[index]
     seen: set[str] = set()
     for r in results:

@@ -1,11 +1,10 @@
 """Gradient clipping of a tensor-parallel model: the global norm spans dp shards and tp.
 
-Both optimizer wrappers sum the squared gradient norm over the tp axis, counting a
-tensor held identically by k tp ranks 1/k on each rank:
-:class:`~plait.parallel.tensor.optim.TensorParallelOptimizer` (what the trainer uses at
-tp > 1; the mesh is explicit, so a bare module works) and
-:class:`~plait.parallel.zero.optim.Optimizer` (reads the mesh of the DataParallel /
-ZeRO wrapper).
+:class:`plait.optim.Optimizer` sums the squared gradient norm over the tp axis, counting
+a tensor held identically by k tp ranks 1/k on each rank, whether it wraps the
+``ParallelModel`` that ``parallelize`` returns (norm groups from the mesh: what the
+trainer and a user's loop use) or a bare ``DataParallel`` / ZeRO wrapper (whose mesh it
+reads).
 
 Protocol: the model of ``test_tensor_model`` (vocab 37 padded, 4 heads, 2 KV heads: at
 tp 4 each KV head is replicated on two ranks; tied embeddings at tp 4) in float64. The
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.data import DataParallel
+from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
@@ -59,16 +59,21 @@ def _reference(tie: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[str, object]:
     mesh = ctx.mesh(dp=dp, tp=tp)
-    model = apply_tensor_parallel(Transformer(_cfg(tie), seed=7).double(), mesh)
-    wrapped: torch.nn.Module = model if kind == "bare" else DataParallel(model, mesh)
-    opt = (
-        Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
-        if kind == "zero_optim"
-        else Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
-    )
-    loss_fn = vocab_parallel_loss(mesh, V)
+    model = Transformer(_cfg(tie), seed=7).double()
     r, per = mesh.index("dp"), GLOBAL_BATCH // dp
     norms = []
+    if kind == "parallelize":
+        pm = parallelize(model, mesh, ignore_index=IGN)
+        opt = Optimizer(pm, _adamw(model.parameters()), max_norm=MAX_NORM)
+        for x, y in _batches():
+            pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+            norms.append(opt.step().grad_norm)
+            opt.zero_grad(set_to_none=True)
+        return {"norms": norms, "weights": gather_full_state(model, mesh)}
+    apply_tensor_parallel(model, mesh)
+    wrapped = DataParallel(model, mesh)
+    opt = Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
+    loss_fn = vocab_parallel_loss(mesh, V, IGN)
     for x, y in _batches():
         loss_fn(wrapped(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
         norms.append(opt.step().grad_norm)
@@ -79,17 +84,17 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
 @pytest.mark.parametrize(
     ("dp", "tp", "tie", "kind"),
     [
-        pytest.param(1, 4, True, "bare", id="tp4-kv-replicated-tied-bare"),
-        pytest.param(1, 4, True, "zero_optim", id="tp4-kv-replicated-tied-Optimizer"),
-        pytest.param(2, 2, False, "dp", id="dp2xtp2"),
+        pytest.param(1, 4, True, "parallelize", id="tp4-kv-replicated-tied-parallelize"),
+        pytest.param(1, 4, True, "wrapper", id="tp4-kv-replicated-tied-wrapper"),
+        pytest.param(2, 2, False, "parallelize", id="dp2xtp2-parallelize"),
+        pytest.param(2, 2, False, "wrapper", id="dp2xtp2-wrapper"),
     ],
 )
 def test_clipping_norm_matches_one_process(
     pools: Pools, dp: int, tp: int, tie: bool, kind: str
 ) -> None:
-    """ "bare": TensorParallelOptimizer on the TP model itself; "dp": on DataParallel
-    over dp; "zero_optim": Optimizer on DataParallel (ZeRO stages on TP shards:
-    tests/parallel/zero/test_zero.py)."""
+    """ "parallelize": Optimizer on the ParallelModel; "wrapper": on a DataParallel
+    wrapper around the TP model (ZeRO stages on TP shards: tests/parallel/zero)."""
     want_norms, want_weights = _reference(tie)
     assert min(want_norms) > MAX_NORM  # every step clips
     replicated_kv = _cfg(tie).kv_heads < tp
