@@ -40,7 +40,6 @@ from plait.config import (
 from plait.parallel.tensor.plan import gather_full_state
 from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
-from plait.train import checkpoint
 from plait.train.checkpoint_meta import (
     CheckpointError,
     CorruptCheckpointError,
@@ -272,8 +271,9 @@ def _save_and_die(root: str, stage: str) -> None:
         if saves["n"] == 1 and name == stage:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpoint._save_hook = hook
-    Trainer(config(root, steps=2, every=1), init_mesh(), show_progress=False).run()
+    trainer = Trainer(config(root, steps=2, every=1), init_mesh(), show_progress=False)
+    trainer.checkpoints.on_stage = hook
+    trainer.run()
     os._exit(0)
 
 
@@ -305,9 +305,10 @@ def test_save_failing_with_disk_full_leaves_previous_checkpoint(
         if saves["n"] == 1 and name == "shard":
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_save_hook", hook)
+    trainer = Trainer(config(str(tmp_path), steps=2, every=1), init_mesh(), False)
+    trainer.checkpoints.on_stage = hook
     with pytest.raises(OSError, match="No space left"):
-        Trainer(config(str(tmp_path), steps=2, every=1), init_mesh(), False).run()
+        trainer.run()
     assert read_latest(tmp_path) == tmp_path / step_dirname(1)
     reader = find_checkpoint("latest", tmp_path)
     assert reader is not None and reader.step == 1

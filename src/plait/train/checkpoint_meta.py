@@ -10,7 +10,7 @@ A checkpoint is one folder::
 Every model parameter is described once, by its one-device name (``layers.0.attention.
 wq.weight``), with its global shape and stored dtype, and a list of *pieces*. A piece is
 what one rank held: the tensor-parallel block of the parameter it had (:class:`TPSplit`,
-the ``dim``/``block`` arithmetic of :class:`plait.parallel.tensor.layers.TPShard`; None for the
+the ``dim``/``block`` arithmetic of a tensor-parallel layout; None for the
 whole tensor) and the element range ``[start, end)`` of that block, flattened (a ZeRO
 flat-shard segment; the whole block without ZeRO). A pipeline stage simply has pieces of
 its own layers only. The optimizer state of a piece (AdamW's ``exp_avg``,

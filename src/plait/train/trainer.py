@@ -99,6 +99,7 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
+        self.base = base  # the one-device model; parallelize shards it in place
         self.checkpoints = Checkpointing(cfg, mesh)  # resume / init_from, periodic saves
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
