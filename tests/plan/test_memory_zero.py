@@ -42,7 +42,7 @@ def _body_state(ctx: Any, model: str, stage: int, shard: int | None, dtype: str)
     cfg = MODELS[model]
     mesh = ctx.mesh(dp=ctx.world_size)
     base = Transformer(cfg, seed=0)
-    wrapped = ZeroDataParallel(base, mesh, stage, shard_size=shard, param_dtype=dtype)
+    wrapped = ZeroDataParallel(base, mesh, stage, zero_shard_size=shard, param_dtype=dtype)
     opt = Optimizer(wrapped, torch.optim.AdamW(base.parameters(), lr=1e-3))
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     lm_loss(wrapped(x).float(), x).backward()

@@ -38,7 +38,6 @@ from plait.config import (
     TrainConfig,
 )
 from plait.parallel.tensor.plan import gather_full_state
-from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.checkpoint_meta import (
     CheckpointError,
@@ -47,6 +46,7 @@ from plait.train.checkpoint_meta import (
     step_dirname,
 )
 from plait.train.reshard import CheckpointReader, consolidate, find_checkpoint
+from plait.train.state import TrainState
 from plait.train.trainer import Trainer
 
 M = "tests.train.test_checkpoint"
@@ -91,8 +91,8 @@ def config(
 
 def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
     """The one-device weights of a trainer's model, gathered over ZeRO and tp."""
-    model = tr.model
-    held = model.gathered() if isinstance(model, ZeroDataParallel) else contextlib.nullcontext()
+    zero = tr.model.zero
+    held = zero.gathered() if zero is not None else contextlib.nullcontext()
     with held:
         if tr.mesh.size("tp") > 1:
             return gather_full_state(tr.base, tr.mesh)
@@ -116,10 +116,10 @@ def _train(ctx: WorkerContext | None, cfg: Config, *, weights_at: int | None = N
     if weights_at is not None:  # snapshot the full weights when step weights_at is done
         after = tr.checkpoints.after_step
 
-        def after_step(trainer: Trainer, done: int, stop: bool) -> Any:
+        def after_step(state: TrainState, done: int, last: int, stop: bool) -> Any:
             if done == weights_at:
-                snap.update(full_weights(trainer))
-            return after(trainer, done, stop)
+                snap.update(full_weights(tr))
+            return after(state, done, last, stop)
 
         tr.checkpoints.after_step = after_step  # type: ignore[method-assign]
     losses = tr.run().losses

@@ -118,13 +118,17 @@ def _optimizer_tensors(optimizer: object) -> tuple[list[torch.Tensor], list[torc
 def memory_report(model: nn.Module, optimizer: object | None = None, rank: int = 0) -> MemoryReport:
     """Exact per-rank bytes of ``model``'s training state (and ``optimizer``'s, if given).
 
-    ``model`` may be a :class:`~plait.parallel.zero.ZeroDataParallel`, a
+    ``model`` may be a :class:`~plait.parallel.parallelize.ParallelModel` (its wrapper is
+    counted), a :class:`~plait.parallel.zero.ZeroDataParallel`, a
     :class:`~plait.parallel.data.DataParallel` (whose bucket buffers count as gradients:
     they hold a second copy during the all-reduce) or any module; ``optimizer`` a
     :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
     """
+    from plait.parallel.parallelize import ParallelModel
     from plait.parallel.zero import ZeroDataParallel
 
+    if isinstance(model, ParallelModel):
+        model = model.module
     c = _Counter()
     if isinstance(model, ZeroDataParallel):
         numel = sum(u.numel for u in model.units)

@@ -176,7 +176,7 @@ class Trainer:
 
     def memory_report(self) -> MemoryReport:
         """Exact bytes of this rank's parameters, gradients, masters, optimizer state."""
-        return memory_report(self.model.module, self.optimizer, self.mesh.rank)
+        return memory_report(self.model, self.optimizer, self.mesh.rank)
 
     @torch.no_grad()
     def evaluate(self) -> float:

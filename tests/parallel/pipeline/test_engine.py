@@ -8,8 +8,9 @@ is prepared by ``parallelize`` (tensor parallelism when tp > 1, the pipeline spl
 ``DataParallel`` or ZeRO-1 over dp) and stepped by :class:`plait.optim.Optimizer`
 (clipping norm over dp shards, tp and pp from the mesh); each dp rank feeds its
 contiguous slice of the global batch to ``ParallelModel.step``. Compared: the
-dp-averaged loss at every step, the clipping norm at every step, and every weight after the last step (tp shards gathered), by one-device name.
-Tolerance: float64, rtol=1e-9 / atol=1e-11 (summation order only).
+dp-averaged loss at every step, the clipping norm at every step, and every weight after
+the last step (tp shards gathered), by one-device name. Tolerance: float64, rtol=1e-9 /
+atol=1e-11 (summation order only).
 """
 
 from __future__ import annotations

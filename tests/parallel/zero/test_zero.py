@@ -3,7 +3,7 @@
 Parity protocol: the model is built from one seed in fp32 and trained for STEPS AdamW
 steps (two param groups: weight decay on matrices only) by plain PyTorch in the pytest
 process over the whole global batch (``torch.nn.utils.clip_grad_norm_`` where clipping
-is on). The same global batches are then run under ZeroDataParallel + ZeroOptimizer
+is on). The same global batches are then run under ZeroDataParallel + Optimizer
 with each rank taking its contiguous slice. Compared: the mean loss of every step, the
 global gradient norm of every step, and every weight after the last step.
 
@@ -29,12 +29,12 @@ from torch import nn
 from plait import init_mesh
 from plait.config import ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
+from plait.optim import Optimizer
 from plait.parallel.data import DataParallel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import ROOT
-from plait.parallel.zero.optim import ZeroOptimizer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 from tests.parallel.test_data import VOCAB
@@ -136,7 +136,7 @@ def _train(
     name: str,
     stage: int,
     *,
-    shard_size: int | None = None,
+    zero_shard_size: int | None = None,
     accum: int = 1,
     clip: float = 0.0,
     offload: str = "none",
@@ -146,8 +146,8 @@ def _train(
     model = _make(name)
     if recompute != "none":
         apply_recompute(model, recompute)  # type: ignore[arg-type]
-    zdp = ZeroDataParallel(model, mesh, stage, shard_size=shard_size, offload=offload)  # type: ignore[arg-type]
-    opt = ZeroOptimizer(zdp, _optimizer(model, opt_kind), max_norm=clip)
+    zdp = ZeroDataParallel(model, mesh, stage, zero_shard_size=zero_shard_size, offload=offload)  # type: ignore[arg-type]
+    opt = Optimizer(zdp, _optimizer(model, opt_kind), max_norm=clip)
     n, r = mesh.size("dp"), mesh.index("dp")
     per_rank = GLOBAL_BATCH // n
     micro = per_rank // accum
@@ -208,11 +208,11 @@ PARITY = [
     *[(2, "builtin", s, {"accum": 2}) for s in (1, 2, 3)],
     *[(4, "builtin", s, {"clip": CLIP}) for s in (1, 2, 3)],
     *[(2, "encoder", s, {"clip": CLIP, "accum": 2}) for s in (0, 1, 2, 3)],
-    *[(4, "builtin", s, {"shard_size": 2}) for s in (1, 2, 3)],
-    (4, "encoder", 3, {"shard_size": 2, "clip": CLIP}),
-    (4, "builtin", 1, {"shard_size": 2, "clip": CLIP, "accum": 2}),
-    (4, "encoder", 2, {"shard_size": 2, "clip": CLIP, "accum": 2}),
-    (2, "builtin", 2, {"shard_size": 1}),  # F = 1: replicated shards, all-reduce = plain DP
+    *[(4, "builtin", s, {"zero_shard_size": 2}) for s in (1, 2, 3)],
+    (4, "encoder", 3, {"zero_shard_size": 2, "clip": CLIP}),
+    (4, "builtin", 1, {"zero_shard_size": 2, "clip": CLIP, "accum": 2}),
+    (4, "encoder", 2, {"zero_shard_size": 2, "clip": CLIP, "accum": 2}),
+    (2, "builtin", 2, {"zero_shard_size": 1}),  # F = 1: replicated shards, all-reduce = plain DP
     (2, "builtin", 2, {"opt_kind": "sgd"}),
     (4, "encoder", 3, {"opt_kind": "sgd", "clip": CLIP}),
     (2, "builtin", 3, {"recompute": "full"}),
@@ -251,7 +251,7 @@ def _body_tensor_parallel(ctx: WorkerContext, stage: int, sp: bool) -> dict[str,
     mesh = ctx.mesh(dp=2, tp=2)
     model = apply_tensor_parallel(_make("builtin"), mesh, sp)
     zdp = ZeroDataParallel(model, mesh, stage)
-    opt = ZeroOptimizer(zdp, _optimizer(model, "adamw"), max_norm=CLIP)
+    opt = Optimizer(zdp, _optimizer(model, "adamw"), max_norm=CLIP)
     loss_fn = vocab_parallel_loss(mesh, VOCAB)
     per, r = GLOBAL_BATCH // 2, mesh.index("dp")
     losses, norms = [], []
@@ -312,7 +312,7 @@ def _body_offload_devices(ctx: WorkerContext, stage: int, offload: str) -> dict[
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
     zdp = ZeroDataParallel(model, mesh, stage, offload=offload)  # type: ignore[arg-type]
-    opt = ZeroOptimizer(zdp, _optimizer(model, "adamw"))
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
     x, y = _batches()[0]
     _loss(zdp(x[:4]), y[:4]).backward()
     opt.step()
@@ -349,10 +349,10 @@ def _body_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     wrapped: nn.Module
     if stage == 0:
         wrapped = DataParallel(model, mesh, bucket_mb=0.01)
-        opt = ZeroOptimizer(wrapped, _optimizer(model, "adamw"))
+        opt = Optimizer(wrapped, _optimizer(model, "adamw"))
     else:
         wrapped = ZeroDataParallel(model, mesh, stage)
-        opt = ZeroOptimizer(wrapped, _optimizer(model, "adamw"))
+        opt = Optimizer(wrapped, _optimizer(model, "adamw"))
     x, y = _batches()[0]
     per = GLOBAL_BATCH // ctx.world_size
     mesh.stats.reset()
@@ -409,8 +409,8 @@ def test_traffic_matches_formulas(pools: Callable[[int], WorkerPool], world: int
 def _body_hybrid_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
-    zdp = ZeroDataParallel(model, mesh, stage, shard_size=2)
-    opt = ZeroOptimizer(zdp, _optimizer(model, "adamw"))
+    zdp = ZeroDataParallel(model, mesh, stage, zero_shard_size=2)
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
     x, y = _batches()[0]
     mesh.stats.reset()
     _loss(zdp(x[:2]), y[:2]).backward()
@@ -466,7 +466,7 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
     zdp = ZeroDataParallel(
         model, mesh, 3, reshard_after_forward=reshard, prefetch=prefetch, record_events=True
     )
-    opt = ZeroOptimizer(zdp, _optimizer(model, "adamw"))
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
     x, y = _batches()[0]
     real = {"peak": 0}
 
@@ -572,11 +572,12 @@ def test_gradients_are_reduce_scattered_during_backward(
 def _body_memory(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
-    wrapped = parallelize(
+    pm = parallelize(
         model, mesh, ParallelConfig(zero=stage), precision=PrecisionConfig(dtype="bf16")
     )
+    wrapped = pm.zero
     assert isinstance(wrapped, ZeroDataParallel)
-    opt = ZeroOptimizer(wrapped, _optimizer(model, "adamw"))
+    opt = Optimizer(pm, _optimizer(model, "adamw"))
     x, y = _batches()[0]
     per = GLOBAL_BATCH // ctx.world_size
     _loss(wrapped(x[:per]), y[:per]).backward()
@@ -663,7 +664,7 @@ def test_fp64_parameters_are_kept_exactly(stage: int, offload: str) -> None:
             p.add_(1e-12)  # not representable in fp32 next to values of order 1e-2
     want = {k: p.detach().clone() for k, p in model.named_parameters()}
     zdp = ZeroDataParallel(model, init_mesh(), stage, offload=offload)  # type: ignore[arg-type]
-    opt = ZeroOptimizer(zdp, torch.optim.SGD(model.parameters(), lr=0.0))
+    opt = Optimizer(zdp, torch.optim.SGD(model.parameters(), lr=0.0))
     with zdp.gathered():
         for k, p in model.named_parameters():
             assert p.dtype == torch.float64 and torch.equal(p, want[k]), k
@@ -707,12 +708,12 @@ def test_bad_arguments() -> None:
     with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
         ZeroDataParallel(_builtin(), mesh, 2, offload="params")
     with pytest.raises(ConfigError, match="does not divide"):
-        ZeroDataParallel(_builtin(), mesh, 2, shard_size=2)
+        ZeroDataParallel(_builtin(), mesh, 2, zero_shard_size=2)
     with pytest.raises(TypeError, match="fp32 master weights"):
-        ZeroOptimizer(_builtin().to(torch.bfloat16), torch.optim.SGD(_builtin().parameters()))
+        Optimizer(_builtin().to(torch.bfloat16), torch.optim.SGD(_builtin().parameters()))
     model = _builtin()
     with pytest.raises(TypeError, match="element-wise"):
-        ZeroOptimizer(ZeroDataParallel(model, mesh, 1), torch.optim.LBFGS(model.parameters()))
+        Optimizer(ZeroDataParallel(model, mesh, 1), torch.optim.LBFGS(model.parameters()))
 
 
 # ----------------------------------------------------------------------------- trainer / CLI
@@ -727,7 +728,7 @@ def _run_trainer(mesh: Mesh, parallel: dict[str, Any], micro: int | None) -> dic
         "losses": summary.losses,
         "vals": [v for _, v in summary.val_losses],
         "memory": trainer.memory_report().bytes,
-        "wrapper": type(trainer.model).__name__,
+        "wrapper": type(trainer.model.module).__name__,
     }
 
 

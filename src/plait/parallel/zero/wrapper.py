@@ -21,13 +21,13 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   (``reshard_after_forward``), gathered again before its backward (triggered by a hook
   on its output's gradient) and freed once its gradients are reduce-scattered: 16/N.
 
-Hybrid sharding (``shard_size`` F): shard inside groups of F consecutive dp ranks and
+Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp ranks and
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
 Units, flattening and padding: :mod:`plait.parallel.zero.flat`. The gradient path
 inside backward (hooks, reduce-scatter, hybrid all-reduce):
 :class:`plait.parallel.zero.reduce.GradientReduction`. The optimizer side (sharded fp32
 masters, global-norm clipping, loss scaling, offload):
-:class:`plait.parallel.zero.optim.ZeroOptimizer`.
+:class:`plait.parallel.zero.optim.ShardedMasters` (stepped by :class:`plait.optim.Optimizer`).
 
 The module may already be split by tensor parallelism (:mod:`plait.parallel.tensor.plan`):
 its parameters are then the local TP shards, which ZeRO flattens like any other tensor;
@@ -79,7 +79,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         module: any ``nn.Module`` (fp32 parameters; they are cast to ``param_dtype``).
         mesh: the device mesh.
         stage: 0, 1, 2 or 3 (see the module docstring).
-        shard_size: hybrid sharding factor F (default: the axis degree; stage 0: 1).
+        zero_shard_size: hybrid sharding factor F (default: the axis degree; stage 0: 1).
         wrap: unit policy (None, module classes, or ``(name, module) -> bool``).
         reshard_after_forward: stage 3: free a unit after its forward.
         prefetch: stage 3: gather the next unit while the current one computes.
@@ -98,7 +98,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         mesh: Mesh,
         stage: int = 3,
         *,
-        shard_size: int | None = None,
+        zero_shard_size: int | None = None,
         wrap: WrapSpec = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
@@ -113,9 +113,9 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         dp = mesh.size(axis)
-        if stage == 0 and shard_size not in (None, 1):
-            raise ConfigError("ZeRO stage 0 replicates everything: shard_size must be 1")
-        factor = 1 if stage == 0 else (shard_size or dp)
+        if stage == 0 and zero_shard_size not in (None, 1):
+            raise ConfigError("ZeRO stage 0 replicates everything: zero_shard_size must be 1")
+        factor = 1 if stage == 0 else (zero_shard_size or dp)
         if offload not in ("none", "optimizer", "params"):
             raise ConfigError(f"offload must be none, optimizer or params, got {offload!r}")
         if offload != "none" and stage == 0:
