@@ -31,6 +31,7 @@ from plait.config_io import (
     parse_override_flags,
 )
 from plait.errors import ConfigError
+from plait.parallel.checks import validate_run
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -585,29 +586,31 @@ def _cfg(**sections: dict[str, Any]) -> Config:
     ],
 )
 def test_validate_messages(cfg: Config, world: int, pattern: str) -> None:
+    """Every refusal of a run (the config's own checks and the parallel layer's, which
+    validate_run runs after them)."""
     with pytest.raises(ConfigError, match=pattern):
-        cfg.validate(world)
+        validate_run(cfg, world)
 
 
 def test_validate_passes() -> None:
-    Config().validate(2)
-    Config().validate(1)
+    validate_run(Config(), 2)
+    validate_run(Config(), 1)
     for stage in (1, 2, 3):
         _cfg(parallel={"zero": stage, "zero_shard_size": 2, "offload": "optimizer"}).validate(4)
-    _cfg(parallel={"zero": 3, "offload": "params"}, train={"recompute": "full"}).validate(2)
-    _cfg(parallel={"zero_shard_size": 1}, precision={"dtype": "bf16"}).validate(2)
-    _cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}).validate(1)
-    _cfg(train={"seq_len": 256}).validate(4)
-    _cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}).validate(4)  # dp2 x tp2
-    _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)  # padded
+    validate_run(_cfg(parallel={"zero": 3, "offload": "params"}, train={"recompute": "full"}), 2)
+    validate_run(_cfg(parallel={"zero_shard_size": 1}, precision={"dtype": "bf16"}), 2)
+    validate_run(_cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}), 1)
+    validate_run(_cfg(train={"seq_len": 256}), 4)
+    validate_run(_cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}), 4)  # dp2 x tp2
+    validate_run(_cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}), 4)  # padded
 
 
 def test_micro_batch_and_accumulation_derivation() -> None:
     cfg = _cfg(parallel={"dp": 2}, train={"global_batch": 16, "micro_batch": 4})
-    cfg.validate(2)
+    validate_run(cfg, 2)
     assert cfg.micro_batch(2) == 4 and cfg.accumulation_steps(2) == 2
     default = _cfg(train={"global_batch": 16})
-    default.validate(2)
+    validate_run(default, 2)
     assert default.micro_batch(2) == 8 and default.accumulation_steps(2) == 1
     assert default.micro_batch(4) == 4 and default.accumulation_steps(4) == 1
 

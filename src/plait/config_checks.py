@@ -2,9 +2,11 @@
 
 Each section validates its own fields in ``__post_init__`` (:mod:`plait.config`); what
 is here compares sections with each other and with the world size: the layout's product,
-tensor-parallel divisibility, ZeRO/offload/precision, the pipeline's blocks, micro-batches
-and schedule, and the global batch. Every failure is one :class:`ConfigError` paragraph
-naming the numbers and what would work; all of it runs before any process starts.
+ZeRO/offload, the pipeline's blocks and micro-batches, and the global batch. Every
+failure is one :class:`ConfigError` paragraph naming the numbers and what would work; all
+of it runs before any process starts and needs no torch. The checks owned by the layers
+above (tensor-parallel divisibility, the pipeline schedule, the device's dtypes) are in
+:func:`plait.parallel.checks.validate_run`, which runs these first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ if TYPE_CHECKING:
     from plait.config import Config
 
 
+def check_world(dp: int, tp: int, pp: int, cp: int, world_size: int) -> None:
+    """The one check that a layout's degrees multiply to the world size (the config,
+    :func:`plait.mesh.init_mesh` and the launcher all use it)."""
+    product = dp * tp * pp * cp
+    if product != world_size:
+        raise ConfigError(
+            f"the layout dp={dp} x tp={tp} x pp={pp} x cp={cp} = {product} ranks "
+            f"does not match the world size {world_size}; choose degrees whose product "
+            f"is {world_size} (or start {product} processes)."
+        )
+
+
 def check_run(cfg: Config, world_size: int) -> None:
     """Check ``cfg``'s sections against each other for a world of ``world_size`` ranks.
 
@@ -25,13 +39,7 @@ def check_run(cfg: Config, world_size: int) -> None:
     """
     p, t = cfg.parallel, cfg.train
     dp = p.resolved_dp(world_size)
-    product = dp * p.tp * p.pp * p.cp
-    if product != world_size:
-        raise ConfigError(
-            f"the layout dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} = {product} ranks "
-            f"does not match the world size {world_size}; choose degrees whose product "
-            f"is {world_size} (or start {product} processes)."
-        )
+    check_world(dp, p.tp, p.pp, p.cp, world_size)
     if p.cp > 1:
         raise ConfigError(
             "this version of plait runs data, tensor, sequence and pipeline parallelism and "
@@ -40,10 +48,6 @@ def check_run(cfg: Config, world_size: int) -> None:
         )
     if p.pp > 1:
         check_pipeline(cfg, dp)
-    if p.tp > 1:  # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
-        from plait.parallel.tensor.plan import check_tensor_parallel
-
-        check_tensor_parallel(cfg.model, p.tp, p.sequence_parallel, t.seq_len)
     check_zero(cfg, dp)
     micro = cfg.micro_batch(world_size)
     if t.global_batch % (dp * micro):
@@ -64,7 +68,8 @@ def check_run(cfg: Config, world_size: int) -> None:
 
 
 def check_zero(cfg: Config, dp: int) -> None:
-    """ZeRO, offload and precision checks (the device check needs torch)."""
+    """ZeRO and offload checks (whether the device computes in the dtype is checked by
+    :func:`plait.parallel.checks.validate_run`, which needs torch)."""
     p = cfg.parallel
     f = p.zero_shard_size
     if f is not None:
@@ -91,9 +96,6 @@ def check_zero(cfg: Config, dp: int) -> None:
             "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
             "stages 1 and 2."
         )
-    from plait.parallel.precision import check_device_supports
-
-    check_device_supports(cfg.precision.dtype, cfg.launch.device)
 
 
 def check_pipeline(cfg: Config, dp: int) -> None:
@@ -134,6 +136,3 @@ def check_pipeline(cfg: Config, dp: int) -> None:
             "2 and 3 reduce gradients on every backward pass, i.e. per micro-batch. Use "
             "parallel.zero = 1 (sharded optimizer state) or 0 with pp > 1."
         )
-    from plait.parallel.pipeline.schedules import build_schedule
-
-    build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers

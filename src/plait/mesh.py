@@ -22,6 +22,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup, CommStats
+from plait.config_checks import check_world
 from plait.errors import ConfigError
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -231,11 +232,7 @@ def init_mesh(
             )
         dp = world // other
     layout = MeshLayout(dp=dp, pp=pp, cp=cp, tp=tp)
-    if layout.world_size != world:
-        raise ConfigError(
-            f"the mesh dp={dp} x tp={tp} x pp={pp} x cp={cp} = {layout.world_size} ranks does "
-            f"not match the world size {world}; choose degrees whose product is {world}"
-        )
+    check_world(dp, tp, pp, cp, world)
     if device is None:
         device = torch.device("cpu")
     mesh = Mesh(layout=layout, rank=rank, timeout_s=timeout_s, device=torch.device(device))

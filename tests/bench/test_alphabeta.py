@@ -17,7 +17,7 @@ from plait.bench.alphabeta import (
     plot,
     tables,
 )
-from plait.comm import costs
+from plait.collectives import costs
 
 SIZES = [4, 256, 16 * 2**10, 2**20, 64 * 2**20]
 

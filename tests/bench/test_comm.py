@@ -12,8 +12,8 @@ import pytest
 from plait.bench import comm as bench
 from plait.bench.alphabeta import LIBRARY
 from plait.cli import main as plait_main
-from plait.comm import algorithms as algo
-from plait.comm import costs
+from plait.collectives import algorithms as algo
+from plait.collectives import costs
 from plait.errors import ConfigError
 from plait.testing import WorkerPool
 

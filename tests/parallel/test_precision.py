@@ -26,6 +26,7 @@ from plait.config import Config, DataConfig, LogConfig, ModelConfig, PrecisionCo
 from plait.errors import ConfigError
 from plait.optim import Optimizer
 from plait.parallel import precision
+from plait.parallel.checks import validate_run
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, PrecisionPolicy
 from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
@@ -402,8 +403,8 @@ def test_fp16_where_the_device_cannot_is_refused(
     precision.check_device_supports("fp16", "cpu")  # this CPU build can
     monkeypatch.setattr(precision, "_cpu_can_compute", lambda dtype: dtype == torch.float32)
     with pytest.raises(ConfigError, match=r"precision.dtype = 'fp16' cannot run here"):
-        _tiny("fp16").validate(1)
-    _tiny("fp32").validate(1)
+        validate_run(_tiny("fp16"), 1)
+    validate_run(_tiny("fp32"), 1)
     code = main(["train", "--precision.dtype", "fp16", "--nproc", "1", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 2 and "cannot run fp16 matmuls" in err and "Traceback" not in err
@@ -414,7 +415,7 @@ def test_16_bit_on_a_missing_gpu_is_refused() -> None:
     cfg = _tiny("bf16")
     cfg.launch.device = "cuda"
     with pytest.raises(ConfigError, match="no CUDA device is available"):
-        cfg.validate(1)
+        validate_run(cfg, 1)
 
 
 @pytest.mark.gpu

@@ -79,7 +79,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     cfg = load_config(ns.config, overrides)
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
-    cfg.validate(world)
+    from plait.parallel.checks import validate_run
+
+    validate_run(cfg, world)
     from plait.train.checkpoint import check_start
 
     check_start(cfg, world)  # resume / init-from sources exist, fault-injection rank
