@@ -88,7 +88,8 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
         from plait.plan.fit import refuse_unless_fits
 
-        refuse_unless_fits(cfg, world, env.local_world_size if env is not None else world)
+        per_host = env.local_world_size if env is not None else world
+        refuse_unless_fits(cfg, world, per_host, _cuda_device())
     if env is None and world > 1:
         _check_data(cfg)  # fail here, once, before starting any process
         launch_local(world, list(argv))
@@ -101,6 +102,16 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _cuda_device() -> tuple[str, float] | None:
+    """(name, total memory in bytes) of the first CUDA GPU, or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, float(props.total_memory)
 
 
 def _check_data(cfg: object) -> None:

@@ -1,8 +1,9 @@
 """The planner: what fits, how fast it runs, and which layout to choose.
 
 Pure arithmetic over a model shape, a layout, a precision policy and a hardware
-profile; nothing here imports ``torch.distributed`` or needs a process group (except
-:mod:`plait.bench.calibrate`, which measures the machine and is imported on demand).
+profile: nothing here imports torch or needs a process group, so the planner runs where
+torch is not installed (``tests/plan/test_isolation.py``). Measuring the machine
+(α, β, FLOP/s) is :mod:`plait.bench.calibrate`'s job; its profiles load here as data.
 """
 
 from plait.plan.estimate import Estimate, StepTime, estimate, step_time

@@ -127,24 +127,26 @@ def cuda_hardware(name: str, total_memory: float) -> Hardware:
     return PRESETS["a100-80gb"].with_memory(total_memory)
 
 
-def device_hardware(device: str, ranks_per_host: int) -> Hardware:
-    """The device a run on ``launch.device`` will use: the first CUDA GPU's preset with
-    its reported memory (``cuda``, or ``auto`` when CUDA is available), else this host's
-    RAM shared by ``ranks_per_host`` ranks."""
-    if device in ("cuda", "auto"):
-        import torch  # only the training CLI asks; the planner itself never needs torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return cuda_hardware(props.name, float(props.total_memory))
+def device_hardware(
+    device: str, ranks_per_host: int, cuda: tuple[str, float] | None = None
+) -> Hardware:
+    """The device a run on ``launch.device`` will use: the CUDA GPU ``cuda`` = (name,
+    total memory in bytes, as the caller's ``torch.cuda`` reports it; None: no GPU) as
+    its preset with that memory (``cuda``, or ``auto`` with a GPU), else this host's RAM
+    shared by ``ranks_per_host`` ranks. The planner itself never imports torch."""
+    if device in ("cuda", "auto") and cuda is not None:
+        return cuda_hardware(cuda[0], cuda[1])
     return host_hardware(ranks_per_host)
 
 
-def refuse_unless_fits(cfg: Config, world_size: int, ranks_per_host: int) -> FitVerdict:
+def refuse_unless_fits(
+    cfg: Config, world_size: int, ranks_per_host: int, cuda: tuple[str, float] | None = None
+) -> FitVerdict:
     """What ``plait train`` runs before starting: raise :class:`ConfigError` (exit code
     2) with :meth:`FitVerdict.message` when the layout is predicted not to fit the
-    device; ``launch.check_memory = false`` skips the check."""
-    hw = device_hardware(cfg.launch.device, ranks_per_host)
+    device (``cuda``: see :func:`device_hardware`); ``launch.check_memory = false``
+    skips the check."""
+    hw = device_hardware(cfg.launch.device, ranks_per_host, cuda)
     verdict = check_fits(cfg, world_size, hw, ranks_per_host=ranks_per_host)
     if not verdict.fits:
         raise ConfigError(
