@@ -36,3 +36,17 @@ def test_failure_names_rank_and_pool_recovers(pools: Callable[[int], WorkerPool]
 def test_unknown_body_is_reported(pools: Callable[[int], WorkerPool]) -> None:
     with pytest.raises(WorkerError, match="no_such_function"):
         pools(2).run(f"{M}:no_such_function")
+
+
+def test_a_function_is_a_body(pools: Callable[[int], WorkerPool]) -> None:
+    assert pools(2).run(_body_rank, 5) == [(5, 2), (6, 2)]
+
+
+def test_a_nested_function_is_refused_before_any_rank_runs() -> None:
+    def nested(ctx: WorkerContext) -> int:
+        return ctx.rank
+
+    with pytest.raises(TypeError, match="module-level function"):
+        WorkerPool(2).run(nested)
+    with pytest.raises(TypeError, match="module-level function"):
+        WorkerPool(2).run(lambda ctx: 0)

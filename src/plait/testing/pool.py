@@ -3,7 +3,7 @@
 Starting fresh processes costs seconds per world (see MACHINE-NOTES); a pool starts its
 W workers once (forked from a forkserver that has already imported torch and plait),
 joins them in one gloo world, then runs any number of *bodies* on every rank: a body is
-a module-level function addressed by ``"package.module:function"``, called on each rank
+a module-level function (or its address ``"package.module:function"``), called on each rank
 as ``fn(ctx, *args, **kwargs)`` with a :class:`WorkerContext`. :meth:`WorkerPool.run`
 returns the per-rank results (picklable) in rank order, or raises :class:`WorkerError`
 carrying every failing rank's traceback. Nothing waits forever: a run that exceeds its
@@ -74,6 +74,23 @@ class WorkerContext:
         """Zero the counters of every cached mesh."""
         for m in self._meshes.values():
             m.stats.reset()
+
+
+def body_address(body: str | Callable[..., Any]) -> str:
+    """The ``"package.module:function"`` address of a body given as a string or as a
+    module-level function (the workers import it by that address)."""
+    if isinstance(body, str):
+        return body
+    qualname = getattr(body, "__qualname__", "")
+    module = getattr(body, "__module__", None)
+    if not module or not qualname or "<" in qualname or "." in qualname:
+        raise TypeError(
+            f"a pool body must be a module-level function (workers import it by name), "
+            f"got {body!r}; define it at the top level of its module"
+        )
+    if module == "__main__":
+        raise TypeError(f"{qualname} is defined in __main__, which the workers cannot import")
+    return f"{module}:{qualname}"
 
 
 def _resolve(body: str) -> Callable[..., Any]:
@@ -160,7 +177,7 @@ class WorkerPool:
 
     def run(
         self,
-        body: str,
+        body: str | Callable[..., Any],
         *args: Any,
         timeout_s: float = 120.0,
         restart_after: bool = False,
@@ -168,14 +185,17 @@ class WorkerPool:
     ) -> list[Any]:
         """Run ``body`` on every rank; return the results in rank order.
 
+        ``body`` is a module-level function or its ``"package.module:function"``
+        address; it is called as ``body(ctx, *args, **kwargs)`` on each rank.
         ``restart_after`` discards the workers afterwards (for bodies that leave the
         process group broken on purpose, such as timeout tests).
         """
+        address = body_address(body)
         self.start()
         for c in self._conns:
-            c.send((body, args, kwargs))
+            c.send((address, args, kwargs))
         try:
-            results = self._collect(body, timeout_s)
+            results = self._collect(address, timeout_s)
         finally:
             if restart_after:
                 self.close()
