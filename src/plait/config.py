@@ -273,12 +273,6 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
-    fault_inject_step: int = 0
-    """FOR TESTS ONLY: rank fault_inject_rank kills itself (SIGKILL) when it reaches this
-    step (1-based) in a job's first attempt (not after an elastic restart); 0: off."""
-    fault_inject_rank: int = 0
-    """FOR TESTS ONLY: the rank that fault_inject_step kills."""
-
     def __post_init__(self) -> None:
         _positive(
             "train",
@@ -303,10 +297,9 @@ class TrainConfig:
             raise ConfigError(
                 f"train.recompute must be none, selective or full, got {self.recompute!r}."
             )
-        if min(self.checkpoint_every, self.fault_inject_step, self.fault_inject_rank) < 0:
+        if self.checkpoint_every < 0:
             raise ConfigError(
-                "train.checkpoint_every, fault_inject_step and fault_inject_rank must not be "
-                "negative."
+                f"train.checkpoint_every must not be negative, got {self.checkpoint_every}."
             )
         if self.keep_checkpoints < 1 or self.straggler_factor < 0 or 0 < self.straggler_factor <= 1:
             raise ConfigError(

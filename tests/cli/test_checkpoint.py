@@ -78,10 +78,6 @@ def test_bad_input_is_one_paragraph(
     assert "need train.checkpoint_dir" in err
     err = _bad(["train", *TINY, "--init-from", str(tmp_path / "nope.safetensors")], capsys)
     assert "no weights file or checkpoint" in err
-    err = _bad(
-        ["train", *TINY, "--train.fault_inject_step", "2", "--train.fault_inject_rank", "3"], capsys
-    )
-    assert "fault_inject_rank = 3" in err
     copy = tmp_path / "copy"
     import shutil
 

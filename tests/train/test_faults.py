@@ -8,7 +8,7 @@
   inside every step; it is reported with a factor above train.straggler_factor in the
   metrics and the log, rank 0 never is.
 * Elastic restart: ``torchrun --max-restarts 1`` with rank 1 killing itself at step 5
-  (train.fault_inject_step); the agent restarts the job, which resumes from the step-4
+  (by the fixture ``fault_entry.py``); the agent restarts the job, which resumes from the step-4
   checkpoint and ends with the same final loss as an uninterrupted run.
 """
 
@@ -36,6 +36,7 @@ from plait.train.trainer import Trainer
 from tests.tiny import tiny_args
 
 M = "tests.train.test_faults"
+FAULT_ENTRY = Path(__file__).with_name("fault_entry.py")
 
 
 def test_find_stragglers_against_the_lower_median() -> None:
@@ -196,8 +197,7 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(
     metrics = tmp_path / "m.jsonl"
     args = [
         *TORCHRUN_ARGS,
-        *["--train.checkpoint_every", "2", "--train.fault_inject_step", "5"],
-        *["--train.fault_inject_rank", "1", "--parallel.timeout_s", "30"],
+        *["--train.checkpoint_every", "2", "--parallel.timeout_s", "30"],
         *("--train.checkpoint_dir", str(tmp_path / "ck"), "--metrics", str(metrics)),
     ]
     r = subprocess.run(
@@ -212,9 +212,9 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(
             "1",
             "--monitor-interval",
             "0.1",
-            "-m",
-            "plait",
-            "train",
+            str(FAULT_ENTRY),
+            "1",  # the rank to kill
+            "5",  # at step 5 of the first attempt
             *args,
         ],
         cwd=tmp_path,

@@ -167,7 +167,8 @@ class ParallelModel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without communicating."""
-        with self.module.no_sync():
+        no_sync = getattr(self.module, "no_sync", None)
+        with no_sync() if no_sync is not None else contextlib.nullcontext():
             yield
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -211,8 +212,8 @@ class ParallelModel(nn.Module):
                     f"the pipeline cuts each batch into its {m} micro-batches; pass "
                     f"micro_batches=1 or {m}, not {micro_batches}"
                 )
-            loss = self.pipeline.train(inputs, targets, loss_scale)
-            return self._dp_mean(torch.tensor(loss, dtype=torch.float64))
+            mean = self.pipeline.train(inputs, targets, loss_scale)
+            return self._dp_mean(torch.tensor(mean, dtype=torch.float64))
         if inputs.shape[0] % micro_batches:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} does not split into {micro_batches} "
@@ -223,19 +224,18 @@ class ParallelModel(nn.Module):
         for k, (x, y) in enumerate(pairs):
             last = k == len(pairs) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                loss = self.loss_fn(at_least_fp32(self.module(x)), y)
-                (loss * (loss_scale / micro_batches)).backward()
-            total += loss.detach().double() / micro_batches
+                micro_loss = self.loss_fn(at_least_fp32(self.module(x)), y)
+                (micro_loss * (loss_scale / micro_batches)).backward()
+            total += micro_loss.detach().double() / micro_batches
         return self._dp_mean(total)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch without backward (averaged over dp; float64)."""
         if self.pipeline is not None:
-            loss = self.pipeline.evaluate(inputs, targets)
-            return self._dp_mean(torch.tensor(loss, dtype=torch.float64))
-        loss = self.loss_fn(at_least_fp32(self.module(inputs)), targets)
-        return self._dp_mean(loss)
+            mean = self.pipeline.evaluate(inputs, targets)
+            return self._dp_mean(torch.tensor(mean, dtype=torch.float64))
+        return self._dp_mean(self.loss_fn(at_least_fp32(self.module(inputs)), targets))
 
     def describe(self) -> str:
         """One line: the wrappers applied, outermost last."""
@@ -290,7 +290,13 @@ def parallelize(
     ``ignore_index``). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
-    p = full.parallel if full is not None else (cfg or ParallelConfig())
+    p: ParallelConfig
+    if full is not None:
+        p = full.parallel
+    elif isinstance(cfg, ParallelConfig):
+        p = cfg
+    else:
+        p = ParallelConfig()
     overrides: dict[str, Any] = {
         k: v
         for k, v in (

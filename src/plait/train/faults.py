@@ -17,9 +17,9 @@
   the stop flag). A rank whose compute time exceeds the lower median by
   ``train.straggler_factor`` is reported as ``straggler(rank, factor)`` in the log and
   the step's metrics. A straggler is slow but alive; a lost rank is an error.
-* **Fault injection (tests only)**: ``train.fault_inject_step`` makes rank
-  ``train.fault_inject_rank`` kill itself with SIGKILL when it reaches that step, in a
-  job's first attempt only.
+
+Fault injection is not a feature of the library: the tests kill ranks from a fixture
+(``tests/train/fault_entry.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import signal
 import statistics
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -136,8 +135,6 @@ class FaultMonitor:
     def __init__(self, cfg: Config, mesh: Mesh) -> None:
         self.mesh = mesh
         self.factor = cfg.train.straggler_factor
-        self.inject_step = cfg.train.fault_inject_step
-        self.inject_rank = cfg.train.fault_inject_rank
         self.group = mesh.world() if mesh.world_size > 1 else None
         stages: dict[int, list[int]] = {}
         for r in range(mesh.world_size):  # ranks of one pipeline stage do the same work
@@ -148,18 +145,9 @@ class FaultMonitor:
 
     def steps(self, start: int, stop: int) -> Iterator[int]:
         """Steps ``start .. stop-1`` (0-based) with the stop-signal handlers installed
-        (restored when the loop ends or is left) and fault injection before each step."""
+        (restored when the loop ends or is left)."""
         with self.signals:
-            for step in range(start, stop):
-                self.before_step(step + 1)
-                yield step
-
-    def before_step(self, step: int) -> None:
-        """Fault injection (tests only): SIGKILL this rank at 1-based step ``step``."""
-        if self.inject_step == step and self.mesh.rank == self.inject_rank and restart_count() == 0:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+            yield from range(start, stop)
 
     def after_step(self, step_s: float, comm_s: float) -> StepHealth:
         """Share this rank's compute time and stop flag; every rank gets the same answer."""

@@ -115,10 +115,10 @@ class ShardedMasters:
             u = slot.unit
             seg_of = {(a, b): seg for seg, a, b in slot.segments}
             for i, a, b in u.local_segments():
-                seg = seg_of.get((a, b))
-                if seg is not None:
+                held = seg_of.get((a, b))
+                if held is not None:
                     at = u.lo + a - u.offsets[i]
-                    self._segment_at[(id(u.params[i]), at)] = (slot, seg, a, b)
+                    self._segment_at[(id(u.params[i]), at)] = (slot, held, a, b)
 
     def grads(self) -> list[torch.Tensor]:
         """Master-dtype gradients on the master device, one ``(shard_numel,)`` per slot."""
