@@ -14,6 +14,7 @@ and peak in-flight micro-batches next to the textbook figure. Costs: ``--forward
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from fractions import Fraction
 
 from plait.errors import ConfigError
@@ -92,7 +93,7 @@ def _textbook(s: Schedule) -> str:
     return "ZB-H1 at F = I = W: (p-1)/(3m+p-1) = " + f"{float(Fraction(p - 1, 3 * m + p - 1)):.4f}"
 
 
-def pipeline_main(argv: list[str]) -> int:
+def pipeline_main(argv: Sequence[str]) -> int:
     """``plait pipeline``; returns the exit code."""
     ns = _parser().parse_args(argv)
     sched, sim = _build(ns)

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def ps_train_main(argv: list[str]) -> int:
+def ps_train_main(argv: Sequence[str]) -> int:
     """``plait ps-train``; returns the exit code."""
     from plait.launch.local import launch_local, torchrun_env
 
