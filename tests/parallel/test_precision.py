@@ -197,7 +197,7 @@ def test_trainer_reports_a_skipped_step_and_holds_the_schedule(
     cfg = _tiny("fp16", steps=4, loss_scale_window=2)
     cfg.log.metrics = str(tmp_path / "m.jsonl")
     trainer = Trainer(cfg, init_mesh(), show_progress=False)
-    real = trainer._loss
+    real = trainer.model.loss_fn
     calls = {"n": 0}
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,7 @@ def test_trainer_reports_a_skipped_step_and_holds_the_schedule(
         out = real(x, y)
         return out * math.inf if calls["n"] == 2 else out  # the second step overflows
 
-    monkeypatch.setattr(trainer, "_loss", loss)
+    monkeypatch.setattr(trainer.model, "loss_fn", loss)
     summary = trainer.run()
     rows = [json.loads(line) for line in Path(cfg.log.metrics).read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [False, True, False, False]
@@ -217,7 +217,7 @@ def test_trainer_reports_a_skipped_step_and_holds_the_schedule(
 
 
 def _inf_on_second_step(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = trainer._loss
+    real = trainer.model.loss_fn
     calls = {"n": 0}
 
     def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ def _inf_on_second_step(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> No
         out = real(x, y)
         return out * math.inf if calls["n"] == 2 else out
 
-    monkeypatch.setattr(trainer, "_loss", loss)
+    monkeypatch.setattr(trainer.model, "loss_fn", loss)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])

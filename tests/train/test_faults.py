@@ -144,7 +144,7 @@ def _body_straggler(ctx: WorkerContext, metrics: str) -> tuple[dict[int, int], l
 
     tr.progress.message = logged  # type: ignore[method-assign]
     if ctx.rank == 1:  # deterministic extra work inside every step: a slow rank
-        loss = tr._loss
+        loss = tr.model.loss_fn
         a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
 
         def slow(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _body_straggler(ctx: WorkerContext, metrics: str) -> tuple[dict[int, int], l
                 torch.mm(a, a)
             return loss(x, y)
 
-        tr._loss = slow  # type: ignore[method-assign]
+        tr.model.loss_fn = slow
     tr.run()
     return tr.faults.reported, log
 

@@ -363,8 +363,9 @@ def parallelize(
             zero_shard_size=p.zero_shard_size if p.zero > 0 else None,
             reshard_after_forward=p.reshard_after_forward,
             prefetch=p.prefetch,
-            param_dtype=policy.param_dtype,
-            reduce_dtype=policy.grad_reduce_dtype,
+            # fp32 (the default) keeps the model's own dtype (a float64 model stays float64)
+            param_dtype=policy.param_dtype if policy.needs_master_weights else None,
+            reduce_dtype=policy.reduce_dtype,
             offload=p.offload,
             find_unused_parameters=p.find_unused_parameters,
         )
