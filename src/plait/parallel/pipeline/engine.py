@@ -23,7 +23,12 @@ from plait.mesh import Mesh
 from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
-from plait.parallel.pipeline.split import PipelineStages, StagePiece, split_transformer
+from plait.parallel.pipeline.split import (
+    PipelineStages,
+    StagePiece,
+    check_splittable,
+    split_transformer,
+)
 
 
 def split_for_pipeline(
@@ -44,6 +49,7 @@ def split_for_pipeline(
     minimising the slowest piece is taken; rank 0 prints both splits with their
     predicted per-piece times). ``seq_factor`` is tp under sequence parallelism.
     """
+    check_splittable(model)
     micro, seq = profile_shape
     if seq <= 0:
         cfg = getattr(model, "cfg", None)

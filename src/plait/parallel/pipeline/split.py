@@ -199,6 +199,19 @@ class PipelineStages(nn.Module):
         return x
 
 
+def check_splittable(model: nn.Module) -> None:
+    """Refuse, naming what is missing, a model the split cannot cut: it needs plait's
+    Transformer structure (token embedding, a list of blocks, final norm, output head,
+    rotary tables)."""
+    for attr in ("tok_embeddings", "layers", "norm", "output", "rope_cos", "rope_sin"):
+        if not hasattr(model, attr):
+            raise ConfigError(
+                f"pipeline split: the model has no '{attr}'; the pipeline split supports "
+                f"plait's built-in Transformer (embedding, layers, norm, output), not "
+                f"{type(model).__name__}. Use dp / ZeRO / tp for this model, or pp = 1."
+            )
+
+
 def split_transformer(
     model: nn.Module,
     mesh: Mesh,
@@ -216,12 +229,7 @@ def split_transformer(
     pieces are replaced by ``nn.Identity`` in ``model`` (freed). Raises
     :class:`ConfigError` for fewer blocks than pieces or bad boundaries.
     """
-    for attr in ("tok_embeddings", "layers", "norm", "output", "rope_cos", "rope_sin"):
-        if not hasattr(model, attr):
-            raise ConfigError(
-                f"pipeline split: the model has no '{attr}'; the pipeline split supports "
-                "plait's built-in Transformer (embedding, layers, norm, output)."
-            )
+    check_splittable(model)
     p = mesh.size("pp")
     pieces = p * chunks
     layers = list(model.layers)  # type: ignore[arg-type]
