@@ -45,7 +45,6 @@ from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_p
 from plait.parallel.tensor.layers import shard_info
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
-from plait.parallel.zero.pieces import zero_local_pieces
 from plait.pieces import LocalPiece
 
 _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
@@ -219,8 +218,6 @@ class Optimizer:
         state (``key``): what a checkpoint saves and restores."""
         if isinstance(self.model, ParallelModel):
             pieces = self.model.local_pieces()
-        elif self.zero is not None:
-            pieces = zero_local_pieces(self.zero)
         else:
             local_pieces = getattr(self.model, "local_pieces", None)
             if local_pieces is None:

@@ -55,7 +55,6 @@ from plait.parallel.tensor.layers import shard_info, tensor_parallel_piece
 from plait.parallel.tensor.loss import IGNORE_INDEX, vocab_parallel_loss
 from plait.parallel.tensor.plan import Plan, apply_tensor_parallel, vocab_size_of
 from plait.parallel.zero import ZeroDataParallel
-from plait.parallel.zero.pieces import zero_local_pieces
 from plait.pieces import LocalPiece
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -147,10 +146,8 @@ class ParallelModel(nn.Module):
         shard segments) refined by tensor parallelism (the block held) and the pipeline
         (the tied copy is written by the first stage); cp replicas do not write."""
         inner = self.module
-        own = zero_local_pieces(inner) if isinstance(inner, ZeroDataParallel) else None
-        if own is None:
-            assert isinstance(inner, DataParallel)
-            own = inner.local_pieces()
+        assert isinstance(inner, DataParallel | ZeroDataParallel)
+        own = inner.local_pieces()  # each wrapper describes its own pieces
         tp_index = self.mesh.index("tp")
         cp_first = self.mesh.index("cp") == 0
         stages = self.stages

@@ -35,6 +35,7 @@ from plait.parallel.parallelize import parallelize
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import ROOT
+from plait.parallel.zero.reduce import GradientReducer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 from tests.parallel.test_data import VOCAB
@@ -561,7 +562,7 @@ def test_gradients_are_reduce_scattered_during_backward(
         assert ev.index(("reduce", "layers.3")) < ev.index(("grad", "layers.0"))
         assert ev[-1] == ("synced", "")
         sizes = sorted(r["size"].values(), reverse=True)
-        window = ZeroDataParallel.MAX_REDUCES_IN_FLIGHT + 1
+        window = GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
         assert r["peak_grad_bytes"] <= sum(sizes[:window]) < sum(sizes)
         assert r["grad_bytes_after"] == 0
 

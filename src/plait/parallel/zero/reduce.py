@@ -1,148 +1,265 @@
 """ZeRO's gradient path: per-unit reduce-scatter as backward produces the gradients.
 
-:class:`GradientReduction` is the part of :class:`plait.parallel.zero.ZeroDataParallel`
-that runs inside backward. A post-accumulate-grad hook on every flattened parameter
-notes that its gradient is ready; when every parameter of a unit has one, the unit's
-flat ``(padded,)`` gradient is reduce-scattered asynchronously over the shard group
-(ReduceScatter, Rajbhandari et al. 2020), the average landing in this rank's
-``(shard_numel,)`` piece. With hybrid sharding the piece is then all-reduced over the
-replicate group (AllReduce). Stages 0/1 keep full gradient buffers (``.grad`` is a view
-into them) and communicate only in the synchronising backward (``no_sync``
-accumulates locally); stages 2/3 copy the gradients into a transient buffer, reduce on
-every backward and keep only the shard. A callback queued on the autograd engine
-finishes the reductions at the end of backward and refuses parameters that got no
-gradient (unless ``find_unused_parameters``).
+Each flat unit's reduction is a small state machine, :class:`UnitReduction`::
 
-The mixin holds no state of its own: every attribute is created by
-``ZeroDataParallel.__init__`` (declared below for the type checker).
+    IDLE ──first gradient──▶ COLLECTING ──all gradients──▶ SCATTERING
+      ▲                                                        │ reduce-scatter done
+      │                                                        ▼
+      └──── stages 2/3: added into the gradient shard ──── REPLICATING
+                                                               │ stages 0/1
+    IDLE ◀── zero_grad ── REDUCED ◀── hybrid all-reduce done ──┘
+
+A post-accumulate-grad hook on every flattened parameter marks its gradient ready; when
+every parameter of a unit has one, the unit's flat ``(padded,)`` gradient is
+reduce-scattered asynchronously over the shard group (ReduceScatter, Rajbhandari et al.
+2020), the average landing in this rank's ``(shard_numel,)`` piece; with hybrid sharding
+the piece is then all-reduced over the replicate group (AllReduce). Stages 0/1 keep full
+gradient buffers (``.grad`` is a view into them) and communicate only in the
+synchronising backward (``no_sync`` accumulates locally); stages 2/3 copy the gradients
+into a transient buffer, reduce on every backward and keep only the shard.
+
+:class:`GradientReducer` owns the units' reductions for one
+:class:`~plait.parallel.zero.ZeroDataParallel`: the hooks' entry point, the cap on
+reduce-scatters in flight (launching one more completes the oldest, freeing its
+transient buffer), the transient buffer bytes, and the callback queued on the autograd
+engine that finishes every reduction at the end of backward and refuses parameters that
+got no gradient (unless ``find_unused_parameters``). It talks to the wrapper only
+through the callbacks it is given (release a stage-3 unit, end of backward, events).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from plait import comm
-from plait.comm import Handle
+from plait.comm import AxisGroup, Handle
 from plait.parallel.data import UnusedParametersError
 from plait.parallel.zero.flat import FlatUnit
 
 
-class GradientReduction:
-    """Backward-time gradient reduction of :class:`~plait.parallel.zero.ZeroDataParallel`."""
+class ReduceState(enum.Enum):
+    """Where one unit's gradient reduction stands in the current backward pass."""
+
+    IDLE = "idle"
+    """No gradient of this backward has arrived (or the reduced shard was consumed)."""
+    COLLECTING = "collecting"
+    """Some of the unit's parameters have their gradients; waiting for the rest."""
+    SCATTERING = "scattering"
+    """The reduce-scatter of the unit's flat gradient is in flight."""
+    REPLICATING = "replicating"
+    """Reduce-scatter done; the hybrid all-reduce across replicas is in flight (or none)."""
+    REDUCED = "reduced"
+    """Stages 0/1: the averaged shard is ready for the optimizer."""
+
+
+_ALLOWED: dict[ReduceState, tuple[ReduceState, ...]] = {
+    ReduceState.IDLE: (ReduceState.COLLECTING, ReduceState.SCATTERING),
+    ReduceState.COLLECTING: (ReduceState.SCATTERING, ReduceState.IDLE),
+    ReduceState.SCATTERING: (ReduceState.REPLICATING,),
+    ReduceState.REPLICATING: (ReduceState.REDUCED, ReduceState.IDLE),
+    ReduceState.REDUCED: (ReduceState.IDLE, ReduceState.COLLECTING, ReduceState.SCATTERING),
+}
+
+
+class UnitReduction:
+    """One unit's gradient reduction (see the module docstring for the states)."""
+
+    def __init__(self, unit: FlatUnit) -> None:
+        self.unit = unit
+        self.state = ReduceState.IDLE
+        self.ready: set[int] = set()  # indices of the unit's parameters with a gradient
+        self.shard: torch.Tensor | None = None  # (shard_numel,) the reduce-scatter output
+        self._scatter: Handle | None = None
+        self._buffer: torch.Tensor | None = None  # (padded,) kept alive while in flight
+        self._replicate: Handle | None = None
+
+    def _go(self, new: ReduceState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(
+                f"ZeRO unit {self.unit.name!r}: gradient reduction cannot go from "
+                f"{self.state.value} to {new.value}"
+            )
+        self.state = new
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter of the unit has its gradient."""
+        return len(self.ready) == len(self.unit.params)
+
+    def mark_ready(self, i: int) -> bool:
+        """Parameter ``i``'s gradient arrived; returns whether it was the unit's first."""
+        first = self.state is not ReduceState.COLLECTING
+        if first:  # from IDLE or REDUCED; a gradient during a reduction is an error
+            self._go(ReduceState.COLLECTING)
+        self.ready.add(i)
+        return first
+
+    def launch(self, buffer: torch.Tensor, shard_group: AxisGroup) -> None:
+        """Start the reduce-scatter (average) of the flat ``(padded,)`` ``buffer``."""
+        self._go(ReduceState.SCATTERING)
+        out, h = comm.reduce_scatter(buffer, shard_group, op="avg", async_op=True)
+        self.shard, self._scatter, self._buffer = out, h, buffer
+
+    def finish_scatter(self, replicate_group: AxisGroup) -> None:
+        """Wait for the reduce-scatter; start the all-reduce across replicas (hybrid)."""
+        assert self._scatter is not None
+        self._scatter.wait()
+        self._go(ReduceState.REPLICATING)
+        self._scatter, self._buffer = None, None
+        if replicate_group.size > 1:
+            assert self.shard is not None
+            self._replicate = comm.all_reduce(
+                self.shard, replicate_group, op="avg", async_op=True
+            )
+
+    def finish(self, keep: bool) -> torch.Tensor:
+        """Wait for the replicas' all-reduce; return the averaged ``(shard_numel,)`` shard.
+        ``keep`` (stages 0/1) holds it as REDUCED; otherwise the unit returns to IDLE."""
+        if self._replicate is not None:
+            self._replicate.wait()
+            self._replicate = None
+        out = self.shard
+        assert out is not None
+        self.ready.clear()
+        self._go(ReduceState.REDUCED if keep else ReduceState.IDLE)
+        if not keep:
+            self.shard = None
+        return out
+
+    def reset(self) -> None:
+        """Drop the reduced shard (the optimizer consumed it): back to IDLE."""
+        if self.state in (ReduceState.SCATTERING, ReduceState.REPLICATING):
+            raise RuntimeError(
+                f"ZeRO unit {self.unit.name!r}: reset while a reduction is in flight"
+            )
+        self.state, self.shard = ReduceState.IDLE, None
+        self.ready.clear()
+
+
+class GradientReducer:
+    """The backward-time gradient path of one ZeRO-wrapped module.
+
+    Args:
+        units: the wrapper's flat units.
+        stage: the ZeRO stage (0/1 keep full gradient buffers, 2/3 transient ones).
+        shard_group, replicate_group: the hybrid-sharding groups of the dp axis.
+        reduce_dtype: the dtype gradients are reduced in.
+        device: where the transient buffers live.
+        find_unused_parameters: reduce zeros for parameters with no gradient.
+        release: called with a unit once its reduce-scatter is launched (stage 3 frees
+            its gathered parameters then).
+        on_finish: called at the end of every synchronising backward.
+        note: records an event ``(kind, unit name)`` (tests read the order).
+    """
 
     MAX_REDUCES_IN_FLIGHT = 2
     """Reduce-scatters allowed in flight before the oldest is completed (stages 2/3 free
     its full gradient buffer then)."""
 
-    if TYPE_CHECKING:
-        stage: int
-        units: list[FlatUnit]
-        device: torch.device
-        reduce_dtype: torch.dtype
-        shard_group: comm.AxisGroup
-        replicate_group: comm.AxisGroup
-        find_unused_parameters: bool
-        record_events: bool
-        events: list[tuple[str, str]]
-        grad_buffer_bytes: int
-        peak_grad_buffer_bytes: int
-        _where: dict[nn.Parameter, tuple[FlatUnit, int]]
-        _sync: bool
-        _in_backward: bool
-        _ready: dict[int, set[int]]
-        _launched: list[FlatUnit]
-        _pending_reduce: dict[int, tuple[torch.Tensor, Handle, torch.Tensor]]
-        _pending_allreduce: dict[int, tuple[torch.Tensor, Handle | None]]
-        _reduced: dict[int, torch.Tensor]
-        _pre_backward_done: set[int]
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        stage: int,
+        shard_group: AxisGroup,
+        replicate_group: AxisGroup,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        find_unused_parameters: bool,
+        release: Callable[[FlatUnit], None],
+        on_finish: Callable[[], None],
+        note: Callable[[str, str], None],
+    ) -> None:
+        self.units = [UnitReduction(u) for u in units]
+        self.stage = stage
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.reduce_dtype, self.device = reduce_dtype, device
+        self.find_unused_parameters = find_unused_parameters
+        self._release, self._on_finish, self._note = release, on_finish, note
+        self.sync = True  # False inside no_sync (stages 0/1 accumulate locally)
+        self.in_backward = False
+        self.grad_buffer_bytes = 0  # stages 2/3: transient full-gradient buffers, and peak
+        self.peak_grad_buffer_bytes = 0
+        self._launched: list[UnitReduction] = []  # in launch order, this backward
 
-        def _note(self, kind: str, u: FlatUnit) -> None: ...
-        def _free(self, u: FlatUnit, count: bool = True) -> None: ...
-        def _free_all(self) -> None: ...
+    # ------------------------------------------------------------------ hooks
 
-    def _begin_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            if self.record_events:
-                self.events.append(("backward", ""))
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+    def begin_backward(self) -> None:
+        """Note that a backward pass runs; queue :meth:`finish_backward` at its end."""
+        if not self.in_backward:
+            self.in_backward = True
+            self._note("backward", "")
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        u, i = self._where[p]  # type: ignore[index]
+    def on_grad(self, u: FlatUnit, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i`` of ``u`` has its accumulated gradient ``p.grad``."""
         assert p.grad is not None
         if self.stage <= 1:
-            if not self._sync:
+            if not self.sync:
                 return
-            self._begin_backward()
+            self.begin_backward()
             assert u.grad_full is not None
             view = u.view(i, u.grad_full)
             if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced: adopt its value
                 view.copy_(p.grad)
                 p.grad = view
         else:
-            self._begin_backward()
+            self.begin_backward()
             if u.grad_full is None:
-                self._alloc_grad_buffer(u)
+                self._alloc_buffer(u)
             assert u.grad_full is not None
             u.view(i, u.grad_full).copy_(p.grad)
             p.grad = None
-        if not self._ready[u.index] and self.record_events:
-            self.events.append(("grad", u.name))  # the unit's first gradient arrived
-        self._ready[u.index].add(i)
-        if len(self._ready[u.index]) == len(u.params):
-            self._launch_reduce(u)
+        r = self.units[u.index]
+        if r.mark_ready(i):
+            self._note("grad", u.name)  # the unit's first gradient arrived
+        if r.complete:
+            self._launch(r)
 
-    def _alloc_grad_buffer(self, u: FlatUnit) -> None:
+    # ------------------------------------------------------------------ pieces
+
+    def _alloc_buffer(self, u: FlatUnit) -> None:
         """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients."""
         u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
         self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
         self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
 
-    def _launch_reduce(self, u: FlatUnit) -> None:
-        """Reduce-scatter ``u``'s gradients asynchronously; stage 3 then frees ``u``.
-
-        At most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters are in flight: launching one
-        more completes the oldest, which (stages 2/3) frees its full-size gradient buffer,
-        so the transient gradient memory stays a few units, not the whole model.
-        """
-        assert u.grad_full is not None
-        buf = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
-        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
-        self._pending_reduce[u.index] = (out, h, buf)
-        self._launched.append(u)
-        self._note("reduce", u)
-        if self.stage == 3:
-            self._free(u)
-        in_flight = [v for v in self._launched if v.index in self._pending_reduce]
-        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
-            self._complete_reduce(v)
-
-    def _complete_reduce(self, u: FlatUnit) -> None:
-        """Wait for ``u``'s reduce-scatter, start the all-reduce across replicas (hybrid)
-        and, for stages 2/3, drop the full-size gradient buffer."""
-        out, h, _ = self._pending_reduce.pop(u.index)
-        h.wait()
-        h2 = None
-        if self.replicate_group.size > 1:
-            h2 = comm.all_reduce(out, self.replicate_group, op="avg", async_op=True)
-        self._pending_allreduce[u.index] = (out, h2)
+    def _drop_buffer(self, u: FlatUnit) -> None:
         if self.stage >= 2 and u.grad_full is not None:
             self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
             u.grad_full = None
 
-    def _finish_backward(self) -> None:
+    def _launch(self, r: UnitReduction) -> None:
+        """Reduce-scatter ``r``'s unit; at most ``MAX_REDUCES_IN_FLIGHT`` stay in flight
+        (launching one more completes the oldest, which frees its transient buffer)."""
+        u = r.unit
+        assert u.grad_full is not None
+        buffer = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
+        r.launch(buffer, self.shard_group)
+        self._launched.append(r)
+        self._note("reduce", u.name)
+        if self.stage == 3:
+            self._release(u)
+        in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
+        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
+            self._finish_scatter(v)
+
+    def _finish_scatter(self, r: UnitReduction) -> None:
+        r.finish_scatter(self.replicate_group)
+        self._drop_buffer(r.unit)
+
+    def finish_backward(self) -> None:
         """End of a synchronising backward: reduce what is left, wait, keep the shards."""
-        self._in_backward = False
-        launched = {u.index for u in self._launched}
-        for u in self.units:
-            if u.index in launched:
+        self.in_backward = False
+        for r in self.units:
+            if r in self._launched:
                 continue
-            missing = [u.names[i] for i in range(len(u.params)) if i not in self._ready[u.index]]
+            u = r.unit
+            missing = [u.names[i] for i in range(len(u.params)) if i not in r.ready]
             if missing and not self.find_unused_parameters:
-                self._abandon_backward()
+                self.abandon()
                 raise UnusedParametersError(
                     f"{len(missing)} parameter(s) received no gradient in this backward pass: "
                     f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every "
@@ -150,42 +267,38 @@ class GradientReduction:
                     "reduce zeros for them, or set requires_grad=False on them."
                 )
             if u.grad_full is None:
-                self._alloc_grad_buffer(u)
-            self._launch_reduce(u)
-        for u in self._launched:
-            if u.index in self._pending_reduce:
-                self._complete_reduce(u)
-        for u in self._launched:
-            out, h2 = self._pending_allreduce.pop(u.index)
-            if h2 is not None:
-                h2.wait()
+                self._alloc_buffer(u)
+            self._launch(r)
+        for r in self._launched:
+            if r.state is ReduceState.SCATTERING:
+                self._finish_scatter(r)
+        for r in self._launched:
+            out = r.finish(keep=self.stage <= 1)
             if self.stage >= 2:
-                assert u.grad_shard is not None
-                u.grad_shard.add_(out)
-            else:
-                self._reduced[u.index] = out
-            self._ready[u.index].clear()
+                assert r.unit.grad_shard is not None
+                r.unit.grad_shard.add_(out)
         self._launched = []
-        self._pre_backward_done.clear()
-        if self.stage == 3:
-            self._free_all()
-        if self.record_events:
-            self.events.append(("synced", ""))
+        self._on_finish()
+        self._note("synced", "")
 
-    def _abandon_backward(self) -> None:
-        for u in self._launched:
-            if u.index in self._pending_reduce:
-                self._complete_reduce(u)
-            h2 = self._pending_allreduce.pop(u.index)[1]
-            if h2 is not None:
-                h2.wait()
+    def abandon(self) -> None:
+        """A failed backward: complete what is in flight, drop buffers and states."""
+        for r in self._launched:
+            if r.state is ReduceState.SCATTERING:
+                r.finish_scatter(self.replicate_group)
+            r.finish(keep=False)
         self._launched = []
-        for s in self._ready.values():
-            s.clear()
-        for u in self.units:
-            if self.stage >= 2 and u.grad_full is not None:
-                self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
-                u.grad_full = None
-        self._pre_backward_done.clear()
-        if self.stage == 3:
-            self._free_all()
+        for r in self.units:
+            r.reset()
+            self._drop_buffer(r.unit)
+        self._on_finish()
+
+    def reduced(self, u: FlatUnit) -> torch.Tensor | None:
+        """Stages 0/1: the averaged shard of ``u`` from the last synchronising backward."""
+        r = self.units[u.index]
+        return r.shard if r.state is ReduceState.REDUCED else None
+
+    def reset(self) -> None:
+        """``zero_grad``: every unit back to IDLE."""
+        for r in self.units:
+            r.reset()

@@ -14,8 +14,8 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   all-gathered. Bytes/param with bf16 + Adam: 2 + 2 + 12/N.
 * **stage 2** — as 1, but only the gradient shard is kept: a unit's gradients are copied
   into a transient buffer and reduce-scattered (asynchronously) the moment backward has
-  produced all of them, on every micro-step; at most ``MAX_REDUCES_IN_FLIGHT`` + 1 such
-  buffers exist at once. 2 + 14/N.
+  produced all of them, on every micro-step; at most
+  ``GradientReducer.MAX_REDUCES_IN_FLIGHT`` + 1 such buffers exist at once. 2 + 14/N.
 * **stage 3** — parameters are sharded too: a unit is all-gathered just before its
   forward (the next unit's gather is started meanwhile: prefetch), freed after it
   (``reshard_after_forward``), gathered again before its backward (triggered by a hook
@@ -24,10 +24,11 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
 Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp ranks and
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
 Units, flattening and padding: :mod:`plait.parallel.zero.flat`. The gradient path
-inside backward (hooks, reduce-scatter, hybrid all-reduce):
-:class:`plait.parallel.zero.reduce.GradientReduction`. The optimizer side (sharded fp32
-masters, global-norm clipping, loss scaling, offload):
-:class:`plait.parallel.zero.optim.ShardedMasters` (stepped by :class:`plait.optim.Optimizer`).
+inside backward (hooks, reduce-scatter, hybrid all-reduce, one state machine per unit):
+:class:`plait.parallel.zero.reduce.GradientReducer`, which the wrapper owns. The
+optimizer side (sharded fp32 masters, offload):
+:class:`plait.parallel.zero.optim.ShardedMasters`, stepped by :class:`plait.optim.Optimizer`
+(global-norm clipping, loss scaling).
 
 The module may already be split by tensor parallelism (:mod:`plait.parallel.tensor.plan`):
 its parameters are then the local TP shards, which ZeRO flattens like any other tensor;
@@ -41,6 +42,7 @@ the parameter itself is swapped to an empty tensor so stray reads fail loudly.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -55,10 +57,24 @@ from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
 from plait.parallel.zero.flat import ROOT, FlatUnit, WrapSpec, plan_units
-from plait.parallel.zero.reduce import GradientReduction
+from plait.parallel.zero.reduce import GradientReducer
+from plait.pieces import LocalPiece
 
 Offload = Literal["none", "optimizer", "params"]
-_FREE, _GATHERING, _GATHERED = "free", "gathering", "gathered"
+
+
+class Gather(enum.Enum):
+    """Where a stage-3 unit's full parameters stand."""
+
+    FREE = "free"
+    """Only the shard is held; the parameters are empty tensors."""
+    GATHERING = "gathering"
+    """The all-gather is in flight (a prefetch)."""
+    GATHERED = "gathered"
+    """The full parameters are in place."""
+
+
+_FREE, _GATHERING, _GATHERED = Gather.FREE, Gather.GATHERING, Gather.GATHERED
 
 
 def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
@@ -72,7 +88,7 @@ def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class ZeroDataParallel(GradientReduction, nn.Module):
+class ZeroDataParallel(nn.Module):
     """Wrap ``module`` for ZeRO stage ``stage`` over ``mesh``'s ``axis`` (default "dp").
 
     Args:
@@ -142,25 +158,27 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         self._broadcast_state()
         specs = plan_units(module, wrap)
         self.units = [FlatUnit(i, s, factor, self.shard_group.index) for i, s in enumerate(specs)]
-        self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {}
         self._empty: dict[nn.Parameter, torch.Tensor] = {}
-        self._state: dict[int, str] = {}
+        self._state: dict[int, Gather] = {}
         self._pending_gather: dict[int, tuple[torch.Tensor, Handle]] = {}
-        self._pending_reduce: dict[int, tuple[torch.Tensor, Handle, torch.Tensor]] = {}
-        self._pending_allreduce: dict[int, tuple[torch.Tensor, Handle | None]] = {}
-        self._reduced: dict[int, torch.Tensor] = {}  # stages 0/1: reduced shard of the step
-        self._ready: dict[int, set[int]] = {u.index: set() for u in self.units}
         self._pre_backward_done: set[int] = set()
-        self._launched: list[FlatUnit] = []
         self._order: list[FlatUnit] = list(self.units)  # forward order (recorded)
         self._order_now: list[FlatUnit] = []
-        self._in_backward = False
-        self._sync = True
         self.gathered_bytes = 0  # stage 3: gathered parameter bytes now, and the peaks
         self.peak_gathered_bytes = 0
         self.peak_gathered_units = 0
-        self.grad_buffer_bytes = 0  # stages 2/3: transient full-gradient buffers, and peak
-        self.peak_grad_buffer_bytes = 0
+        self.reducer = GradientReducer(
+            self.units,
+            stage,
+            self.shard_group,
+            self.replicate_group,
+            self.reduce_dtype,
+            self.device,
+            find_unused_parameters,
+            release=self._free,
+            on_finish=self._after_backward,
+            note=self._note_event,
+        )
         for u in self.units:
             self._init_unit(u)
         # Units freed after their forward and re-gathered for their backward: every
@@ -175,8 +193,8 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         self._hooks: list[Any] = []
         for u in self.units:
             for i, p in enumerate(u.params):
-                self._where[p] = (u, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                hook = functools.partial(self.reducer.on_grad, u, i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
             if stage == 3:
                 for m in u.triggers:
                     self._hooks.append(
@@ -220,8 +238,28 @@ class ZeroDataParallel(GradientReduction, nn.Module):
     # ------------------------------------------------------------------ gather / free
 
     def _note(self, kind: str, u: FlatUnit) -> None:
+        self._note_event(kind, u.name)
+
+    def _note_event(self, kind: str, name: str) -> None:
         if self.record_events:
-            self.events.append((kind, u.name))
+            self.events.append((kind, name))
+
+    def _after_backward(self) -> None:
+        """End of a synchronising backward (the reducer's callback): stage 3 frees every
+        unit; the next backward gathers again."""
+        self._pre_backward_done.clear()
+        if self.stage == 3:
+            self._free_all()
+
+    @property
+    def grad_buffer_bytes(self) -> int:
+        """Stages 2/3: bytes of the transient full-gradient buffers alive now."""
+        return self.reducer.grad_buffer_bytes
+
+    @property
+    def peak_grad_buffer_bytes(self) -> int:
+        """Stages 2/3: the most transient gradient-buffer bytes alive at once."""
+        return self.reducer.peak_grad_buffer_bytes
 
     def _start_gather(self, u: FlatUnit) -> None:
         """Launch the all-gather of ``u``'s shards (asynchronously)."""
@@ -303,7 +341,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
                 t.register_hook(functools.partial(self._pre_backward, u))
 
     def _pre_backward(self, u: FlatUnit, grad: torch.Tensor) -> None:
-        self._begin_backward()
+        self.reducer.begin_backward()
         if u.index in self._pre_backward_done:
             return
         self._pre_backward_done.add(u.index)
@@ -320,7 +358,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (stage 3 gathers units on demand)."""
-        if self.record_events and not self._in_backward:
+        if self.record_events and not self.reducer.in_backward:
             self.events = []
         self._order_now = []
         out = self.module(*args, **kwargs)
@@ -335,12 +373,12 @@ class ZeroDataParallel(GradientReduction, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Stages 0/1: accumulate full gradients locally with no communication. Stages 2/3
         keep only gradient shards and reduce-scatter on every backward regardless."""
-        old = self._sync
-        self._sync = False
+        old = self.reducer.sync
+        self.reducer.sync = False
         try:
             yield
         finally:
-            self._sync = old
+            self.reducer.sync = old
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -357,8 +395,8 @@ class ZeroDataParallel(GradientReduction, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (stage 0/1: ``.grad`` stays a view into them)."""
+        self.reducer.reset()
         for u in self.units:
-            self._reduced.pop(u.index, None)
             if self.stage <= 1:
                 assert u.grad_full is not None
                 u.grad_full.zero_()
@@ -382,7 +420,7 @@ class ZeroDataParallel(GradientReduction, nn.Module):
         if self.stage >= 2:
             assert u.grad_shard is not None
             return u.grad_shard
-        g = self._reduced.get(u.index)
+        g = self.reducer.reduced(u)
         if g is None:
             return torch.zeros(u.shard_numel, dtype=self.reduce_dtype, device=self.device)
         return g
@@ -401,9 +439,27 @@ class ZeroDataParallel(GradientReduction, nn.Module):
             h.wait()
             u.full.copy_(out)
 
+    def local_pieces(self) -> list[LocalPiece]:
+        """This rank's runs of each parameter in its shards, named as in ``module``: a
+        unit's shard ``[lo, hi)`` of the flat, padded parameters covers runs of one or more
+        parameters (padding left out). Replicas of a shard (hybrid sharding) are equal
+        after the step, so only the first replicate rank writes."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        first = self.replicate_group.index == 0
+        out: list[LocalPiece] = []
+        for u in self.units:
+            shard = self.param_shard(u)  # (shard_numel,) model dtype
+            for i, a, b in u.local_segments():
+                p, at = u.params[i], u.lo + a - u.offsets[i]  # at: first element in p
+                name, shape, run = names[id(p)], list(u.shapes[i]), shard[a:b]
+                out.append(
+                    LocalPiece(name, shape, None, at, at + b - a, run, p, self.param_dtype, first)
+                )
+        return out
+
     def reset_peak_gathered(self) -> None:
         """Restart the peak counters (gathered bytes/units, gradient buffers)."""
-        self.peak_grad_buffer_bytes = self.grad_buffer_bytes
+        self.reducer.peak_grad_buffer_bytes = self.reducer.grad_buffer_bytes
         self.peak_gathered_bytes = self.gathered_bytes
         self.peak_gathered_units = sum(1 for s in self._state.values() if s != _FREE)
 
