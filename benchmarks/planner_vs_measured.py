@@ -105,7 +105,6 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
     from plait import comm
     from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
     from plait.parallel.data import DataParallel
-    from plait.parallel.pipeline.engine import find_stages
     from plait.train.trainer import Trainer
 
     cfg = Config(
@@ -138,10 +137,11 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
 
     idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
     x, y = trainer.train_set.batch(idx)
-    stages = find_stages(trainer.model)
+    stages = trainer.model.stages
+    loss_fn = trainer.model.loss_fn
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if stages is None:
-            loss = trainer._loss(x, y)
+            loss = loss_fn(trainer.model(x).float(), y)
         else:  # this rank's pipeline stage on one micro-batch, as the runtime runs it
             piece = stages.chunks[0]
             if piece.tok_embeddings is not None:
@@ -149,21 +149,22 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
             else:  # the hidden states a previous stage would send: (micro, seq, dim)
                 inp = torch.randn(x.shape[0], x.shape[1], cfg.model.dim, requires_grad=True)
             out = piece(inp)
-            loss = trainer.loss_fn(out.float(), y) if piece.output is not None else out.sum()
+            loss = loss_fn(out.float(), y) if piece.output is not None else out.sum()
     activations = _storage_bytes(saved, fixed)
     saved.clear()
     loss.backward()
     # exact bytes of the state this rank holds (after a backward: gradients exist)
     report = trainer.memory_report().bytes
+    wrapper = trainer.model.module
     buckets = (
-        sum(b for _, _, b in trainer.model.bucket_summary())
-        if isinstance(trainer.model, DataParallel)
+        sum(b for _, _, b in wrapper.bucket_summary())
+        if isinstance(wrapper, DataParallel)
         else None
     )
     grads = report["grads"] - (buckets or 0)  # memory_report counts buckets as gradients
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
-        "wrapper": type(trainer.model).__name__,
+        "wrapper": type(trainer.model.module).__name__,
         "rank": mesh.rank,
         "times": times[warmup:],
         "cpu_times": cpu_times[warmup:],
@@ -434,7 +435,7 @@ def published_runs() -> list[Published]:
     ) -> Published:  # fmt: skip
         spec = ModelSpec(name, layers, h, heads, heads, 4 * h, 51200, "gpt", 2048)
         dp = gpus // (t * p)
-        lay = Layout(dp=dp, tp=t, pp=p, micro_batch=1, micro_batches=batch // dp, recompute="full")
+        lay = Layout(dp=dp, tp=t, pp=p, micro_batch=1, microbatches=batch // dp, recompute="full")
         return Published(
             f"Megatron-LM GPT {name}, {gpus} x A100-80GB",
             NARAYANAN,
@@ -454,8 +455,8 @@ def published_runs() -> list[Published]:
 
     def llama_row(gpus: int, dp: int, per_dp: int, pct: float) -> Published:
         lay = Layout(
-            dp=dp, tp=8, pp=16, micro_batch=1, micro_batches=per_dp, zero=2,
-            schedule="interleaved", virtual_stages=2, recompute="none",
+            dp=dp, tp=8, pp=16, micro_batch=1, microbatches=per_dp, zero=2,
+            schedule="interleaved", chunks=2, recompute="none",
             sequence_parallel=True,
         )  # fmt: skip
         return Published(
@@ -471,7 +472,7 @@ def published_runs() -> list[Published]:
             f"TP 8, CP 1, PP 16, DP {dp}, {per_dp} sequences of 8192 per DP group as "
             "stated; micro-batch 1, ZeRO-2, no recomputation as described; interleaved "
             "v=2 and Megatron sequence parallelism assumed",
-            replace(lay, virtual_stages=4),
+            replace(lay, chunks=4),
             "v=4",
         )
 

@@ -25,7 +25,7 @@ SRC = Path(plait.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors",),
-    ("plait.config", "plait.config_io", "plait.config_checks"),
+    ("plait.config", "plait.config_io", "plait.config_checks", "plait.presets"),
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),

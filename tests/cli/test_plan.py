@@ -25,9 +25,10 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
     "runtime": str,
     "seq_len": int,
     "layout": {
-        "dp": int, "tp": int, "pp": int, "cp": int, "zero": int, "shard_group": (int, type(None)),
-        "micro_batch": int, "micro_batches": int, "recompute": str, "schedule": str,
-        "virtual_stages": int, "sequence_parallel": bool, "world": int,
+        "dp": int, "tp": int, "pp": int, "cp": int, "zero": int,
+        "zero_shard_size": (int, type(None)),
+        "micro_batch": int, "microbatches": int, "recompute": str, "schedule": str,
+        "chunks": int, "sequence_parallel": bool, "world": int,
     },
     "global_batch": int,
     "memory_bytes": {
@@ -92,7 +93,7 @@ def test_estimate_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     _check(doc, ESTIMATE_SCHEMA)
     assert doc["kind"] == "estimate" and doc["schema"] == 1
-    assert doc["layout"]["dp"] == 4 and doc["layout"]["micro_batches"] == 8
+    assert doc["layout"]["dp"] == 4 and doc["layout"]["microbatches"] == 8
     t = doc["time_s"]
     parts = sum(v for k, v in t.items() if k not in ("total", "dp_comm_total"))
     assert parts == pytest.approx(t["total"])

@@ -117,7 +117,7 @@ def test_meta_build_7b_is_fast_and_allocation_free() -> None:
 
 def test_presets_param_counts() -> None:
     assert abs(param_count(MODEL_PRESETS["llama3-8b"]) - 8.03e9) / 8.03e9 < 0.001
-    assert abs(param_count(MODEL_PRESETS["gpt2-124m"]) - 124e6) / 124e6 < 0.01
+    assert abs(param_count(MODEL_PRESETS["gpt2-124m-llama"]) - 124e6) / 124e6 < 0.01
     assert model_preset("small") == ModelConfig()
     assert model_preset("tiny") is not MODEL_PRESETS["tiny"]
     with pytest.raises(ConfigError, match="unknown model preset"):

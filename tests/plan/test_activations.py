@@ -51,21 +51,21 @@ def test_flash_attention_keeps_no_quadratic_term() -> None:
 
 def test_pipeline_in_flight_micro_batches() -> None:
     # 1F1B: p on the first stage, one on the last; GPipe: m everywhere
-    lay = Layout(pp=4, micro_batches=32)
+    lay = Layout(pp=4, microbatches=32)
     assert [in_flight(lay, j) for j in range(4)] == [4, 3, 2, 1]
-    gpipe = Layout(pp=4, micro_batches=32, schedule="gpipe")
+    gpipe = Layout(pp=4, microbatches=32, schedule="gpipe")
     assert [in_flight(gpipe, j) for j in range(4)] == [32] * 4
     # fewer micro-batches than stages: all of them
-    assert in_flight(Layout(pp=4, micro_batches=2), 0) == 2
+    assert in_flight(Layout(pp=4, microbatches=2), 0) == 2
     # interleaved: p + (p-1)/v on the first stage (Korthikanti: L·(1 + (p-1)/(p·v)))
-    inter = Layout(pp=4, micro_batches=32, schedule="interleaved", virtual_stages=2)
+    inter = Layout(pp=4, microbatches=32, schedule="interleaved", chunks=2)
     assert in_flight(inter, 0) == pytest.approx(4 + 3 / 2)
 
 
 def test_first_stage_holds_p_micro_batches_of_its_layers() -> None:
     spec = MODEL_PRESETS["gpt2-355m"]  # 24 layers
     one = memory_per_rank(spec, Layout(), BF16, MEGATRON, 1024)
-    pipe = memory_per_rank(spec, Layout(pp=4, micro_batches=8), BF16, MEGATRON, 1024)
+    pipe = memory_per_rank(spec, Layout(pp=4, microbatches=8), BF16, MEGATRON, 1024)
     assert pipe.stage == 0
     # 4 micro-batches in flight of 6 layers = the whole model's activations once
     assert pipe.activations == pytest.approx(one.activations)

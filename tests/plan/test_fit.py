@@ -25,7 +25,7 @@ def _config(**parallel: int) -> Config:
 def test_plan_inputs_follow_the_config() -> None:
     spec, layout, precision, runtime = plan_inputs(_config(dp=2), 2)
     assert spec == ModelSpec.from_config(_config().model, "model")
-    assert (layout.dp, layout.micro_batch, layout.micro_batches) == (2, 4, 2)
+    assert (layout.dp, layout.micro_batch, layout.microbatches) == (2, 4, 2)
     assert precision.name == "fp32" and runtime.name == "plait"
 
 

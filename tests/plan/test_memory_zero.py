@@ -81,7 +81,7 @@ def test_zero_state_bytes_are_exact_on_every_rank(
     results = pools(world).run(f"{M}:_body_state", model, stage, shard, dtype)
     spec = ModelSpec.from_config(MODELS[model])
     precision = PRECISIONS["fp32" if dtype == "fp32" else "bf16-mixed"]
-    layout = Layout(dp=world, zero=stage, shard_group=shard)
+    layout = Layout(dp=world, zero=stage, zero_shard_size=shard)
     f = layout.shard_factor
     for got in results:
         mem = memory_per_rank(spec, layout, precision, RUNTIMES["plait"], 8, got["rank"] % f)

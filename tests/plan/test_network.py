@@ -77,7 +77,7 @@ def test_groups_inside_a_node_use_the_fast_link() -> None:
     small = Layout(dp=4, tp=2)
     assert not group(small, hw, "dp").crosses_nodes
     # ZeRO's hybrid shard groups of 4 consecutive dp ranks with tp=2 fit in a node
-    hybrid = Layout(dp=16, tp=2, zero=3, shard_group=4)
+    hybrid = Layout(dp=16, tp=2, zero=3, zero_shard_size=4)
     assert not group(hybrid, hw, "dp", size=4).crosses_nodes
     assert group(hybrid, hw, "dp", size=4, step=4).crosses_nodes
 

@@ -65,7 +65,7 @@ def test_search_agrees_with_brute_force(
     model: str, hw: str, devices: int, batch: int, seq: int
 ) -> None:
     q = _query(model, hw, devices, batch, seq)
-    space = Space(micro_batch=(1, 2), virtual_stages=(2,))
+    space = Space(micro_batch=(1, 2), chunks=(2,))
     found = search(q, space, top=3)
     every = brute_force(q, space)
     assert found.ranked and every

@@ -52,8 +52,8 @@ def test_zero_bytes_per_parameter_at_n_64(zero: int, expected: float) -> None:
 
 def test_hybrid_factor_between_replicated_and_fully_sharded() -> None:
     full = state_bytes_per_param(Layout(dp=64, zero=3), MIXED)
-    hybrid = state_bytes_per_param(Layout(dp=64, zero=3, shard_group=8), MIXED)
-    plain = state_bytes_per_param(Layout(dp=64, zero=3, shard_group=1), MIXED)
+    hybrid = state_bytes_per_param(Layout(dp=64, zero=3, zero_shard_size=8), MIXED)
+    plain = state_bytes_per_param(Layout(dp=64, zero=3, zero_shard_size=1), MIXED)
     assert (full, hybrid, plain) == (0.25, 2.0, 16.0)
 
 
@@ -76,7 +76,7 @@ def _uniform_hardware() -> Hardware:
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_bubble_is_3_over_35_for_p4_m32(schedule: str) -> None:
     spec = MODEL_PRESETS["gpt2-355m"]  # 24 layers: 6 per stage
-    lay = Layout(pp=4, micro_batch=1, micro_batches=32, schedule=schedule)  # type: ignore[arg-type]
+    lay = Layout(pp=4, micro_batch=1, microbatches=32, schedule=schedule)  # type: ignore[arg-type]
     t = step_time(spec, lay, _uniform_hardware(), MIXED, RUNTIMES["megatron"], 1024)
     pipeline = t.compute + t.recompute + t.tp_comm + t.cp_comm + t.pp_comm + t.bubble
     assert t.bubble / pipeline == pytest.approx(3 / 35)
@@ -84,8 +84,8 @@ def test_bubble_is_3_over_35_for_p4_m32(schedule: str) -> None:
 
 def test_interleaving_divides_the_bubble_by_v() -> None:
     spec = MODEL_PRESETS["gpt2-355m"]
-    base = Layout(pp=4, micro_batch=1, micro_batches=32)
-    inter = dataclasses.replace(base, schedule="interleaved", virtual_stages=2)
+    base = Layout(pp=4, micro_batch=1, microbatches=32)
+    inter = dataclasses.replace(base, schedule="interleaved", chunks=2)
     hw, rt = _uniform_hardware(), RUNTIMES["megatron"]
     b1 = step_time(spec, base, hw, MIXED, rt, 1024)
     b2 = step_time(spec, inter, hw, MIXED, rt, 1024)

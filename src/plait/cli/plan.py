@@ -84,13 +84,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     for axis in ("dp", "tp", "pp", "cp"):
         lay.add_argument(f"--{axis}", type=int)
     lay.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    lay.add_argument("--shard-group", type=int, help="hybrid ZeRO factor F (default dp)")
+    lay.add_argument("--zero-shard-size", type=int, help="hybrid ZeRO factor F (default dp)")
     lay.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     lay.add_argument("--micro-batch", type=int, default=1)
-    lay.add_argument("--micro-batches", type=int, help="per step (default: global/(dp·mb))")
+    lay.add_argument("--microbatches", type=int, help="per step (default: global/(dp·mb))")
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
     lay.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    lay.add_argument("--virtual-stages", type=int, default=1)
+    lay.add_argument("--chunks", type=int, default=1)
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
@@ -168,8 +168,8 @@ def plan_main(argv: Sequence[str]) -> int:
         print(_list())
         return 0
     positive = (
-        "seq", "devices", "tp", "pp", "cp", "dp", "micro_batch", "micro_batches",
-        "global_batch", "top", "ffn", "kv_heads", "shard_group", "virtual_stages",
+        "seq", "devices", "tp", "pp", "cp", "dp", "micro_batch", "microbatches",
+        "global_batch", "top", "ffn", "kv_heads", "zero_shard_size", "chunks",
     )  # fmt: skip
     for flag in positive:  # before any default is applied: 0 is refused, never replaced
         v = getattr(ns, flag)
@@ -196,8 +196,8 @@ def plan_main(argv: Sequence[str]) -> int:
         )
     dp = ns.dp or devices // (tp * pp * cp)
     mb = ns.micro_batch
-    if ns.micro_batches is not None:
-        m = ns.micro_batches
+    if ns.microbatches is not None:
+        m = ns.microbatches
     elif ns.global_batch is not None:
         if ns.global_batch % (dp * mb):
             raise ConfigError(
@@ -213,12 +213,12 @@ def plan_main(argv: Sequence[str]) -> int:
         pp,
         cp,
         ns.zero,
-        ns.shard_group,
+        ns.zero_shard_size,
         mb,
         m,
         ns.recompute,
         ns.schedule,
-        ns.virtual_stages,
+        ns.chunks,
         ns.sequence_parallel,
     )
     q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from plait.model.transformer import (
     IGNORE_INDEX,
-    MODEL_PRESETS,
     Attention,
     Block,
     FeedForward,
@@ -14,10 +13,10 @@ from plait.model.transformer import (
     flops_per_token,
     lm_loss,
     materialize,
-    model_preset,
     param_count,
     rope_tables,
 )
+from plait.presets import MODEL_PRESETS, model_preset
 
 __all__ = [
     "IGNORE_INDEX",

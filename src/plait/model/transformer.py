@@ -15,7 +15,6 @@ on the order modules are materialised in, or on which other parameters exist.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 
@@ -30,47 +29,6 @@ IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64
-    ),
-    "small": ModelConfig(),
-    # GPT-2 small sizes; ffn 2048 = 8/3·768 gives the SwiGLU MLP the 4·h GELU MLP's size.
-    "gpt2-124m": ModelConfig(
-        vocab_size=50304,
-        dim=768,
-        n_layers=12,
-        n_heads=12,
-        ffn_dim=2048,
-        max_seq_len=1024,
-        tie_embeddings=True,
-    ),
-    "llama2-7b": ModelConfig(
-        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096
-    ),
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim=14336,
-        max_seq_len=8192,
-        rope_theta=500000.0,
-    ),
-}
-"""Named model shapes. Use :func:`model_preset` to get a private copy."""
-
-
-def model_preset(name: str) -> ModelConfig:
-    """A copy of the preset ``name`` from :data:`MODEL_PRESETS`."""
-    if name not in MODEL_PRESETS:
-        raise ConfigError(
-            f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}."
-        )
-    return dataclasses.replace(MODEL_PRESETS[name])
-
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned per-channel gain (no bias)."""

@@ -179,7 +179,7 @@ def step_time(
     seq_len: int,
 ) -> StepTime:
     """Predicted step time of ``layout`` by component."""
-    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    p, m, v = layout.pp, layout.microbatches, layout.chunks
     blk = block_time(spec, layout, runtime, precision, hw, seq_len)
     edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
     msg = _act_msg(spec, layout, precision, seq_len)
@@ -319,7 +319,7 @@ def _dp_comm(
     units = max(1, layers) + 1
     ag = all_gather_time(weights, shard.size, shard.link)
     rs = reduce_scatter_time(grads, shard.size, shard.link)
-    m = layout.micro_batches
+    m = layout.microbatches
     per_mb = max(ag / units, ag - ov * fwd) + max((ag + rs) / units, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross
 

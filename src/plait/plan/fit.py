@@ -50,39 +50,8 @@ class FitVerdict:
 
 def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precision, Runtime]:
     """The planner's view of ``cfg`` on ``world_size`` ranks."""
-    p, t = cfg.parallel, cfg.train
-    dp = p.resolved_dp(world_size)
-    if dp * p.tp * p.pp * p.cp != world_size:
-        raise ConfigError(
-            f"the layout dp={dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} does not match the world "
-            f"size {world_size}."
-        )
-    micro = cfg.micro_batch(world_size)
-    m = max(1, t.global_batch // (dp * micro))
-    schedule, chunks = "1f1b", 1
-    if p.pp > 1:
-        m = getattr(p, "microbatches", None) or m
-        micro = max(1, t.global_batch // (dp * m))
-        # zero-bubble ZB-H1 keeps 1F1B's activations; naive holds one micro-batch, less
-        # than 1F1B's p: counted as 1F1B (a safe over-estimate)
-        schedule = {"gpipe": "gpipe", "interleaved": "interleaved"}.get(
-            getattr(p, "pipeline_schedule", "1f1b"), "1f1b"
-        )
-        chunks = getattr(p, "chunks", 1) if schedule == "interleaved" else 1
-    layout = Layout(
-        dp=dp,
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
-        zero=p.zero,
-        shard_group=getattr(p, "zero_shard_size", None) if p.zero else None,
-        micro_batch=micro,
-        micro_batches=m,
-        recompute=getattr(t, "recompute", "none"),
-        schedule=schedule,  # type: ignore[arg-type]
-        virtual_stages=chunks,
-        sequence_parallel=bool(getattr(p, "sequence_parallel", False)) and p.tp > 1,
-    )
+    p = cfg.parallel
+    layout = Layout.from_config(cfg, world_size)
     prec_cfg: Any = getattr(cfg, "precision", None)
     dtype = getattr(prec_cfg, "dtype", "fp32")
     precision = precision_preset(_DTYPE_PRECISION.get(dtype, "fp32"))
@@ -194,7 +163,7 @@ def check_fits(
         options.append(
             (
                 "train.micro_batch=1",
-                replace(layout, micro_batch=1, micro_batches=layout.global_batch // layout.dp),
+                replace(layout, micro_batch=1, microbatches=layout.global_batch // layout.dp),
             )
         )
     fixes = []

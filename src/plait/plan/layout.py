@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from plait.config import Config
+from plait.config_checks import check_world
 from plait.errors import ConfigError
 
 Recompute = Literal["none", "selective", "full"]
@@ -36,41 +38,77 @@ class Layout:
     """Context-parallel degree (the sequence split across ranks, ring attention)."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 (replicated), 1, 2 or 3."""
-    shard_group: int | None = None
+    zero_shard_size: int | None = None
     """Hybrid sharding factor F: ZeRO shards inside groups of F data-parallel ranks and
     replicates across the dp/F groups (None: F = dp, full sharding)."""
     micro_batch: int = 1
     """Sequences per micro-batch on one data-parallel replica."""
-    micro_batches: int = 1
+    microbatches: int = 1
     """Micro-batches per optimizer step on one replica (gradient accumulation steps, or
     the pipeline's m)."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (core attention) or full (per block)."""
     schedule: Schedule = "1f1b"
     """Pipeline schedule (ignored when pp = 1)."""
-    virtual_stages: int = 1
+    chunks: int = 1
     """v: model chunks per pipeline rank for the interleaved schedule."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the norm/dropout regions (needs tp > 1)."""
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "virtual_stages"):
+        for key in ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"layout {key} must be positive, got {getattr(self, key)}.")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout zero must be 0, 1, 2 or 3, got {self.zero}.")
-        if self.shard_group is not None and (self.shard_group <= 0 or self.dp % self.shard_group):
+        f = self.zero_shard_size
+        if f is not None and (f <= 0 or self.dp % f):
             raise ConfigError(
-                f"the hybrid sharding factor F={self.shard_group} must divide dp={self.dp}."
+                f"the hybrid sharding factor F={self.zero_shard_size} must divide dp={self.dp}."
             )
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}.")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise ConfigError("virtual_stages > 1 needs the interleaved schedule.")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise ConfigError("chunks > 1 needs the interleaved schedule.")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence parallelism needs tp > 1.")
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> Layout:
+        """The layout a run of ``cfg`` on ``world_size`` ranks uses: the same degrees,
+        ZeRO stage, hybrid factor, micro-batch split, recomputation and schedule names as
+        the config (one vocabulary for config, planner and runtime). Zero-bubble ZB-H1
+        keeps 1F1B's activations and naive holds fewer: both are counted as 1F1B (a safe
+        over-estimate)."""
+        p, t = cfg.parallel, cfg.train
+        dp = p.resolved_dp(world_size)
+        check_world(dp, p.tp, p.pp, p.cp, world_size)
+        micro = cfg.micro_batch(world_size)
+        m = max(1, t.global_batch // (dp * micro))
+        schedule: Schedule = "1f1b"
+        chunks = 1
+        if p.pp > 1:
+            m = cfg.pipeline_microbatches(world_size)
+            micro = max(1, t.global_batch // (dp * m))
+            if p.pipeline_schedule in ("gpipe", "interleaved"):
+                schedule = p.pipeline_schedule
+            chunks = p.chunks if schedule == "interleaved" else 1
+        return cls(
+            dp=dp,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            zero=p.zero,
+            zero_shard_size=p.zero_shard_size if p.zero else None,
+            micro_batch=micro,
+            microbatches=m,
+            recompute=t.recompute,
+            schedule=schedule,
+            chunks=chunks,
+            sequence_parallel=p.sequence_parallel and p.tp > 1,
+        )
 
     @property
     def world(self) -> int:
@@ -79,26 +117,26 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
-        """Sequences per optimizer step: dp · micro_batch · micro_batches."""
-        return self.dp * self.micro_batch * self.micro_batches
+        """Sequences per optimizer step: dp · micro_batch · microbatches."""
+        return self.dp * self.micro_batch * self.microbatches
 
     @property
     def shard_factor(self) -> int:
         """F with its default: dp when ZeRO is on, 1 otherwise."""
         if self.zero == 0:
             return 1
-        return self.shard_group if self.shard_group is not None else self.dp
+        return self.zero_shard_size if self.zero_shard_size is not None else self.dp
 
     def describe(self) -> str:
         """A compact one-line label, e.g. ``dp8 tp2 pp1 cp1 zero1 mb2x4 rc=none``."""
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}"
         if self.zero and self.shard_factor != self.dp:
             s += f" F{self.shard_factor}"
-        s += f" mb{self.micro_batch}x{self.micro_batches}"
+        s += f" mb{self.micro_batch}x{self.microbatches}"
         if self.pp > 1:
             s += f" {self.schedule}"
             if self.schedule == "interleaved":
-                s += f"(v{self.virtual_stages})"
+                s += f"(v{self.chunks})"
         if self.sequence_parallel:
             s += " sp"
         return s + f" rc={self.recompute}"

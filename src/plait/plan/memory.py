@@ -105,7 +105,7 @@ def _stage_params(spec: ModelSpec, t: int, p: int, stage: int) -> StageParams:
 
 def in_flight(layout: Layout, stage: int) -> float:
     """Micro-batches (in units of the stage's whole layer set) alive at the stage's peak."""
-    p, m, v = layout.pp, layout.micro_batches, layout.virtual_stages
+    p, m, v = layout.pp, layout.microbatches, layout.chunks
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":

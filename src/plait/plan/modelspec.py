@@ -20,6 +20,7 @@ from typing import Literal
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
+from plait.presets import MODEL_PRESETS as BUILTIN_PRESETS
 
 Style = Literal["llama", "gpt"]
 
@@ -226,12 +227,12 @@ def _llama(
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {
-    # plait's built-in shapes (plait.model.MODEL_PRESETS)
-    "tiny": ModelSpec.from_config(
-        ModelConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
-        "tiny",
-    ),
-    "small": ModelSpec.from_config(ModelConfig(), "small"),
+    # plait's built-in shapes, from the one table (plait.presets)
+    **{
+        name: ModelSpec.from_config(cfg, name)
+        for name, cfg in BUILTIN_PRESETS.items()
+        if name not in ("llama2-7b", "llama3-8b")  # listed with their families below
+    },
     # GPT-2 (Radford et al. 2019): vocab 50257, 1024 positions, tied head
     "gpt2-124m": _gpt("gpt2-124m", 12, 768, 12, 50257, 1024, True),
     "gpt2-355m": _gpt("gpt2-355m", 24, 1024, 16, 50257, 1024, True),
@@ -240,10 +241,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # GPT-3 175B (Brown et al. 2020, table 2.1): 96 layers, h 12288, 96 heads, 2048 ctx
     "gpt3-175b": _gpt("gpt3-175b", 96, 12288, 96, 50257, 2048, False),
     # Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024, table 3)
-    "llama2-7b": _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    "llama2-7b": ModelSpec.from_config(BUILTIN_PRESETS["llama2-7b"], "llama2-7b"),
     "llama2-13b": _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
     "llama2-70b": _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    "llama3-8b": _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    "llama3-8b": ModelSpec.from_config(BUILTIN_PRESETS["llama3-8b"], "llama3-8b"),
     "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
     "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
 }

@@ -80,7 +80,7 @@ class Space:
     """Micro-batch sizes."""
     recompute: tuple[Recompute, ...] = RECOMPUTE
     """Recomputation policies."""
-    virtual_stages: tuple[int, ...] = (2, 4)
+    chunks: tuple[int, ...] = (2, 4)
     """v values tried for the interleaved schedule."""
     sequence_parallel: tuple[bool, ...] = (False, True)
     """Sequence parallelism off/on (on only with tp > 1)."""
@@ -143,7 +143,7 @@ def _schedules(q: Query, space: Space, pp: int, m: int) -> Iterator[tuple[Schedu
         return
     yield "1f1b", 1, ""
     yield "gpipe", 1, ""
-    for v in space.virtual_stages:
+    for v in space.chunks:
         bad = ""
         if q.model.n_layers % (pp * v):
             bad = f"interleaved v={v}: {q.model.n_layers} layers not divisible by pp·v={pp * v}"
@@ -189,7 +189,7 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                         for sp, rc in itertools.product(sps, space.recompute):
                             base = Layout(dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp)
                             group = [
-                                replace(base, zero=z, shard_group=f)
+                                replace(base, zero=z, zero_shard_size=f)
                                 for z in zeros
                                 for f in _shard_factors(q, space, dp, z)
                             ]
@@ -282,7 +282,7 @@ def with_layout(q: Query, layout: Layout) -> Estimate:
     if layout.global_batch != q.global_batch:
         raise ConfigError(
             f"dp x micro-batch x micro-batches = {layout.dp} x {layout.micro_batch} x "
-            f"{layout.micro_batches} = {layout.global_batch} is not the global batch "
+            f"{layout.microbatches} = {layout.global_batch} is not the global batch "
             f"{q.global_batch}."
         )
     problem = mesh_problem(q, layout.tp, layout.pp, layout.cp)
