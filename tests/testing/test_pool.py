@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from plait.testing import WorkerContext, WorkerError, WorkerPool
+from plait.testing.pool import body_address
 
 M = "tests.testing.test_pool"
 
@@ -42,11 +45,45 @@ def test_a_function_is_a_body(pools: Callable[[int], WorkerPool]) -> None:
     assert pools(2).run(_body_rank, 5) == [(5, 2), (6, 2)]
 
 
-def test_a_nested_function_is_refused_before_any_rank_runs() -> None:
+def test_a_function_becomes_its_module_and_name() -> None:
+    assert body_address(_body_rank) == f"{M}:_body_rank"
+    assert body_address(f"{M}:_body_rank") == f"{M}:_body_rank"
+
+
+class _Bodies:
+    def method(self, ctx: WorkerContext) -> int:
+        return ctx.rank
+
+
+def _closure_over(offset: int) -> Callable[[WorkerContext], int]:
+    def body(ctx: WorkerContext) -> int:
+        return ctx.rank + offset
+
+    return body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        lambda ctx: 0,
+        _closure_over(1),
+        _Bodies().method,
+        functools.partial(_body_rank, offset=1),
+    ],
+    ids=["lambda", "closure", "method", "partial"],
+)
+def test_what_workers_cannot_import_is_refused_before_any_rank_runs(
+    body: Callable[..., Any],
+) -> None:
+    pool = WorkerPool(2)
+    with pytest.raises(TypeError, match="module-level function"):
+        pool.run(body)
+    assert not pool.started  # refused before any process was started
+
+
+def test_a_nested_function_says_where_to_define_it() -> None:
     def nested(ctx: WorkerContext) -> int:
         return ctx.rank
 
-    with pytest.raises(TypeError, match="module-level function"):
-        WorkerPool(2).run(nested)
-    with pytest.raises(TypeError, match="module-level function"):
-        WorkerPool(2).run(lambda ctx: 0)
+    with pytest.raises(TypeError, match="define it at the top level of its module"):
+        body_address(nested)

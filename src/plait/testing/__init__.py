@@ -1,5 +1,5 @@
 """Helpers for testing distributed code on CPU: a persistent pool of gloo ranks."""
 
-from plait.testing.pool import WorkerContext, WorkerError, WorkerPool
+from plait.testing.pool import WorkerContext, WorkerError, WorkerPool, body_address
 
-__all__ = ["WorkerContext", "WorkerError", "WorkerPool"]
+__all__ = ["WorkerContext", "WorkerError", "WorkerPool", "body_address"]

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -27,7 +28,8 @@ from typing import Any
 
 from plait.mesh import Mesh, init_mesh
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "plait", "plait.comm", "plait.mesh"]
+_PRELOAD = ["torch", "numpy", "plait", "plait.comm", "plait.mesh"]
+"""Modules the forkserver imports once (plait.comm brings torch.distributed)."""
 
 
 class WorkerError(RuntimeError):
@@ -77,19 +79,39 @@ class WorkerContext:
 
 
 def body_address(body: str | Callable[..., Any]) -> str:
-    """The ``"package.module:function"`` address of a body given as a string or as a
-    module-level function (the workers import it by that address)."""
+    """The ``"package.module:function"`` address of a body given as that string or as a
+    module-level function (the workers import it by that address).
+
+    Raises:
+        TypeError: ``body`` is a lambda, a closure, a nested function, a method, a
+            ``functools.partial`` or any other object the workers cannot import by name,
+            or it is defined in ``__main__``.
+    """
     if isinstance(body, str):
         return body
-    qualname = getattr(body, "__qualname__", "")
+    qualname = getattr(body, "__qualname__", None)
     module = getattr(body, "__module__", None)
-    if not module or not qualname or "<" in qualname or "." in qualname:
+    if not isinstance(module, str) or not isinstance(qualname, str):
         raise TypeError(
-            f"a pool body must be a module-level function (workers import it by name), "
-            f"got {body!r}; define it at the top level of its module"
+            f"a pool body must be a module-level function or a 'package.module:function' "
+            f"string (the workers import it by name), got {body!r}"
+        )
+    if "<" in qualname or "." in qualname:  # <lambda>, f.<locals>.g, Class.method
+        raise TypeError(
+            f"a pool body must be a module-level function (the workers import it by name), "
+            f"got {qualname} from {module}; define it at the top level of its module"
         )
     if module == "__main__":
-        raise TypeError(f"{qualname} is defined in __main__, which the workers cannot import")
+        raise TypeError(
+            f"{qualname} is defined in __main__, which the workers cannot import; "
+            "define it in an importable module"
+        )
+    found = getattr(sys.modules.get(module), qualname, None)
+    if found is not None and found is not body:
+        raise TypeError(
+            f"{module}.{qualname} is not the function given (was it decorated or "
+            "rebound?); the workers would run the module's attribute instead"
+        )
     return f"{module}:{qualname}"
 
 
@@ -186,9 +208,16 @@ class WorkerPool:
         """Run ``body`` on every rank; return the results in rank order.
 
         ``body`` is a module-level function or its ``"package.module:function"``
-        address; it is called as ``body(ctx, *args, **kwargs)`` on each rank.
-        ``restart_after`` discards the workers afterwards (for bodies that leave the
-        process group broken on purpose, such as timeout tests).
+        address; it is called as ``body(ctx, *args, **kwargs)`` on each rank (a
+        function is sent as its ``"module:qualname"`` address, which every worker
+        imports). ``restart_after`` discards the workers afterwards (for bodies that
+        leave the process group broken on purpose, such as timeout tests).
+
+        Raises:
+            TypeError: ``body`` is a lambda, closure, nested function or method (see
+                :func:`body_address`); raised before any rank runs.
+            WorkerError: the body raised on one or more ranks (their tracebacks).
+            TimeoutError: some rank gave no result within ``timeout_s``.
         """
         address = body_address(body)
         self.start()
