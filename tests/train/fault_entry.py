@@ -10,22 +10,38 @@ no fault-injection code or config field in the library itself.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 from typing import Any
 
+USAGE = "usage: python fault_entry.py KILL_RANK KILL_STEP [plait train flags ...]"
+
 
 def main(argv: list[str]) -> int:
-    kill_rank, kill_step, rest = int(argv[0]), int(argv[1]), argv[2:]
+    """Install the kill hook for ``argv[0]``/``argv[1]`` and run ``plait train argv[2:]``."""
+    try:
+        kill_rank, kill_step, rest = int(argv[0]), int(argv[1]), argv[2:]
+    except (IndexError, ValueError):
+        print(f"{USAGE}\ngot: {argv}", file=sys.stderr)
+        return 2
+    if kill_rank < 0 or kill_step < 1:
+        print(
+            f"{USAGE}\nKILL_RANK must be >= 0 and KILL_STEP >= 1, got {argv[:2]}", file=sys.stderr
+        )
+        return 2
+
     from plait.cli import main as plait_main
+    from plait.train.faults import restart_count
     from plait.train.trainer import Trainer
 
     step_once = Trainer.train_step
 
+    @functools.wraps(step_once)
     def train_step(self: Trainer, step: int) -> Any:
-        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-        if first_attempt and self.mesh.rank == kill_rank and step + 1 == kill_step:
+        """Die (SIGKILL: no cleanup, no checkpoint) on entry to the chosen 1-based step."""
+        if restart_count() == 0 and self.mesh.rank == kill_rank and step + 1 == kill_step:
             sys.stdout.flush()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
