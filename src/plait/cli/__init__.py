@@ -5,7 +5,7 @@ command     what it does                                     module
 ==========  ===============================================  =========================
 train       train the built-in transformer                   :mod:`plait.cli.train`
 plan        predict memory and step time; search layouts      :mod:`plait.cli.plan`
-calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.plan`
+calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.bench`
 bench       benchmarks: ``plait bench comm | calibrate``      :mod:`plait.cli.bench`
 ps-train    parameter-server training (sync/async/bounded)   :mod:`plait.cli.ps`
 checkpoint  checkpoint info | consolidate                    :mod:`plait.cli.checkpoint`
@@ -14,8 +14,9 @@ pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pip
 
 Each sub-command is a function taking the arguments after its name and returning an
 exit code; it may raise :class:`~plait.errors.ConfigError` (reported in one paragraph,
-exit code 2) or :class:`~plait.errors.PlaitError` (exit code 1). The modules are
-imported only when their command runs, so ``plait --help`` starts without torch.
+exit code 2) or :class:`~plait.errors.PlaitError` (exit code 1); Ctrl-C exits with 130
+(:mod:`plait.cli.common`). A sub-command's module is imported only when its command
+runs, so ``plait --help`` starts without torch.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from plait import __version__
-from plait.errors import ConfigError, PlaitError
+from plait.cli.common import EXIT_BAD_INPUT, Command, run_command
 
-EXIT_BAD_INPUT = 2
-
-Command = Callable[[Sequence[str]], int]
+__all__ = ["EXIT_BAD_INPUT", "SUBCOMMANDS", "main"]
 
 
 def _train() -> Command:
@@ -45,7 +44,7 @@ def _plan() -> Command:
 
 
 def _calibrate() -> Command:
-    from plait.cli.plan import calibrate_main
+    from plait.cli.bench import calibrate_main
 
     return calibrate_main
 
@@ -105,15 +104,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().parse_args(args)  # prints usage / version / an error (exit 2)
         return EXIT_BAD_INPUT
     load, _ = SUBCOMMANDS[args[0]]
-    try:
-        code = load()(args[1:])
-        return int(code) if code is not None else 0
-    except ConfigError as e:  # includes DataError
-        print(f"plait: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except PlaitError as e:
-        print(f"plait: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("plait: interrupted", file=sys.stderr)
-        return 130
+    return run_command(load(), args[1:])

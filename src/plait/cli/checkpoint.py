@@ -8,7 +8,8 @@
   starts a run from it under any layout.
 
 PATH is a checkpoint folder (``step_<n>``) or a checkpoint root (what its ``latest``
-names). A corrupt checkpoint is reported with the failing file (exit code 2).
+names). A corrupt checkpoint is reported with the failing file (exit code 2). The
+checkpoint reader (and torch) is imported when the command runs, not with this module.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from plait.train.checkpoint_meta import FORMAT
-from plait.train.reshard import CheckpointReader, consolidate, find_checkpoint
+if TYPE_CHECKING:
+    from plait.train.reshard import CheckpointReader
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _open(path: str) -> CheckpointReader:
+    from plait.train.reshard import find_checkpoint
+
     reader = find_checkpoint(path, None)
     assert reader is not None  # an explicit path never yields "no checkpoint"
     return reader
@@ -41,6 +45,8 @@ def _open(path: str) -> CheckpointReader:
 
 def describe(reader: CheckpointReader) -> str:
     """What a checkpoint holds, for ``plait checkpoint info``."""
+    from plait.train.checkpoint_meta import FORMAT
+
     m = reader.meta
     lay = m["layout"]
     numel = sum(e.numel for e in reader.params.values())
@@ -69,6 +75,8 @@ def describe(reader: CheckpointReader) -> str:
 
 def checkpoint_main(argv: Sequence[str]) -> int:
     """``plait checkpoint``; returns the exit code."""
+    from plait.train.reshard import consolidate
+
     args = _parser().parse_args(list(argv))
     if args.action == "info":
         text = describe(_open(args.path))

@@ -1,10 +1,10 @@
-"""``plait plan`` (predict one layout, or search) and ``plait bench calibrate`` (measure).
+"""``plait plan``: predict one layout's memory and step time, or search every layout.
 
-``plan_main`` is registered in :data:`plait.cli.SUBCOMMANDS`, ``calibrate_main`` in
-:data:`plait.bench.BENCHMARKS` (and as ``plait calibrate``, an alias kept for scripts);
-both take the arguments after the subcommand name, return an exit code, and raise
-:class:`~plait.errors.ConfigError` for bad input (``plait`` prints it as one paragraph
-and exits with code 2).
+``plan_main`` takes the arguments after ``plan`` and returns an exit code; bad input is a
+:class:`~plait.errors.ConfigError` (``plait`` prints it as one paragraph and exits with
+code 2). Pure arithmetic on :mod:`plait.plan`: nothing runs and no torch is imported.
+The hardware profiles it reads with ``--hardware PATH`` come from ``plait bench
+calibrate`` (:mod:`plait.cli.bench`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
+from plait.cli.common import ConfigErrorParser
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
 from plait.plan.hardware import load_hardware
@@ -45,15 +44,8 @@ def parse_count(text: str) -> float:
     return float(m.group(1)) * _SUFFIX[m.group(2)]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad input as a ConfigError (one paragraph, exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help).")
-
-
 def _plan_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ConfigErrorParser(
         prog="plait plan",
         description=(
             "Predict per-rank memory, step time, tokens/s and MFU of a training layout, or "
@@ -224,48 +216,4 @@ def plan_main(argv: Sequence[str]) -> int:
     q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
     e = with_layout(q, layout)
     print(json.dumps(estimate_json(e), indent=2) if ns.json else format_estimate(e))
-    return 0
-
-
-def calibrate_main(argv: Sequence[str]) -> int:
-    """``plait bench calibrate``: measure this machine and write a hardware profile."""
-    from pathlib import Path
-
-    from plait.bench.calibrate import calibrate
-    from plait.plan.hardware import dump_hardware
-
-    p = _Parser(
-        prog="plait bench calibrate",
-        description=(
-            "Measure matmul, attention and memory-bound rates and the alpha-beta cost of "
-            "the collectives (gloo) across local processes, and write a hardware profile "
-            "for `plait plan --hardware PATH`."
-        ),
-    )
-    p.add_argument("--out", default="plait-hardware.toml", help="profile path (TOML)")
-    p.add_argument("--nproc", type=int, default=2, help="local processes (ranks)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    p.add_argument("--memory-gb", type=float, help="device memory (default: RAM / cores)")
-    ns = p.parse_args(list(argv))
-    if ns.nproc < 2:
-        raise ConfigError(f"--nproc must be at least 2 to measure collectives, got {ns.nproc}.")
-    if ns.memory_gb is not None and ns.memory_gb <= 0:
-        raise ConfigError(f"--memory-gb must be positive, got {ns.memory_gb}.")
-    mem = ns.memory_gb * 1e9 if ns.memory_gb else None
-    hw, fits = calibrate(ns.nproc, quick=ns.quick, memory_bytes=mem)
-    text = dump_hardware(hw, comment=f"written by plait bench calibrate --nproc {ns.nproc}")
-    Path(ns.out).write_text(text, encoding="utf-8")
-    print(f"matmul: {', '.join(f'{int(s)}: {r / 1e9:.1f}' for s, r in hw.matmul.points)} GFLOP/s")
-    print(
-        "attention: "
-        + ", ".join(f"s={int(s)}: {r / 1e9:.1f}" for s, r in hw.attention.points)
-        + " GFLOP/s"
-    )
-    print(
-        f"element-wise: up to {hw.elementwise.peak / 1e9:.1f} GB/s; op overhead "
-        f"{hw.op_overhead_s * 1e6:.1f} us; optimizer {hw.optimizer_bandwidth / 1e9:.1f} GB/s"
-    )
-    for f in fits:
-        print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")
-    print(f"wrote {ns.out}", file=sys.stderr)
     return 0

@@ -9,6 +9,8 @@ to watch the consistency models deal with a straggler. Rank 0 prints the run's
 summary: steps per worker, withheld replies, the staleness of every applied gradient
 (histogram) and the validation loss of the final weights; ``--records DIR`` writes
 every applied gradient of every server as JSON lines.
+
+torch and the parameter server are imported when the command runs, not with this module.
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
-from plait.comm.group import AxisGroup
 from plait.errors import ConfigError
-from plait.ps.server import MODES, PSConfig, PSResult, train_parameter_server
 
 if TYPE_CHECKING:
+    from plait.comm.group import AxisGroup
     from plait.config import ModelConfig
+    from plait.ps.server import PSConfig, PSResult
 
 
 def _parser() -> argparse.ArgumentParser:
+    from plait.ps.server import MODES
+
     p = argparse.ArgumentParser(prog="plait ps-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=3, help="ranks (servers + workers; default 3)")
     p.add_argument("--servers", type=int, default=1, help="server ranks k (default 1)")
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 def ps_train_main(argv: Sequence[str]) -> int:
     """``plait ps-train``; returns the exit code."""
     from plait.launch.local import launch_local, torchrun_env
+    from plait.ps.server import PSConfig
 
     args = _parser().parse_args(argv)
     env = torchrun_env()
@@ -104,6 +107,8 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) -> None:
+    import torch
+
     from plait import comm
     from plait.mesh import init_mesh
 
@@ -121,8 +126,11 @@ def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) ->
 def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:
     """Train on the ranks of ``g`` (every rank calls it); returns the run's summary
     (meaningful on axis index 0, server 0). Every rank ends with the final weights."""
+    import torch
+
     from plait.config import DataConfig
     from plait.model import Transformer, lm_loss
+    from plait.ps.server import train_parameter_server
     from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
 
     model = Transformer(_model_config(args), seed=args.seed)
