@@ -1,4 +1,8 @@
-"""The per-unit gradient-reduction state machine (no process group needed)."""
+"""The per-unit gradient-reduction state machine and its coordinator (no process group).
+
+On one process every group has one rank: the collectives are counted no-ops that
+complete at once, so the life-cycle can be driven and observed without workers.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,22 @@ import pytest
 import torch
 from torch import nn
 
+from plait import init_mesh
+from plait.comm import AxisGroup
+from plait.parallel.data import UnusedParametersError
+from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import FlatUnit, plan_units
 from plait.parallel.zero.reduce import ReduceState, UnitReduction
 
 
 def _unit() -> FlatUnit:
+    """One unit of a Linear(3, 2): weight (2, 3) and bias (2,), 8 elements, one shard."""
     spec = plan_units(nn.Sequential(nn.Linear(3, 2)), None)[0]
     return FlatUnit(0, spec, 1, 0)
+
+
+def _group() -> AxisGroup:
+    return init_mesh().axis("dp")  # one rank, no process group
 
 
 def test_collecting_until_every_parameter_has_its_gradient() -> None:
@@ -24,22 +37,97 @@ def test_collecting_until_every_parameter_has_its_gradient() -> None:
     assert r.complete
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_whole_life_cycle(keep: bool) -> None:
+    """IDLE -> COLLECTING -> SCATTERING -> REPLICATING -> REDUCED (stages 0/1, ``keep``)
+    or back to IDLE (stages 2/3, the caller adds the shard into its gradient shard)."""
+    r, g = UnitReduction(_unit()), _group()
+    r.mark_ready(0)
+    r.mark_ready(1)
+    buffer = torch.arange(8.0)  # (padded,)
+    r.launch(buffer, g)
+    assert r.state is ReduceState.SCATTERING and r.in_flight
+    r.finish_scatter(g)
+    assert r.state is ReduceState.REPLICATING and r.in_flight
+    out = r.finish(keep=keep)
+    assert torch.equal(out, buffer)  # the average over one rank
+    assert not r.ready and not r.in_flight
+    if keep:
+        assert r.state is ReduceState.REDUCED and r.shard is out
+        r.reset()
+    assert r.state is ReduceState.IDLE and r.shard is None
+
+
+def test_next_backward_may_start_from_a_kept_shard() -> None:
+    r, g = UnitReduction(_unit()), _group()
+    r.launch(torch.ones(8), g)  # from IDLE: no gradient arrived (find_unused_parameters)
+    r.finish_scatter(g)
+    r.finish(keep=True)
+    assert r.mark_ready(1) is True and r.state is ReduceState.COLLECTING
+
+
 def test_illegal_transitions_raise_naming_the_unit() -> None:
-    r = UnitReduction(_unit())
-    with pytest.raises(RuntimeError, match="cannot go from idle to replicating"):
+    r, g = UnitReduction(_unit()), _group()
+    with pytest.raises(RuntimeError, match=r"unit '0'.*cannot go from idle to replicating"):
         r._go(ReduceState.REPLICATING)
-    r.state = ReduceState.SCATTERING
+    r.launch(torch.ones(8), g)
     with pytest.raises(RuntimeError, match="reset while a reduction is in flight"):
         r.reset()
     with pytest.raises(RuntimeError, match="cannot go from scattering to collecting"):
+        r.mark_ready(0)  # a gradient after the unit was launched
+    with pytest.raises(RuntimeError, match="cannot go from scattering to scattering"):
+        r.launch(torch.ones(8), g)  # launched twice
+    r.finish_scatter(g)
+    with pytest.raises(RuntimeError, match="cannot go from replicating to collecting"):
         r.mark_ready(0)
 
 
-def test_a_kept_shard_is_dropped_by_reset() -> None:
-    r = UnitReduction(_unit())
-    r.mark_ready(0)
-    r.state, r.shard = ReduceState.REPLICATING, torch.ones(4)
-    out = r.finish(keep=True)
-    assert r.state is ReduceState.REDUCED and torch.equal(out, torch.ones(4)) and not r.ready
-    r.reset()
-    assert r.state is ReduceState.IDLE and r.shard is None
+# ----------------------------------------------------------------------------- reducer
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _units_wrap() -> list[type[nn.Module]]:
+    return [nn.Linear]  # one unit per Linear: two units
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stages_2_3_reduce_every_backward_and_return_to_idle(stage: int) -> None:
+    zdp = ZeroDataParallel(_model(), init_mesh(), stage, wrap=_units_wrap(), record_events=True)
+    zdp(torch.randn(5, 4)).sum().backward()
+    states = [r.state for r in zdp.reducer.units]
+    assert states == [ReduceState.IDLE] * 2
+    assert zdp.grad_buffer_bytes == 0 < zdp.peak_grad_buffer_bytes
+    ev = [e for e in zdp.events if e[0] in ("backward", "grad", "reduce", "synced")]
+    assert ev[0] == ("backward", "") and ev[-1] == ("synced", "")
+    # the last layer's gradients come first: it is reduced before the first has any
+    assert ev.index(("reduce", "2")) < ev.index(("grad", "0"))
+    assert all(g.abs().sum() > 0 for g in (zdp.reduced_grad(u) for u in zdp.units))
+
+
+def test_stage_1_keeps_the_reduced_shard_until_zero_grad() -> None:
+    zdp = ZeroDataParallel(_model(), init_mesh(), 1, wrap=_units_wrap())
+    x = torch.randn(5, 4)
+    with zdp.no_sync():  # accumulates locally: nothing to reduce
+        zdp(x).sum().backward()
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
+    zdp(x).sum().backward()
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.REDUCED] * 2
+    grads = [zdp.reduced_grad(u).clone() for u in zdp.units]
+    zdp.zero_grad()
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
+    for u, g in zip(zdp.units, grads, strict=True):
+        assert g.abs().sum() > 0 and not zdp.reduced_grad(u).any()
+
+
+def test_a_parameter_without_gradient_is_refused_and_the_units_reset() -> None:
+    model = _model()
+    zdp = ZeroDataParallel(model, init_mesh(), 2, wrap=_units_wrap())
+    first = model[0]
+    with pytest.raises(UnusedParametersError, match=r"no gradient.*find_unused_parameters"):
+        first(torch.randn(5, 4)).sum().backward()  # the last Linear gets no gradient
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
+    assert zdp.grad_buffer_bytes == 0 and not zdp.reducer.in_backward

@@ -475,7 +475,8 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
         """Live gathered bytes read from the tensors themselves (not the wrapper's
         counter): every unit's full-size storage plus the outputs of gathers in flight."""
         live = sum(u.full.untyped_storage().nbytes() for u in zdp.units)
-        live += sum(out.untyped_storage().nbytes() for out, _ in zdp._pending_gather.values())
+        assert zdp.gatherer is not None
+        live += sum(out.untyped_storage().nbytes() for out in zdp.gatherer.in_flight())
         real["peak"] = max(real["peak"], live)
 
     for m in model.modules():  # after every gather and free: forward and backward
@@ -489,7 +490,8 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
         _loss(zdp(x[:4]), y[:4]).backward()
         opt.step()
         opt.zero_grad()
-    order = [u.name for u in zdp._order]
+    assert zdp.gatherer is not None
+    order = [u.name for u in zdp.gatherer.order]
     size = {u.name: u.padded * 4 for u in zdp.units}
     return {
         "order": order,

@@ -2,12 +2,17 @@
 
 Each flat unit's reduction is a small state machine, :class:`UnitReduction`::
 
-    IDLE ──first gradient──▶ COLLECTING ──all gradients──▶ SCATTERING
-      ▲                                                        │ reduce-scatter done
-      │                                                        ▼
-      └──── stages 2/3: added into the gradient shard ──── REPLICATING
-                                                               │ stages 0/1
-    IDLE ◀── zero_grad ── REDUCED ◀── hybrid all-reduce done ──┘
+           first gradient                all gradients (or end of backward)
+    IDLE ─────────────────▶ COLLECTING ───────────────────────────────▶ SCATTERING
+     ▲ ▲                                                                    │
+     │ │                                             reduce-scatter waited  │
+     │ └── stages 2/3: shard added into grad_shard ── REPLICATING ◀─────────┘
+     │                                                    │  hybrid all-reduce
+     └──────── zero_grad (reset) ─────── REDUCED ◀────────┘  waited; stages 0/1
+
+REPLICATING is passed through at once without hybrid sharding (one replica). A unit with
+no gradient at the end of backward (``find_unused_parameters``) goes from IDLE straight to
+SCATTERING; stages 0/1 may start the next backward from REDUCED (no ``zero_grad`` between).
 
 A post-accumulate-grad hook on every flattened parameter marks its gradient ready; when
 every parameter of a unit has one, the unit's flat ``(padded,)`` gradient is
@@ -56,12 +61,13 @@ class ReduceState(enum.Enum):
 
 
 _ALLOWED: dict[ReduceState, tuple[ReduceState, ...]] = {
-    ReduceState.IDLE: (ReduceState.COLLECTING, ReduceState.SCATTERING),
+    ReduceState.IDLE: (ReduceState.IDLE, ReduceState.COLLECTING, ReduceState.SCATTERING),
     ReduceState.COLLECTING: (ReduceState.SCATTERING, ReduceState.IDLE),
     ReduceState.SCATTERING: (ReduceState.REPLICATING,),
     ReduceState.REPLICATING: (ReduceState.REDUCED, ReduceState.IDLE),
     ReduceState.REDUCED: (ReduceState.IDLE, ReduceState.COLLECTING, ReduceState.SCATTERING),
 }
+"""The legal moves; anything else is a bug in the caller and raises."""
 
 
 class UnitReduction:
@@ -111,9 +117,7 @@ class UnitReduction:
         self._scatter, self._buffer = None, None
         if replicate_group.size > 1:
             assert self.shard is not None
-            self._replicate = comm.all_reduce(
-                self.shard, replicate_group, op="avg", async_op=True
-            )
+            self._replicate = comm.all_reduce(self.shard, replicate_group, op="avg", async_op=True)
 
     def finish(self, keep: bool) -> torch.Tensor:
         """Wait for the replicas' all-reduce; return the averaged ``(shard_numel,)`` shard.
@@ -129,13 +133,21 @@ class UnitReduction:
             self.shard = None
         return out
 
+    @property
+    def in_flight(self) -> bool:
+        """A reduce-scatter or the replicas' all-reduce has been launched and not finished."""
+        return self.state in (ReduceState.SCATTERING, ReduceState.REPLICATING)
+
     def reset(self) -> None:
-        """Drop the reduced shard (the optimizer consumed it): back to IDLE."""
-        if self.state in (ReduceState.SCATTERING, ReduceState.REPLICATING):
+        """Drop the collected gradients or the reduced shard (the optimizer consumed it):
+        back to IDLE. Refused while a reduction is in flight."""
+        if self.in_flight:
             raise RuntimeError(
-                f"ZeRO unit {self.unit.name!r}: reset while a reduction is in flight"
+                f"ZeRO unit {self.unit.name!r}: reset while a reduction is in flight "
+                f"({self.state.value})"
             )
-        self.state, self.shard = ReduceState.IDLE, None
+        self._go(ReduceState.IDLE)
+        self.shard = None
         self.ready.clear()
 
 
@@ -254,7 +266,7 @@ class GradientReducer:
         """End of a synchronising backward: reduce what is left, wait, keep the shards."""
         self.in_backward = False
         for r in self.units:
-            if r in self._launched:
+            if r.in_flight:  # launched during backward
                 continue
             u = r.unit
             missing = [u.names[i] for i in range(len(u.params)) if i not in r.ready]
@@ -297,6 +309,10 @@ class GradientReducer:
         """Stages 0/1: the averaged shard of ``u`` from the last synchronising backward."""
         r = self.units[u.index]
         return r.shard if r.state is ReduceState.REDUCED else None
+
+    def reset_peak(self) -> None:
+        """Restart the peak of transient gradient-buffer bytes from what is alive now."""
+        self.peak_grad_buffer_bytes = self.grad_buffer_bytes
 
     def reset(self) -> None:
         """``zero_grad``: every unit back to IDLE."""

@@ -20,6 +20,8 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   forward (the next unit's gather is started meanwhile: prefetch), freed after it
   (``reshard_after_forward``), gathered again before its backward (triggered by a hook
   on its output's gradient) and freed once its gradients are reduce-scattered: 16/N.
+  The gather/free path, one state machine per unit:
+  :class:`plait.parallel.zero.gather.ParameterGatherer`, which the wrapper owns.
 
 Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp ranks and
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
@@ -33,16 +35,11 @@ optimizer side (sharded fp32 masters, offload):
 The module may already be split by tensor parallelism (:mod:`plait.parallel.tensor.plan`):
 its parameters are then the local TP shards, which ZeRO flattens like any other tensor;
 every collective here runs on the ``axis`` (dp) groups only.
-
-Gathered storage is freed with ``untyped_storage().resize_(0)``: autograd's saved views of
-a parameter keep pointing at the same storage, which is refilled before backward, while
-the parameter itself is swapped to an empty tensor so stray reads fail loudly.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -51,41 +48,16 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm import Handle
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
-from plait.parallel.zero.flat import ROOT, FlatUnit, WrapSpec, plan_units
+from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
+from plait.parallel.zero.gather import ParameterGatherer
 from plait.parallel.zero.reduce import GradientReducer
 from plait.pieces import LocalPiece
 
 Offload = Literal["none", "optimizer", "params"]
-
-
-class Gather(enum.Enum):
-    """Where a stage-3 unit's full parameters stand."""
-
-    FREE = "free"
-    """Only the shard is held; the parameters are empty tensors."""
-    GATHERING = "gathering"
-    """The all-gather is in flight (a prefetch)."""
-    GATHERED = "gathered"
-    """The full parameters are in place."""
-
-
-_FREE, _GATHERING, _GATHERED = Gather.FREE, Gather.GATHERING, Gather.GATHERED
-
-
-def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensor_leaves(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensor_leaves(o)]
-    return []
 
 
 class ZeroDataParallel(nn.Module):
@@ -155,18 +127,9 @@ class ZeroDataParallel(nn.Module):
         self.reduce_dtype = parse_dtype(reduce_dtype) if reduce_dtype else self.param_dtype
         self.dp_group = mesh.axis(axis)
         self.shard_group, self.replicate_group = mesh.split_axis(axis, factor)
-        self._broadcast_state()
+        broadcast_module_state(module, self.dp_group)
         specs = plan_units(module, wrap)
         self.units = [FlatUnit(i, s, factor, self.shard_group.index) for i, s in enumerate(specs)]
-        self._empty: dict[nn.Parameter, torch.Tensor] = {}
-        self._state: dict[int, Gather] = {}
-        self._pending_gather: dict[int, tuple[torch.Tensor, Handle]] = {}
-        self._pre_backward_done: set[int] = set()
-        self._order: list[FlatUnit] = list(self.units)  # forward order (recorded)
-        self._order_now: list[FlatUnit] = []
-        self.gathered_bytes = 0  # stage 3: gathered parameter bytes now, and the peaks
-        self.peak_gathered_bytes = 0
-        self.peak_gathered_units = 0
         self.reducer = GradientReducer(
             self.units,
             stage,
@@ -175,40 +138,30 @@ class ZeroDataParallel(nn.Module):
             self.reduce_dtype,
             self.device,
             find_unused_parameters,
-            release=self._free,
+            release=self._release,
             on_finish=self._after_backward,
             note=self._note_event,
         )
-        for u in self.units:
-            self._init_unit(u)
-        # Units freed after their forward and re-gathered for their backward: every
-        # wrapped unit, and the root unit when one module (not the root itself) uses it.
-        # A root unit used by several modules (tied weights) stays gathered from its first
-        # use in forward until its gradients are reduced.
-        self._reshardable = {
-            u.index
-            for u in self.units
-            if u.name != ROOT or (len(u.triggers) == 1 and u.triggers[0] is not module)
-        }
+        self.gatherer: ParameterGatherer | None = None  # stage 3 only
+        if stage == 3:
+            self.gatherer = ParameterGatherer(
+                module,
+                self.shard_group,
+                self.device,
+                torch.device("cpu") if offload == "params" else self.device,
+                reshard_after_forward,
+                prefetch,
+                begin_backward=self.reducer.begin_backward,
+                note=self._note_event,
+            )
         self._hooks: list[Any] = []
         for u in self.units:
+            self._init_unit(u)
             for i, p in enumerate(u.params):
                 hook = functools.partial(self.reducer.on_grad, u, i)
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-            if stage == 3:
-                for m in u.triggers:
-                    self._hooks.append(
-                        m.register_forward_pre_hook(functools.partial(self._pre_forward, u))
-                    )
-                    if u.index in self._reshardable:
-                        self._hooks.append(
-                            m.register_forward_hook(functools.partial(self._post_forward, u))
-                        )
 
     # ------------------------------------------------------------------ set-up
-
-    def _broadcast_state(self) -> None:
-        broadcast_module_state(self.module, self.dp_group)
 
     @torch.no_grad()
     def _init_unit(self, u: FlatUnit) -> None:
@@ -218,13 +171,8 @@ class ZeroDataParallel(nn.Module):
         if self.param_dtype in (torch.bfloat16, torch.float16):
             u.fp32_init = flat[u.lo : u.hi].float()  # (shard,) initial fp32 masters (a copy)
         u.full = flat.to(self.param_dtype) if self.param_dtype != wide else flat
-        for p in u.params:
-            self._empty[p] = torch.empty((0,) * p.dim(), dtype=self.param_dtype, device=p.device)
-        if self.stage == 3:
-            dev = torch.device("cpu") if self.offload == "params" else self.device
-            u.shard = u.full[u.lo : u.hi].clone().to(dev)  # (shard,) the persistent shard
-            self._state[u.index] = _GATHERED
-            self._free(u, count=False)
+        if self.gatherer is not None:  # keeps the shard, frees the rest, hooks the unit
+            self._hooks.extend(self.gatherer.adopt(u))
         else:
             for i, p in enumerate(u.params):
                 p.data = u.view(i, u.full)
@@ -235,21 +183,39 @@ class ZeroDataParallel(nn.Module):
         else:
             u.grad_shard = torch.zeros(u.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
-    # ------------------------------------------------------------------ gather / free
-
-    def _note(self, kind: str, u: FlatUnit) -> None:
-        self._note_event(kind, u.name)
+    # ------------------------------------------------------------------ callbacks
 
     def _note_event(self, kind: str, name: str) -> None:
         if self.record_events:
             self.events.append((kind, name))
 
+    def _release(self, u: FlatUnit) -> None:
+        """``u``'s reduce-scatter is launched (the reducer's callback): stage 3 frees it."""
+        if self.gatherer is not None:
+            self.gatherer.free(u)
+
     def _after_backward(self) -> None:
         """End of a synchronising backward (the reducer's callback): stage 3 frees every
         unit; the next backward gathers again."""
-        self._pre_backward_done.clear()
-        if self.stage == 3:
-            self._free_all()
+        if self.gatherer is not None:
+            self.gatherer.after_backward()
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Stage 3: bytes of full parameters gathered (or gathering) now."""
+        return self.gatherer.gathered_bytes if self.gatherer is not None else 0
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most gathered parameter bytes at once."""
+        return self.gatherer.peak_gathered_bytes if self.gatherer is not None else 0
+
+    @property
+    def peak_gathered_units(self) -> int:
+        """Stage 3: the most units gathered (or gathering) at once."""
+        return self.gatherer.peak_gathered_units if self.gatherer is not None else 0
 
     @property
     def grad_buffer_bytes(self) -> int:
@@ -261,98 +227,11 @@ class ZeroDataParallel(nn.Module):
         """Stages 2/3: the most transient gradient-buffer bytes alive at once."""
         return self.reducer.peak_grad_buffer_bytes
 
-    def _start_gather(self, u: FlatUnit) -> None:
-        """Launch the all-gather of ``u``'s shards (asynchronously)."""
-        if self._state[u.index] != _FREE:
-            return
-        assert u.shard is not None
-        src = u.shard if u.shard.device == self.device else u.shard.to(self.device)
-        out, h = comm.all_gather(src, self.shard_group, async_op=True)  # (padded,)
-        self._pending_gather[u.index] = (out, h)
-        self._state[u.index] = _GATHERING
-        self.gathered_bytes += u.padded * out.element_size()
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        live = sum(1 for s in self._state.values() if s != _FREE)
-        self.peak_gathered_units = max(self.peak_gathered_units, live)
-        self._note("gather", u)
-
-    def _ensure_gathered(self, u: FlatUnit) -> None:
-        """Block until ``u``'s full parameters are in place (gathering if needed)."""
-        if self._state[u.index] == _GATHERED:
-            return
-        self._start_gather(u)
-        out, h = self._pending_gather.pop(u.index)
-        h.wait()
-        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.full.copy_(out)
-        for i, p in enumerate(u.params):
-            p.data = u.view(i, u.full)
-        self._state[u.index] = _GATHERED
-
-    def _free(self, u: FlatUnit, count: bool = True) -> None:
-        """Release ``u``'s gathered storage; its parameters become empty tensors."""
-        state = self._state[u.index]
-        if state == _FREE:
-            return
-        if state == _GATHERING:
-            self._pending_gather.pop(u.index)[1].wait()
-        u.full.untyped_storage().resize_(0)
-        for p in u.params:
-            p.data = self._empty[p]
-        self._state[u.index] = _FREE
-        if count:
-            self.gathered_bytes -= u.padded * u.full.element_size()
-            self._note("free", u)
-
-    def _free_all(self) -> None:
-        for u in self.units:
-            self._free(u)
-
-    @staticmethod
-    def _in_autograd() -> bool:
-        """Whether the autograd engine is executing (a recomputation inside backward)."""
-        return bool(torch._C._current_graph_task_id() != -1)
-
-    # ------------------------------------------------------------------ stage-3 hooks
-
-    def _pre_forward(self, u: FlatUnit, module: nn.Module, args: Any) -> None:
-        if self._in_autograd():
-            self._ensure_gathered(u)
-            return
-        if all(v is not u for v in self._order_now):
-            self._order_now.append(u)
-        self._ensure_gathered(u)
-        if self.prefetch:
-            order = self._order
-            k = next((j for j, v in enumerate(order) if v is u), -1)
-            if 0 <= k < len(order) - 1:
-                self._start_gather(order[k + 1])
-
-    def _post_forward(self, u: FlatUnit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_autograd():
-            return
-        if not torch.is_grad_enabled():
-            self._free(u)
-            return
-        if self.reshard_after_forward:
-            self._free(u)
-        for t in _tensor_leaves(output):
-            if t.requires_grad:
-                t.register_hook(functools.partial(self._pre_backward, u))
-
-    def _pre_backward(self, u: FlatUnit, grad: torch.Tensor) -> None:
-        self.reducer.begin_backward()
-        if u.index in self._pre_backward_done:
-            return
-        self._pre_backward_done.add(u.index)
-        self._ensure_gathered(u)
-        if self.prefetch:
-            order = self._order
-            k = next((j for j, v in enumerate(order) if v is u), -1)
-            for v in reversed(order[:k] if k > 0 else []):
-                if v.index not in self._pre_backward_done and v.index in self._reshardable:
-                    self._start_gather(v)  # no-op if it is still gathered
-                    break
+    def reset_peak_gathered(self) -> None:
+        """Restart the peak counters (gathered bytes/units, gradient buffers)."""
+        self.reducer.reset_peak()
+        if self.gatherer is not None:
+            self.gatherer.reset_peaks()
 
     # ------------------------------------------------------------------ API
 
@@ -360,13 +239,11 @@ class ZeroDataParallel(nn.Module):
         """Run the wrapped module (stage 3 gathers units on demand)."""
         if self.record_events and not self.reducer.in_backward:
             self.events = []
-        self._order_now = []
+        if self.gatherer is not None:
+            self.gatherer.begin_forward()
         out = self.module(*args, **kwargs)
-        if self.stage == 3:
-            if self._order_now:
-                self._order = self._order_now
-            if not (torch.is_grad_enabled() and any(t.requires_grad for t in _tensor_leaves(out))):
-                self._free_all()
+        if self.gatherer is not None:
+            self.gatherer.end_forward(out)
         return out
 
     @contextlib.contextmanager
@@ -384,14 +261,13 @@ class ZeroDataParallel(nn.Module):
     def gathered(self) -> Iterator[None]:
         """Stage 3: hold every unit's full parameters inside the block (e.g. to read the
         weights); other stages hold them always."""
-        if self.stage == 3:
-            for u in self.units:
-                self._ensure_gathered(u)
+        if self.gatherer is not None:
+            self.gatherer.gather_all()
         try:
             yield
         finally:
-            if self.stage == 3:
-                self._free_all()
+            if self.gatherer is not None:
+                self.gatherer.free_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (stage 0/1: ``.grad`` stays a view into them)."""
@@ -456,12 +332,6 @@ class ZeroDataParallel(nn.Module):
                     LocalPiece(name, shape, None, at, at + b - a, run, p, self.param_dtype, first)
                 )
         return out
-
-    def reset_peak_gathered(self) -> None:
-        """Restart the peak counters (gathered bytes/units, gradient buffers)."""
-        self.reducer.peak_grad_buffer_bytes = self.reducer.grad_buffer_bytes
-        self.peak_gathered_bytes = self.gathered_bytes
-        self.peak_gathered_units = sum(1 for s in self._state.values() if s != _FREE)
 
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""
