@@ -1,7 +1,10 @@
 """ZeRO / fully sharded data parallelism over the data-parallel axis.
 
 * :mod:`~plait.parallel.zero.flat` — wrap units: parameters flattened, padded, sharded.
-* :mod:`~plait.parallel.zero.reduce` — the gradient path of one unit inside backward.
+* :mod:`~plait.parallel.zero.reduce` — the gradient path inside backward: one
+  reduction state machine per unit (``UnitReduction``), coordinated by ``GradientReducer``.
+* :mod:`~plait.parallel.zero.gather` — stage 3's parameter path: one gather/free state
+  machine per unit (``UnitGather``), coordinated by ``ParameterGatherer``.
 * :mod:`~plait.parallel.zero.wrapper` — :class:`ZeroDataParallel`, stages 0-3.
 * :mod:`~plait.parallel.zero.optim` — the sharded fp32 masters the optimizer steps.
 """
