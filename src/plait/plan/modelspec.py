@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
-from plait.presets import MODEL_PRESETS as BUILTIN_PRESETS
-
-Style = Literal["llama", "gpt"]
+from plait.presets import PRESETS, Preset, Style
 
 
 @dataclass(frozen=True)
@@ -216,39 +213,14 @@ class ModelSpec:
         return replace(base, n_layers=layers)
 
 
-def _gpt(name: str, layers: int, h: int, heads: int, vocab: int, pos: int, tied: bool) -> ModelSpec:
-    return ModelSpec(name, layers, h, heads, heads, 4 * h, vocab, "gpt", pos, tied)
+def _spec(name: str, preset: Preset) -> ModelSpec:
+    """The planner's view of the preset ``name`` (the built-in model's for llama style)."""
+    spec = ModelSpec.from_config(preset.config, name)
+    return spec if preset.style == "llama" else replace(spec, style=preset.style)
 
 
-def _llama(
-    name: str, layers: int, h: int, heads: int, kv: int, f: int, vocab: int, pos: int
-) -> ModelSpec:
-    return ModelSpec(name, layers, h, heads, kv, f, vocab, "llama", pos, False)
-
-
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    # plait's built-in shapes, from the one table (plait.presets)
-    **{
-        name: ModelSpec.from_config(cfg, name)
-        for name, cfg in BUILTIN_PRESETS.items()
-        if name not in ("llama2-7b", "llama3-8b")  # listed with their families below
-    },
-    # GPT-2 (Radford et al. 2019): vocab 50257, 1024 positions, tied head
-    "gpt2-124m": _gpt("gpt2-124m", 12, 768, 12, 50257, 1024, True),
-    "gpt2-355m": _gpt("gpt2-355m", 24, 1024, 16, 50257, 1024, True),
-    "gpt2-774m": _gpt("gpt2-774m", 36, 1280, 20, 50257, 1024, True),
-    "gpt2-1.5b": _gpt("gpt2-1.5b", 48, 1600, 25, 50257, 1024, True),
-    # GPT-3 175B (Brown et al. 2020, table 2.1): 96 layers, h 12288, 96 heads, 2048 ctx
-    "gpt3-175b": _gpt("gpt3-175b", 96, 12288, 96, 50257, 2048, False),
-    # Llama 2 (Touvron et al. 2023) and Llama 3 (Dubey et al. 2024, table 3)
-    "llama2-7b": ModelSpec.from_config(BUILTIN_PRESETS["llama2-7b"], "llama2-7b"),
-    "llama2-13b": _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    "llama2-70b": _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    "llama3-8b": ModelSpec.from_config(BUILTIN_PRESETS["llama3-8b"], "llama3-8b"),
-    "llama3-70b": _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    "llama3-405b": _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
-}
-"""Named model shapes."""
+MODEL_PRESETS: dict[str, ModelSpec] = {name: _spec(name, p) for name, p in PRESETS.items()}
+"""Named model shapes, derived from the one table :data:`plait.presets.PRESETS`."""
 
 
 def model_spec_preset(name: str) -> ModelSpec:
