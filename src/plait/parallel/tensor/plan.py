@@ -113,7 +113,12 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
             raise ConfigError(f"tensor-parallel plan: unknown style {style!r} for {pattern!r}")
         hits = [n for n in names if _matches(pattern, n)]
         if not hits:
-            raise ConfigError(f"tensor-parallel plan: {pattern!r} matches no module of the model")
+            raise ConfigError(
+                f"tensor-parallel plan: {pattern!r} matches no module of the model "
+                f"({type(model).__name__}); the default plan is for plait's Transformer. "
+                "Pass parallelize(..., tp_plan=[(module pattern, style), ...]) for this "
+                "model, or use tp = 1."
+            )
         for n in hits:
             out.setdefault(n, style)
     missing = [
