@@ -13,6 +13,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plait.config import Config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
+    """Validate everything, then start ``nproc`` local ranks that each run ``python -m
+    plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
     from plait.config_io import format_field_docs, load_config, parse_override_flags
     from plait.launch.local import launch_local, torchrun_env
 
@@ -87,11 +93,10 @@ def _cuda_device() -> tuple[str, float] | None:
     return props.name, float(props.total_memory)
 
 
-def _check_data(cfg: object) -> None:
-    from plait.config import Config
+def _check_data(cfg: Config) -> None:
+    """Refuse a corpus too small for one global batch of training or validation data."""
     from plait.train.data import TokenDataset, check_enough, load_tokens, split_train_val
 
-    assert isinstance(cfg, Config)
     train, val = split_train_val(load_tokens(cfg.data), cfg.data.val_fraction)
     check_enough(TokenDataset(train, cfg.train.seq_len), cfg.train.global_batch, "training")
     check_enough(TokenDataset(val, cfg.train.seq_len), cfg.train.global_batch, "validation")
