@@ -19,16 +19,38 @@ if TYPE_CHECKING:
     from plait.config import Config
 
 
-def check_world(dp: int, tp: int, pp: int, cp: int, world_size: int) -> None:
-    """The one check that a layout's degrees multiply to the world size (the config,
-    :func:`plait.mesh.init_mesh` and the launcher all use it)."""
-    product = dp * tp * pp * cp
+def check_world(
+    dp: int | None, tp: int, pp: int, cp: int, world_size: int, *, devices: bool = False
+) -> int:
+    """The one check that a layout's degrees multiply to the world size; returns dp.
+
+    ``dp=None`` means "the rest": ``world_size / (tp·pp·cp)``, which must then be whole.
+    The config (:meth:`plait.config.Config.validate`), :func:`plait.mesh.init_mesh` and
+    the planner all use it; ``devices=True`` words the messages for the planner, which
+    counts the devices asked for rather than processes started. Raises
+    :class:`ConfigError` naming the numbers.
+    """
+    world = f"the {world_size} devices" if devices else f"the world size {world_size}"
+    for name, degree in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if degree is not None and degree < 1:
+            raise ConfigError(f"the {name} degree must be >= 1, got {name}={degree}.")
+    other = tp * pp * cp
+    if dp is None:
+        if world_size % other:
+            raise ConfigError(
+                f"tp={tp} x pp={pp} x cp={cp} = {other} does not divide {world}; choose "
+                f"degrees whose product divides {world_size}."
+            )
+        dp = world_size // other
+    product = dp * other
     if product != world_size:
+        instead = f"ask for {product} devices" if devices else f"start {product} processes"
         raise ConfigError(
             f"the layout dp={dp} x tp={tp} x pp={pp} x cp={cp} = {product} ranks "
-            f"does not match the world size {world_size}; choose degrees whose product "
-            f"is {world_size} (or start {product} processes)."
+            f"does not match {world}; choose degrees whose product is {world_size} "
+            f"(or {instead})."
         )
+    return dp
 
 
 def check_run(cfg: Config, world_size: int) -> None:

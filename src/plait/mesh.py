@@ -224,15 +224,7 @@ def init_mesh(
     """
     world = comm.world_size()
     rank = comm.world_rank()
-    other = tp * pp * cp
-    if dp is None:
-        if other <= 0 or world % other:
-            raise ConfigError(
-                f"tp={tp} x pp={pp} x cp={cp} = {other} does not divide the world size {world}"
-            )
-        dp = world // other
-    layout = MeshLayout(dp=dp, pp=pp, cp=cp, tp=tp)
-    check_world(dp, tp, pp, cp, world)
+    layout = MeshLayout(dp=check_world(dp, tp, pp, cp, world), pp=pp, cp=cp, tp=tp)
     if device is None:
         device = torch.device("cpu")
     mesh = Mesh(layout=layout, rank=rank, timeout_s=timeout_s, device=torch.device(device))

@@ -102,7 +102,7 @@ def test_the_search_prefers_less_communication_on_a_slow_network() -> None:
 
 def test_with_layout_refuses_mismatches() -> None:
     q = _query("gpt2-124m", "a100-80gb", 8, 16, 1024)
-    with pytest.raises(ConfigError, match="does not match the 8 devices"):
+    with pytest.raises(ConfigError, match=r"= 4 ranks does not match the 8 devices.*ask for 4 dev"):
         with_layout(q, Layout(dp=4, micro_batch=4))
     with pytest.raises(ConfigError, match="is not the global batch 16"):
         with_layout(q, Layout(dp=8, micro_batch=4))

@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from plait.config_checks import check_world
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware
@@ -273,12 +274,7 @@ def brute_force(q: Query, space: Space | None = None) -> list[Estimate]:
 
 def with_layout(q: Query, layout: Layout) -> Estimate:
     """The estimate of one layout for ``q`` (after the same validity checks as the search)."""
-    if layout.world != q.devices:
-        raise ConfigError(
-            f"the layout dp={layout.dp} x tp={layout.tp} x pp={layout.pp} x cp={layout.cp} = "
-            f"{layout.world} devices does not match the {q.devices} devices asked for; choose "
-            f"degrees whose product is {q.devices}."
-        )
+    check_world(layout.dp, layout.tp, layout.pp, layout.cp, q.devices, devices=True)
     if layout.global_batch != q.global_batch:
         raise ConfigError(
             f"dp x micro-batch x micro-batches = {layout.dp} x {layout.micro_batch} x "
