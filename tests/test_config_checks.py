@@ -1,0 +1,170 @@
+"""The checks across configuration sections (:meth:`Config.validate`, in
+:mod:`plait.config_checks`): the layout against the world size, pipeline blocks and
+micro-batches, ZeRO options, the global batch. They need no torch; the checks the
+parallel layer owns are in ``tests/parallel/test_checks.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from plait.config import Config
+from plait.config_checks import check_world
+from plait.config_io import config_from_dict
+from plait.errors import ConfigError
+
+
+def _cfg(**sections: dict[str, Any]) -> Config:
+    return config_from_dict(sections)
+
+
+# ----------------------------------------------------------------------------- check_world
+
+
+def test_check_world_resolves_dp() -> None:
+    assert check_world(None, 2, 2, 1, 8) == 2
+    assert check_world(2, 2, 2, 1, 8) == 2
+    assert check_world(None, 1, 1, 1, 1) == 1
+
+
+@pytest.mark.parametrize(
+    ("degrees", "world", "devices", "pattern"),
+    [
+        (
+            (3, 1, 1, 1),
+            2,
+            False,
+            r"^the layout dp=3 x tp=1 x pp=1 x cp=1 = 3 ranks does not match the world size "
+            r"2; choose degrees whose product is 2 \(or start 3 processes\)\.$",
+        ),
+        (
+            (None, 3, 1, 1),
+            4,
+            False,
+            r"^tp=3 x pp=1 x cp=1 = 3 does not divide the world size 4; choose degrees whose "
+            r"product divides 4\.$",
+        ),
+        (
+            (4, 1, 1, 1),
+            8,
+            True,
+            r"= 4 ranks does not match the 8 devices; .* \(or ask for 4 devices\)\.$",
+        ),
+        ((None, 3, 1, 1), 8, True, r"= 3 does not divide the 8 devices"),
+        ((0, 4, 1, 1), 4, False, r"^the dp degree must be >= 1, got dp=0\.$"),
+        ((None, 1, -1, 1), 4, False, r"^the pp degree must be >= 1, got pp=-1\.$"),
+    ],
+)
+def test_check_world_refusals(
+    degrees: tuple[int | None, int, int, int], world: int, devices: bool, pattern: str
+) -> None:
+    dp, tp, pp, cp = degrees
+    with pytest.raises(ConfigError, match=pattern):
+        check_world(dp, tp, pp, cp, world, devices=devices)
+
+
+# ----------------------------------------------------------------------------- Config.validate
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "pattern"),
+    [
+        (
+            _cfg(parallel={"dp": 3}),
+            2,
+            r"dp=3 x tp=1 x pp=1 x cp=1 = 3 ranks does not match the world size 2.*"
+            r"product is 2 \(or start 3 processes\)",
+        ),
+        (
+            _cfg(parallel={"tp": 4}),
+            2,
+            r"dp=1 x tp=4 x pp=1 x cp=1 = 4 ranks does not match the world size 2",
+        ),
+        (_cfg(parallel={"cp": 2}), 2, r"cp=2 is not available yet"),
+        (
+            _cfg(parallel={"pp": 4, "chunks": 2, "pipeline_schedule": "interleaved"}),
+            4,
+            r"4 transformer blocks .* pp 4 x chunks 2 = 8 pipeline pieces .*model.n_layers >= 8",
+        ),
+        (
+            _cfg(
+                parallel={"pp": 4, "pipeline_schedule": "interleaved", "microbatches": 2},
+                model={"n_layers": 8},
+            ),
+            4,
+            r"2 micro-batches \(parallel.microbatches\) < pp 4; use a multiple of 4",
+        ),
+        (
+            _cfg(parallel={"pp": 2, "microbatches": 3}),
+            2,
+            r"global_batch \(16\) must split into dp 1 x 3 pipeline micro-batches .* 16 "
+            r"sequences per rank is not divisible by 3; .* among \[1, 2, 4, 8, 16\]",
+        ),
+        (
+            _cfg(parallel={"pp": 2, "microbatches": 4}, train={"micro_batch": 2}),
+            2,
+            r"train.micro_batch \(2\) x parallel.microbatches \(4\) must equal .* = 16",
+        ),
+        (_cfg(parallel={"pp": 2, "zero": 2}), 2, r"parallel.zero = 2 with pipeline parallelism"),
+        (
+            _cfg(parallel={"zero": 2, "zero_shard_size": 3}),
+            4,
+            r"zero_shard_size \(F = 3\) must divide the data-parallel degree dp = 4; "
+            r"choose one of \[1, 2, 4\]",
+        ),
+        (
+            _cfg(parallel={"zero_shard_size": 2}),
+            2,
+            r"zero_shard_size = 2 needs parallel\.zero >= 1",
+        ),
+        (
+            _cfg(parallel={"offload": "optimizer"}),
+            2,
+            r"parallel\.offload = 'optimizer' needs ZeRO \(parallel\.zero >= 1\)",
+        ),
+        (
+            _cfg(parallel={"zero": 2, "offload": "params"}),
+            2,
+            r"offload = 'params' needs parallel\.zero = 3 \(got 2\)",
+        ),
+        (
+            _cfg(train={"global_batch": 16, "micro_batch": 3}),
+            2,
+            r"train\.global_batch \(16\) must be divisible by dp x micro_batch = 2 x 3 = 6; "
+            r"for example use global_batch 12",
+        ),
+        (
+            _cfg(train={"global_batch": 15}),
+            2,
+            r"global_batch \(15\) must be divisible by dp x micro_batch = 2 x 7 = 14",
+        ),
+        (_cfg(train={"global_batch": 1}), 2, r"= 2 x 1 = 2; for example use global_batch 2"),
+        (
+            _cfg(train={"seq_len": 300}),
+            2,
+            r"train\.seq_len \(300\) exceeds model\.max_seq_len \(256\)",
+        ),
+        (
+            _cfg(model={"vocab_size": 128}),
+            1,
+            r"byte tokenizer needs model\.vocab_size >= 256, got 128",
+        ),
+    ],
+)
+def test_validate_messages(cfg: Config, world: int, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        cfg.validate(world)
+
+
+def test_validate_passes() -> None:
+    Config().validate(2)
+    Config().validate(1)
+    for stage in (1, 2, 3):
+        _cfg(parallel={"zero": stage, "zero_shard_size": 2, "offload": "optimizer"}).validate(4)
+    _cfg(parallel={"zero": 3, "offload": "params"}, train={"recompute": "full"}).validate(2)
+    _cfg(parallel={"zero_shard_size": 1}, precision={"dtype": "bf16"}).validate(2)
+    _cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}).validate(1)
+    _cfg(train={"seq_len": 256}).validate(4)
+    _cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}).validate(4)  # dp2 x tp2
+    _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)
