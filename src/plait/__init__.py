@@ -14,6 +14,7 @@ Public API (see README.md), imported on first use so that ``import plait.plan`` 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -70,15 +71,18 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access."""
-    if name in _SUBMODULES:
-        return importlib.import_module(f"plait.{name}")
+    """Import a public name's module on first access (and a subpackage such as
+    ``plait.model`` when it is asked for as an attribute)."""
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'plait' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES or (
+        not name.startswith("_") and importlib.util.find_spec(f"plait.{name}") is not None
+    ):
+        return importlib.import_module(f"plait.{name}")
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
