@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from plait.config_checks import check_run
 from plait.errors import ConfigError
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -463,11 +464,11 @@ class Config:
         """Check the sections against each other for a world of ``world_size`` ranks.
 
         Raises :class:`ConfigError` with one paragraph saying what is wrong and what
-        would work. Runs before any process starts. The checks live in
-        :mod:`plait.config_checks`.
+        would work. Runs before any process starts and needs no torch; the checks live
+        in :mod:`plait.config_checks`. A run also needs the parallel layer's checks
+        (tensor-parallel divisibility, the pipeline schedule, the device's dtypes):
+        :func:`plait.parallel.checks.validate_run` runs this and then those.
         """
-        from plait.config_checks import check_run
-
         check_run(self, world_size)
 
     def micro_batch(self, world_size: int) -> int:
