@@ -24,8 +24,8 @@ layout the script prints
   shared: CPU time is blind to the time other jobs take the cores (and to ranks
   oversubscribing them), wall time is not; the load average is recorded per row.
 
-Layouts the runtime does not implement yet (``Config.validate`` refuses them) are listed
-as "not yet available"; they become measured rows as soon as it does.
+Layouts the runtime does not run yet (:func:`plait.parallel.checks.validate_run` refuses
+them) are listed as "not yet available"; they become measured rows as soon as it does.
 
 Part 2 (published). The planner's utilisation for large runs whose configuration the
 papers state, with the datasheet presets, against the reported figure.
@@ -210,9 +210,10 @@ def _full_config(row: Row) -> Any:
 def available(row: Row) -> str | None:
     """None when the runtime runs ``row``, else the reason it refuses."""
     from plait.errors import ConfigError
+    from plait.parallel.checks import validate_run
 
     try:
-        _full_config(row).validate(row.world)
+        validate_run(_full_config(row), row.world)
     except (ConfigError, TypeError) as e:  # TypeError: a config field not there yet
         return str(e)
     return None
