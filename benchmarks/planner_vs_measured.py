@@ -428,7 +428,7 @@ def published_runs() -> list[Published]:
     from dataclasses import replace
 
     from plait.plan import Layout, ModelSpec
-    from plait.plan.modelspec import MODEL_PRESETS
+    from plait.plan.modelspec import MODEL_SPECS
 
     def megatron(
         name: str, layers: int, h: int, heads: int, t: int, p: int, gpus: int, batch: int,
@@ -452,7 +452,7 @@ def published_runs() -> list[Published]:
             "sequence parallelism (2021) assumed",
         )
 
-    llama = MODEL_PRESETS["llama3-405b"]
+    llama = MODEL_SPECS["llama3-405b"]
 
     def llama_row(gpus: int, dp: int, per_dp: int, pct: float) -> Published:
         lay = Layout(

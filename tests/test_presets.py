@@ -6,7 +6,7 @@ import pytest
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
-from plait.plan.modelspec import MODEL_PRESETS as SPECS
+from plait.plan.modelspec import MODEL_SPECS as SPECS
 from plait.plan.modelspec import ModelSpec
 from plait.presets import MODEL_PRESETS, PRESETS, Preset, model_preset
 

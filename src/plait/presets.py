@@ -11,7 +11,7 @@
   positions, a GELU MLP of width 4h, biases on every linear layer) that the planner
   reasons about but plait does not build; their ``ffn_dim`` is that 4h width.
 
-The planner (:data:`plait.plan.MODEL_PRESETS`) derives its ``ModelSpec`` of every name
+The planner (:data:`plait.plan.MODEL_SPECS`) derives its ``ModelSpec`` of every name
 from this table, so a name means one shape everywhere.
 """
 

@@ -7,7 +7,7 @@ import pytest
 from plait.plan.activations import block_saved, korthikanti_layer_bytes, layer_activation_bytes
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import in_flight, memory_per_rank
-from plait.plan.modelspec import MODEL_PRESETS, ModelSpec
+from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 
 BF16 = PRECISIONS["bf16-mixed"]
 MEGATRON = RUNTIMES["megatron"]
@@ -63,7 +63,7 @@ def test_pipeline_in_flight_micro_batches() -> None:
 
 
 def test_first_stage_holds_p_micro_batches_of_its_layers() -> None:
-    spec = MODEL_PRESETS["gpt2-355m"]  # 24 layers
+    spec = MODEL_SPECS["gpt2-355m"]  # 24 layers
     one = memory_per_rank(spec, Layout(), BF16, MEGATRON, 1024)
     pipe = memory_per_rank(spec, Layout(pp=4, microbatches=8), BF16, MEGATRON, 1024)
     assert pipe.stage == 0
@@ -74,7 +74,7 @@ def test_first_stage_holds_p_micro_batches_of_its_layers() -> None:
 def test_fused_swiglu_saves_one_mlp_tensor_less() -> None:
     import dataclasses
 
-    spec = MODEL_PRESETS["llama2-7b"]
+    spec = MODEL_SPECS["llama2-7b"]
     lay = Layout(tp=2, micro_batch=2)
     fused = RUNTIMES["megatron-flash"]
     plain = dataclasses.replace(fused, fused_swiglu=False)

@@ -97,10 +97,10 @@ def test_gpt_style_state_is_exact(tied: bool) -> None:
 
 
 def test_gpt2_preset_has_gpt2s_parameter_count() -> None:
-    from plait.plan.modelspec import MODEL_PRESETS
+    from plait.plan.modelspec import MODEL_SPECS
 
     # 124,439,808 with the 50,257-token vocabulary (Radford et al. 2019, HF's gpt2)
-    assert MODEL_PRESETS["gpt2-124m"].param_count() == 124_439_808
+    assert MODEL_SPECS["gpt2-124m"].param_count() == 124_439_808
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

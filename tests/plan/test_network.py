@@ -87,11 +87,11 @@ def test_overlap_hides_data_parallel_traffic_only_where_the_device_can() -> None
 
     from plait.plan.estimate import step_time
     from plait.plan.layout import PRECISIONS, RUNTIMES
-    from plait.plan.modelspec import MODEL_PRESETS
+    from plait.plan.modelspec import MODEL_SPECS
 
     gpu = PRESETS["a100-80gb"]
     cpu_like = dataclasses.replace(gpu, comm_overlap=0.0)
-    spec, rt, pr = MODEL_PRESETS["gpt2-355m"], RUNTIMES["plait"], PRECISIONS["bf16-mixed"]
+    spec, rt, pr = MODEL_SPECS["gpt2-355m"], RUNTIMES["plait"], PRECISIONS["bf16-mixed"]
     for lay in (Layout(dp=8, micro_batch=4), Layout(dp=8, zero=3, micro_batch=4)):
         hidden = step_time(spec, lay, gpu, pr, rt, 1024)
         exposed = step_time(spec, lay, cpu_like, pr, rt, 1024)

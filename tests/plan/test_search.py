@@ -9,14 +9,14 @@ import pytest
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
-from plait.plan.modelspec import MODEL_PRESETS, ModelSpec
+from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 from plait.plan.search import Query, Space, brute_force, mesh_problem, search, with_layout
 
 MIXED = PRECISIONS["bf16-mixed"]
 
 
 def _query(model: str | ModelSpec, hw: str, devices: int, batch: int, seq: int) -> Query:
-    spec = MODEL_PRESETS[model] if isinstance(model, str) else model
+    spec = MODEL_SPECS[model] if isinstance(model, str) else model
     return Query(spec, PRESETS[hw], devices, batch, seq, MIXED, RUNTIMES["plait"])
 
 

@@ -16,7 +16,7 @@ from plait.plan.memory import (
     state_bytes,
     state_bytes_per_param,
 )
-from plait.plan.modelspec import MODEL_PRESETS, ModelSpec
+from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 from plait.plan.network import all_reduce_time, ring_bytes_per_rank
 
 MIXED = PRECISIONS["bf16-mixed"]
@@ -63,7 +63,7 @@ def test_seven_billion_parameters_need_about_112_gb_of_state() -> None:
     w, g, m, o = state_bytes(7_000_000_000, 0, Layout(), MIXED)
     assert w + g + m + o == pytest.approx(112e9)
     # the Llama 2 7B preset (6.74 B) on one rank
-    mem = memory_per_rank(MODEL_PRESETS["llama2-7b"], Layout(), MIXED, RUNTIMES["plait"], 4096)
+    mem = memory_per_rank(MODEL_SPECS["llama2-7b"], Layout(), MIXED, RUNTIMES["plait"], 4096)
     assert mem.state == pytest.approx(16 * 6_738_415_616, rel=1e-6)
 
 
@@ -75,7 +75,7 @@ def _uniform_hardware() -> Hardware:
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_bubble_is_3_over_35_for_p4_m32(schedule: str) -> None:
-    spec = MODEL_PRESETS["gpt2-355m"]  # 24 layers: 6 per stage
+    spec = MODEL_SPECS["gpt2-355m"]  # 24 layers: 6 per stage
     lay = Layout(pp=4, micro_batch=1, microbatches=32, schedule=schedule)  # type: ignore[arg-type]
     t = step_time(spec, lay, _uniform_hardware(), MIXED, RUNTIMES["megatron"], 1024)
     pipeline = t.compute + t.recompute + t.tp_comm + t.cp_comm + t.pp_comm + t.bubble
@@ -83,7 +83,7 @@ def test_bubble_is_3_over_35_for_p4_m32(schedule: str) -> None:
 
 
 def test_interleaving_divides_the_bubble_by_v() -> None:
-    spec = MODEL_PRESETS["gpt2-355m"]
+    spec = MODEL_SPECS["gpt2-355m"]
     base = Layout(pp=4, micro_batch=1, microbatches=32)
     inter = dataclasses.replace(base, schedule="interleaved", chunks=2)
     hw, rt = _uniform_hardware(), RUNTIMES["megatron"]

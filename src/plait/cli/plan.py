@@ -27,7 +27,7 @@ from plait.plan.layout import (
     precision_preset,
     runtime_preset,
 )
-from plait.plan.modelspec import MODEL_PRESETS, ModelSpec, model_spec_preset
+from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -54,7 +54,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         ),
     )
     m = p.add_argument_group("model (a preset, --params, or a shape)")
-    m.add_argument("--model", help=f"preset: {', '.join(MODEL_PRESETS)}")
+    m.add_argument("--model", help=f"preset: {', '.join(MODEL_SPECS)}")
     m.add_argument("--params", help="parameter count (e.g. 7B); a llama-style shape is chosen")
     m.add_argument("--layers", type=int)
     m.add_argument("--hidden", type=int)
@@ -101,7 +101,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
     if given != 1:
         raise ConfigError(
             "give exactly one model: --model NAME (one of "
-            f"{', '.join(MODEL_PRESETS)}), --params N, or --layers --hidden --heads --vocab."
+            f"{', '.join(MODEL_SPECS)}), --params N, or --layers --hidden --heads --vocab."
         )
     shaping = [f"--{f.replace('_', '-')}" for f in ("kv_heads", "ffn", "style") if getattr(ns, f)]
     if shaping and (ns.model is not None or ns.params is not None):
@@ -135,7 +135,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
 
 def _list() -> str:
     lines = ["models:"]
-    for name, s in MODEL_PRESETS.items():
+    for name, s in MODEL_SPECS.items():
         lines.append(
             f"  {name:<12} {s.param_count() / 1e9:8.3f} B  L={s.n_layers} h={s.hidden} "
             f"a={s.n_heads} kv={s.n_kv_heads} f={s.ffn_hidden} V={s.vocab} ({s.style})"

@@ -12,11 +12,11 @@ from plait.plan.hardware import PRESETS as HARDWARE_PRESETS
 from plait.plan.hardware import Cluster, Curve, Hardware, Link, load_hardware
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, memory_per_rank
-from plait.plan.modelspec import MODEL_PRESETS, ModelSpec
+from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 
 __all__ = [
     "HARDWARE_PRESETS",
-    "MODEL_PRESETS",
+    "MODEL_SPECS",
     "PRECISIONS",
     "RUNTIMES",
     "Cluster",

@@ -219,16 +219,16 @@ def _spec(name: str, preset: Preset) -> ModelSpec:
     return spec if preset.style == "llama" else replace(spec, style=preset.style)
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {name: _spec(name, p) for name, p in PRESETS.items()}
-"""Named model shapes, derived from the one table :data:`plait.presets.PRESETS`."""
+MODEL_SPECS: dict[str, ModelSpec] = {name: _spec(name, p) for name, p in PRESETS.items()}
+"""The planner's spec of every named shape, derived from :data:`plait.presets.PRESETS`."""
 
 
 def model_spec_preset(name: str) -> ModelSpec:
     """The preset ``name``; unknown names are refused with the list."""
-    if name not in MODEL_PRESETS:
+    if name not in MODEL_SPECS:
         raise ConfigError(
             f"unknown model preset {name!r}; choose one of "
-            f"{', '.join(MODEL_PRESETS)}, or give --params, or --layers --hidden --heads "
+            f"{', '.join(MODEL_SPECS)}, or give --params, or --layers --hidden --heads "
             "--vocab."
         )
-    return MODEL_PRESETS[name]
+    return MODEL_SPECS[name]
