@@ -4,10 +4,11 @@ Starting fresh processes costs seconds per world (3-8 s for 2-8 ranks on a 2-cor
 machine); a pool starts its W workers once (forked from a forkserver that has already
 imported torch and plait), joins them in one gloo world, then runs any number of *bodies*
 on every rank: a body is a module-level function (or its address
-``"package.module:function"``), called on each rank as ``fn(ctx, *args, **kwargs)`` with a :class:`WorkerContext`. :meth:`WorkerPool.run`
-returns the per-rank results (picklable) in rank order, or raises :class:`WorkerError`
-carrying every failing rank's traceback. Nothing waits forever: a run that exceeds its
-time limit kills the pool (it restarts on the next run) and names the silent ranks.
+``"package.module:function"``), called on each rank as ``fn(ctx, *args, **kwargs)`` with
+a :class:`WorkerContext`. :meth:`WorkerPool.run` returns the per-rank results (picklable)
+in rank order, or raises :class:`WorkerError` carrying every failing rank's traceback.
+Nothing waits forever: a run that exceeds its time limit kills the pool (it restarts on
+the next run) and names the silent ranks.
 """
 
 from __future__ import annotations
