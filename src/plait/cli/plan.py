@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 
 from plait.cli.common import ConfigErrorParser
+from plait.config_checks import check_world
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
 from plait.plan.hardware import load_hardware
@@ -181,12 +182,7 @@ def plan_main(argv: Sequence[str]) -> int:
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
         return 0
     tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
-    if devices % (tp * pp * cp):
-        raise ConfigError(
-            f"tp x pp x cp = {tp} x {pp} x {cp} = {tp * pp * cp} does not divide the "
-            f"{devices} devices; choose degrees whose product divides {devices}."
-        )
-    dp = ns.dp or devices // (tp * pp * cp)
+    dp = check_world(ns.dp, tp, pp, cp, devices, devices=True)
     mb = ns.micro_batch
     if ns.microbatches is not None:
         m = ns.microbatches
