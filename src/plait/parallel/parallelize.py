@@ -177,9 +177,12 @@ class ParallelModel(nn.Module):
             )
         return self.module(*args, **kwargs)
 
-    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` averaged over the data-parallel ranks (float64, detached)."""
-        v = value.detach().to(torch.float64).reshape(1).clone()
+    def _dp_mean(self, value: torch.Tensor | float) -> torch.Tensor:
+        """``value`` averaged over the data-parallel ranks (float64, detached); reduced on
+        the mesh's device (NCCL cannot all-reduce CPU tensors)."""
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=torch.float64)
+        v = value.detach().to(self.mesh.device, torch.float64).reshape(1).clone()
         comm.all_reduce(v, self.mesh.axis("dp"), op="avg")
         return v.reshape(())
 
@@ -209,8 +212,7 @@ class ParallelModel(nn.Module):
                     f"the pipeline cuts each batch into its {m} micro-batches; pass "
                     f"micro_batches=1 or {m}, not {micro_batches}"
                 )
-            mean = self.pipeline.train(inputs, targets, loss_scale)
-            return self._dp_mean(torch.tensor(mean, dtype=torch.float64))
+            return self._dp_mean(self.pipeline.train(inputs, targets, loss_scale))
         if inputs.shape[0] % micro_batches:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} does not split into {micro_batches} "
@@ -230,8 +232,7 @@ class ParallelModel(nn.Module):
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch without backward (averaged over dp; float64)."""
         if self.pipeline is not None:
-            mean = self.pipeline.evaluate(inputs, targets)
-            return self._dp_mean(torch.tensor(mean, dtype=torch.float64))
+            return self._dp_mean(self.pipeline.evaluate(inputs, targets))
         return self._dp_mean(self.loss_fn(at_least_fp32(self.module(inputs)), targets))
 
     def describe(self) -> str:
