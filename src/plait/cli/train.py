@@ -63,7 +63,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     validate_run(cfg, world)
     from plait.train.checkpoint import check_start
 
-    check_start(cfg, world)  # resume / init-from sources exist, fault-injection rank
+    check_start(cfg)  # the resume / init-from sources exist
     if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
         from plait.plan.fit import refuse_unless_fits
 

@@ -6,8 +6,8 @@ local-pieces protocol (:mod:`plait.pieces`, :mod:`plait.train.state`).
 **Save** (every rank, at a step boundary): each rank takes the pieces it holds from the
 optimizer (``local_pieces()``: one-device names, global shapes, the tensor-parallel
 block, the flat element range, which rank writes) and writes the ones it is the writer
-of with their optimizer state and its own RNG states into ``rank<r>.safetensors`` inside a temporary
-folder, fsynced, plus a small index; rank 0 then merges the indexes into
+of with their optimizer state and its own RNG states into ``rank<r>.safetensors``
+inside a temporary folder, fsynced, plus a small index; rank 0 then merges the indexes into
 ``metadata.json`` (global shapes, pieces, sha256 of every file, config, layout, step,
 schedule, loss scaler, sampler), fsyncs, renames the folder into place and only then
 atomically replaces the ``latest`` pointer, and deletes checkpoints beyond
@@ -256,7 +256,7 @@ def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     return reader.step
 
 
-def check_start(cfg: Config, world: int) -> None:
+def check_start(cfg: Config) -> None:
     """Before any process starts: the resume / init-from sources exist. Raises
     :class:`CheckpointError`."""
     t = cfg.train
