@@ -29,7 +29,9 @@ def _full(seed: int = 0) -> tuple[torch.Tensor, ...]:
 def _body(ctx: WorkerContext, causal: bool, layout: str, impl: str) -> dict[str, Any]:
     mesh = ctx.mesh(dp=1, cp=ctx.world_size)
     cp, me = mesh.size("cp"), mesh.index("cp")
-    ring = RingAttention(mesh.axis("cp"), causal=causal, layout=layout, impl=impl, record_events=True)  # type: ignore[arg-type]
+    ring = RingAttention(
+        mesh.axis("cp"), causal=causal, layout=layout, impl=impl, record_events=True
+    )  # type: ignore[arg-type]
     q, k, v, dout = (shard_sequence(t, layout, cp, me, dim=2) for t in _full())  # type: ignore[arg-type]
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = ring(q, k, v)
@@ -38,11 +40,15 @@ def _body(ctx: WorkerContext, causal: bool, layout: str, impl: str) -> dict[str,
     out.backward(dout)
     total_send = mesh.stats.get("cp", "send")
     return {
-        "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+        "out": out.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
         "fwd_send": (fwd_send.calls, fwd_send.bytes),
         "all_send": (total_send.calls, total_send.bytes),
         "recv_bytes": mesh.stats.get("cp", "recv").bytes,
-        "events": fwd_events, "pairs": ring.pairs,
+        "events": fwd_events,
+        "pairs": ring.pairs,
     }
 
 
@@ -51,7 +57,9 @@ def _body(ctx: WorkerContext, causal: bool, layout: str, impl: str) -> dict[str,
     ("causal", "layout", "impl"),
     [(True, "zigzag", "fused"), (True, "contiguous", "reference"), (False, "zigzag", "fused")],
 )
-def test_ring_matches_one_process(pools: Pools, world: int, causal: bool, layout: str, impl: str) -> None:
+def test_ring_matches_one_process(
+    pools: Pools, world: int, causal: bool, layout: str, impl: str
+) -> None:
     """Outputs and q/k/v gradients equal SDPA on the whole sequence (float64, 1e-10);
     bytes sent per rank are (cp-1) K/V blocks forward and (cp-1)·2 in backward."""
     results = pools(world).run(_body, causal, layout, impl)

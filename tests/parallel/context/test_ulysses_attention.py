@@ -35,8 +35,12 @@ def _body(ctx: WorkerContext, hk: int, causal: bool) -> dict[str, Any]:
     out.backward(dout)
     both = mesh.stats.get("cp", "all_to_all")
     return {
-        "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-        "fwd": (fwd.calls, fwd.bytes), "both": (both.calls, both.bytes),
+        "out": out.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "fwd": (fwd.calls, fwd.bytes),
+        "both": (both.calls, both.bytes),
     }
 
 

@@ -39,7 +39,9 @@ def local_positions(layout: SeqLayout, cp: int, index: int, local_len: int) -> t
     return torch.cat((torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)))
 
 
-def shard_sequence(x: torch.Tensor, layout: SeqLayout, cp: int, index: int, dim: int = 1) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, layout: SeqLayout, cp: int, index: int, dim: int = 1
+) -> torch.Tensor:
     """Rank ``index``'s tokens of ``x`` along ``dim`` (the whole sequence of length S)."""
     s = x.shape[dim]
     if s % (2 * cp):

@@ -36,7 +36,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup, Handle
-from plait.parallel.context.blockwise_attention import (
+from plait.model.blockwise_attention import (
     Impl,
     block_backward,
     block_forward,
@@ -141,15 +141,20 @@ class RingAttention(nn.Module):
                 if how == "none":
                     continue
                 g_q, g_k, g_v = block_backward(
-                    parts[0][i], parts[1][i], kc[j], vc[j], parts[2][i], parts[3][i],
-                    how == "diag", scale, self.impl,
+                    parts[0][i],
+                    parts[1][i],
+                    kc[j],
+                    vc[j],
+                    parts[2][i],
+                    parts[3][i],
+                    how == "diag",
+                    scale,
+                    self.impl,
                 )
                 dqc[i].add_(g_q)
                 dk[j] += g_k
                 dv[j] += g_v
-        return torch.stack(
-            (reduce_kv(torch.cat(dk, 2), hk), reduce_kv(torch.cat(dv, 2), hk))
-        )
+        return torch.stack((reduce_kv(torch.cat(dk, 2), hk), reduce_kv(torch.cat(dv, 2), hk)))
 
 
 def _exchange(

@@ -21,7 +21,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
-from plait.parallel.context.blockwise_attention import expand_kv
+from plait.model.blockwise_attention import expand_kv
 
 
 def seq_to_heads(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:

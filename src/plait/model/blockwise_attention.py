@@ -16,7 +16,7 @@ Per block, :func:`block_forward` / :func:`block_backward` call PyTorch's fused
 flash-attention kernel when it returns the log-sum-exp (``impl="fused"``: the CPU kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), else the
 pure-PyTorch reference (``impl="reference"``), which is also the specification the tests
-compare against. Ring attention (:mod:`.ring_attention`) uses the same block functions
+compare against. Ring attention (:mod:`plait.parallel.context.ring_attention`) uses the same block functions
 with the key/value blocks arriving from other ranks.
 
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plait.parallel.context.blockwise_attention import blockwise_attention, merge
+from plait.model.blockwise_attention import blockwise_attention, merge
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
@@ -22,7 +22,7 @@ def _inputs(b: int, h: int, hk: int, s: int, d: int, sk: int | None = None, seed
 
 def _reference(q, k, v, causal):
     g = q.shape[1] // k.shape[1]
-    ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    ke, _ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     scores = q @ ke.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         n = q.shape[2]
@@ -49,7 +49,8 @@ def test_matches_sdpa(impl, causal, h, hk, s, block):
             (out * dout).sum() + with_lse * (lse * dlse).sum(), (q, k, v), retain_graph=True
         )
         want = torch.autograd.grad(
-            (ref_out * dout).sum() + with_lse * (ref_lse * dlse).sum(), (q, k, v),
+            (ref_out * dout).sum() + with_lse * (ref_lse * dlse).sum(),
+            (q, k, v),
             retain_graph=True,
         )
         for a, b in zip(got, want, strict=True):
@@ -58,7 +59,7 @@ def test_matches_sdpa(impl, causal, h, hk, s, block):
 
 def test_non_causal_cross_lengths():
     q, k, v = _inputs(1, 2, 1, 5, 4, sk=11)
-    out, lse = blockwise_attention(q, k, v, block_size=4)
+    out, _lse = blockwise_attention(q, k, v, block_size=4)
     torch.testing.assert_close(out, _reference(q, k, v, False)[0], **TOL)
 
 
@@ -72,7 +73,7 @@ def test_merge_of_disjoint_key_blocks_equals_union():
     torch.testing.assert_close(lse, ref_lse, **TOL)
     # merging an empty side (lse = -inf) changes nothing
     empty = torch.full_like(lse, float("-inf"))
-    o2, l2 = merge(out, lse, torch.zeros_like(out), empty)
+    o2, _l2 = merge(out, lse, torch.zeros_like(out), empty)
     torch.testing.assert_close(o2, out, **TOL)
 
 
@@ -107,3 +108,27 @@ def test_refusals():
     q, k, v = _inputs(1, 2, 2, 4, 4, sk=6)
     with pytest.raises(ValueError, match="causal"):
         blockwise_attention(q, k, v, causal=True)
+
+
+def test_model_attention_blockwise_matches_sdpa():
+    """``model.attention = blockwise`` gives the built-in model's loss and gradients of
+    ``sdpa`` (float64)."""
+    from plait.config import ModelConfig
+    from plait.model import BlockwiseAttention, Transformer
+
+    results = []
+    for kind in ("sdpa", "blockwise"):
+        cfg = ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, n_layers=2,
+                          max_seq_len=24, attention=kind)
+        model = Transformer(cfg, seed=1).double()
+        if kind == "blockwise":
+            assert isinstance(model.layers[0].attention.core, BlockwiseAttention)
+            for layer in model.layers:
+                layer.attention.core.block_size = 5  # several blocks, a ragged last one
+        tokens = torch.randint(0, 32, (2, 23), generator=torch.Generator().manual_seed(0))
+        loss = model.loss(model(tokens), tokens)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL)
+    for a, b in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(a, b, **TOL)
