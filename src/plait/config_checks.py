@@ -66,7 +66,7 @@ def check_run(cfg: Config, world_size: int) -> None:
         check_context(cfg)
     if p.pp > 1:
         check_pipeline(cfg, dp)
-    check_zero(cfg, dp)
+    check_zero(cfg, dp * p.cp)  # ZeRO shards over dp x cp (replicas of the parameters)
     micro = cfg.micro_batch(world_size)
     if t.global_batch % (dp * micro):
         raise ConfigError(
