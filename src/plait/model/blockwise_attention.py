@@ -16,8 +16,8 @@ Per block, :func:`block_forward` / :func:`block_backward` call PyTorch's fused
 flash-attention kernel when it returns the log-sum-exp (``impl="fused"``: the CPU kernel
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), else the
 pure-PyTorch reference (``impl="reference"``), which is also the specification the tests
-compare against. Ring attention (:mod:`plait.parallel.context.ring_attention`) uses the same block functions
-with the key/value blocks arriving from other ranks.
+compare against. Ring attention (:mod:`plait.parallel.context.ring_attention`) uses
+the same block functions with the key/value blocks arriving from other ranks.
 
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries
 ``(batch, heads, seq_q, head_dim)``, keys/values ``(batch, kv_heads, seq_k, head_dim)``
@@ -151,7 +151,7 @@ def _ranges(n: int, block: int) -> list[tuple[int, int]]:
 
 class _Blockwise(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -183,7 +183,7 @@ class _Blockwise(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors

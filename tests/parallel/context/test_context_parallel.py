@@ -45,7 +45,10 @@ def _body(
 ) -> dict[str, Any]:
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = ParallelConfig(
-        microbatches=2, pipeline_schedule="1f1b", bucket_mb=0.01, cp_attention=attn  # type: ignore[arg-type]
+        microbatches=2,
+        pipeline_schedule="1f1b",
+        bucket_mb=0.01,
+        cp_attention=attn,  # type: ignore[arg-type]
     )
     pm = parallelize(_builtin(), mesh, cfg, zero=zero, sequence_parallel=sp)
     kind = RingAttention if attn == "ring" else UlyssesAttention
@@ -90,8 +93,16 @@ LAYOUTS = [
 
 @pytest.mark.parametrize(("world", "dp", "cp", "tp", "pp", "zero", "attn", "sp"), LAYOUTS)
 def test_context_parallel_matches_one_process(
-    pools: Pools, ref: dict[str, Any], world: int, dp: int, cp: int, tp: int, pp: int,
-    zero: int, attn: str, sp: bool,
+    pools: Pools,
+    ref: dict[str, Any],
+    world: int,
+    dp: int,
+    cp: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    attn: str,
+    sp: bool,
 ) -> None:
     results = pools(world).run(_body, dp, cp, tp, pp, zero, attn, sp)
     for rank, r in enumerate(results):

@@ -176,7 +176,7 @@ def _wait(ring: RingAttention, handles: list[Handle], step: int) -> None:
 
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention
     ) -> torch.Tensor:
         cp, me = ring.group.size, ring.group.index
@@ -196,7 +196,7 @@ class _Ring(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         ring: RingAttention = ctx.ring
         cp, me = ring.group.size, ring.group.index

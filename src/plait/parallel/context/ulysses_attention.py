@@ -48,23 +48,23 @@ def heads_to_seq(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         ctx.g = g
         return seq_to_heads(x, g)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         return heads_to_seq(dy.contiguous(), ctx.g), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
         ctx.g = g
         return heads_to_seq(x, g)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         return seq_to_heads(dy.contiguous(), ctx.g), None
 
 

@@ -39,10 +39,9 @@ every collective here runs on the ``axis`` (dp) groups only.
 
 from __future__ import annotations
 
-import math
-
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
