@@ -26,9 +26,11 @@ from plait.testing import WorkerContext
 from tests.parallel.test_parallelize import (
     ATOL,
     BATCH,
+    CFG,
     CLIP,
     LR,
     RTOL,
+    SEQ,
     Piece,
     Pools,
     _batches,
@@ -40,8 +42,32 @@ from tests.parallel.test_parallelize import (
 STEPS = 5
 
 
+def _cp_bytes(dp: int, cp: int, tp: int, pp: int, attn: str, rc: str) -> float:
+    """Bus bytes each rank moves on the cp axis over ``STEPS`` steps, by the formulas:
+    ring 3·(cp-1) K/V blocks per layer (forward; backward K/V and dK/dV; one forward
+    more under full recomputation); Ulysses 2 x 4 all-to-alls of (cp-1)/cp of Q, K, V
+    (repeated to the query heads when the KV heads do not divide by cp) and the output
+    (selective recomputation re-runs only the SDPA kernel between them)."""
+    layers, tokens, d = CFG.n_layers // pp, BATCH // dp * SEQ // cp, CFG.head_dim
+    heads, kv = CFG.n_heads // tp, max(1, CFG.kv_heads // tp)
+    if attn == "ring":
+        per_layer = (3 + (rc == "full")) * (cp - 1) * 2 * tokens * kv * d * 8
+    else:
+        kv = kv if kv % cp == 0 else heads
+        per_layer = 2 * (cp - 1) / cp * tokens * d * 8 * (2 * heads + 2 * kv)
+    return STEPS * layers * per_layer
+
+
 def _body(
-    ctx: WorkerContext, dp: int, cp: int, tp: int, pp: int, zero: int, attn: str, sp: bool
+    ctx: WorkerContext,
+    dp: int,
+    cp: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    attn: str,
+    sp: bool,
+    rc: str = "none",
 ) -> dict[str, Any]:
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = ParallelConfig(
@@ -50,7 +76,7 @@ def _body(
         bucket_mb=0.01,
         cp_attention=attn,  # type: ignore[arg-type]
     )
-    pm = parallelize(_builtin(), mesh, cfg, zero=zero, sequence_parallel=sp)
+    pm = parallelize(_builtin(), mesh, cfg, zero=zero, sequence_parallel=sp, recompute=rc)  # type: ignore[arg-type]
     kind = RingAttention if attn == "ring" else UlyssesAttention
     cores = [m for m in pm.modules() if isinstance(m, kind)]
     assert cores and all(c.group.size == cp for c in cores)
@@ -68,7 +94,15 @@ def _body(
         for p in opt.local_pieces()
         if p.write
     ]
-    return {"losses": losses, "norms": norms, "pieces": pieces, "describe": pm.describe()}
+    op = "send" if attn == "ring" else "all_to_all"
+    return {
+        "losses": losses,
+        "norms": norms,
+        "pieces": pieces,
+        "describe": pm.describe(),
+        "cp_bytes": mesh.stats.get("cp", op).bytes,
+        "cp_total": mesh.stats.total_bytes("cp"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +138,36 @@ def test_context_parallel_matches_one_process(
     attn: str,
     sp: bool,
 ) -> None:
-    results = pools(world).run(_body, dp, cp, tp, pp, zero, attn, sp)
+    _check(pools(world).run(_body, dp, cp, tp, pp, zero, attn, sp), ref, dp, cp, tp, pp, attn)
+
+
+@pytest.mark.parametrize(("attn", "rc"), [("ring", "full"), ("ulysses", "selective")])
+def test_context_parallel_with_recompute(
+    pools: Pools, ref: dict[str, Any], attn: str, rc: str
+) -> None:
+    """cp2 under activation recomputation: the attention (and its communication) runs
+    again in backward; same parity, and the ring's extra forward in the traffic."""
+    results = pools(2).run(_body, 1, 2, 1, 1, 0, attn, False, rc)
+    _check(results, ref, 1, 2, 1, 1, attn, rc)
+
+
+def _check(
+    results: list[Any],
+    ref: dict[str, Any],
+    dp: int,
+    cp: int,
+    tp: int,
+    pp: int,
+    attn: str,
+    rc: str = "none",
+) -> None:
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(ref["losses"][:STEPS], rel=RTOL), f"rank {rank}"
         assert r["norms"] == pytest.approx(ref["norms"][:STEPS], rel=RTOL), f"rank {rank}"
         assert f"context parallel cp {cp}" in r["describe"]
+        want = _cp_bytes(dp, cp, tp, pp, attn, rc)  # traffic on the cp axis = the formula
+        assert r["cp_bytes"] == pytest.approx(want, rel=1e-12), f"rank {rank}"
+        assert r["cp_total"] == pytest.approx(want * (2 if attn == "ring" else 1), rel=1e-12)
     got = assemble([p for r in results for p in r["pieces"]])
     assert sorted(got) == sorted(ref["weights"])
     for name, want in ref["weights"].items():
