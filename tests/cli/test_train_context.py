@@ -45,7 +45,9 @@ def _bad(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_bad_context_inputs_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _bad(["--nproc", "4", "--cp", "4", "--seq-len", "20", "--model.max_seq_len", "32"], capsys)
+    err = _bad(
+        ["--nproc", "4", "--cp", "4", "--seq-len", "20", "--model.max_seq_len", "32"], capsys
+    )
     assert "train.seq_len (20) must be divisible by 2 x cp = 8" in err
     ulysses = ["--parallel.cp_attention", "ulysses"]
     err = _bad(["--nproc", "4", "--cp", "4", *ulysses, "--seq-len", "30"], capsys)
