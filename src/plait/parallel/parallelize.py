@@ -178,7 +178,9 @@ class ParallelModel(nn.Module):
             yield
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward (not available when pp > 1: use :meth:`step`)."""
+        """The wrapped module's forward (not available when pp > 1: use :meth:`step`).
+        Under context parallelism it takes this rank's tokens (``self.context.shard(x)``);
+        :meth:`step` and :meth:`evaluate` shard whole sequences themselves."""
         if self.pipeline is not None:
             raise RuntimeError(
                 "a pipeline-parallel model runs through ParallelModel.step / evaluate "
