@@ -85,6 +85,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     lay.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     lay.add_argument("--chunks", type=int, default=1)
     lay.add_argument("--sequence-parallel", action="store_true")
+    lay.add_argument(
+        "--cp-attention", choices=("ring", "ulysses"), default="ring", help="attention over cp"
+    )
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
     o = p.add_argument_group("output")
@@ -208,6 +211,7 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.schedule,
         ns.chunks,
         ns.sequence_parallel,
+        ns.cp_attention,
     )
     q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
     e = with_layout(q, layout)
