@@ -22,7 +22,8 @@ the same block functions with the key/value blocks arriving from other ranks.
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries
 ``(batch, heads, seq_q, head_dim)``, keys/values ``(batch, kv_heads, seq_k, head_dim)``
 with ``heads`` a multiple of ``kv_heads`` (grouped-query attention); the log-sum-exp is
-``(batch, heads, seq_q)`` in the queries' dtype (natural logarithm).
+``(batch, heads, seq_q)`` in :func:`acc_dtype` (natural logarithm): at least float32, so
+16-bit inputs merge their partial results in float32 (the output is cast back).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def reduce_kv(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if g == 1 else t.view(b, kv_heads, g, s, d).sum(2)
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype partial results are merged in: ``t``'s, at least float32."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _fused_ok(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
@@ -67,7 +73,9 @@ def block_forward(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
         )
-        return out, lse.to(q.dtype)
+        return out, lse.to(acc_dtype(q))
+    acc = acc_dtype(q)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
     if causal:
         s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
@@ -114,6 +122,8 @@ def block_backward(
             scale=scale,
         )
         return dq, dk, dv
+    acc, dt = acc_dtype(q), q.dtype
+    q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk), recomputed
     if causal:
         s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
@@ -126,7 +136,7 @@ def block_backward(
     ds = p * (dp - d.unsqueeze(-1))
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    return dq, dk, dv
+    return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
 def merge(
@@ -165,8 +175,8 @@ class _Blockwise(torch.autograd.Function):
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)  # (b, h, sk, d)
         outs, lses = [], []
         for i0, i1 in _ranges(sq, block):  # query blocks: outer loop
-            o = torch.zeros_like(q[:, :, i0:i1])
-            lse = torch.full(o.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+            o = torch.zeros_like(q[:, :, i0:i1], dtype=acc_dtype(q))
+            lse = torch.full(o.shape[:-1], float("-inf"), dtype=o.dtype, device=q.device)
             for j0, j1 in _ranges(sk, block):  # key blocks: inner loop, online softmax
                 if causal and j0 > i1 - 1:
                     break  # every later key block is in the future
@@ -177,7 +187,7 @@ class _Blockwise(torch.autograd.Function):
                 o, lse = merge(o, lse, ob, lb)
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.block, ctx.scale, ctx.impl = causal, block, scale, impl
         return out, lse

@@ -38,6 +38,7 @@ from plait import comm
 from plait.comm import AxisGroup, Handle
 from plait.model.blockwise_attention import (
     Impl,
+    acc_dtype,
     block_backward,
     block_forward,
     expand_kv,
@@ -182,8 +183,8 @@ class _Ring(torch.autograd.Function):
         cp, me = ring.group.size, ring.group.index
         cur = torch.stack((k, v))  # (2, b, kv_heads, local, d): one message per block
         nxt = torch.empty_like(cur)
-        o = torch.zeros_like(q)  # (b, heads, local, d)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        o = torch.zeros_like(q, dtype=acc_dtype(q))  # (b, heads, local, d), merged in >= fp32
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=o.dtype, device=q.device)
         for t in range(cp):
             handles = _exchange(ring, cur, nxt, KV_TAG, t + 1) if t < cp - 1 else []
             ring._event("compute_start", t)
@@ -191,6 +192,7 @@ class _Ring(torch.autograd.Function):
             ring._event("compute_end", t)
             _wait(ring, handles, t + 1)
             cur, nxt = nxt, cur
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.ring = ring
         return o
