@@ -50,6 +50,12 @@ SHORT_ALIASES: dict[str, str] = {
     "device": "launch.device",
     "progress": "log.progress",
     "init-from": "train.init_from",
+    # the names `plait plan` uses for the same things
+    "microbatches": "parallel.microbatches",
+    "chunks": "parallel.chunks",
+    "schedule": "parallel.pipeline_schedule",
+    "zero-shard-size": "parallel.zero_shard_size",
+    "recompute": "train.recompute",
 }
 """Short command-line flags (without the leading ``--``) and the dotted keys they set."""
 

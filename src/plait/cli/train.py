@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
             "Train the built-in transformer. Any config field can be set with a dotted "
             "flag (--train.steps 50); short aliases: --nproc --dp --tp --pp --cp --zero "
             "--steps --global-batch --micro-batch --seq-len --lr --seed --data --metrics "
-            "--device --progress. See --help-config for every field."
+            "--device --progress --init-from, and plait plan's --microbatches --chunks "
+            "--schedule --zero-shard-size --recompute. See --help-config for every field."
         ),
     )
     t.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
