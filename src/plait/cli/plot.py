@@ -79,6 +79,7 @@ def plot_runs(paths: Sequence[Path], out: Path, labels: Sequence[str] | None = N
                 drawn = True
         ax.set_title(title)
         ax.grid(alpha=0.3)
+        ax.ticklabel_format(axis="y", useOffset=False)  # absolute values on the axis
         if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
     for ax in axes[1]:
