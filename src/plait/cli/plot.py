@@ -93,7 +93,11 @@ def plot_runs(paths: Sequence[Path], out: Path, labels: Sequence[str] | None = N
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ConfigErrorParser(prog="plait plot", description=__doc__.split("\n\n")[0])
+    p = ConfigErrorParser(
+        prog="plait plot",
+        description="Draw training loss, validation loss, tokens/s and communication bytes "
+        "against the step for one or several runs (their metrics JSONL files) into one PNG.",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="metrics files (one per run)")
     p.add_argument("-o", "--out", default="plot.png", help="the PNG to write (default plot.png)")
     p.add_argument(
