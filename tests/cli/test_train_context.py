@@ -1,4 +1,4 @@
-"""`plait train` with context parallelism: the commands of docs/context-parallel.md (cp2
+"""`plait train` with context parallelism: the commands of context-parallel.md (cp2
 ring, cp2 Ulysses) give the losses and gradient norms of the same command on one process
 (fp32, rtol 1e-5, as the other CLI parity tests), and bad cp inputs exit 2."""
 
@@ -16,12 +16,13 @@ from tests.tiny import run_plait as _cli
 from tests.tiny import tiny_args
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "context-parallel.md"
+"""Its bash block is marked ``run-by`` this file (tests/test_docs.py runs the rest)."""
 TINY = [*tiny_args(), "--log.log_every", "1"]
 
 
 def doc_commands() -> list[list[str]]:
     """The ``plait ...`` command lines of the docs page's console blocks, split."""
-    blocks = re.findall(r"```console\n(.*?)```", DOC.read_text(), flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), flags=re.S)
     return [shlex.split(line) for b in blocks for line in b.splitlines() if line.strip()]
 
 
