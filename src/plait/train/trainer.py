@@ -23,6 +23,7 @@ step's metrics.
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
 
@@ -37,7 +38,14 @@ from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
 from plait.train.checkpoint import Checkpointing
-from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
+from plait.train.data import (
+    BatchSampler,
+    TokenDataset,
+    check_enough,
+    check_vocab,
+    load_tokens,
+    split_train_val,
+)
 from plait.train.faults import FaultMonitor
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
@@ -82,6 +90,14 @@ class RunSummary:
     tokens_per_s: float
     params: int
     skipped_steps: int = 0
+    last_step: int = 0
+    """Optimizer steps done when the run ended (``steps`` unless it stopped early)."""
+    stopped_early: bool = False
+    """A stop request (SIGTERM/SIGINT) ended the run before ``steps``."""
+    checkpoint: str | None = None
+    """The last checkpoint folder this run wrote (None: none)."""
+    already_complete: bool = False
+    """The run resumed from a checkpoint at or beyond ``steps``: nothing was trained."""
 
 
 class Trainer:
@@ -100,7 +116,16 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base  # the one-device model; parallelize shards it in place
-        self.checkpoints = Checkpointing(cfg, mesh)  # resume / init_from, periodic saves
+        self.show_progress = show_progress
+        self.checkpoints = Checkpointing(cfg, mesh)  # folder lock, resume / init_from, saves
+        try:
+            self._build(cfg, mesh, base)
+        except BaseException:
+            self.checkpoints.close()
+            raise
+
+    def _build(self, cfg: Config, mesh: Mesh, base: Transformer) -> None:
+        world = mesh.world_size
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
         prec = cfg.precision
@@ -118,6 +143,7 @@ class Trainer:
         )
 
         tokens = load_tokens(cfg.data)
+        check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
         train_tokens, val_tokens = split_train_val(tokens, cfg.data.val_fraction)
         self.train_set = TokenDataset(train_tokens, cfg.train.seq_len)
         self.val_set = TokenDataset(val_tokens, cfg.train.seq_len)
@@ -138,7 +164,7 @@ class Trainer:
             cfg.log.metrics if self.is_main else None, self.checkpoints.resume_step
         )
         self.progress = Progress(
-            cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and show_progress
+            cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and self.show_progress
         )
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
         say = self.progress.message if self.is_main else None
@@ -193,9 +219,28 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> RunSummary:
-        """Train for ``train.steps`` steps; returns losses and throughput."""
+        """Train for ``train.steps`` steps; returns losses and throughput. Releases the
+        checkpoint folder's lock however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.checkpoints.close()
+
+    def _run(self) -> RunSummary:
         cfg = self.cfg
         t = cfg.train
+        if self.start_step >= t.steps:  # a finished run re-submitted: nothing to do
+            if self.is_main:
+                self.progress.message(
+                    f"plait: the run is already complete: {self.checkpoints.source} is at "
+                    f"step {self.start_step} and train.steps is {t.steps}; nothing to train"
+                )
+            self.progress.close()
+            self.metrics.close()
+            return RunSummary(
+                t.steps, [], [], 0.0, self.params, self.optimizer.skipped,
+                last_step=self.start_step, already_complete=True,
+            )
         if self.is_main:
             self.progress.message(self._banner())
             self.progress.message(self.memory_report().format())
@@ -203,6 +248,8 @@ class Trainer:
         losses: list[float] = []
         vals: list[tuple[int, float]] = []
         times: list[float] = []
+        checkpoint: str | None = None
+        last, stopped = self.start_step, False
         for step in self.faults.steps(self.start_step, t.steps):  # SIGTERM/SIGINT: stop
             bytes0, secs0 = self.mesh.stats.total_bytes(), self.mesh.stats.total_seconds()
             reset_peak_memory(self.device)
@@ -248,14 +295,32 @@ class Trainer:
             self.progress.update(m)
             if health.stragglers and self.is_main:
                 self.progress.message(self.faults.describe(n, health))
-            self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
+            saved = self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
+            checkpoint = str(saved) if saved is not None else checkpoint
+            last = n
             if health.stop:
+                stopped = n < t.steps
                 break
+        if stopped and self.is_main:
+            self.progress.message(self._stop_line(last, checkpoint))
         self.progress.close()
         self.metrics.close()
-        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2] if times else 0.0
         return RunSummary(
-            t.steps, losses, vals, tokens_per_step / steady, self.params, self.optimizer.skipped
+            t.steps, losses, vals, tokens_per_step / steady if steady else 0.0, self.params,
+            self.optimizer.skipped, last_step=last, stopped_early=stopped, checkpoint=checkpoint,
+        )
+
+    def _stop_line(self, step: int, checkpoint: str | None) -> str:
+        """The one line a run stopped by request prints (rank 0)."""
+        sig = self.faults.signals.requested
+        why = f"{signal.Signals(sig).name} on rank 0" if sig else "a stop signal to another rank"
+        where = (
+            f"checkpoint {checkpoint}" if checkpoint
+            else "no checkpoint (train.checkpoint_dir is not set)"
+        )
+        return (
+            f"plait: stopped early at step {step} of {self.cfg.train.steps} ({why}); {where}"
         )
 
     def _draw_timeline(self, path: str) -> None:
