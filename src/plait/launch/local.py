@@ -156,8 +156,11 @@ def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = N
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the agent's own log lines repeat the child's traceback; we report it ourselves
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    # (and "Received 15 death signal": the launcher says what happened in one line)
+    for name in ["torch.distributed.elastic", "torch.multiprocessing",
+                 *logging.root.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -163,9 +163,8 @@ class Trainer:
         self.metrics = MetricsWriter(
             cfg.log.metrics if self.is_main else None, self.checkpoints.resume_step
         )
-        self.progress = Progress(
-            cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and self.show_progress
-        )
+        show = self.is_main and self.show_progress
+        self.progress = Progress(cfg.train.steps, cfg.log.progress, cfg.log.log_every, show)
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
