@@ -10,9 +10,13 @@ of with their optimizer state and its own RNG states into ``rank<r>.safetensors`
 inside a temporary folder, fsynced, plus a small index; rank 0 then merges the indexes into
 ``metadata.json`` (global shapes, pieces, sha256 of every file, config, layout, step,
 schedule, loss scaler, sampler), fsyncs, renames the folder into place and only then
-atomically replaces the ``latest`` pointer, and deletes checkpoints beyond
-``train.keep_checkpoints``. A save killed at any point leaves the previous checkpoint and
-``latest`` untouched (at worst a stale temporary folder, removed by the next save).
+atomically replaces the ``latest`` pointer, and applies the retention rules
+(:mod:`plait.train.checkpoint_retention`: only verified checkpoints count, the one the
+run resumed from and the newest verified one are never deleted). A save killed at any
+point leaves the previous checkpoint and ``latest`` untouched (at worst a stale
+temporary folder, removed when the next run takes the folder); a save that fails on any
+rank removes its temporary folder and raises :class:`CheckpointSaveError` on every rank.
+Rank 0 holds the folder's lock for the whole run (:mod:`plait.train.checkpoint_lock`).
 
 **Restore**: the weights are loaded into the full one-device model *before* it is
 parallelized (plait always builds the full model and shards it, so every layout starts
