@@ -143,7 +143,7 @@ def test_output_paths_are_checked_up_front(
     err = _bad(["checkpoint", "consolidate", str(done), "-o", str(d)], capsys)
     assert "is a folder" in err
     err = _bad(["ps-train", "--records", str(blocker / "rec")], capsys)
-    assert "--records" in err and "not writable" in err
+    assert "--records" in err and "is a file, not a folder" in err
     assert sorted(p.name for p in d.iterdir()) == []  # no temporary file left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "file"]
 

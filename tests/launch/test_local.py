@@ -139,6 +139,23 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
     proc.communicate()
 
 
+def test_ranks_die_with_a_killed_torchrun(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "plait", "train", *TINY, *LONG],
+        cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    _wait_for_step(proc)
+    ranks = _ranks(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait(timeout=30)
+    for r in ranks:
+        assert _wait_gone(r, 60), f"rank process {r} outlived torchrun"
+    proc.communicate()
+
+
 def test_bad_input_after_launch_is_reported_once_with_exit_2(tmp_path: Path) -> None:
     """The parent's checks are bypassed (launch_local directly): each rank finds the
     out-of-vocabulary id itself; the launcher prints it once and exits 2."""

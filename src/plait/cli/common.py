@@ -50,7 +50,9 @@ def check_output_path(path: str | None, flag: str) -> None:
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent  # the nearest existing ancestor: mkdir happens there
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: the folder {parent} is not writable.")
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{flag} {path} exists and is not writable.")
