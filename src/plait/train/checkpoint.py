@@ -323,6 +323,7 @@ class Checkpointing:
             if self.root is not None and self.reader.folder.parent.resolve() == self.root.resolve():
                 self.resumed_from = self.reader.folder.name
         self.init_from = t.init_from
+        self.steps = t.steps
         self.saved: list[Path] = []
         self.on_stage: SaveHook | None = None
         """Called after each durable stage of every save (tests kill a save midway)."""
@@ -383,6 +384,13 @@ class Checkpointing:
         if say is not None:
             how = f" (elastic restart {restart_count()})" if restart_count() else ""
             say(f"plait: resumed from {self.reader.folder} at step {step}{how}")
+            before = self.reader.meta.get("config", {}).get("train", {}).get("steps")
+            if isinstance(before, int) and before != self.steps:
+                say(
+                    f"plait: warning: the checkpoint's run had train.steps = {before}, this "
+                    f"run has {self.steps}: the learning-rate schedule (warm-up, cosine "
+                    "decay to the last step) changes from here on"
+                )
         self.reader = None  # free the cached tensors
         return step
 
