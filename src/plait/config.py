@@ -285,7 +285,8 @@ class TrainConfig:
     """Save every this many optimizer steps (0: only at the end of the run and on
     SIGTERM/SIGINT); needs checkpoint_dir."""
     keep_checkpoints: int = 2
-    """Keep the newest this many checkpoints; older ones are deleted after each save."""
+    """Keep the newest this many verified checkpoints; older ones are deleted after each
+    save (never the one the run resumed from; see docs/reliability.md)."""
     resume: str | None = None
     """'latest' (what checkpoint_dir's `latest` points to; an unreadable one falls back
     to the previous checkpoint with a warning), 'auto' (latest if any, else start fresh)

@@ -108,3 +108,25 @@ def test_with_layout_refuses_mismatches() -> None:
         with_layout(q, Layout(dp=8, micro_batch=4))
     e = with_layout(q, Layout(dp=8, micro_batch=2))
     assert e.fits and e.tokens_per_s > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "devices", "batch"),
+    [("llama2-7b", 16, 64), ("llama2-70b", 64, 512), ("gpt2-124m", 12, 36)],
+)
+def test_count_layouts_is_what_the_walk_yields(model: str, devices: int, batch: int) -> None:
+    """The up-front count that bounds the search equals the layouts enumerated."""
+    from plait.plan.search import Rejections, candidates, count_layouts
+
+    q = _query(model, "a100-80gb", devices, batch, 2048)
+    walked = sum(len(g) for g in candidates(q, Space(), Rejections()))
+    assert walked > 0 and count_layouts(q, Space()) == walked
+
+
+def test_divisors_of_large_counts_are_fast_and_right() -> None:
+    from plait.plan.search import divisors
+
+    assert divisors(1) == [1] and divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    big = divisors(1_000_000_000)  # 2^9 5^9: trial division to sqrt only
+    assert len(big) == 100 and big[0] == 1 and big[-1] == 1_000_000_000
+    assert all(1_000_000_000 % d == 0 for d in big) and big == sorted(big)

@@ -39,6 +39,7 @@ from plait.config import (
 )
 from plait.parallel.tensor.plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
+from plait.train.checkpoint import CheckpointSaveError
 from plait.train.checkpoint_meta import (
     CheckpointError,
     CorruptCheckpointError,
@@ -307,8 +308,9 @@ def test_save_failing_with_disk_full_leaves_previous_checkpoint(
 
     trainer = Trainer(config(str(tmp_path), steps=2, every=1), init_mesh(), False)
     trainer.checkpoints.on_stage = hook
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointSaveError, match="No space left"):
         trainer.run()
+    assert not list(tmp_path.glob(".tmp-*"))  # the failed save's temporary folder is gone
     assert read_latest(tmp_path) == tmp_path / step_dirname(1)
     reader = find_checkpoint("latest", tmp_path)
     assert reader is not None and reader.step == 1

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from plait import init_mesh
 from plait.config import Config, TrainConfig
@@ -77,6 +78,34 @@ def test_trainer_layouts_match_one_process(
         assert vals == pytest.approx([v for _, v in ref["vals"]], rel=1e-5)  # type: ignore[attr-defined]
     # every rank reports the same global loss
     assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+def _grads_after_step_1(cfg: Config, dp: int | None, ctx: WorkerContext | None) -> dict:
+    """The full gradients of the trainer's first step (before the optimizer uses them):
+    the data-parallel average over the global batch, on every rank."""
+    mesh = ctx.mesh(dp=dp) if ctx is not None else init_mesh()
+    tr = Trainer(cfg, mesh, show_progress=False)
+    x, y = tr._batch(0)
+    tr.model.step(x, y, micro_batches=tr.accum)
+    return {n: p.grad.detach().clone() for n, p in tr.base.named_parameters()}
+
+
+def _body_grads(ctx: WorkerContext, micro_batch: int | None) -> dict:
+    return _grads_after_step_1(tiny_config(micro_batch), ctx.world_size, ctx)
+
+
+@pytest.mark.parametrize(("world", "micro_batch"), [(2, 2), (4, None)])
+def test_trainer_gradients_after_step_1_match_one_process(
+    pools: Callable[[int], WorkerPool], world: int, micro_batch: int | None
+) -> None:
+    """Losses alone cannot see a gradient off by a constant factor (AdamW normalises it
+    away, clipping caps it): the first step's gradients themselves are compared (fp32,
+    rtol 1e-5, atol 1e-7; only the summation order differs)."""
+    ref = _grads_after_step_1(tiny_config(), None, None)
+    for grads in pools(world).run(f"{M}:_body_grads", micro_batch):
+        assert grads.keys() == ref.keys()
+        for n, g in ref.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7, msg=n)
 
 
 def test_one_process_accumulation_matches() -> None:

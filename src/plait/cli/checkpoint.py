@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plait.cli.common import check_output_path
+
 if TYPE_CHECKING:
     from plait.train.reshard import CheckpointReader
 
@@ -84,6 +86,7 @@ def checkpoint_main(argv: Sequence[str]) -> int:
             text = text.split("\ntensors:")[0]
         print(text)
         return 0
+    check_output_path(args.output, "-o/--output")  # before the checkpoint is read
     reader = _open(args.path)
     out = Path(args.output)
     summary = consolidate(reader, out)  # verified once, by _open

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from plait.errors import ConfigError, PlaitError
@@ -43,18 +46,56 @@ class ConfigErrorParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}{hint} (see {self.prog} --help).")
 
 
+def check_output_path(path: str | None, flag: str) -> None:
+    """Refuse (ConfigError) an output file path that is a folder, or whose folder cannot
+    be created or written, before any work is done (None: nothing to check)."""
+    if not path:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder; give a file path (e.g. {p / 'out'}).")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # the nearest existing ancestor: mkdir happens there
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: the folder {parent} is not writable.")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{flag} {path} exists and is not writable.")
+
+
+def _format_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning as one line, without the library's source path."""
+    return f"plait: warning: {message}\n"
+
+
 def run_command(command: Command, argv: Sequence[str]) -> int:
     """Run ``command(argv)`` and turn what it raises into an exit code and one message on
-    stderr: ConfigError (DataError included) -> 2, PlaitError -> 1, Ctrl-C -> 130."""
+    stderr: ConfigError (DataError included) -> 2, PlaitError -> 1, Ctrl-C -> 130.
+    Warnings are printed as ``plait: warning: ...`` lines (no source path)."""
+    warnings.formatwarning = _format_warning
+    sys.stdout.flush()  # nothing of stdout is left to glue onto a stderr line
     try:
         code = command(argv)
         return int(code) if code is not None else EXIT_OK
     except ConfigError as e:
-        print(f"plait: error: {e}", file=sys.stderr)
+        _say(f"plait: error: {e}")
         return EXIT_BAD_INPUT
     except PlaitError as e:
-        print(f"plait: {e}", file=sys.stderr)
+        _say(f"plait: {e}")
         return EXIT_FAILURE
     except KeyboardInterrupt:
-        print("plait: interrupted", file=sys.stderr)
+        _say("plait: interrupted")
         return EXIT_INTERRUPTED
+
+
+def _say(text: str) -> None:
+    """One message on stderr on a line of its own (stdout flushed first, and a fresh line
+    started, so it is never glued to a progress line)."""
+    sys.stdout.flush()
+    sys.stderr.write(text.rstrip("\n") + "\n")
+    sys.stderr.flush()

@@ -17,14 +17,18 @@ import argparse
 from collections.abc import Sequence
 from fractions import Fraction
 
+from plait.cli.common import check_output_path
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Schedule
 from plait.parallel.pipeline.schedules import PLACEMENTS, SCHEDULES, build_schedule, comm_steps
 from plait.parallel.pipeline.simulate import Costs, SimResult, simulate
 from plait.parallel.pipeline.validate import validate
 
-MAX_ACTIONS = 1_000_000
-"""Most compute actions (p·m·v forward + backward) the CLI builds and simulates."""
+MAX_ACTIONS = 200_000
+"""Most compute actions (p·m·v forward + backward) the CLI builds and simulates (about
+half a minute on a loaded 2-core machine; validation and simulation are linear in it)."""
+MAX_DRAWN = 20_000
+"""Most compute actions ``pipeline draw`` puts in a chart (bounds the drawing's time)."""
 
 
 def _cost(text: str) -> Fraction:
@@ -72,6 +76,14 @@ def _build(ns: argparse.Namespace) -> tuple[Schedule, SimResult]:
             "simulates; use fewer micro-batches (the bubble fraction settles after a few "
             "times the stage count)"
         )
+    if ns.what == "draw" and n > MAX_DRAWN:
+        raise ConfigError(
+            f"--stages {ns.stages} x --microbatches {ns.microbatches} x --chunks {ns.chunks} "
+            f"is {n} forward/backward actions, more than the {MAX_DRAWN} a chart shows; draw "
+            "fewer micro-batches, or use `plait pipeline show` for the numbers"
+        )
+    if ns.what == "draw":
+        check_output_path(ns.out or f"{ns.schedule}.png", "--out")
     sched = build_schedule(ns.schedule, ns.stages, ns.microbatches, ns.chunks, ns.placement)
     validate(sched, rendezvous=ns.rendezvous)
     costs = Costs(forward=ns.forward, backward=ns.backward, backward_input=ns.backward / 2,

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plait.cli.common import check_output_path
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -96,6 +97,11 @@ def _check_args(args: argparse.Namespace, workers: int) -> None:
         problems.append(f"--lr {args.lr} (> 0)")
     if args.timeout <= 0:
         problems.append(f"--timeout {args.timeout} (> 0 seconds)")
+    if args.records:  # a folder of server<i>.jsonl files: writable before anything runs
+        try:
+            check_output_path(str(Path(args.records) / "server0.jsonl"), "--records")
+        except ConfigError as e:
+            problems.append(str(e))
     if problems:
         raise ConfigError("plait ps-train: bad arguments: " + "; ".join(problems))
 

@@ -85,9 +85,20 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     from plait.parallel.checks import validate_run
 
     validate_run(cfg, world)
-    from plait.train.checkpoint import check_start
+    from plait.train.checkpoint_start import check_start, finished_step
 
-    check_start(cfg)  # the resume / init-from sources exist
+    # sources exist; the folder is free, writable and roomy; a resume keeps seed and batch
+    check_start(cfg, probe_lock=env is None or env.rank == 0)
+    done = finished_step(cfg)
+    if done is not None:  # a finished run re-submitted with --resume
+        if env is None or env.rank == 0:
+            print(
+                f"plait: the run is already complete: the checkpoint in "
+                f"{cfg.train.checkpoint_dir} is at step {done} and train.steps is "
+                f"{cfg.train.steps}; nothing to train"
+            )
+        return 0
+    _check_outputs(cfg)
     if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
         from plait.plan.fit import refuse_unless_fits
 
@@ -95,8 +106,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         refuse_unless_fits(cfg, world, per_host, _cuda_device())
     if env is None and world > 1:
         _check_data(cfg)  # fail here, once, before starting any process
-        launch_local(world, list(argv))
-        return 0
+        return launch_local(world, list(argv), cfg.train.checkpoint_dir)
     from plait.launch.worker import run_rank
 
     run_rank(cfg, env)
@@ -160,19 +170,42 @@ def _cuda_device() -> tuple[str, float] | None:
 
 def _check_data(cfg: Config) -> None:
     """Refuse a corpus too small for one global batch of training or validation data."""
-    from plait.train.data import TokenDataset, check_enough, load_tokens, split_train_val
+    from plait.train.data import (
+        TokenDataset,
+        check_enough,
+        check_vocab,
+        load_tokens,
+        split_train_val,
+    )
 
-    train, val = split_train_val(load_tokens(cfg.data), cfg.data.val_fraction)
+    tokens = load_tokens(cfg.data)
+    check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
+    train, val = split_train_val(tokens, cfg.data.val_fraction)
     check_enough(TokenDataset(train, cfg.train.seq_len), cfg.train.global_batch, "training")
     check_enough(TokenDataset(val, cfg.train.seq_len), cfg.train.global_batch, "validation")
+
+
+def _check_outputs(cfg: Config) -> None:
+    """The metrics and timeline files can be written (before any process starts)."""
+    from plait.cli.common import check_output_path
+
+    check_output_path(cfg.log.metrics, "log.metrics")
+    check_output_path(cfg.log.timeline, "log.timeline")
 
 
 def train_main(rest: Sequence[str]) -> int:
     """``plait train``."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from plait.launch.local import torchrun_env
+    from plait.errors import ConfigError, PlaitError
+    from plait.launch.local import torchrun_env, under_plait_launcher
 
     # under the elastic agent, record() writes a failing rank's error for the parent
     train = record(_train) if torchrun_env() is not None else _train
-    return int(train(rest, ["train", *rest]) or 0)
+    try:
+        return int(train(rest, ["train", *rest]) or 0)
+    except PlaitError as e:
+        if not under_plait_launcher():
+            raise
+        # a rank of plait's launcher: the launcher reports the error once (record wrote it)
+        return 2 if isinstance(e, ConfigError) else 1

@@ -6,6 +6,15 @@ stops the others, and its rank and error are reported in one paragraph. Under
 ``torchrun`` (single or multi node) the program finds the world in torchrun's
 environment and runs as that rank directly. One process runs in this process with no
 process group: the same code path with a one-rank mesh.
+
+Errors a rank finds after the launch are reported once, by the launcher: a bad input
+(a :class:`~plait.errors.ConfigError` on any rank, e.g. a checkpoint folder held by
+another job) as that one message with exit status 2, anything else as one paragraph
+naming each failed rank (exit 1); the ranks themselves stay quiet
+(:func:`under_plait_launcher`). SIGTERM or SIGINT to the launcher is forwarded to every
+rank; they save a checkpoint at the next step boundary and the launcher prints one line
+naming it and exits 0 (128 + the signal when nothing was saved). Every rank dies with
+its launcher (:mod:`plait.launch.parent`).
 """
 
 from __future__ import annotations
@@ -15,10 +24,13 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
 
+RUN_ID_PREFIX = "plait-"
+"""Run ids of :func:`launch_local`'s jobs start with it (how a rank knows its launcher)."""
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -71,32 +83,110 @@ def _failure_text(failure: Any) -> str:
     return str(msg) or f"exit code {failure.exitcode}"
 
 
-def launch_local(nproc: int, args: Sequence[str]) -> None:
-    """Run ``python -m plait <args>`` on ``nproc`` local ranks under the elastic agent.
+def _bad_input_names() -> set[str]:
+    """Class names of every ConfigError (bad input: exit 2) known to this process."""
+    import plait.train.checkpoint  # noqa: F401  (registers the checkpoint errors)
+    from plait.errors import ConfigError
+
+    seen: set[str] = set()
+    todo: list[type] = [ConfigError]
+    while todo:
+        c = todo.pop()
+        if c.__name__ not in seen:
+            seen.add(c.__name__)
+            todo += c.__subclasses__()
+    return seen
+
+
+def launch_failure(failures: dict[int, str]) -> PlaitError:
+    """The one error to report for failed ranks: the first rank's bad-input error (a
+    ConfigError, exit 2; the others failed because of it or with the same message), or a
+    :class:`LaunchError` naming every rank."""
+    from plait.errors import ConfigError
+
+    bad = _bad_input_names()
+    for r in sorted(failures):
+        kind, sep, text = failures[r].partition(": ")
+        if sep and kind in bad:
+            text = text.split(" (at File ")[0]
+            return ConfigError(text if text.startswith("rank") else f"rank {r}: {text}")
+    return LaunchError(failures)
+
+
+def _latest(checkpoint_dir: str | None) -> str | None:
+    if not checkpoint_dir:
+        return None
+    from plait.train.checkpoint_meta import read_latest
+
+    try:
+        p = read_latest(Path(checkpoint_dir))
+    except OSError:
+        return None
+    return str(p) if p is not None else None
+
+
+def stopped_line(sig: int, checkpoint_dir: str | None, before: str | None) -> tuple[int, str]:
+    """(exit status, the one line) of a run stopped by ``sig`` sent to the launcher: 0 and
+    the checkpoint the ranks saved, or 128 + sig when none was saved."""
+    import signal
+
+    name = signal.Signals(sig).name
+    now = _latest(checkpoint_dir)
+    if now is not None and now != before:
+        return 0, f"plait: stopped by {name}; the ranks saved checkpoint {now} (--resume goes on)"
+    if not checkpoint_dir:
+        return 128 + sig, f"plait: stopped by {name}; no checkpoint (no train.checkpoint_dir)"
+    return 128 + sig, f"plait: stopped by {name} before the ranks could save a checkpoint"
+
+
+def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = None) -> int:
+    """Run ``python -m plait <args>`` on ``nproc`` local ranks under the elastic agent;
+    returns the exit status.
 
     Each child finds its rank in the agent's environment, exactly as under torchrun.
-    Raises :class:`LaunchError` naming the failed ranks and their errors.
+    SIGTERM/SIGINT to this process are forwarded to the ranks by the agent; they save a
+    checkpoint (in ``checkpoint_dir``) at the next step boundary and this returns 0 after
+    printing one line naming it. Raises :class:`LaunchError` naming the failed ranks and
+    their errors, or one ConfigError (exit 2) when a rank's error was bad input.
     """
     import sys
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the agent's own log lines repeat the child's traceback; we report it ourselves
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    # (and "Received 15 death signal": the launcher says what happened in one line)
+    for name in ["torch.distributed.elastic", "torch.multiprocessing",
+                 *logging.root.manager.loggerDict]:
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        run_id=f"plait-{uuid.uuid4().hex[:8]}",
+        run_id=f"{RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
         max_restarts=0,
         start_method="spawn",
         monitor_interval=0.1,
     )
+    before = _latest(checkpoint_dir)
     try:
         elastic_launch(config, sys.executable)("-m", "plait", *args)
     except ChildFailedError as e:
-        raise LaunchError({r: _failure_text(f) for r, f in e.failures.items()}) from None
+        raise launch_failure({r: _failure_text(f) for r, f in e.failures.items()}) from None
+    except SignalException as e:  # the agent forwarded it and waited for the ranks
+        code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
+        sys.stdout.flush()
+        print(line, flush=True)
+        return code
+    return 0
+
+
+def under_plait_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a rank started by :func:`launch_local` (which reports
+    the ranks' errors once itself)."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCHELASTIC_RUN_ID", "").startswith(RUN_ID_PREFIX)

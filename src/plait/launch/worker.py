@@ -11,6 +11,7 @@ import torch
 from plait import comm
 from plait.config import Config
 from plait.launch.local import RankEnv
+from plait.launch.parent import die_with_parent
 from plait.mesh import init_mesh
 
 
@@ -38,6 +39,8 @@ def run_rank(cfg: Config, env: RankEnv | None, show_progress: bool = True) -> di
     """Train on this rank (``env`` None: one process, no process group)."""
     from plait.train.trainer import Trainer
 
+    if env is not None:  # a rank of plait's launcher or of torchrun: die with it
+        die_with_parent()
     local_rank = env.local_rank if env else 0
     local_world = env.local_world_size if env else 1
     device = resolve_device(cfg, local_rank)

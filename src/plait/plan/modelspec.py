@@ -21,6 +21,11 @@ from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.presets import PRESETS, Preset, Style
 
+MAX_PARAMS = 1e15
+"""Largest ``--params`` the planner models (bounds its time and memory)."""
+MAX_LAYERS = 100_000
+"""Most layers a model spec may have (the planner does per-layer arithmetic)."""
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -54,6 +59,11 @@ class ModelSpec:
                 raise ConfigError(f"model {key} must be positive, got {getattr(self, key)}.")
         if self.max_positions <= 0:
             raise ConfigError(f"model max_positions must be positive, got {self.max_positions}.")
+        if self.n_layers > MAX_LAYERS:
+            raise ConfigError(
+                f"model layers {self.n_layers:,} is more than the planner models "
+                f"({MAX_LAYERS:,}: its per-layer arithmetic would take minutes and gigabytes)."
+            )
         if self.hidden % self.n_heads:
             raise ConfigError(
                 f"model hidden ({self.hidden}) must be divisible by heads ({self.n_heads})."
@@ -200,6 +210,11 @@ class ModelSpec:
         """
         if not params > 0:
             raise ConfigError(f"--params must be positive, got {params}.")
+        if params > MAX_PARAMS:
+            raise ConfigError(
+                f"--params {params:.3g} is more than the planner models ({MAX_PARAMS:.0e}, a "
+                "thousand times the largest model trained so far); give a smaller model."
+            )
         h = 128
         while True:
             layers = max(1, round(h / 128))

@@ -21,6 +21,7 @@ found so far, its remaining ZeRO variants are skipped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,12 @@ from plait.plan.hardware import Hardware
 from plait.plan.layout import RECOMPUTE, Layout, Precision, Recompute, Runtime, Schedule
 from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
+
+MAX_DEVICES = 1 << 24
+"""Most devices a search plans for (16,777,216; bounds the layouts it walks)."""
+MAX_EVALUATIONS = 150_000
+"""Most layouts a search walks; a larger space (counted first, :func:`count_layouts`) is
+refused at once with a message, which bounds the search's time."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,11 @@ class Query:
         for key in ("devices", "global_batch", "seq_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}.")
+        if self.devices > MAX_DEVICES:
+            raise ConfigError(
+                f"devices {self.devices:,} is more than the planner searches ({MAX_DEVICES:,}); "
+                "plan a slice of the cluster (the per-rank figures do not change with dp)."
+            )
         if not 0.0 <= self.headroom < 1.0:
             raise ConfigError(f"headroom must be in [0, 1), got {self.headroom}.")
 
@@ -104,9 +116,29 @@ class Rejections:
             ex.append(message)
 
 
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(divisors_of(n))
+
+
 def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Positive divisors of ``n`` in increasing order (cached)."""
+    return list(_divisors(n))
+
+
+def divisors_of(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order (trial division up to sqrt(n):
+    microseconds even for a billion devices)."""
+    small: list[int] = []
+    large: list[int] = []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
 def mesh_problem(q: Query, tp: int, pp: int, cp: int) -> tuple[str, str] | None:
@@ -159,7 +191,7 @@ def _shard_factors(q: Query, space: Space, dp: int, zero: int) -> list[int | Non
     out: list[int | None] = [None]
     if space.hybrid:
         g = q.hardware.devices_per_node
-        out += [f for f in divisors(dp) if 1 < f < dp and f <= g]
+        out += [f for f in range(2, min(dp - 1, g) + 1) if dp % f == 0]  # 1 < F < dp, F <= g
     return out
 
 
@@ -198,6 +230,30 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                                 yield group
 
 
+def count_layouts(q: Query, space: Space) -> int:
+    """How many layouts :func:`candidates` would yield, counted without building them
+    (milliseconds: only the few thousand (tp, pp, cp) triples are walked)."""
+    n, total = q.devices, 0
+    pick = lambda opt, full: [d for d in full if opt is None or d in opt]  # noqa: E731
+    for tp in pick(space.tp, divisors(n)):
+        for pp in pick(space.pp, divisors(n // tp)):
+            for cp in pick(space.cp, divisors(n // (tp * pp))):
+                if mesh_problem(q, tp, pp, cp):
+                    continue
+                dp = n // (tp * pp * cp)
+                per_replica = q.global_batch // dp
+                zeros = [z for z in space.zero if dp > 1 or z == 0]
+                variants = sum(len(_shard_factors(q, space, dp, z)) for z in zeros)
+                sps = len([x for x in space.sequence_parallel if tp > 1 or not x])
+                for mb in space.micro_batch:
+                    if per_replica % mb:
+                        continue
+                    scheds = sum(1 for *_, bad in _schedules(q, space, pp, per_replica // mb)
+                                 if not bad)
+                    total += scheds * sps * len(space.recompute) * variants
+    return total
+
+
 def _fixed_part(e: Estimate) -> float:
     """Step time no ZeRO stage or F changes (a lower bound for the whole group)."""
     t = e.time
@@ -234,6 +290,13 @@ def search(q: Query, space: Space | None = None, top: int = 5) -> SearchResult:
     rej = Rejections()
     best: list[Estimate] = []
     evaluated = 0
+    size = count_layouts(q, space)
+    if size > MAX_EVALUATIONS:
+        raise ConfigError(
+            f"the layout search space has {size:,} layouts, more than the {MAX_EVALUATIONS:,} "
+            f"a search walks; narrow it: fewer devices than {q.devices:,}, or a global batch "
+            f"with fewer divisors than {q.global_batch:,}."
+        )
     for group in candidates(q, space, rej):
         fixed: float | None = None  # the group's step time that ZeRO does not change
         for layout in group:

@@ -10,9 +10,13 @@ of with their optimizer state and its own RNG states into ``rank<r>.safetensors`
 inside a temporary folder, fsynced, plus a small index; rank 0 then merges the indexes into
 ``metadata.json`` (global shapes, pieces, sha256 of every file, config, layout, step,
 schedule, loss scaler, sampler), fsyncs, renames the folder into place and only then
-atomically replaces the ``latest`` pointer, and deletes checkpoints beyond
-``train.keep_checkpoints``. A save killed at any point leaves the previous checkpoint and
-``latest`` untouched (at worst a stale temporary folder, removed by the next save).
+atomically replaces the ``latest`` pointer, and applies the retention rules
+(:mod:`plait.train.checkpoint_retention`: only verified checkpoints count, the one the
+run resumed from and the newest verified one are never deleted). A save killed at any
+point leaves the previous checkpoint and ``latest`` untouched (at worst a stale
+temporary folder, removed when the next run takes the folder); a save that fails on any
+rank removes its temporary folder and raises :class:`CheckpointSaveError` on every rank.
+Rank 0 holds the folder's lock for the whole run (:mod:`plait.train.checkpoint_lock`).
 
 **Restore**: the weights are loaded into the full one-device model *before* it is
 parallelized (plait always builds the full model and shards it, so every layout starts
@@ -37,7 +41,9 @@ from torch import nn
 
 from plait import comm
 from plait.config import Config
+from plait.errors import PlaitError
 from plait.mesh import Mesh
+from plait.train.checkpoint_lock import FolderLock, remove_temporaries
 from plait.train.checkpoint_meta import (
     FORMAT,
     LATEST,
@@ -49,15 +55,15 @@ from plait.train.checkpoint_meta import (
     dtype_to_name,
     fsync_dir,
     json_bytes,
-    list_steps,
     rank_filename,
-    read_latest,
     replace_durable,
     rng_payload,
     sha256_bytes,
     step_dirname,
     write_durable,
 )
+from plait.train.checkpoint_retention import prune
+from plait.train.checkpoint_start import check_start as check_start
 from plait.train.faults import restart_count
 from plait.train.reshard import (
     CheckpointReader,
@@ -162,11 +168,30 @@ def _barrier(mesh: Mesh) -> None:
         comm.barrier(mesh.world())
 
 
+def agree(mesh: Mesh, error: str | None) -> list[int]:
+    """Collective: the ranks that report an error (``error`` not None on that rank), the
+    same list on every rank (one all-gather of a flag, counted by plait.comm)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+    if mesh.world_size == 1:
+        return [0] if error is not None else []
+    out = comm.all_gather(flag.to(mesh.device), mesh.world())  # (world,)
+    assert isinstance(out, torch.Tensor)
+    return [r for r, f in enumerate(out.cpu().tolist()) if f > 0]
+
+
+class CheckpointSaveError(PlaitError):
+    """A save failed (disk full, folder gone); its temporary folder has been removed."""
+
+
 def save_checkpoint(
-    ts: TrainState, root: str | Path, step: int, keep: int, on_stage: SaveHook | None = None
+    ts: TrainState, root: str | Path, step: int, keep: int, on_stage: SaveHook | None = None,
+    *, protect: tuple[str, ...] = (), trusted: set[str] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` (optimizer steps done) under ``root`` on every
-    rank (collective); returns its folder. See the module docstring for the protocol."""
+    rank (collective); returns its folder. See the module docstring for the protocol.
+    A failure on any rank (a full disk) removes the temporary folder and raises
+    :class:`CheckpointSaveError` on every rank; the previous checkpoint stays.
+    ``protect`` and ``trusted``: see :func:`~plait.train.checkpoint_retention.prune`."""
     mesh = ts.mesh
 
     def _stage(name: str) -> None:
@@ -176,20 +201,40 @@ def save_checkpoint(
     root = Path(root)
     final = root / step_dirname(step)
     tmp = root / f".tmp-{final.name}"
-    if mesh.rank == 0:
+
+    def _step(work: Callable[[], None], only_rank0: bool = False) -> None:
+        err: str | None = None
+        if not only_rank0 or mesh.rank == 0:
+            try:
+                work()
+            except OSError as e:
+                err = f"{e.strerror or e} ({e.filename or root})"
+        failed = agree(mesh, err)
+        if failed:
+            if mesh.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            why = err or f"see rank {failed[0]}"
+            raise CheckpointSaveError(
+                f"saving checkpoint {final.name} into {root} failed on rank(s) "
+                f"{', '.join(map(str, failed))}: {why}; the temporary folder was removed and "
+                "the previous checkpoint is untouched"
+            )
+
+    def _open() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    _barrier(mesh)
-    tensors, index = _rank_payload(ts)
-    data = st_save(tensors)
-    write_durable(tmp / index["file"], data)
-    index["checksum"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    _stage("shard")
-    write_durable(tmp / f"rank{mesh.rank:05d}.json", json_bytes(index))
-    _stage("index")
-    _barrier(mesh)
-    if mesh.rank == 0:
+
+    def _write() -> None:
+        tensors, index = _rank_payload(ts)
+        data = st_save(tensors)
+        write_durable(tmp / index["file"], data)
+        index["checksum"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+        _stage("shard")
+        write_durable(tmp / f"rank{mesh.rank:05d}.json", json_bytes(index))
+        _stage("index")
+
+    def _commit() -> None:
         parts = [tmp / f"rank{r:05d}.json" for r in range(mesh.world_size)]
         indexes = [json.loads(p.read_text("utf-8")) for p in parts]
         write_durable(tmp / METADATA, json_bytes(_merge(ts, step, indexes)))
@@ -207,21 +252,14 @@ def save_checkpoint(
         _stage("renamed")
         replace_durable(root / LATEST, (final.name + "\n").encode())
         _stage("latest")
-        prune(root, keep)
-    _barrier(mesh)
+        if trusted is not None:
+            trusted.add(final.name)
+        prune(root, keep, protect=(*protect, final.name), trusted=trusted)
+
+    _step(_open, only_rank0=True)
+    _step(_write)
+    _step(_commit, only_rank0=True)
     return final
-
-
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (never the one ``latest`` names)
-    and stale temporary folders of interrupted saves; returns what was deleted."""
-    latest = (root / LATEST).read_text("utf-8").strip() if (root / LATEST).is_file() else ""
-    steps = list_steps(root)
-    doomed = [p for _, p in steps[: max(0, len(steps) - keep)] if p.name != latest]
-    doomed += [p for pat in (".tmp-*", ".old-*") for p in root.glob(pat) if p.is_dir()]
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
 
 
 # ---------------------------------------------------------------------------- restore
@@ -256,25 +294,6 @@ def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     return reader.step
 
 
-def check_start(cfg: Config) -> None:
-    """Before any process starts: the resume / init-from sources exist. Raises
-    :class:`CheckpointError`."""
-    t = cfg.train
-    if t.resume in ("latest", "auto"):
-        root = Path(t.checkpoint_dir or ".")
-        if t.resume == "latest" and read_latest(root) is None and not list_steps(root):
-            raise CheckpointError(
-                f"--resume: there is no checkpoint in {root} (train.checkpoint_dir) yet; "
-                "leave out --resume, or use --resume auto to start fresh when there is none."
-            )
-    elif t.resume and not Path(t.resume).exists():
-        raise CheckpointError(f"train.resume: there is no checkpoint at {t.resume}.")
-    if t.init_from and not Path(t.init_from).exists():
-        raise CheckpointError(
-            f"train.init_from: there is no weights file or checkpoint at {t.init_from}."
-        )
-
-
 class Checkpointing:
     """The trainer's checkpoint hooks: what to start from, and when to save.
 
@@ -287,15 +306,53 @@ class Checkpointing:
         t = cfg.train
         self.root = Path(t.checkpoint_dir) if t.checkpoint_dir else None
         self.every, self.keep = t.checkpoint_every, t.keep_checkpoints
+        self.mesh = mesh
+        self.lock: FolderLock | None = None
+        if self.root is not None:
+            self._take_folder(self.root)
         mode = t.resume
         if mode is None and self.root is not None and restart_count() > 0:
             mode = "auto"
         self.reader = find_checkpoint(mode, self.root, mesh.rank == 0) if mode else None
+        self.resumed_from: str | None = None
+        """Name of the checkpoint folder the run resumed from (retention keeps it)."""
+        self.trusted: set[str] = set()
+        """Checkpoint folders known verified (each is hashed at most once per run)."""
+        if self.reader is not None:
+            self.trusted.add(self.reader.folder.name)
+            if self.root is not None and self.reader.folder.parent.resolve() == self.root.resolve():
+                self.resumed_from = self.reader.folder.name
         self.init_from = t.init_from
         self.steps = t.steps
         self.saved: list[Path] = []
         self.on_stage: SaveHook | None = None
         """Called after each durable stage of every save (tests kill a save midway)."""
+
+    def _take_folder(self, root: Path) -> None:
+        """Rank 0 takes the folder's lock and removes abandoned temporaries; every rank
+        learns whether it could (a refusal is raised on every rank, before training)."""
+        err: CheckpointError | None = None
+        if self.mesh.rank == 0:
+            lock = FolderLock(root)
+            try:
+                lock.acquire()
+                self.lock = lock
+                remove_temporaries(root)
+            except CheckpointError as e:
+                err = e
+            except OSError as e:
+                err = CheckpointError(f"train.checkpoint_dir {root}: {e.strerror or e}")
+        if agree(self.mesh, None if err is None else str(err)):
+            self.close()
+            raise err or CheckpointError(
+                f"checkpoint folder {root} could not be taken by rank 0 (see its error)"
+            )
+
+    def close(self) -> None:
+        """Release the folder's lock (rank 0; at the end of the run or when it fails)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def resume_step(self) -> int:
@@ -344,6 +401,9 @@ class Checkpointing:
         due = self.every > 0 and done % self.every == 0
         if not (due or stop or done == last):
             return None
-        path = save_checkpoint(ts, self.root, done, self.keep, self.on_stage)
+        protect = (self.resumed_from,) if self.resumed_from else ()
+        path = save_checkpoint(
+            ts, self.root, done, self.keep, self.on_stage, protect=protect, trusted=self.trusted
+        )
         self.saved.append(path)
         return path

@@ -4,8 +4,9 @@ Sources (``DataConfig.source``):
 
 * ``"stdlib"``: the running interpreter's standard-library ``.py`` files (always present),
   sorted by relative path, ``site-packages``/``dist-packages`` and test folders skipped;
-* a text file, or a folder of text files read recursively in sorted order (hidden entries
-  and files that are binary or not UTF-8 are skipped);
+* a text file, or a folder of text files read recursively in sorted order (hidden entries,
+  files that are binary or not UTF-8, and entries that are not regular files are skipped);
+  a source that is neither a regular file nor a folder (a FIFO) is refused;
 * a pre-tokenized ``.npy`` array or raw ``.bin`` array of ``DataConfig.token_dtype``.
 
 Text is read as bytes, joined with :data:`SEPARATOR`, cut at ``DataConfig.max_bytes`` and
@@ -141,6 +142,8 @@ def _sorted_files(root: Path, suffix: str | None) -> list[Path]:
         for name in filenames:
             if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
                 continue
+            if not (Path(dirpath) / name).is_file():  # FIFOs, sockets, devices: never read
+                continue
             found.append(Path(dirpath) / name)
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
@@ -177,6 +180,11 @@ def read_corpus(cfg: DataConfig) -> bytes:
         raise DataError(
             f"data.source {str(path)!r} does not exist; give 'stdlib', a text file, a folder "
             "of text files, or a pre-tokenized .npy/.bin file."
+        )
+    if not path.is_dir() and not path.is_file():
+        raise DataError(
+            f"data.source {str(path)!r} is neither a regular file nor a folder (a FIFO, "
+            "socket or device would block or never end); give a file or a folder."
         )
     if path.is_dir():
         data = _join_texts(_sorted_files(path, None), cfg.max_bytes)
@@ -266,15 +274,18 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
 
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, name: str) -> None:
-    """Raise DataError when a token id of ``tokens`` is outside ``[0, vocab_size)``."""
+    """Raise DataError when a token id of ``tokens`` (the data of ``name``, a file or
+    source) is outside ``[0, vocab_size)``, naming the id, where it is and the vocabulary."""
     if not tokens.size:
         return
     low, top = int(tokens.min()), int(tokens.max())
     if low < 0 or top >= vocab_size:
+        bad = low if low < 0 else top
+        where = int(np.argmax(tokens == bad))
         raise DataError(
-            f"the {name} tokens contain id {low if low < 0 else top}, but ids must lie in "
-            f"[0, model.vocab_size = {vocab_size}); "
-            "raise model.vocab_size or use the tokenizer the data was made with."
+            f"{name}: token id {bad} (at position {where:,}) is outside the vocabulary "
+            f"[0, {vocab_size}) of model.vocab_size = {vocab_size}; raise model.vocab_size "
+            "or use the tokenizer the data was made with."
         )
 
 

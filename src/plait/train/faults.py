@@ -28,6 +28,7 @@ import os
 import signal
 import statistics
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -104,18 +105,27 @@ def find_stragglers(
 
 class StopSignals:
     """While active, SIGTERM and SIGINT set :attr:`requested` instead of killing the
-    process (a second SIGINT raises KeyboardInterrupt). Only the main thread can install
-    handlers; elsewhere this does nothing."""
+    process. A second SIGINT more than :attr:`repeat_s` seconds after the first raises
+    KeyboardInterrupt (one Ctrl-C in a terminal reaches a rank twice: from the terminal
+    and forwarded by the launcher). Only the main thread can install handlers; elsewhere
+    this does nothing."""
+
+    repeat_s = 2.0
+    """A SIGINT this soon after the first counts as the same request."""
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
         self.signals = tuple(signals)
         self.requested: int | None = None
+        self._at = 0.0
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signum
+        now = time.monotonic()
+        if self.requested is not None:
+            if signum == signal.SIGINT and now - self._at > self.repeat_s:
+                raise KeyboardInterrupt
+            return
+        self.requested, self._at = signum, now
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

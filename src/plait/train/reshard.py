@@ -201,8 +201,12 @@ def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
-    write_durable(tmp, data)
-    tmp.replace(out_path)
+    try:
+        write_durable(tmp, data)
+        tmp.replace(out_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)  # never leave the temporary file behind
+        raise CheckpointError(f"cannot write {out_path}: {e.strerror or e}") from None
     return {
         "step": reader.step,
         "tensors": len(state),

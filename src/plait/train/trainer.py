@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ from plait.train.data import (
     BatchSampler,
     TokenDataset,
     check_enough,
+    check_vocab,
     load_tokens,
     split_train_val,
     truncation_note,
@@ -99,6 +101,12 @@ class RunSummary:
     """The metrics JSONL written, if any."""
     checkpoint: str | None = None
     """The last checkpoint saved, if any."""
+    last_step: int = 0
+    """Optimizer steps done when the run ended (``steps`` unless it stopped early)."""
+    stopped_early: bool = False
+    """A stop request (SIGTERM/SIGINT) ended the run before ``steps``."""
+    already_complete: bool = False
+    """The run resumed from a checkpoint at or beyond ``steps``: nothing was trained."""
 
 
 class Trainer:
@@ -117,7 +125,16 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base  # the one-device model; parallelize shards it in place
-        self.checkpoints = Checkpointing(cfg, mesh)  # resume / init_from, periodic saves
+        self.show_progress = show_progress
+        self.checkpoints = Checkpointing(cfg, mesh)  # folder lock, resume / init_from, saves
+        try:
+            self._build(cfg, mesh, base)
+        except BaseException:
+            self.checkpoints.close()
+            raise
+
+    def _build(self, cfg: Config, mesh: Mesh, base: Transformer) -> None:
+        world = mesh.world_size
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
         prec = cfg.precision
@@ -135,6 +152,7 @@ class Trainer:
         )
 
         tokens = load_tokens(cfg.data)
+        check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
         train_tokens, val_tokens = split_train_val(tokens, cfg.data.val_fraction)
         self.train_set = TokenDataset(train_tokens, cfg.train.seq_len)
         self.val_set = TokenDataset(val_tokens, cfg.train.seq_len)
@@ -158,9 +176,8 @@ class Trainer:
         self.metrics = MetricsWriter(
             cfg.log.metrics if self.is_main else None, self.checkpoints.resume_step
         )
-        self.progress = Progress(
-            cfg.train.steps, cfg.log.progress, cfg.log.log_every, self.is_main and show_progress
-        )
+        show = self.is_main and self.show_progress
+        self.progress = Progress(cfg.train.steps, cfg.log.progress, cfg.log.log_every, show)
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
@@ -212,9 +229,30 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> RunSummary:
-        """Train for ``train.steps`` steps; returns losses and throughput."""
+        """Train for ``train.steps`` steps; returns losses and throughput. Releases the
+        checkpoint folder's lock however it ends."""
+        try:
+            return self._run()
+        finally:
+            self.checkpoints.close()
+
+    def _run(self) -> RunSummary:
         cfg = self.cfg
         t = cfg.train
+        if self.start_step >= t.steps:  # a finished run re-submitted: nothing to do
+            if self.is_main:
+                self.progress.message(
+                    f"plait: the run is already complete: {self.checkpoints.source} is at "
+                    f"step {self.start_step} and train.steps is {t.steps}; nothing to train"
+                )
+            self.progress.close()
+            self.metrics.close()
+            for logger in self.loggers:
+                logger.close()
+            return RunSummary(
+                t.steps, [], [], 0.0, self.params, self.optimizer.skipped,
+                last_step=self.start_step, already_complete=True,
+            )
         if self.is_main:
             self.progress.message(self._banner())
         t_start = time.perf_counter()
@@ -223,6 +261,8 @@ class Trainer:
         losses: list[float] = []
         vals: list[tuple[int, float]] = []
         times: list[float] = []
+        checkpoint: str | None = None
+        last, stopped = self.start_step, False
         for step in self.faults.steps(self.start_step, t.steps):  # SIGTERM/SIGINT: stop
             bytes0, secs0 = self.mesh.stats.total_bytes(), self.mesh.stats.total_seconds()
             reset_peak_memory(self.device)
@@ -273,22 +313,29 @@ class Trainer:
                 straggler_steps += 1
                 if straggler_steps == 1 and self.is_main:  # once; the metrics keep them all
                     self.progress.message(self._straggler_note(n, health))
-            self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
+            saved = self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
+            checkpoint = str(saved) if saved is not None else checkpoint
+            last = n
             if health.stop:
+                stopped = n < t.steps
                 break
-        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2] if times else 0.0
         summary = RunSummary(
             t.steps,
             losses,
             vals,
-            tokens_per_step / steady if times else 0.0,
+            tokens_per_step / steady if steady else 0.0,
             self.params,
             self.optimizer.skipped,
             wall_seconds=time.perf_counter() - t_start,
             metrics=cfg.log.metrics,
-            checkpoint=str(self.checkpoints.saved[-1]) if self.checkpoints.saved else None,
+            checkpoint=checkpoint,
+            last_step=last,
+            stopped_early=stopped,
         )
         if self.is_main:
+            if stopped:
+                self.progress.message(self._stop_line(last, checkpoint))
             if straggler_steps > 1:
                 seen = sorted(self.faults.reported.items())
                 counts = ", ".join(f"rank {r}: {k}" for r, k in seen)
@@ -302,6 +349,18 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         return summary
+
+    def _stop_line(self, step: int, checkpoint: str | None) -> str:
+        """The one line a run stopped by request prints (rank 0)."""
+        sig = self.faults.signals.requested
+        why = f"{signal.Signals(sig).name} on rank 0" if sig else "a stop signal to another rank"
+        where = (
+            f"checkpoint {checkpoint}" if checkpoint
+            else "no checkpoint (train.checkpoint_dir is not set)"
+        )
+        return (
+            f"plait: stopped early at step {step} of {self.cfg.train.steps} ({why}); {where}"
+        )
 
     def _straggler_note(self, step: int, health: StepHealth) -> str:
         """The one console report of stragglers (later ones go to the metrics only)."""

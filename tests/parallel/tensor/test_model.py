@@ -216,7 +216,6 @@ def test_composes_with_zero_and_mixed_precision(
 ) -> None:
     """fp64: EXACT against one process. bf16 parameters with fp32 masters: the losses
     track the fp64 reference within 2e-3 relative (bf16 has 8 mantissa bits)."""
-    pytest.importorskip("plait.parallel.zero")
     ref = reference[(False, 2)]
     results = pools(4).run(f"{M}:_body_zero", stage, sp, dtype)
     ref_losses: list[float] = ref["losses"]  # type: ignore[assignment]
@@ -253,7 +252,6 @@ def test_composes_with_recomputation(pools: Pools, mode: str) -> None:
     """Identical gradients; full recomputation repeats forward collectives in backward
     (checkpoint stops recomputing after the last saved tensor it needs, so the MLP's
     exit is not repeated: per block one all-gather for each region, one reduce-scatter)."""
-    pytest.importorskip("plait.parallel.recompute")
     for same, plain, recomputed in pools(2).run(f"{M}:_body_recompute", mode):
         assert same
         extra = {k: recomputed[k] - plain.get(k, 0) for k in recomputed}

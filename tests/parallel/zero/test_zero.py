@@ -527,6 +527,37 @@ def test_stage3_holds_at_most_current_and_prefetched_unit(
         assert sorted(gathers) == sorted(list(size) * 2)
 
 
+def test_stage3_backward_gathers_in_reverse_order_with_bounded_peak(
+    pools: Callable[[int], WorkerPool],
+) -> None:
+    """Backward of the second step (prefetch follows the recorded forward order): units
+    are gathered in exactly the reverse forward order, each prefetch is issued while the
+    unit after it is still held (overlap), and the gathered bytes during backward, replayed
+    from the gather/free events, peak above one unit and at most one adjacent pair."""
+    for r in pools(2).run(f"{M}:_body_live", True, True):
+        order, size = r["order"], r["size"]
+        second = r["events"]  # the events of the last step only
+        at = [i for i, (k, _) in enumerate(second) if k == "gather"]
+        start = at[len(order)]  # forward gathers each unit once; then backward begins
+        fwd, bwd = second[:start], second[start:]
+        assert [n for k, n in fwd if k == "gather"] == order
+        assert [n for k, n in bwd if k == "gather"] == order[::-1]
+        for later, earlier in itertools.pairwise(order[::-1]):  # prefetch before free
+            assert bwd.index(("gather", earlier)) < bwd.index(("free", later)), earlier
+        held = peak_fwd = peak_bwd = 0  # replay: everything is free when a step starts
+        for i, (k, n) in enumerate(second):
+            if k in ("gather", "free"):
+                held += size[n] if k == "gather" else -size[n]
+                if i < start:
+                    peak_fwd = max(peak_fwd, held)
+                else:
+                    peak_bwd = max(peak_bwd, held)
+        assert held == 0
+        pairs = max(size[a] + size[b] for a, b in itertools.pairwise(order))
+        assert max(size.values()) < peak_bwd <= pairs
+        assert max(peak_fwd, peak_bwd) == r["peak_bytes"]  # the gatherer's own counter
+
+
 def test_stage3_without_prefetch_or_reshard(pools: Callable[[int], WorkerPool]) -> None:
     for r in pools(2).run(f"{M}:_body_live", True, False):
         assert r["peak_units"] == 1  # one unit at a time
