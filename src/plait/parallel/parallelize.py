@@ -15,7 +15,8 @@ file never changes) in this fixed order (the README draws it too):
    with fp32 parameters and reduction -> :class:`~plait.parallel.data.DataParallel`
    (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
    reduction dtype) -> ``ZeroDataParallel`` at stage 0 (replicated, but flattened so the
-   optimizer holds fp32 masters).
+   optimizer holds fp32 masters). Gradient compression (``parallel.compression``) plugs
+   into ``DataParallel``'s buckets and needs the plain path.
 
 The result, a :class:`ParallelModel`, holds all a training step needs: the wrapped
 module, the loss that fits the layout (vocabulary-parallel when tp > 1, so the full
@@ -45,7 +46,9 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.config import Config, ParallelConfig, PrecisionConfig
+from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32, split_for_pipeline
 from plait.parallel.pipeline.split import PipelineStages
@@ -110,6 +113,12 @@ class ParallelModel(nn.Module):
     def zero(self) -> ZeroDataParallel | None:
         """The ZeRO wrapper (None under plain data parallelism)."""
         return self.module if isinstance(self.module, ZeroDataParallel) else None
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The gradient compressor of plain data parallelism (None: plain all-reduce).
+        Its per-rank state (error feedback, PowerSGD's Q) is saved with checkpoints."""
+        return self.module.compressor if isinstance(self.module, DataParallel) else None
 
     @property
     def stages(self) -> PipelineStages | None:
@@ -246,6 +255,8 @@ class ParallelModel(nn.Module):
             )
         else:
             note = "plain data parallel (bucketed all-reduce)"
+            if self.compressor is not None:
+                note += f", {self.compressor.describe()}"
         tp = self.mesh.size("tp")
         if tp > 1:
             note = f"tensor parallel tp {tp} (vocabulary-parallel loss); {note}"
@@ -275,6 +286,7 @@ def parallelize(
     precision: PrecisionConfig | str | None = None,
     loss_fn: LossFn | None = None,
     ignore_index: int = IGNORE_INDEX,
+    compressor: Compressor | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -285,7 +297,8 @@ def parallelize(
     built-in transformer's), ``sequence_parallel``, ``recompute`` (none / selective /
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
-    ``ignore_index``). The degrees come from ``mesh``.
+    ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
+    default: the one ``parallel.compression`` names). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -348,10 +361,26 @@ def parallelize(
         and not policy.needs_master_weights
         and policy.grad_reduce_dtype == policy.param_dtype
     )
+    if compressor is None:
+        compressor = make_compressor(
+            p.compression,
+            ratio=p.compression_ratio,
+            rank=p.compression_rank,
+            start=p.compression_start,
+        )
+    if compressor is not None and not plain:
+        raise ConfigError(
+            f"{compressor.name} gradient compression needs plain data parallelism (zero 0, "
+            f"fp32 parameters and reduction); got zero {p.zero}, precision {precision.dtype}"
+        )
     wrapped: nn.Module
     if plain:
         wrapped = DataParallel(
-            inner, mesh, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters
+            inner,
+            mesh,
+            bucket_mb=p.bucket_mb,
+            find_unused_parameters=p.find_unused_parameters,
+            compressor=compressor,
         )
     else:
         wrapped = ZeroDataParallel(
