@@ -5,6 +5,7 @@ For each matrix-shaped gradient (a tensor of shape ``(m, ...)`` viewed as
 ``M: (m, n)``) plus its error buffer, with ``Q: (n, r)`` warm-started from the previous
 step (seeded standard normal at first, the same on every rank)::
 
+    Q = orthogonalise(Q)       # a warm start from a rank-deficient step regains rank
     P = M Q                    # (m, r)
     P = AllReduce(P)           # sum over ranks
     P = orthogonalise(P)       # reduced QR: orthonormal columns
@@ -124,7 +125,10 @@ class PowerSGDCompressor(Compressor):
             for i in packed:
                 m, n, _ = plan[i]  # type: ignore[misc]
                 mats.append(views[i].view(m, n))  # (m, n)
-            qs = [self._q(key, i, plan[i][1], plan[i][2], flat) for i in packed]  # type: ignore[index]
+            qs = [  # (n, r) each, orthonormal: a warm start that lost rank regains it
+                _orthogonalise(self._q(key, i, plan[i][1], plan[i][2], flat))  # type: ignore[index]
+                for i in packed
+            ]
             p_all = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(mats, qs, strict=True)])
             comm.all_reduce(p_all, group, op="sum")  # round 1: sum of P = M Q
             ps, off = [], 0
