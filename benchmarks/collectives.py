@@ -8,7 +8,7 @@ algorithm and bus bandwidth; alpha and beta fitted per algorithm on
 measurement; a log-log plot. Repetitions: ``--reps`` (15) up to 64 KiB, then 10, 5 and 2
 (no warm-up above 8 MiB) so the default run stays under ~5 minutes on 2 cores. It also
 prints the steps and bytes of every algorithm at N = 2, 4, 8 measured from the comm
-counters (the asymptotics in the README).
+counters (the asymptotics in docs/collectives.md).
 
 Run from the repository root::
 

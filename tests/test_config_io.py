@@ -110,6 +110,11 @@ ALIAS_VALUES: dict[str, tuple[str, Any]] = {
     "device": ("cpu", "cpu"),
     "progress": ("lines", "lines"),
     "init-from": ("model.safetensors", "model.safetensors"),
+    "microbatches": ("4", 4),
+    "chunks": ("2", 2),
+    "schedule": ("gpipe", "gpipe"),
+    "zero-shard-size": ("2", 2),
+    "recompute": ("full", "full"),
 }
 
 

@@ -30,6 +30,7 @@ NonFinite = Literal["error", "skip"]
 PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
+WandbMode = Literal["off", "offline", "online"]
 
 
 def _positive(section: str, **values: float | int | None) -> None:
@@ -303,6 +304,7 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+
     def __post_init__(self) -> None:
         _positive(
             "train",
@@ -424,8 +426,23 @@ class DataConfig:
 class LogConfig:
     """What a run reports and where."""
 
+    dir: str = "runs/last"
+    """The run's output folder: `plait train` writes its metrics there
+    (``metrics.jsonl``) and, when checkpointing is asked for without a folder, its
+    checkpoints (``checkpoints/``); W&B offline runs and a local MLflow store go there too."""
     metrics: str | None = None
-    """Write one JSON line of metrics per step to this path."""
+    """Write one JSON line of metrics per step to this path (`plait train` default:
+    ``<log.dir>/metrics.jsonl``; the library's Trainer writes none unless set)."""
+    tensorboard: str | None = None
+    """Write TensorBoard event files (scalars per step) into this folder."""
+    wandb: WandbMode = "off"
+    """Weights & Biases: 'off', 'offline' (files under ``<log.dir>/wandb``, no network;
+    upload later with `wandb sync`) or 'online' (needs the wandb package)."""
+    project: str = "plait"
+    """The W&B project and MLflow experiment the run is recorded under."""
+    mlflow: str | None = None
+    """MLflow tracking URI, or 'local' for a SQLite store ``<log.dir>/mlflow.db`` (no
+    server, no network; needs the mlflow package)."""
     log_every: int = 10
     """Print a plain log line every this many steps (when no progress bar is shown)."""
     progress: Progress = "auto"
@@ -443,6 +460,10 @@ class LogConfig:
         _positive("log", log_every=self.log_every, peak_tflops=self.peak_tflops)
         if self.timeline is not None and not self.timeline.lower().endswith(".png"):
             raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")
+        if self.wandb not in ("off", "offline", "online"):
+            raise ConfigError(f"log.wandb must be off, offline or online, got {self.wandb!r}.")
+        if not self.dir:
+            raise ConfigError("log.dir must name a folder (the run's output folder).")
         if self.progress not in ("auto", "bar", "lines", "none"):
             raise ConfigError(
                 f"log.progress must be auto, bar, lines or none, got {self.progress!r}."

@@ -50,6 +50,12 @@ SHORT_ALIASES: dict[str, str] = {
     "device": "launch.device",
     "progress": "log.progress",
     "init-from": "train.init_from",
+    # the names `plait plan` uses for the same things
+    "microbatches": "parallel.microbatches",
+    "chunks": "parallel.chunks",
+    "schedule": "parallel.pipeline_schedule",
+    "zero-shard-size": "parallel.zero_shard_size",
+    "recompute": "train.recompute",
 }
 """Short command-line flags (without the leading ``--``) and the dotted keys they set."""
 
@@ -312,10 +318,30 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> Config:
     ``overrides`` are ``"section.field=value"`` strings; each value is parsed by the
     field's type (``none``/``null`` clears an optional field). Overrides win over the file.
     """
+    return config_from_dict(load_config_data(path, overrides))
+
+
+def load_config_data(path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The raw ``{section: {field: value}}`` of the TOML file at ``path`` with
+    ``overrides`` applied and their values parsed, not yet built into a :class:`Config`
+    (a command fills run-dependent defaults in, then calls :func:`config_from_dict`)."""
     data: dict[str, Any] = _read_toml(path) if path is not None else {}
     for override in overrides:
         _apply_override(data, override)
-    return config_from_dict(data)
+    return data
+
+
+def unknown_flag_error(flag: str, options: Sequence[str] = ()) -> ConfigError:
+    """A :class:`ConfigError` for the command-line flag ``flag`` (``--stpes``) that
+    suggests the closest short alias, dotted key or other ``options`` (``--config``)."""
+    name = flag.removeprefix("--").partition("=")[0]
+    choices = [*SHORT_ALIASES, *_all_keys(), *(o.removeprefix("--") for o in options)]
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    if not match and "." not in name:  # a field name without its section: --warmup_steps
+        owners = [f"{s}.{name}" for s in _sections() if name in _fields(s)]
+        match = owners[:1]
+    hint = f"; did you mean '--{match[0]}'?" if match else "; see --help and --help-config."
+    return ConfigError(f"unknown option '--{name}'{hint}")
 
 
 def parse_override_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:

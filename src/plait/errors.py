@@ -34,3 +34,23 @@ class CommTimeoutError(PlaitError, TimeoutError):
 
 class CommError(PlaitError, RuntimeError):
     """A collective failed for a reason other than a timeout (e.g. a peer exited)."""
+
+
+def install_hint(extra: str, package: str) -> str:
+    """How to install the optional ``package`` (the extra ``plait[extra]``), worded for
+    how plait was installed: ``pip install -e '.[extra]'`` from a source checkout (run
+    in the checkout, whose folder is named), ``pip install 'plait[extra]'`` otherwise."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]  # src/plait/errors.py -> the checkout
+    project = root / "pyproject.toml"
+    try:
+        is_checkout = 'name = "plait"' in project.read_text("utf-8")
+    except OSError:
+        is_checkout = False
+    if is_checkout:
+        return (
+            f"`python -m pip install -e '.[{extra}]'` in {root} "
+            f"(or `python -m pip install {package}`)"
+        )
+    return f"`python -m pip install 'plait[{extra}]'` (or `python -m pip install {package}`)"

@@ -74,8 +74,8 @@ def test_bad_input_is_one_paragraph(
     empty = tmp_path / "empty"
     err = _bad(["train", *TINY, "--train.checkpoint_dir", str(empty), "--resume"], capsys)
     assert "there is no checkpoint" in err
-    err = _bad(["train", *TINY, "--resume"], capsys)
-    assert "need train.checkpoint_dir" in err
+    err = _bad(["train", *TINY, "--log.dir", str(tmp_path / "run"), "--resume"], capsys)
+    assert "there is no checkpoint" in err and str(tmp_path / "run" / "checkpoints") in err
     err = _bad(["train", *TINY, "--init-from", str(tmp_path / "nope.safetensors")], capsys)
     assert "no weights file or checkpoint" in err
     copy = tmp_path / "copy"

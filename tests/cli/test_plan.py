@@ -192,3 +192,32 @@ def test_calibrate_refuses_bad_input(
 def test_bench_lists_calibrate(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "bench", "--help")
     assert code == 0 and "calibrate" in err
+
+
+def test_plan_takes_the_train_names_and_infers_devices(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plait train`'s names for the same things give the same estimate as plan's own, and
+    a layout with --dp and no --devices is a job of dp x tp x pp x cp devices."""
+    plan_names = [
+        *["--dp", "2", "--tp", "2", "--pp", "2", "--zero", "1", "--zero-shard-size", "2"],
+        *["--seq", "1024", "--global-batch", "16", "--micro-batch", "2", "--microbatches", "4"],
+        *["--schedule", "interleaved", "--chunks", "2", "--recompute", "full"],
+    ]
+    train_names = [
+        *["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.pp", "2"],
+        *["--parallel.zero", "1", "--parallel.zero_shard_size", "2", "--seq-len", "1024"],
+        *["--train.global_batch", "16", "--train.micro_batch", "2"],
+        *["--parallel.microbatches", "4", "--parallel.pipeline_schedule", "interleaved"],
+        *["--parallel.chunks", "2", "--train.recompute", "full"],
+    ]
+    docs = []
+    for names in (plan_names, train_names):
+        code, out, err = _run(capsys, "plan", "--model", "llama2-7b", *names, "--json")
+        assert code == 0, err
+        docs.append(json.loads(out))
+    assert docs[0] == docs[1]
+    assert docs[0]["layout"]["world"] == 8 and docs[0]["layout"]["dp"] == 2
+    assert docs[0]["layout"]["chunks"] == 2 and docs[0]["seq_len"] == 1024
+    code, out, _ = _run(capsys, "plan", "--model", "tiny", "--dp", "1", "--json")
+    assert code == 0 and json.loads(out)["layout"]["world"] == 1
+    code, _, err = _run(capsys, "plan", "--model", "tiny", "--chunk", "2", "--chunkz", "2")
+    assert code == 2 and "did you mean '--chunks'?" in err

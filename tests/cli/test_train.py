@@ -139,3 +139,62 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path: Path) -> None:
     r = _cli(["train", "--data", str(tmp_path / "nothing-here")], tmp_path)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "nothing-here" in r.stderr
+
+
+def test_run_folder_defaults_summary_and_tensorboard(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --metrics or a checkpoint folder, the run writes both under log.dir (and
+    says where); the end-of-run line reports losses, time, tokens/s and the outputs;
+    TensorBoard events read back with tensorboard's own reader; resuming with another
+    --steps warns that the learning-rate schedule changes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    args = [*TINY, "--nproc", "1", "--log.dir", str(run), "--train.eval_every", "2"]
+    extra = ["--steps", "4", "--train.checkpoint_every", "2", "--log.tensorboard", str(tb)]
+    assert main(["train", *args, *extra]) == 0
+    text = capsys.readouterr().out
+    ckpts = run / "checkpoints"
+    assert f"checkpoints go to {ckpts}" in text
+    assert text.count("memory of rank 0") == 1
+    assert "MFU peak log.peak_tflops = 1 TFLOP/s" in text
+    rows = _metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    (summary,) = [line for line in text.splitlines() if line.startswith("plait: done:")]
+    assert f"final loss {rows[-1]['loss']:.4f}" in summary
+    assert f"validation loss {rows[-1]['val_loss']:.4f}" in summary
+    assert "tokens/s" in summary and f"metrics {run / 'metrics.jsonl'}" in summary
+    assert f"checkpoint {ckpts / 'step_00000004'}" in summary and f"tensorboard {tb}" in summary
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    losses = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert losses == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+    assert len(acc.Scalars("train/val_loss")) == 2
+
+    assert main(["train", *args, "--steps", "6", "--resume"]) == 0
+    text = capsys.readouterr().out
+    assert "the checkpoint's run had train.steps = 4, this run has 6" in text
+    assert "learning-rate schedule" in text
+    assert [r["step"] for r in _metrics(run / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_notes_on_truncated_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("plait " * 20_000)  # 120,000 bytes
+    args = [*TINY, "--nproc", "1", "--steps", "1", "--log.dir", str(tmp_path / "r")]
+    assert main(["train", *args, "--data", str(text_file), "--data.max_bytes", "50000"]) == 0
+    out = capsys.readouterr().out
+    assert "holds 120,000 bytes; only the first 50,000 are used (data.max_bytes" in out
+    assert main(["train", *args, "--data", str(text_file), "--data.max_bytes", "0"]) == 0
+    assert "only the first" not in capsys.readouterr().out
+
+
+def test_top_level_typos_and_missing_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unknown option '--stpes'; did you mean '--steps'?" in _bad(["--stpes", "5"], capsys)
+    err = _bad(["--warmup_steps", "5"], capsys)
+    assert "did you mean '--train.warmup_steps'?" in err
+    assert "did you mean '--config'?" in _bad(["--confg", "x.toml"], capsys)
+    if not torch.cuda.is_available():
+        err = _bad(["--device", "cuda", "--nproc", "2"], capsys)
+        assert "launch.device is 'cuda'" in err and "sees no CUDA device" in err

@@ -167,7 +167,7 @@ def test_measured_traffic_equals_formula(pools: Pools, world: int) -> None:
 
 
 def test_asymptotics_table() -> None:
-    """The asymptotics (README's table) from the closed forms at N = 2, 4, 8 (S = 1 MiB fp32)."""
+    """The asymptotics (docs/collectives.md) from the closed forms, N = 2, 4, 8, S = 1 MiB fp32."""
     n_el, e = 2**18, 4
     s = n_el * e
     rows = {

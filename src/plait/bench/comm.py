@@ -12,7 +12,7 @@ warm-up call above 8 MiB and none at the largest sizes) keep the default run und
 minutes on 2 cores. Once per world size the traffic of every algorithm is measured from
 the comm counters, checked against the closed form (``counters = formula``) and printed
 as a table of steps, per-rank, peak and total bytes (in units of S) beside the
-asymptotic class (the table in the README).
+asymptotic class (the table in docs/collectives.md).
 """
 
 from __future__ import annotations

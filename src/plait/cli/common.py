@@ -10,6 +10,7 @@ This module imports no torch, so every sub-command's parser can use it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -33,7 +34,13 @@ class ConfigErrorParser(argparse.ArgumentParser):
     one paragraph with exit code 2 by :func:`run_command`) instead of exiting itself."""
 
     def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help).")
+        hint = ""
+        if message.startswith("unrecognized arguments: "):
+            wrong = message.split(": ", 1)[1].split()[0].partition("=")[0]
+            options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            match = difflib.get_close_matches(wrong, options, n=1, cutoff=0.6)
+            hint = f"; did you mean '{match[0]}'?" if match else ""
+        raise ConfigError(f"{self.prog}: {message}{hint} (see {self.prog} --help).")
 
 
 def run_command(command: Command, argv: Sequence[str]) -> int:

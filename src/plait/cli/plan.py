@@ -64,26 +64,75 @@ def _plan_parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn", type=int, help="MLP width (default: 8h/3 llama, 4h gpt)")
     m.add_argument("--vocab", type=int)
     m.add_argument("--style", choices=("llama", "gpt"), help="default: llama")
-    m.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context)")
+    m.add_argument(
+        "--seq-len",
+        "--seq",
+        "--train.seq_len",
+        dest="seq",
+        type=int,
+        help="tokens per sequence (default: the model's context)",
+    )
     h = p.add_argument_group("hardware")
     h.add_argument(
         "--hardware",
         default="a100-80gb",
         help=f"preset ({', '.join(HARDWARE)}) or a profile from `plait bench calibrate`",
     )
-    h.add_argument("--devices", type=int, help="devices in the job (default: one node)")
+    h.add_argument(
+        "--devices",
+        type=int,
+        help="devices in the job (default: dp x tp x pp x cp when --dp is given, else one node)",
+    )
     h.add_argument("--headroom", type=float, default=0.05, help="memory fraction kept free")
     lay = p.add_argument_group("layout")
+    # every layout flag also answers to `plait train`'s dotted name for the same thing
     for axis in ("dp", "tp", "pp", "cp"):
-        lay.add_argument(f"--{axis}", type=int)
-    lay.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
-    lay.add_argument("--zero-shard-size", type=int, help="hybrid ZeRO factor F (default dp)")
-    lay.add_argument("--global-batch", type=int, help="sequences per optimizer step")
-    lay.add_argument("--micro-batch", type=int, default=1)
-    lay.add_argument("--microbatches", type=int, help="per step (default: global/(dp·mb))")
-    lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
-    lay.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    lay.add_argument("--chunks", type=int, default=1)
+        lay.add_argument(f"--{axis}", f"--parallel.{axis}", dest=axis, type=int)
+    lay.add_argument(
+        "--zero", "--parallel.zero", dest="zero", type=int, default=0, choices=(0, 1, 2, 3)
+    )
+    lay.add_argument(
+        "--zero-shard-size",
+        "--parallel.zero_shard_size",
+        dest="zero_shard_size",
+        type=int,
+        help="hybrid ZeRO factor F (default dp)",
+    )
+    lay.add_argument(
+        "--global-batch",
+        "--train.global_batch",
+        dest="global_batch",
+        type=int,
+        help="sequences per optimizer step",
+    )
+    lay.add_argument(
+        "--micro-batch", "--train.micro_batch", dest="micro_batch", type=int, default=1
+    )
+    lay.add_argument(
+        "--microbatches",
+        "--parallel.microbatches",
+        dest="microbatches",
+        type=int,
+        help="pipeline micro-batches per step (default: global/(dp·mb))",
+    )
+    lay.add_argument(
+        "--recompute", "--train.recompute", dest="recompute", choices=RECOMPUTE, default="none"
+    )
+    lay.add_argument(
+        "--schedule",
+        "--parallel.pipeline_schedule",
+        dest="schedule",
+        choices=SCHEDULES,
+        default="1f1b",
+    )
+    lay.add_argument(
+        "--chunks",
+        "--parallel.chunks",
+        dest="chunks",
+        type=int,
+        default=1,
+        help="virtual pipeline stages (model chunks) per rank, interleaved",
+    )
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
@@ -173,7 +222,12 @@ def plan_main(argv: Sequence[str]) -> int:
     spec = model_from_args(ns)
     hw = load_hardware(ns.hardware)
     seq = ns.seq or spec.max_positions
-    devices = ns.devices if ns.devices is not None else hw.devices_per_node
+    if ns.devices is not None:
+        devices = ns.devices
+    elif ns.dp is not None and not ns.search:  # a whole layout: its product is the job
+        devices = ns.dp * (ns.tp or 1) * (ns.pp or 1) * (ns.cp or 1)
+    else:
+        devices = hw.devices_per_node
     prec, rt = precision_preset(ns.precision), runtime_preset(ns.runtime)
     if ns.search:
         gb = ns.global_batch or devices

@@ -13,7 +13,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plait.errors import ConfigError
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -26,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
             "Train the built-in transformer. Any config field can be set with a dotted "
             "flag (--train.steps 50); short aliases: --nproc --dp --tp --pp --cp --zero "
             "--steps --global-batch --micro-batch --seq-len --lr --seed --data --metrics "
-            "--device --progress. See --help-config for every field."
+            "--device --progress --init-from, and plait plan's --microbatches --chunks "
+            "--schedule --zero-shard-size --recompute. See --help-config for every field."
         ),
     )
     t.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
@@ -45,19 +49,39 @@ def _parser() -> argparse.ArgumentParser:
 def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     """Validate everything, then start ``nproc`` local ranks that each run ``python -m
     plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
-    from plait.config_io import format_field_docs, load_config, parse_override_flags
+    from plait.config_io import (
+        config_from_dict,
+        format_field_docs,
+        load_config_data,
+        parse_override_flags,
+        unknown_flag_error,
+    )
     from plait.launch.local import launch_local, torchrun_env
 
     overrides, remaining = parse_override_flags(rest)
-    ns = _parser().parse_args(list(remaining))
+    parser = _parser()
+    ns, unknown = parser.parse_known_args(list(remaining))
+    if unknown:
+        flags = [a for a in unknown if a.startswith("-")]
+        if flags:
+            raise unknown_flag_error(
+                flags[0], [o for a in parser._actions for o in a.option_strings]
+            )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if ns.help_config:
         print(format_field_docs())
         return 0
     if ns.resume:
         overrides.append(f"train.resume={ns.resume}")
-    cfg = load_config(ns.config, overrides)
+    data = load_config_data(ns.config, overrides)
+    notes = run_defaults(data)
+    cfg = config_from_dict(data)
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
+    _check_device(cfg)
+    if env is None:  # the launching process (or the only one) says it once
+        for note in notes:
+            print(f"plait: {note}", flush=True)
     from plait.parallel.checks import validate_run
 
     validate_run(cfg, world)
@@ -81,6 +105,47 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def run_defaults(data: dict[str, Any]) -> list[str]:
+    """Fill the defaults that depend on the run's output folder ``log.dir`` into the raw
+    config ``data``: the metrics JSONL (``<log.dir>/metrics.jsonl``) and, when
+    checkpointing or resuming is asked for without ``train.checkpoint_dir``, the folder
+    ``<log.dir>/checkpoints``. Returns what was chosen, in words, for the console."""
+    from plait.config import LogConfig
+
+    log = data.setdefault("log", {})
+    train = data.setdefault("train", {})
+    out = Path(str(log.get("dir") or LogConfig.dir))
+    notes = []
+    if "metrics" not in log:  # an explicit none turns them off
+        log["metrics"] = str(out / "metrics.jsonl")
+    wants = int(train.get("checkpoint_every") or 0) > 0 or train.get("resume") in (
+        "latest",
+        "auto",
+    )
+    if wants and not train.get("checkpoint_dir"):
+        train["checkpoint_dir"] = str(out / "checkpoints")
+        notes.append(
+            f"train.checkpoint_dir not set: checkpoints go to {train['checkpoint_dir']} "
+            "(under log.dir)"
+        )
+    return notes
+
+
+def _check_device(cfg: Config) -> None:
+    """Refuse launch.device = 'cuda' where torch sees no CUDA device (before any rank)."""
+    if cfg.launch.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"launch.device is 'cuda' but torch ({torch.__version__}, {build}) sees no CUDA "
+            "device; use --device cpu (or auto), or install a CUDA build of torch on a "
+            "machine with a GPU."
+        )
 
 
 def _cuda_device() -> tuple[str, float] | None:

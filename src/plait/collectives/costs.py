@@ -256,7 +256,7 @@ ASYMPTOTICS: dict[str, tuple[str, str, str]] = {
     "direct": ("O(1)", "O(N)", "O(N^2)"),
 }
 """All-reduce name -> (steps, peak bytes one rank sends, total bytes) as N grows, S fixed
-(the README's table; the rows for rabenseifner and tree are the textbook ones)."""
+(the table in docs/collectives.md; the rows for rabenseifner and tree are the textbook ones)."""
 
 
 def traffic_table(rows: list[Cost], checked: dict[str, bool] | None = None) -> str:

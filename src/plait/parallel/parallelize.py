@@ -1,7 +1,7 @@
 """Apply parallelism to a model written for one device, in one fixed order.
 
 ``parallelize(model, mesh, ...)`` replaces and wraps modules from outside (the model
-file never changes) in this fixed order (the README draws it too):
+file never changes) in this fixed order (docs/api.md describes it too):
 
 1. **tensor / sequence parallelism** over the tp axis (when it has several ranks): a
    TP plan as data (default: the built-in transformer's), applied in place by

@@ -295,6 +295,7 @@ class Checkpointing:
             mode = "auto"
         self.reader = find_checkpoint(mode, self.root, mesh.rank == 0) if mode else None
         self.init_from = t.init_from
+        self.steps = t.steps
         self.saved: list[Path] = []
         self.on_stage: SaveHook | None = None
         """Called after each durable stage of every save (tests kill a save midway)."""
@@ -329,6 +330,13 @@ class Checkpointing:
         if say is not None:
             how = f" (elastic restart {restart_count()})" if restart_count() else ""
             say(f"plait: resumed from {self.reader.folder} at step {step}{how}")
+            before = self.reader.meta.get("config", {}).get("train", {}).get("steps")
+            if isinstance(before, int) and before != self.steps:
+                say(
+                    f"plait: warning: the checkpoint's run had train.steps = {before}, this "
+                    f"run has {self.steps}: the learning-rate schedule (warm-up, cosine "
+                    "decay to the last step) changes from here on"
+                )
         self.reader = None  # free the cached tensors
         return step
 

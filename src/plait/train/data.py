@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from plait.config import DataConfig
-from plait.errors import ConfigError, DataError
+from plait.errors import ConfigError, DataError, install_hint
 
 SEPARATOR = b"\n\n"
 """Bytes put between two files of a text corpus."""
@@ -83,8 +83,8 @@ class TiktokenTokenizer:
         except ImportError as exc:
             raise DataError(
                 f"data.tokenizer 'tiktoken:{encoding_name}' needs the tiktoken package, which "
-                "is not installed; install it with `pip install plait[tiktoken]` (or "
-                "`pip install tiktoken`), or use data.tokenizer 'byte'."
+                f"is not installed; install it with {install_hint('tiktoken', 'tiktoken')}, or "
+                "use data.tokenizer 'byte'."
             ) from exc
         try:
             self._enc = tiktoken.get_encoding(encoding_name)
@@ -195,6 +195,29 @@ def read_corpus(cfg: DataConfig) -> bytes:
     if not text:
         raise DataError(f"data.source {str(path)!r} is empty.")
     return text
+
+
+def truncation_note(cfg: DataConfig) -> str | None:
+    """A sentence saying that ``data.max_bytes`` cuts the user's text source, or None.
+
+    Only a user's text file or folder is reported (the built-in ``stdlib`` corpus is cut
+    on purpose, and pre-tokenized files are read whole); sizes come from the file system.
+    """
+    path = Path(cfg.source).expanduser()
+    if cfg.source == "stdlib" or not cfg.max_bytes or path.suffix in (".npy", ".bin"):
+        return None
+    if path.is_file():
+        size = path.stat().st_size
+    elif path.is_dir():
+        size = sum(f.stat().st_size for f in _sorted_files(path, None))
+    else:
+        return None
+    if size <= cfg.max_bytes:
+        return None
+    return (
+        f"data.source {str(path)!r} holds {size:,} bytes; only the first "
+        f"{cfg.max_bytes:,} are used (data.max_bytes; set it to 0 to read everything)"
+    )
 
 
 def _load_pretokenized(path: Path, cfg: DataConfig) -> np.ndarray:

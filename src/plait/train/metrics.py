@@ -15,33 +15,76 @@ import torch
 _GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0}
 
 
-def measure_peak_flops(device: torch.device, size: int = 512, reps: int = 5) -> float:
-    """FLOP/s of a fp32 ``size``³ matmul on this process's threads (CPU), best of ``reps``.
+PEAK_SIZES = (256, 512, 1024)
+"""Square fp32 matmul sizes the CPU peak is measured at (the best size's rate counts)."""
 
-    On CPU there is no datasheet figure that matches the threads a rank gets, so MFU on
-    CPU is measured against what a plain matmul achieves here.
-    """
+
+@dataclass(frozen=True)
+class Peak:
+    """The per-device peak FLOP/s that MFU divides by, and where it came from."""
+
+    flops: float | None
+    """FLOP/s per device; None when it could not be known (MFU is then not reported)."""
+    source: str
+    """How it was obtained, for the banner (``measured fp32 matmul, 2 threads ...``)."""
+
+
+def _rates(device: torch.device, size: int, reps: int) -> list[float]:
+    """FLOP/s of ``reps`` timed ``size``³ matmuls after two untimed warm-up runs."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    best = float("inf")
-    for _ in range(reps):
+    out: list[float] = []
+    for i in range(reps + 2):
         t0 = time.perf_counter()
         torch.mm(a, b)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * size**3 / best
+        dt = time.perf_counter() - t0
+        if i >= 2:
+            out.append(2.0 * size**3 / dt)
+    return out
 
 
-def peak_flops(device: torch.device, override_tflops: float | None) -> float:
+def measure_peak_flops(
+    device: torch.device, sizes: tuple[int, ...] = PEAK_SIZES, reps: int = 5, spread: float = 2.0
+) -> Peak:
+    """The fp32 matmul rate of this process at its own thread count (what a rank trains
+    with), robustly: two warm-up runs per size, the median of ``reps`` timed runs at each
+    of ``sizes``, the best size's median. If the timed runs at that size disagree by more
+    than ``spread`` times (a machine busy with other work), the peak is reported unknown
+    rather than a number that would make MFU swing from run to run.
+    """
+    best: tuple[float, list[float], int] | None = None
+    for size in sizes:
+        rates = sorted(_rates(device, size, reps))
+        median = rates[len(rates) // 2]
+        if best is None or median > best[0]:
+            best = (median, rates, size)
+    assert best is not None
+    median, rates, size = best
+    threads = torch.get_num_threads()
+    if rates[-1] > spread * rates[0]:
+        return Peak(
+            None,
+            f"unknown: fp32 matmul rates at {size} on {threads} thread(s) varied "
+            f"{rates[-1] / rates[0]:.1f}x (a busy machine); set log.peak_tflops to report MFU",
+        )
+    return Peak(
+        median,
+        f"measured: fp32 matmul median at {size}, {threads} thread(s), "
+        f"{median / 1e9:,.1f} GFLOP/s per rank",
+    )
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> Peak:
     """Peak FLOP/s of one device: the override, a datasheet figure, or a measurement."""
     if override_tflops is not None:
-        return override_tflops * 1e12
+        return Peak(override_tflops * 1e12, f"log.peak_tflops = {override_tflops:g} TFLOP/s")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, tflops in _GPU_PEAK_TFLOPS.items():
             if key in name:
-                return tflops * 1e12
+                return Peak(tflops * 1e12, f"{name} datasheet bf16 dense, {tflops:g} TFLOP/s")
     return measure_peak_flops(device)
 
 
@@ -54,7 +97,8 @@ class StepMetrics:
     lr: float
     grad_norm: float
     tokens_per_s: float
-    mfu: float
+    mfu: float | None
+    """Model FLOPs utilization; None when the device's peak is unknown."""
     step_seconds: float
     comm_bytes: float
     comm_seconds: float
@@ -73,10 +117,11 @@ class StepMetrics:
 
     def line(self) -> str:
         """A plain log line."""
+        mfu = "n/a" if self.mfu is None else f"{100 * self.mfu:.1f}%"
         s = (
             f"step {self.step:5d} | loss {self.loss:.4f} | lr {self.lr:.2e} | "
             f"grad {self.grad_norm:.3f} | {self.tokens_per_s:,.0f} tok/s | "
-            f"mfu {100 * self.mfu:.1f}% | comm {self.comm_bytes / 2**20:.2f} MiB "
+            f"mfu {mfu} | comm {self.comm_bytes / 2**20:.2f} MiB "
             f"{1000 * self.comm_seconds:.0f} ms"
         )
         if self.loss_scale is not None:

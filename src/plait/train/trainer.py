@@ -15,14 +15,17 @@ AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradi
 norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not
 finite. A skipped step leaves weights, optimizer state and the learning-rate schedule's
 step untouched (the schedule advances with *applied* steps only) and is reported in the
-metrics. The per-rank memory report (:mod:`plait.train.memory`) is printed at start and
-after the first step (when the optimizer state exists) and written with the first
-step's metrics.
+metrics. The per-rank memory report (:mod:`plait.train.memory`) is printed once, after
+the first step (when the optimizer state exists), and written with that step's metrics.
+Rank 0 also feeds the configured loggers (:mod:`plait.train.loggers`) and ends with a
+one-line summary (losses, wall time, tokens/s, where metrics and checkpoint are).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -37,8 +40,16 @@ from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
 from plait.train.checkpoint import Checkpointing
-from plait.train.data import BatchSampler, TokenDataset, check_enough, load_tokens, split_train_val
-from plait.train.faults import FaultMonitor
+from plait.train.data import (
+    BatchSampler,
+    TokenDataset,
+    check_enough,
+    load_tokens,
+    split_train_val,
+    truncation_note,
+)
+from plait.train.faults import FaultMonitor, StepHealth
+from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
 from plait.train.state import TrainState
@@ -82,6 +93,12 @@ class RunSummary:
     tokens_per_s: float
     params: int
     skipped_steps: int = 0
+    wall_seconds: float = 0.0
+    """From the start of the loop to its end (evaluation and checkpoints included)."""
+    metrics: str | None = None
+    """The metrics JSONL written, if any."""
+    checkpoint: str | None = None
+    """The last checkpoint saved, if any."""
 
 
 class Trainer:
@@ -135,7 +152,11 @@ class Trainer:
 
         self.params = param_count(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak = peak_flops(self.device, cfg.log.peak_tflops) * world
+        peak = peak_flops(self.device, cfg.log.peak_tflops)
+        self.peak_source = peak.source
+        self.peak = None if peak.flops is None else peak.flops * world
+        """The mesh's peak FLOP/s (MFU's denominator); None when unknown."""
+        self.loggers: list[Logger] = make_loggers(cfg) if self.is_main else []
         self.metrics = MetricsWriter(
             cfg.log.metrics if self.is_main else None, self.checkpoints.resume_step
         )
@@ -166,9 +187,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self._batch(step)
-        loss = self.model.step(
-            x, y, micro_batches=self.accum, loss_scale=self.optimizer.loss_scale
-        )
+        loss = self.model.step(x, y, micro_batches=self.accum, loss_scale=self.optimizer.loss_scale)
         mean = float(loss.item())
         report = self.optimizer.step(loss_finite=math.isfinite(mean))
         self.optimizer.zero_grad(set_to_none=True)
@@ -200,7 +219,8 @@ class Trainer:
         t = cfg.train
         if self.is_main:
             self.progress.message(self._banner())
-            self.progress.message(self.memory_report().format())
+        t_start = time.perf_counter()
+        straggler_steps = 0
         tokens_per_step = t.global_batch * t.seq_len
         losses: list[float] = []
         vals: list[tuple[int, float]] = []
@@ -220,7 +240,7 @@ class Trainer:
                 rep = self.memory_report()
                 mem = rep.as_dict()
                 if self.is_main:
-                    self.progress.message("after the first step: " + rep.format())
+                    self.progress.message(rep.format())
             times.append(dt)
             losses.append(loss)
             n = step + 1
@@ -235,7 +255,7 @@ class Trainer:
                 lr=lr,
                 grad_norm=report.grad_norm,
                 tokens_per_s=tps,
-                mfu=tps * self.flops_per_token / self.peak,
+                mfu=None if self.peak is None else tps * self.flops_per_token / self.peak,
                 step_seconds=dt,
                 comm_bytes=self.mesh.stats.total_bytes() - bytes0,
                 comm_seconds=self.mesh.stats.total_seconds() - secs0,
@@ -247,18 +267,73 @@ class Trainer:
                 stragglers=health.as_metrics(),
             )
             self.metrics.write(m)
+            scalars = scalars_of(dataclasses.asdict(m))
+            for logger in self.loggers:
+                logger.log(n, scalars)
             self.progress.update(m)
-            if health.stragglers and self.is_main:
-                self.progress.message(self.faults.describe(n, health))
+            if health.stragglers:
+                straggler_steps += 1
+                if straggler_steps == 1 and self.is_main:  # once; the metrics keep them all
+                    self.progress.message(self._straggler_note(n, health))
             self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
             if health.stop:
                 break
+        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+        summary = RunSummary(
+            t.steps,
+            losses,
+            vals,
+            tokens_per_step / steady if times else 0.0,
+            self.params,
+            self.optimizer.skipped,
+            wall_seconds=time.perf_counter() - t_start,
+            metrics=cfg.log.metrics,
+            checkpoint=str(self.checkpoints.saved[-1]) if self.checkpoints.saved else None,
+        )
+        if self.is_main:
+            if straggler_steps > 1:
+                seen = sorted(self.faults.reported.items())
+                counts = ", ".join(f"rank {r}: {k}" for r, k in seen)
+                self.progress.message(
+                    f"plait: stragglers on {straggler_steps} steps ({counts}); every step's "
+                    'are in the metrics ("stragglers")'
+                )
+            self.progress.message(self._summary_line(summary))
         self.progress.close()
         self.metrics.close()
-        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-        return RunSummary(
-            t.steps, losses, vals, tokens_per_step / steady, self.params, self.optimizer.skipped
-        )
+        for logger in self.loggers:
+            logger.close()
+        return summary
+
+    def _straggler_note(self, step: int, health: StepHealth) -> str:
+        """The one console report of stragglers (later ones go to the metrics only)."""
+        text = self.faults.describe(step, health) + "; later straggler steps are only counted"
+        ranks_here = self.mesh.world_size  # ranks on this host (at most)
+        cores = os.cpu_count() or 1
+        threads = torch.get_num_threads()
+        if ranks_here * threads > cores:
+            text += (
+                f" (this machine runs up to {ranks_here} ranks x {threads} thread(s) on "
+                f"{cores} cores: oversubscribed, so compute times vary)"
+            )
+        return text
+
+    def _summary_line(self, s: RunSummary) -> str:
+        """The end-of-run line: losses, wall time, throughput, where the outputs are."""
+        done = len(s.losses)
+        parts = [f"plait: done: {done} steps in {s.wall_seconds:.1f} s"]
+        if s.losses:
+            parts.append(f"final loss {s.losses[-1]:.4f}")
+        if s.val_losses:
+            parts.append(f"validation loss {s.val_losses[-1][1]:.4f}")
+        parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
+        outputs = [f"metrics {s.metrics}"] if s.metrics else []
+        if s.checkpoint:
+            outputs.append(f"checkpoint {s.checkpoint}")
+        outputs += [logger.name for logger in self.loggers]
+        if outputs:
+            parts.append("; ".join(outputs))
+        return "; ".join(parts)
 
     def _draw_timeline(self, path: str) -> None:
         """Write the last step's measured pipeline timeline to ``path`` (rank 0 draws)."""
@@ -309,5 +384,18 @@ class Trainer:
             f"{self.micro_batch} x "
             f"{'pipeline micro-batches' if self.mesh.size('pp') > 1 else 'accumulation'} "
             f"{self.accum}; {lr_note}; "
-            f"{t.steps} steps on {self.device.type}"
+            f"{t.steps} steps on {self.device.type}\n"
+            f"plait: MFU peak {self.peak_source}" + self._outputs_note()
         )
+
+    def _outputs_note(self) -> str:
+        """Where this run writes (metrics, checkpoints, loggers) and data notes."""
+        cfg, t = self.cfg, self.cfg.train
+        outs = [f"metrics {cfg.log.metrics}"] if cfg.log.metrics else []
+        if t.checkpoint_dir:
+            every = f"every {t.checkpoint_every} steps and " if t.checkpoint_every else ""
+            outs.append(f"checkpoints {every}at the end into {t.checkpoint_dir}")
+        outs += [logger.name for logger in self.loggers]
+        text = f"\nplait: writes {'; '.join(outs)}" if outs else ""
+        note = truncation_note(cfg.data)
+        return text + (f"\nplait: {note}" if note else "")
