@@ -4,11 +4,13 @@ DDP's own communication hooks; and the planner's prediction on slow links.
 Part 1 (measured). In one :class:`plait.testing.WorkerPool` of N ranks (N = 2, 4), the
 built-in transformer (dim 64, 2 layers, byte vocabulary) trains ``--steps`` AdamW steps
 on the built-in corpus (each rank its slice of the same global batches) under plait's
-DataParallel with compression none / bf16 / topk (rho 0.01) / powersgd (r 4), and under
-torch DDP with no hook / ``bf16_compress_hook`` / ``PowerSGDState`` + ``powerSGD_hook``
-(rank 4, the same warm-up). Per run: bytes per step (plait: its comm counters, bus bytes;
+DataParallel with compression none / fp16 / bf16 / topk (rho 0.01) / powersgd (r 4), and under
+torch DDP with no hook / ``fp16_compress_hook`` / ``bf16_compress_hook`` (refused on CPU
+by DDP itself: it needs NCCL) / ``PowerSGDState`` + ``powerSGD_hook`` (rank 4, the same
+warm-up of 2 steps). Per run: bytes per step (plait: its comm counters, bus bytes;
 DDP: the hook's tensor sizes are not counted by plait, so only plait's column is filled),
-the median step time as a ratio to plait-none (the same pool, the same moment), and the
+the median step time over two rounds run in ABBA order, as a ratio to plait-none (the
+same pool), and the
 loss averaged over the last 10 steps. Each rank runs single-threaded.
 
 Part 2 (planner). The predicted step time of a 1B-parameter llama-style model on 8 ranks
@@ -38,8 +40,8 @@ import torch  # noqa: E402
 
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
 
-METHODS = ["none", "bf16", "topk", "powersgd"]
-DDP_HOOKS = ["ddp", "ddp-bf16", "ddp-powersgd"]
+METHODS = ["none", "fp16", "bf16", "topk", "powersgd"]
+DDP_HOOKS = ["ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd"]
 SEQ, BATCH, LR = 64, 8, 3e-3
 
 
@@ -84,7 +86,9 @@ def bench_body(ctx: Any, name: str, steps: int) -> dict[str, Any]:
 
         pg = mesh.axis("dp").pg
         ddp = DistributedDataParallel(model, process_group=pg, bucket_cap_mb=25)
-        if name == "ddp-bf16":
+        if name == "ddp-fp16":
+            ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+        elif name == "ddp-bf16":  # refused on CPU: "requires CUDA 11+ and NCCL 2.10+"
             ddp.register_comm_hook(pg, default_hooks.bf16_compress_hook)
         elif name == "ddp-powersgd":
             state = powerSGD_hook.PowerSGDState(
@@ -115,7 +119,7 @@ def bench_body(ctx: Any, name: str, steps: int) -> dict[str, Any]:
         opt.zero_grad()
         secs.append(time.perf_counter() - t0)
         nbytes.append(mesh.stats.total_bytes("dp"))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "secs": secs, "bytes": nbytes}
 
 
@@ -123,20 +127,26 @@ def measure(world: int, steps: int, timeout: float) -> dict[str, dict[str, Any]]
     from plait.testing.pool import WorkerPool
 
     out: dict[str, dict[str, Any]] = {}
+    names = METHODS + DDP_HOOKS
     with WorkerPool(world, comm_timeout_s=timeout) as pool:
-        for name in METHODS + DDP_HOOKS:
-            try:
-                res = pool.run("benchmarks.compression:bench_body", name, steps)
-            except Exception as e:  # a hook that hangs or fails on gloo is reported as such
-                out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
-                continue
-            step_s = [max(r["secs"][i] for r in res) for i in range(steps)]  # slowest rank
-            mean_losses = [sum(r["losses"][i] for r in res) / world for i in range(steps)]
-            out[name] = {
-                "losses": mean_losses,
-                "median_s": statistics.median(step_s[3:]),
-                "bytes": statistics.median(res[0]["bytes"][3:]),
-            }
+        for order in (names, names[::-1]):  # two rounds, ABBA: drift hits every run alike
+            for name in order:
+                if "error" in out.get(name, {}):
+                    continue
+                try:
+                    res = pool.run("benchmarks.compression:bench_body", name, steps)
+                except Exception as e:  # a hook that fails on gloo is reported as such
+                    last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+                    out[name] = {"error": last.strip()[:100]}
+                    continue
+                step_s = [max(r["secs"][i] for r in res) for i in range(steps)]  # slowest
+                mean_losses = [sum(r["losses"][i] for r in res) / world for i in range(steps)]
+                o = out.setdefault(name, {"losses": mean_losses, "times": []})
+                o["times"].extend(step_s[3:])
+                o["bytes"] = statistics.median(res[0]["bytes"][3:])
+    for o in out.values():
+        if "times" in o:
+            o["median_s"] = statistics.median(o["times"])
     return out
 
 
@@ -172,8 +182,8 @@ def planner_table() -> str:
         "Planner: 1B llama-style model, dp 8 (one rank per node), fp32, a100-80gb compute, "
         "seq 2048, micro-batch 1; predicted step time (ms):",
         "",
-        "| link | none | bf16 | topk 0.01 | powersgd r4 |",
-        "|---|---:|---:|---:|---:|",
+        "| link | none | fp16 | bf16 | topk 0.01 | powersgd r4 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     cases = [(f"{g} Gbit/s", g) for g in (1, 10, 100)] + [("one node (NVLink)", 0)]
     for label, gbit in cases:
