@@ -137,6 +137,8 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
 
     idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
     x, y = trainer.train_set.batch(idx)
+    if trainer.model.context is not None:  # cp: this rank's tokens, as ParallelModel.step feeds
+        x, y = trainer.model.context.shard(x), trainer.model.context.shard(y)
     stages = trainer.model.stages
     loss_fn = trainer.model.loss_fn
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -81,7 +81,26 @@ def test_check_world_refusals(
             2,
             r"dp=1 x tp=4 x pp=1 x cp=1 = 4 ranks does not match the world size 2",
         ),
-        (_cfg(parallel={"cp": 2}), 2, r"cp=2 is not available yet"),
+        (
+            _cfg(parallel={"cp": 4}, train={"seq_len": 36}),
+            4,
+            r"train.seq_len \(36\) must be divisible by 2 x cp = 8; use e.g. seq_len 32",
+        ),
+        (
+            _cfg(parallel={"cp": 4, "cp_attention": "ulysses"}, train={"seq_len": 18}),
+            4,
+            r"Ulysses .* train.seq_len \(18\) must be divisible by 4",
+        ),
+        (
+            _cfg(parallel={"cp": 2, "tp": 2, "cp_attention": "ulysses"}, model={"n_heads": 2}),
+            4,
+            r"1 query heads per tp rank \(model.n_heads 2 / tp 2\) are not divisible by 2",
+        ),
+        (
+            _cfg(parallel={"cp": 2, "tp": 4, "sequence_parallel": True}, train={"seq_len": 36}),
+            8,
+            r"seq_len / cp = 18 tokens over tp = 4 ranks.*divisible by cp x tp = 8 x 2 \(ring\)",
+        ),
         (
             _cfg(parallel={"pp": 4, "chunks": 2, "pipeline_schedule": "interleaved"}),
             4,

@@ -293,3 +293,15 @@ def test_mesh_groups_connect_the_right_ranks(
 ) -> None:
     results = pools(world).run(f"{M}:_body_layouts", layouts, timeout_s=180.0)
     _check_layouts(results, layouts)
+
+
+def test_split_group_over_combined_axes() -> None:
+    """ZeRO under context parallelism shards over dp x cp: the combined group, split by
+    a hybrid factor, in grid order (cp faster than dp)."""
+    from plait.mesh import MeshLayout
+
+    lay = MeshLayout(dp=2, cp=2, tp=2)  # rank = (dp_i·2 + cp_i)·2 + tp_i
+    assert lay.group_of(0, ("dp", "cp")) == [0, 2, 4, 6]
+    assert lay.split_group_of(2, ("dp", "cp"), 4) == ([0, 2, 4, 6], [2])
+    assert lay.split_group_of(2, ("dp", "cp"), 2) == ([0, 2], [2, 6])
+    assert lay.split_group_of(5, ("dp", "cp"), 1) == ([5], [1, 3, 5, 7])

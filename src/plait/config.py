@@ -29,6 +29,8 @@ ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
 NonFinite = Literal["error", "skip"]
 PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
+AttentionKind = Literal["sdpa", "blockwise"]
+CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
 
@@ -67,6 +69,10 @@ class ModelConfig:
     """Share the token-embedding matrix with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    attention: AttentionKind = "sdpa"
+    """Attention kernel on one device: 'sdpa' (torch's fused scaled_dot_product_attention)
+    or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
+    only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -96,6 +102,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "
                 f"({self.kv_heads}) for grouped-query attention."
+            )
+        if self.attention not in ("sdpa", "blockwise"):
+            raise ConfigError(
+                f"model.attention must be sdpa or blockwise, got {self.attention!r}."
             )
 
     @property
@@ -131,7 +141,15 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree."""
     cp: int = 1
-    """Context-parallel degree."""
+    """Context-parallel degree: each cp rank holds 1/cp of every sequence and attention
+    runs across the cp ranks (parallel.cp_attention). Parameters are replicated over cp,
+    so gradients (and ZeRO shards) reduce over the combined dp x cp group."""
+    cp_attention: CPAttention = "ring"
+    """How attention spans the cp ranks: 'ring' (K/V blocks pass around the ring,
+    overlapped with block compute; causal load balance by the zigzag layout, so
+    train.seq_len must be divisible by 2·cp) or 'ulysses' (all-to-all from sequence
+    shards to head shards and back; seq_len divisible by cp, the heads per tp rank
+    divisible by cp)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1; no effect at tp = 1): the norm/residual
     regions between tensor-parallel regions hold a 1/tp shard of the sequence; an
@@ -217,6 +235,10 @@ class ParallelConfig:
         if self.offload not in ("none", "optimizer", "params"):
             raise ConfigError(
                 f"parallel.offload must be none, optimizer or params, got {self.offload!r}."
+            )
+        if self.cp_attention not in ("ring", "ulysses"):
+            raise ConfigError(
+                f"parallel.cp_attention must be ring or ulysses, got {self.cp_attention!r}."
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}.")

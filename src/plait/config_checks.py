@@ -63,14 +63,10 @@ def check_run(cfg: Config, world_size: int) -> None:
     dp = p.resolved_dp(world_size)
     check_world(dp, p.tp, p.pp, p.cp, world_size)
     if p.cp > 1:
-        raise ConfigError(
-            "this version of plait runs data, tensor, sequence and pipeline parallelism and "
-            f"ZeRO (parallel.dp, tp, pp, zero) only; cp={p.cp} is not available yet. Use "
-            "parallel.dp x parallel.tp x parallel.pp equal to the number of processes."
-        )
+        check_context(cfg)
     if p.pp > 1:
         check_pipeline(cfg, dp)
-    check_zero(cfg, dp)
+    check_zero(cfg, dp * p.cp)  # ZeRO shards over dp x cp (replicas of the parameters)
     check_compression(cfg)
     micro = cfg.micro_batch(world_size)
     if t.global_batch % (dp * micro):
@@ -87,6 +83,40 @@ def check_run(cfg: Config, world_size: int) -> None:
     if cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
         raise ConfigError(
             f"the byte tokenizer needs model.vocab_size >= 256, got {cfg.model.vocab_size}."
+        )
+
+
+def check_context(cfg: Config) -> None:
+    """cp > 1: the sequence splits into the cp attention's shards, and (Ulysses) the
+    heads into cp head shards."""
+    p, m, seq = cfg.parallel, cfg.model, cfg.train.seq_len
+    cp, tp = p.cp, p.tp
+    if p.cp_attention == "ring" and seq % (2 * cp):
+        raise ConfigError(
+            f"ring attention holds two chunks of the sequence per cp rank (the zigzag "
+            f"load balance): train.seq_len ({seq}) must be divisible by 2 x cp = {2 * cp}; "
+            f"use e.g. seq_len {2 * cp * max(1, seq // (2 * cp))}."
+        )
+    if p.cp_attention == "ulysses":
+        if seq % cp:
+            raise ConfigError(
+                f"Ulysses attention splits the sequence into cp = {cp} shards: "
+                f"train.seq_len ({seq}) must be divisible by {cp}; use e.g. seq_len "
+                f"{cp * max(1, seq // cp)}."
+            )
+        heads = m.n_heads // tp if m.n_heads % tp == 0 else m.n_heads
+        if heads % cp:
+            raise ConfigError(
+                f"Ulysses attention splits the heads into cp = {cp} shards: {heads} query "
+                f"heads{' per tp rank' if tp > 1 else ''} (model.n_heads {m.n_heads}"
+                f"{f' / tp {tp}' if tp > 1 else ''}) are not divisible by {cp}; use "
+                "parallel.cp_attention = 'ring' or a cp that divides the heads."
+            )
+    if p.sequence_parallel and tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"sequence parallelism splits each cp shard of seq_len / cp = {seq // cp} "
+            f"tokens over tp = {tp} ranks; train.seq_len must be divisible by cp x tp = "
+            f"{cp * tp}{' x 2 (ring)' if p.cp_attention == 'ring' else ''}."
         )
 
 

@@ -90,19 +90,24 @@ class MeshLayout:
             members.append(self.rank_of(**c))
         return members
 
-    def split_group_of(self, rank: int, axis: str, factor: int) -> tuple[list[int], list[int]]:
-        """Split ``rank``'s group along ``axis`` into (shard, replicate) sub-groups.
+    def split_group_of(
+        self, rank: int, axis: str | tuple[str, ...], factor: int
+    ) -> tuple[list[int], list[int]]:
+        """Split ``rank``'s group along ``axis`` (one axis or a combination, e.g.
+        ``("dp", "cp")``) into (shard, replicate) sub-groups.
 
         The shard group holds ``factor`` consecutive coordinates of the axis (the block
         that contains ``rank``); the replicate group holds the ranks at the same position
         in every block. Used by hybrid sharding (ZeRO with a sharding factor F): shard
         inside groups of F, replicate across the ``size / F`` groups.
         """
-        members = self.group_of(rank, (axis,))
+        axes = (axis,) if isinstance(axis, str) else axis
+        members = self.group_of(rank, axes)
         size = len(members)
         if factor < 1 or size % factor:
             raise ConfigError(
-                f"a sharding factor of {factor} does not divide the {axis} degree {size}; "
+                f"a sharding factor of {factor} does not divide the {'x'.join(axes)} degree "
+                f"{size}; "
                 f"choose one of {[f for f in range(1, size + 1) if size % f == 0]}"
             )
         i = members.index(rank)
@@ -170,8 +175,10 @@ class Mesh:
             self._groups[key] = g
         return g
 
-    def split_axis(self, name: str, factor: int) -> tuple[AxisGroup, AxisGroup]:
-        """(shard group, replicate group) of this rank for a sharding factor along ``name``.
+    def split_axis(self, name: str | tuple[str, ...], factor: int) -> tuple[AxisGroup, AxisGroup]:
+        """(shard group, replicate group) of this rank for a sharding factor along ``name``
+        (one axis, or a combination such as ``("dp", "cp")``: ZeRO under context
+        parallelism shards over dp x cp, whose ranks hold the same parameters).
 
         See :meth:`MeshLayout.split_group_of`. When ``factor`` is the axis degree the shard
         group is the axis group itself (and the replicate group has one rank); when it is 1
@@ -179,18 +186,20 @@ class Mesh:
         ``<axis>_shard`` and ``<axis>_replicate`` in the counters. Created on first use by
         their members only (local synchronisation), shard group first.
         """
-        size = self.size(name)
-        shard_members, rep_members = self.layout.split_group_of(self.rank, name, factor)
+        axes = _axis_key((name,) if isinstance(name, str) else name)
+        size = math.prod(self.size(a) for a in axes)
+        shard_members, rep_members = self.layout.split_group_of(self.rank, axes, factor)
         out: list[AxisGroup] = []
         for kind, members in (("shard", shard_members), ("replicate", rep_members)):
             if len(members) == size:
-                out.append(self.axis(name))
+                out.append(self.axis(*axes))
                 continue
-            key = (name, f"{kind}{factor}")
+            key = (*axes, f"{kind}{factor}")
             g = self._groups.get(key)
             if g is None:
+                label = "_".join(axes)
                 g = comm.new_axis_group(
-                    f"{name}_{kind}", members, self.rank, self.timeout_s, self.stats
+                    f"{label}_{kind}", members, self.rank, self.timeout_s, self.stats
                 )
                 self._groups[key] = g
             out.append(g)

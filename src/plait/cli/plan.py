@@ -135,6 +135,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument(
+        "--cp-attention", choices=("ring", "ulysses"), default="ring", help="attention over cp"
+    )
+    lay.add_argument(
         "--compression",
         "--parallel.compression",
         dest="compression",
@@ -286,6 +289,7 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.schedule,
         ns.chunks,
         ns.sequence_parallel,
+        ns.cp_attention,
         ns.compression,
         ns.compression_ratio,
         ns.compression_rank,

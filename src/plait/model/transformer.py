@@ -24,6 +24,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
+from plait.model.blockwise_attention import blockwise_attention
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -77,12 +78,56 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.type_as(x)
 
 
+class SDPAttention(nn.Module):
+    """Causal grouped-query attention core through torch's fused
+    :func:`~torch.nn.functional.scaled_dot_product_attention`:
+    ``forward(q, k, v)`` with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``/``v``
+    ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` over ``k``/``v``."""
+        groups = q.shape[1] // k.shape[1]
+        if groups == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if _SDPA_HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k = k.repeat_interleave(groups, dim=1)  # torch < 2.5: (batch, heads, seq, head_dim)
+        v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class BlockwiseAttention(nn.Module):
+    """Causal attention core computed block by block with an online softmax
+    (:func:`~plait.model.blockwise_attention.blockwise_attention`); same call as
+    :class:`SDPAttention`."""
+
+    def __init__(self, block_size: int = 128) -> None:
+        super().__init__()
+        self.block_size = block_size
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` over ``k``/``v``."""
+        out, _ = blockwise_attention(q, k, v, causal=True, block_size=self.block_size)
+        return out
+
+
+def attention_core(kind: str) -> nn.Module:
+    """The one-device attention core named by ``model.attention``."""
+    if kind == "blockwise":
+        return BlockwiseAttention()
+    if kind == "sdpa":
+        return SDPAttention()
+    raise ConfigError(f"model.attention must be sdpa or blockwise, got {kind!r}.")
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions.
 
     The head counts used in :meth:`forward` are read from the projection shapes, so a
     wrapper may shard ``wq``/``wk``/``wv`` by output rows (whole heads) and ``wo`` by
-    input columns without changing this code.
+    input columns without changing this code. ``core`` computes attention from the
+    rotated heads (``model.attention``); context parallelism replaces it from outside
+    with an attention that spans the cp ranks.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -92,6 +137,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core = attention_core(cfg.attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` ``(batch, seq, dim)``, tables ``(seq, head_dim // 2)`` -> ``(batch, seq, dim)``."""
@@ -104,17 +150,36 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (batch, heads, seq, head_dim)
         k = k.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
         v = v.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
-        groups = q.shape[1] // k.shape[1]
-        if groups == 1:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif _SDPA_HAS_GQA:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # torch < 2.5: repeat each KV head for its group of query heads
-            k = k.repeat_interleave(groups, dim=1)  # (batch, heads, seq, head_dim)
-            v = v.repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = self.core(q, k, v)  # (batch, heads, seq, head_dim)
         o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, heads * head_dim)
         return self.wo(o)
+
+
+class TokenPositions(nn.Module):
+    """The global positions of a rank's tokens: ``forward(seq)`` returns None, meaning
+    ``0 .. seq-1`` (one device). Context parallelism replaces it from outside with the
+    positions of the rank's sequence shard, so rotary angles stay global."""
+
+    def forward(self, seq: int) -> torch.Tensor | None:
+        """None: the tokens are positions ``0 .. seq-1``."""
+        return None
+
+
+def rope_for(
+    cos: torch.Tensor, sin: torch.Tensor, positions: nn.Module, seq: int, max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``(seq, head_dim // 2)`` of the rotary tables for the local tokens."""
+    pos = positions(seq)
+    if pos is None:
+        if seq > max_seq_len:
+            raise ConfigError(f"sequence length {seq} exceeds model.max_seq_len ({max_seq_len}).")
+        return cos[:seq], sin[:seq]
+    if int(pos.max()) >= max_seq_len:
+        raise ConfigError(
+            f"global position {int(pos.max())} exceeds model.max_seq_len ({max_seq_len})."
+        )
+    pos = pos.to(cos.device)
+    return cos[pos], sin[pos]
 
 
 class FeedForward(nn.Module):
@@ -185,6 +250,7 @@ class Transformer(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
+        self.positions: nn.Module = TokenPositions()
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights(seed)
 
@@ -228,11 +294,9 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
         seq = tokens.shape[1]
-        if seq > self.cfg.max_seq_len:
-            raise ConfigError(
-                f"sequence length {seq} exceeds model.max_seq_len ({self.cfg.max_seq_len})."
-            )
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
+        cos, sin = rope_for(  # (seq, head_dim // 2)
+            self.rope_cos, self.rope_sin, self.positions, seq, self.cfg.max_seq_len
+        )
         h = self.tok_embeddings(tokens)  # (batch, seq, dim)
         for layer in self.layers:
             h = layer(h, cos, sin)

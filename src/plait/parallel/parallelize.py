@@ -6,11 +6,16 @@ file never changes) in this fixed order (docs/api.md describes it too):
 1. **tensor / sequence parallelism** over the tp axis (when it has several ranks): a
    TP plan as data (default: the built-in transformer's), applied in place by
    :func:`~plait.parallel.tensor.plan.apply_tensor_parallel`;
-2. **context parallelism** over cp: refused before any process starts in this version;
+2. **context parallelism** over cp (when it has several ranks): every attention core
+   becomes ring or all-to-all (Ulysses) attention on the cp group and the token
+   positions become the rank's global positions
+   (:func:`~plait.parallel.context.context_parallel.apply_context_parallel`); the step
+   feeds each cp rank its shard of every sequence;
 3. **pipeline split** over pp (when it has several ranks): this rank's pieces
    (:func:`~plait.parallel.pipeline.engine.split_for_pipeline`);
 4. **activation recomputation** (:func:`~plait.parallel.recompute.apply_recompute`);
-5. **ZeRO sharding or data parallelism** over dp:
+5. **ZeRO sharding or data parallelism** over dp (over dp x cp when cp > 1: the cp
+   ranks hold the same parameters, so gradients and shards span both):
    ``zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`; ``zero = 0``
    with fp32 parameters and reduction -> :class:`~plait.parallel.data.DataParallel`
    (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
@@ -49,6 +54,7 @@ from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, make_compressor
+from plait.parallel.context.context_parallel import ContextLayout, apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32, split_for_pipeline
 from plait.parallel.pipeline.split import PipelineStages
@@ -97,8 +103,11 @@ class ParallelModel(nn.Module):
         pipeline: PipelineEngine | None,
         names: dict[int, str],
         param_names: list[str],
+        context: ContextLayout | None = None,
     ) -> None:
         super().__init__()
+        self.context = context
+        """The cp sequence layout (None when cp = 1): :meth:`step` shards by it."""
         self.module = module
         self.mesh = mesh
         self.loss_fn = loss_fn
@@ -153,18 +162,18 @@ class ParallelModel(nn.Module):
         """The parameter pieces this rank holds, in one-device names and shapes, each
         written by exactly one rank: the data wrapper's pieces (whole tensors, or ZeRO
         shard segments) refined by tensor parallelism (the block held) and the pipeline
-        (the tied copy is written by the first stage); cp replicas do not write."""
+        (the tied copy is written by the first stage); the data wrapper spans dp x cp,
+        so cp replicas are covered by its own write flags."""
         inner = self.module
         assert isinstance(inner, DataParallel | ZeroDataParallel)
         own = inner.local_pieces()  # each wrapper describes its own pieces
         tp_index = self.mesh.index("tp")
-        cp_first = self.mesh.index("cp") == 0
         stages = self.stages
         skip = stages.tied if stages is not None and stages.pp_index > 0 else None
         out = []
         for piece in own:
             piece = tensor_parallel_piece(piece, tp_index)
-            write = piece.write and cp_first and piece.key is not skip
+            write = piece.write and piece.key is not skip
             out.append(piece.but(name=self._names[id(piece.key)], write=write))
         return out
 
@@ -178,7 +187,9 @@ class ParallelModel(nn.Module):
             yield
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped module's forward (not available when pp > 1: use :meth:`step`)."""
+        """The wrapped module's forward (not available when pp > 1: use :meth:`step`).
+        Under context parallelism it takes this rank's tokens (``self.context.shard(x)``);
+        :meth:`step` and :meth:`evaluate` shard whole sequences themselves."""
         if self.pipeline is not None:
             raise RuntimeError(
                 "a pipeline-parallel model runs through ParallelModel.step / evaluate "
@@ -187,12 +198,13 @@ class ParallelModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def _dp_mean(self, value: torch.Tensor | float) -> torch.Tensor:
-        """``value`` averaged over the data-parallel ranks (float64, detached); reduced on
-        the mesh's device (NCCL cannot all-reduce CPU tensors)."""
+        """``value`` averaged over the data-parallel ranks (and the cp ranks, whose
+        token shards are equal in size: the mean over all tokens; float64, detached);
+        reduced on the mesh's device (NCCL cannot all-reduce CPU tensors)."""
         if not isinstance(value, torch.Tensor):
             value = torch.tensor(value, dtype=torch.float64)
         v = value.detach().to(self.mesh.device, torch.float64).reshape(1).clone()
-        comm.all_reduce(v, self.mesh.axis("dp"), op="avg")
+        comm.all_reduce(v, self.mesh.axis(*_data_axes(self.mesh)), op="avg")
         return v.reshape(())
 
     def step(
@@ -212,8 +224,12 @@ class ParallelModel(nn.Module):
         split. With a pipeline the schedule cuts it into its own ``m`` micro-batches
         (``micro_batches`` must then be 1 or m). ``loss_scale`` multiplies the loss
         before backward (the fp16 loss scaler: :attr:`plait.optim.Optimizer.loss_scale`).
-        After the call every gradient is reduced and ready for the optimizer.
+        After the call every gradient is reduced and ready for the optimizer. Under
+        context parallelism every cp rank passes the same whole sequences and keeps its
+        own tokens of each.
         """
+        if self.context is not None:
+            inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         if self.pipeline is not None:
             m = self.pipeline.schedule.microbatches
             if micro_batches not in (1, m):
@@ -240,6 +256,8 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch without backward (averaged over dp; float64)."""
+        if self.context is not None:
+            inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.evaluate(inputs, targets))
         return self._dp_mean(self.loss_fn(at_least_fp32(self.module(inputs)), targets))
@@ -255,6 +273,10 @@ class ParallelModel(nn.Module):
             )
         else:
             note = "plain data parallel (bucketed all-reduce)"
+        tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
+        if cp > 1 and self.context is not None:
+            kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
+            note = f"context parallel cp {cp} ({kind}); {note}"
             if self.compressor is not None:
                 note += f", {self.compressor.describe()}"
         tp = self.mesh.size("tp")
@@ -282,6 +304,7 @@ def parallelize(
     zero_shard_size: int | None = None,
     tp_plan: Plan | None = None,
     sequence_parallel: bool | None = None,
+    cp_attention: str | None = None,
     recompute: RecomputeMode | None = None,
     precision: PrecisionConfig | str | None = None,
     loss_fn: LossFn | None = None,
@@ -294,7 +317,8 @@ def parallelize(
     ``train.recompute``, the ``precision`` section and the pipeline's profiling shape)
     or None (defaults); keyword arguments override it: ``zero`` (stage 0-3),
     ``zero_shard_size`` (hybrid factor F), ``tp_plan`` (a plan as data; default: the
-    built-in transformer's), ``sequence_parallel``, ``recompute`` (none / selective /
+    built-in transformer's), ``sequence_parallel``, ``cp_attention`` (ring /
+    ulysses), ``recompute`` (none / selective /
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
     ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
@@ -314,6 +338,7 @@ def parallelize(
             ("zero", zero),
             ("zero_shard_size", zero_shard_size),
             ("sequence_parallel", sequence_parallel),
+            ("cp_attention", cp_attention),
         )
         if v is not None
     }
@@ -337,11 +362,13 @@ def parallelize(
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
     names, aliases = _one_device_names(model)
     param_names = list(names.values())
-    # 2. context parallelism: not in this version (refused by the config checks).
+    # 2. context parallelism over cp: attention cores and token positions.
+    context = apply_context_parallel(model, mesh, p.cp_attention) if mesh.size("cp") > 1 else None
     # 3. pipeline split (pp > 1): keep this rank's pieces.
     inner: nn.Module = model
     if pp > 1:
-        shape = (full.micro_batch(mesh.world_size), full.train.seq_len) if full else (1, 0)
+        seq = full.train.seq_len // mesh.size("cp") if full else 0
+        shape = (full.micro_batch(mesh.world_size), seq) if full else (1, 0)
         inner = split_for_pipeline(
             model,
             mesh,
@@ -380,6 +407,7 @@ def parallelize(
             mesh,
             bucket_mb=p.bucket_mb,
             find_unused_parameters=p.find_unused_parameters,
+            axes=_data_axes(mesh),
             compressor=compressor,
         )
     else:
@@ -395,6 +423,7 @@ def parallelize(
             reduce_dtype=policy.reduce_dtype,
             offload=p.offload,
             find_unused_parameters=p.find_unused_parameters,
+            axis=_data_axes(mesh),
         )
     pipeline = None
     if pp > 1:
@@ -408,7 +437,13 @@ def parallelize(
             hidden_dim=_hidden_dim(model),
             seq_factor=tp if sp else 1,
         )
-    return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names)
+    return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names, context)
+
+
+def _data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes whose ranks hold the same parameters and average their gradients:
+    dp, and cp when it has several ranks."""
+    return ("dp", "cp") if mesh.size("cp") > 1 else ("dp",)
 
 
 def _hidden_dim(model: nn.Module) -> int:

@@ -5,7 +5,7 @@ Step time of the slowest pipeline stage (Narayanan et al. 2021, section 3)::
     t_mb  = forward + backward + recomputation            (compute, one micro-batch)
           + tensor-parallel all-reduces                    (critical path: 2 forward and
             2 backward per block, 2 more with full recomputation; Shoeybi et al. 2019)
-          + exposed context-parallel ring traffic           (max(0, comm - attention))
+          + exposed context-parallel traffic    (ring: max(0, comm - attention); all-to-all)
           + pipeline send/receive                           (2·v messages)
     T     = m·t_mb + bubble,  bubble = (p - 1)/v · t_mb     ((p-1)/(m+p-1) of m·t_mb + bubble)
           + exposed data-parallel / ZeRO traffic
@@ -41,6 +41,7 @@ from plait.plan.modelspec import ModelSpec
 from plait.plan.network import (
     all_gather_time,
     all_reduce_time,
+    all_to_all_time,
     group,
     in_step_all_reduce_time,
     p2p_time,
@@ -59,7 +60,7 @@ class StepTime:
     tp_comm: float
     """Tensor-parallel all-reduces (or all-gather + reduce-scatter), on the critical path."""
     cp_comm: float
-    """Context-parallel ring traffic not hidden under attention."""
+    """Context-parallel traffic not hidden (ring: under attention; Ulysses: all of it)."""
     pp_comm: float
     """Pipeline point-to-point sends between stages."""
     bubble: float
@@ -171,6 +172,38 @@ def _act_msg(spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int
     return layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
 
 
+def cp_layer_time(
+    spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, msg: float
+) -> float:
+    """Exposed context-parallel communication of one layer for one micro-batch (forward,
+    backward and a full recomputation's second forward); ``msg`` is the bytes of the
+    local hidden states b·(s/c)·h·e.
+
+    * ring: K and V blocks travel the ring ``cp - 1`` steps per forward; backward moves
+      K, V and their gradients (twice the bytes) over twice the work; each pass hides
+      what ``hw.comm_overlap`` of the blocks' attention compute covers;
+    * ulysses: four all-to-alls (Q, K, V to head shards, the output back) per forward
+      and four per backward, not overlapped; KV heads fewer than cp (or not divisible by
+      it) travel repeated to the query heads.
+    """
+    if layout.cp <= 1:
+        return 0.0
+    cp_g = group(layout, hw, "cp")
+    fwd_passes = 2 if layout.recompute == "full" else 1
+    heads = spec.n_heads // layout.tp if spec.n_heads % layout.tp == 0 else spec.n_heads
+    kv = kv_heads_local(spec, layout.tp)
+    per_head = msg / spec.hidden * spec.head_dim  # bytes of one head's local Q
+    if layout.cp_attention == "ulysses":
+        kv = kv if kv % layout.cp == 0 else heads
+        a2a = 2 * all_to_all_time(per_head * heads, cp_g.size, cp_g.link) + 2 * all_to_all_time(
+            per_head * kv, cp_g.size, cp_g.link
+        )
+        return (fwd_passes + 1) * a2a
+    ring_f = (layout.cp - 1) * p2p_time(2 * per_head * kv, cp_g.link)
+    attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(seq_len)
+    return (fwd_passes + 2) * max(0.0, ring_f - hw.comm_overlap * attn_f)
+
+
 def step_time(
     spec: ModelSpec,
     layout: Layout,
@@ -204,17 +237,7 @@ def step_time(
         in_step_all_reduce_time(2 * tok_bytes, tp_g.size, tp_g.link)
     )
 
-    # context parallelism: K and V blocks travel the ring (c - 1) steps forward, and
-    # K, V plus their gradients backward, overlapped with the blocks' attention
-    cp_g = group(layout, hw, "cp")
-    cp_exposed = 0.0
-    if layout.cp > 1:
-        kv_bytes = 2 * msg / spec.hidden * kv_heads_local(spec, layout.tp) * spec.head_dim
-        ring_f = (layout.cp - 1) * p2p_time(kv_bytes, cp_g.link)
-        attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(seq_len)
-        fwd_passes = 2 if layout.recompute == "full" else 1
-        # backward moves twice the bytes (K, V and their gradients) over twice the work
-        cp_exposed = (fwd_passes + 2) * max(0.0, ring_f - hw.comm_overlap * attn_f)
+    cp_exposed = cp_layer_time(spec, layout, hw, seq_len, msg)
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)

@@ -13,7 +13,7 @@ COMPONENTS: dict[str, str] = {
     "compute": "compute",
     "recompute": "recomputation",
     "tp_comm": "tensor-parallel all-reduces",
-    "cp_comm": "context-parallel ring traffic",
+    "cp_comm": "context-parallel ring / all-to-all",
     "pp_comm": "pipeline sends",
     "bubble": "the pipeline bubble",
     "dp_comm": "exposed data-parallel/ZeRO traffic",

@@ -35,7 +35,7 @@ class Layout:
     pp: int = 1
     """Pipeline stages."""
     cp: int = 1
-    """Context-parallel degree (the sequence split across ranks, ring attention)."""
+    """Context-parallel degree (the sequence split across ranks)."""
     zero: int = 0
     """ZeRO stage over the data-parallel axis: 0 (replicated), 1, 2 or 3."""
     zero_shard_size: int | None = None
@@ -54,6 +54,9 @@ class Layout:
     """v: model chunks per pipeline rank for the interleaved schedule."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the norm/dropout regions (needs tp > 1)."""
+    cp_attention: Literal["ring", "ulysses"] = "ring"
+    """How attention spans the cp ranks: 'ring' (K/V blocks around the ring, overlapped
+    with the blocks' compute) or 'ulysses' (four all-to-alls per layer and pass)."""
     compression: str = "none"
     """Data-parallel gradient compression: none, fp16, bf16, topk or powersgd
     (:mod:`plait.plan.compression`)."""
@@ -88,6 +91,8 @@ class Layout:
             raise ConfigError("chunks > 1 needs the interleaved schedule.")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence parallelism needs tp > 1.")
+        if self.cp_attention not in ("ring", "ulysses"):
+            raise ConfigError(f"cp_attention must be ring or ulysses, got {self.cp_attention!r}.")
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -114,6 +119,7 @@ class Layout:
             tp=p.tp,
             pp=p.pp,
             cp=p.cp,
+            cp_attention=p.cp_attention,
             zero=p.zero,
             zero_shard_size=p.zero_shard_size if p.zero else None,
             micro_batch=micro,
@@ -147,6 +153,8 @@ class Layout:
     def describe(self) -> str:
         """A compact one-line label, e.g. ``dp8 tp2 pp1 cp1 zero1 mb2x4 rc=none``."""
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp} zero{self.zero}"
+        if self.cp > 1 and self.cp_attention == "ulysses":
+            s += " ulysses"
         if self.zero and self.shard_factor != self.dp:
             s += f" F{self.shard_factor}"
         s += f" mb{self.micro_batch}x{self.microbatches}"

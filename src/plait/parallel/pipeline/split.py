@@ -32,6 +32,7 @@ from plait import comm
 from plait.comm import P2P, AxisGroup
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.model.transformer import TokenPositions, rope_for
 
 
 def equal_boundaries(n_blocks: int, pieces: int) -> list[int]:
@@ -95,9 +96,11 @@ class StagePiece(nn.Module):
         norm: nn.Module | None = None,
         head: nn.Module | None = None,
         seq_factor: int = 1,
+        positions: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.stage = stage
+        self.positions = positions if positions is not None else TokenPositions()
         self.seq_factor = seq_factor  # hidden states hold seq / seq_factor positions (SP)
         self.tok_embeddings = embedding
         self.layers = nn.ModuleDict({str(i): b for i, b in blocks.items()})
@@ -125,7 +128,9 @@ class StagePiece(nn.Module):
             h = self.tok_embeddings(x)  # (micro, seq / seq_factor, dim)
         else:
             seq, h = x.shape[1] * self.seq_factor, x
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # (seq, head_dim // 2)
+        cos, sin = rope_for(  # (seq, head_dim // 2): the tokens' global positions
+            self.rope_cos, self.rope_sin, self.positions, seq, self.rope_cos.shape[0]
+        )
         for block in self.layers.values():
             h = block(h, cos, sin)  # (micro, seq, dim)
         if self.output is not None:
@@ -257,6 +262,7 @@ def split_transformer(
                 norm=norm if stage == pieces - 1 else None,
                 head=head if stage == pieces - 1 else None,
                 seq_factor=seq_factor,
+                positions=getattr(model, "positions", None),
             )
         )
     tied: nn.Parameter | None = None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -77,7 +78,8 @@ class ZeroDataParallel(nn.Module):
             (stage 3: also the parameter shards); needs stage >= 1.
         find_unused_parameters: treat missing gradients as zeros instead of raising.
         record_events: keep :attr:`events` (gathers, frees, reductions) of the last step.
-        axis: the mesh axis to shard over.
+        axis: the mesh axis to shard over, or a combination of axes whose ranks hold
+            the same parameters (``("dp", "cp")`` under context parallelism).
     """
 
     def __init__(
@@ -95,12 +97,13 @@ class ZeroDataParallel(nn.Module):
         offload: Offload = "none",
         find_unused_parameters: bool = False,
         record_events: bool = False,
-        axis: str = "dp",
+        axis: str | tuple[str, ...] = "dp",
     ) -> None:
         super().__init__()
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        dp = mesh.size(axis)
+        dp = math.prod(mesh.size(a) for a in axes)
         if stage == 0 and zero_shard_size not in (None, 1):
             raise ConfigError("ZeRO stage 0 replicates everything: zero_shard_size must be 1")
         factor = 1 if stage == 0 else (zero_shard_size or dp)
@@ -125,8 +128,8 @@ class ZeroDataParallel(nn.Module):
         self.device = trainable[0].device
         self.param_dtype = parse_dtype(param_dtype) if param_dtype else trainable[0].dtype
         self.reduce_dtype = parse_dtype(reduce_dtype) if reduce_dtype else self.param_dtype
-        self.dp_group = mesh.axis(axis)
-        self.shard_group, self.replicate_group = mesh.split_axis(axis, factor)
+        self.dp_group = mesh.axis(*axes)
+        self.shard_group, self.replicate_group = mesh.split_axis(axes, factor)
         broadcast_module_state(module, self.dp_group)
         specs = plan_units(module, wrap)
         self.units = [FlatUnit(i, s, factor, self.shard_group.index) for i, s in enumerate(specs)]

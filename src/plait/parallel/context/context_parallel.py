@@ -1,0 +1,95 @@
+"""Step 2 of ``parallelize``: context parallelism over the cp axis.
+
+Applied from outside to plait's built-in transformer (any model whose attention
+modules have a replaceable ``core`` and which has a ``positions`` module):
+
+* every attention ``core`` becomes :class:`~.ring_attention.RingAttention` (zigzag
+  sequence layout) or :class:`~.ulysses_attention.UlyssesAttention` (contiguous) on
+  the cp group;
+* ``model.positions`` becomes :class:`ShardPositions`, so rotary angles use the
+  tokens' global positions;
+* :class:`ContextLayout` tells the step which tokens of each sequence this rank feeds
+  (:meth:`ContextLayout.shard`).
+
+Parameters are not sharded by cp: every cp rank holds the same weights, and the
+gradient of the loss (a mean over all tokens) is the average of the cp ranks'
+gradients, so data parallelism / ZeRO reduce over the combined dp x cp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.errors import ConfigError
+from plait.mesh import Mesh
+from plait.parallel.context.layout import SeqLayout, local_positions, shard_sequence
+from plait.parallel.context.ring_attention import RingAttention
+from plait.parallel.context.ulysses_attention import UlyssesAttention
+
+
+class ShardPositions(nn.Module):
+    """The global positions of this cp rank's tokens (replaces ``model.positions``)."""
+
+    def __init__(self, layout: SeqLayout, cp: int, index: int) -> None:
+        super().__init__()
+        self.layout: SeqLayout = layout
+        self.cp = cp
+        self.index = index
+
+    def forward(self, seq: int) -> torch.Tensor:
+        """``(seq,)`` int64: the global positions of the ``seq`` local tokens."""
+        if self.layout == "contiguous":
+            return torch.arange(self.index * seq, (self.index + 1) * seq)
+        return local_positions(self.layout, self.cp, self.index, seq)
+
+
+@dataclass(frozen=True)
+class ContextLayout:
+    """Which tokens of a sequence this cp rank holds."""
+
+    layout: SeqLayout
+    cp: int
+    index: int
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``x`` ``(batch, seq, ...)`` -> ``(batch, seq/cp, ...)``."""
+        if self.cp == 1:
+            return x
+        if self.layout == "contiguous":
+            if x.shape[1] % self.cp:
+                raise ConfigError(
+                    f"sequence length {x.shape[1]} is not divisible by cp = {self.cp}"
+                )
+            return x.chunk(self.cp, dim=1)[self.index]
+        if x.shape[1] % (2 * self.cp):
+            raise ConfigError(
+                f"ring attention: sequence length {x.shape[1]} is not divisible by "
+                f"2 x cp = {2 * self.cp}"
+            )
+        return shard_sequence(x, self.layout, self.cp, self.index, dim=1)
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, attention: str = "ring") -> ContextLayout:
+    """Replace ``model``'s attention cores and positions for the cp axis (in place)."""
+    cp, index = mesh.size("cp"), mesh.index("cp")
+    if attention not in ("ring", "ulysses"):
+        raise ConfigError(f"parallel.cp_attention must be ring or ulysses, got {attention!r}.")
+    layout: SeqLayout = "zigzag" if attention == "ring" else "contiguous"
+    owners = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
+    if not owners or not isinstance(getattr(model, "positions", None), nn.Module):
+        raise ConfigError(
+            f"context parallelism (cp = {cp}) replaces the attention kernels and token "
+            f"positions of plait's built-in Transformer; {type(model).__name__} has no "
+            "attention modules with a 'core' or no 'positions' module."
+        )
+    group = mesh.axis("cp")
+    for m in owners:
+        core: nn.Module = (
+            RingAttention(group, layout=layout) if attention == "ring" else UlyssesAttention(group)
+        )
+        m.core = core
+    model.positions = ShardPositions(layout, cp, index)
+    return ContextLayout(layout, cp, index)

@@ -1,0 +1,237 @@
+"""Ring attention over the cp axis (Liu, Zaharia & Abbeel, 2023, "Ring Attention with
+Blockwise Transformers"; load balance as in Brandon et al., 2023 "Striped Attention" /
+the zigzag layout of ring-flash-attn and torchtitan).
+
+Each cp rank keeps its queries; the key/value blocks travel around the ring
+(rank ``r`` sends to ``r + 1`` and receives from ``r - 1``). At step ``t`` a rank computes
+its queries against the block of rank ``r - t`` with :func:`.blockwise_attention.block_forward`
+while the block for step ``t + 1`` is already in flight (two buffers: the one computed
+on is sent on, the other receives), and merges the partial results exactly by their
+log-sum-exp. After ``cp - 1`` transfers every rank has seen every block.
+
+Backward recomputes from the saved output and log-sum-exp. The K/V blocks go around
+the ring once more and a dK/dV accumulator travels with each block: rank ``r`` visits
+the blocks of ``r - 1, r - 2, …, r + 1`` and then its own, so the accumulator for block
+``b`` starts at ``b + 1``, collects one contribution per rank and arrives at ``b`` after
+``cp - 1`` hops, where the owner adds its own part. Per layer and rank: forward
+``cp - 1`` K/V blocks sent (and received); backward ``cp - 1`` K/V blocks plus ``cp - 1``
+dK/dV blocks of the same size.
+
+The local sequence holds two chunks (:mod:`.layout`); a chunk pair (query chunk ``a``,
+key chunk ``b``, global indices) is fully visible when ``b < a``, a causal diagonal when
+``b == a`` and skipped when ``b > a``. With the zigzag layout every rank computes the same
+number of pairs. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
+:attr:`RingAttention.events` records (what, step, seconds) when asked, so tests can check
+the balance and the overlap.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm import AxisGroup, Handle
+from plait.model.blockwise_attention import (
+    Impl,
+    acc_dtype,
+    block_backward,
+    block_forward,
+    expand_kv,
+    merge,
+    reduce_kv,
+)
+from plait.parallel.context.layout import SeqLayout, chunk_ids
+
+KV_TAG, GRAD_TAG = 0, 1
+
+
+class RingAttention(nn.Module):
+    """Attention core for a cp group: ``forward(q, k, v) -> out``.
+
+    ``q`` ``(batch, heads, local_seq, head_dim)``, ``k``/``v`` ``(batch, kv_heads,
+    local_seq, head_dim)``, the local sequence being this rank's two chunks in
+    ``layout``. ``impl`` selects the per-block kernel ("fused" or "reference").
+    """
+
+    def __init__(
+        self,
+        group: AxisGroup,
+        *,
+        causal: bool = True,
+        layout: SeqLayout = "zigzag",
+        impl: Impl = "fused",
+        record_events: bool = False,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.causal = causal
+        self.layout: SeqLayout = layout
+        self.impl: Impl = impl
+        self.record_events = record_events
+        self.events: list[tuple[str, int, float]] = []
+        """(what, step, perf_counter seconds): post, compute_start, compute_end, wait."""
+        self.pairs = 0
+        """(query, key) score pairs computed so far, forward only (per batch row × head)."""
+
+    def _event(self, what: str, step: int) -> None:
+        if self.record_events:
+            self.events.append((what, step, time.perf_counter()))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the local queries over the whole (cp-sharded) sequence."""
+        if q.shape[2] % 2:
+            raise ValueError(f"ring attention needs two equal chunks per rank, got {q.shape[2]}")
+        out: torch.Tensor = _Ring.apply(q, k, v, self)
+        return out
+
+    # ------------------------------------------------------------ block pairs
+
+    def _visible(self, a: int, b: int) -> str:
+        """How query chunk ``a`` sees key chunk ``b``: full, diag or none."""
+        if not self.causal or b < a:
+            return "full"
+        return "diag" if a == b else "none"
+
+    def attend(
+        self, q: torch.Tensor, kv: torch.Tensor, src: int, o: torch.Tensor, lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge the local queries' attention over rank ``src``'s block ``kv``
+        ``(2, b, kv_heads, local, d)`` into ``(o, lse)``."""
+        cp, me, heads = self.group.size, self.group.index, q.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qc, oc, lc = q.chunk(2, 2), list(o.chunk(2, 2)), list(lse.chunk(2, 2))
+        kc = expand_kv(kv[0], heads).chunk(2, 2)  # (b, heads, c, d) each
+        vc = expand_kv(kv[1], heads).chunk(2, 2)
+        for i, a in enumerate(chunk_ids(self.layout, cp, me)):
+            for j, b in enumerate(chunk_ids(self.layout, cp, src)):
+                how = self._visible(a, b)
+                if how == "none":
+                    continue
+                ob, lb = block_forward(qc[i], kc[j], vc[j], how == "diag", scale, self.impl)
+                oc[i], lc[i] = merge(oc[i], lc[i], ob, lb)
+                n = qc[i].shape[2]
+                self.pairs += q.shape[0] * heads * (n * n if how == "full" else n * (n + 1) // 2)
+        return torch.cat(oc, 2), torch.cat(lc, 2)
+
+    def attend_backward(
+        self,
+        saved: tuple[torch.Tensor, ...],
+        kv: torch.Tensor,
+        src: int,
+        dq: torch.Tensor,
+    ) -> torch.Tensor:
+        """Add the local queries' gradient against block ``kv`` of rank ``src`` into
+        ``dq`` and return that block's dK/dV contribution ``(2, b, kv_heads, local, d)``."""
+        dout, q, out, lse = saved
+        cp, me, heads, hk = self.group.size, self.group.index, q.shape[1], kv.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kc = expand_kv(kv[0], heads).chunk(2, 2)
+        vc = expand_kv(kv[1], heads).chunk(2, 2)
+        dk = [torch.zeros_like(kc[0]), torch.zeros_like(kc[1])]
+        dv = [torch.zeros_like(vc[0]), torch.zeros_like(vc[1])]
+        dqc = dq.chunk(2, 2)
+        parts = [t.chunk(2, 2) for t in (dout, q, out, lse)]
+        for i, a in enumerate(chunk_ids(self.layout, cp, me)):
+            for j, b in enumerate(chunk_ids(self.layout, cp, src)):
+                how = self._visible(a, b)
+                if how == "none":
+                    continue
+                g_q, g_k, g_v = block_backward(
+                    parts[0][i],
+                    parts[1][i],
+                    kc[j],
+                    vc[j],
+                    parts[2][i],
+                    parts[3][i],
+                    how == "diag",
+                    scale,
+                    self.impl,
+                )
+                dqc[i].add_(g_q)
+                dk[j] += g_k
+                dv[j] += g_v
+        return torch.stack((reduce_kv(torch.cat(dk, 2), hk), reduce_kv(torch.cat(dv, 2), hk)))
+
+
+def _exchange(
+    ring: RingAttention, send: torch.Tensor, recv: torch.Tensor, tag: int, step: int
+) -> list[Handle]:
+    """Post the send of ``send`` to the next rank and the receive of ``recv`` from the
+    previous one (asynchronous; wait on the handles)."""
+    g = ring.group
+    nxt, prv = (g.index + 1) % g.size, (g.index - 1) % g.size
+    ring._event("post", step)
+    return [comm.isend(send, g, nxt, tag=tag), comm.irecv(recv, g, prv, tag=tag)]
+
+
+def _wait(ring: RingAttention, handles: list[Handle], step: int) -> None:
+    for h in handles:
+        h.wait()
+    ring._event("wait", step)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention
+    ) -> torch.Tensor:
+        cp, me = ring.group.size, ring.group.index
+        cur = torch.stack((k, v))  # (2, b, kv_heads, local, d): one message per block
+        nxt = torch.empty_like(cur)
+        o = torch.zeros_like(q, dtype=acc_dtype(q))  # (b, heads, local, d), merged in >= fp32
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=o.dtype, device=q.device)
+        for t in range(cp):
+            handles = _exchange(ring, cur, nxt, KV_TAG, t + 1) if t < cp - 1 else []
+            ring._event("compute_start", t)
+            o, lse = ring.attend(q, cur, (me - t) % cp, o, lse)
+            ring._event("compute_end", t)
+            _wait(ring, handles, t + 1)
+            cur, nxt = nxt, cur
+        o = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.ring = ring
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring: RingAttention = ctx.ring
+        cp, me = ring.group.size, ring.group.index
+        saved = (dout.contiguous(), q, out, lse)
+        dq = torch.zeros_like(q)
+        own = torch.stack((k, v))
+        if cp == 1:
+            dkv = ring.attend_backward(saved, own, me, dq)
+            return dq, dkv[0], dkv[1], None
+        cur, nxt = torch.empty_like(own), torch.empty_like(own)
+        kv_handles = _exchange(ring, own, cur, KV_TAG, 0)  # block of r - 1 for step 0
+        acc_in = torch.empty_like(own)
+        acc_out = torch.empty_like(own)
+        sent: list[Handle] = []
+        for t in range(cp - 1):  # blocks of r-1, r-2, ..., r+1
+            _wait(ring, kv_handles, t)
+            kv_handles = _exchange(ring, cur, nxt, KV_TAG, t + 1) if t < cp - 2 else []
+            acc_h = [comm.irecv(acc_in, ring.group, (me - 1) % cp, tag=GRAD_TAG)] if t else []
+            ring._event("compute_start", t)
+            part = ring.attend_backward(saved, cur, (me - 1 - t) % cp, dq)
+            ring._event("compute_end", t)
+            for h in sent + acc_h:  # acc_out is free again; the partial sum arrived
+                h.wait()
+            acc_out.copy_(part + acc_in if t else part)
+            sent = [comm.isend(acc_out, ring.group, (me + 1) % cp, tag=GRAD_TAG)]
+            if t < cp - 2:
+                cur, nxt = nxt, cur
+        final = comm.irecv(acc_in, ring.group, (me - 1) % cp, tag=GRAD_TAG)
+        ring._event("compute_start", cp - 1)
+        mine = ring.attend_backward(saved, own, me, dq)
+        ring._event("compute_end", cp - 1)
+        final.wait()
+        for h in sent:
+            h.wait()
+        dkv = mine + acc_in
+        return dq, dkv[0], dkv[1], None
