@@ -273,13 +273,12 @@ class ParallelModel(nn.Module):
             )
         else:
             note = "plain data parallel (bucketed all-reduce)"
+            if self.compressor is not None:
+                note += f", {self.compressor.describe()}"
         tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
         if cp > 1 and self.context is not None:
             kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
             note = f"context parallel cp {cp} ({kind}); {note}"
-            if self.compressor is not None:
-                note += f", {self.compressor.describe()}"
-        tp = self.mesh.size("tp")
         if tp > 1:
             note = f"tensor parallel tp {tp} (vocabulary-parallel loss); {note}"
         if self.pipeline is not None:
