@@ -31,6 +31,7 @@ PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 AttentionKind = Literal["sdpa", "blockwise"]
 CPAttention = Literal["ring", "ulysses"]
+Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
 
 
@@ -191,6 +192,16 @@ class ParallelConfig:
     """Gradient bucket size in MiB for the overlapped data-parallel all-reduce."""
     find_unused_parameters: bool = False
     """Treat parameters that get no gradient as zero gradients instead of refusing."""
+    compression: Compression = "none"
+    """Gradient compression over dp (plain data parallelism only): 'fp16' / 'bf16' (cast,
+    all-reduce, cast back), 'topk' (largest entries, error feedback) or 'powersgd'
+    (low-rank, error feedback); see docs/compression.md."""
+    compression_ratio: float = 0.01
+    """topk: the fraction rho of each bucket's entries sent per step, in (0, 1]."""
+    compression_rank: int = 4
+    """powersgd: the approximation rank r (>= 1) of each matrix-shaped gradient."""
+    compression_start: int = 0
+    """Plain (uncompressed) steps before compression begins (PowerSGD's start_iter)."""
     backend: Backend = "auto"
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0
@@ -231,6 +242,24 @@ class ParallelConfig:
             )
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}.")
+        if self.compression not in ("none", "fp16", "bf16", "topk", "powersgd"):
+            raise ConfigError(
+                "parallel.compression must be none, fp16, bf16, topk or powersgd, got "
+                f"{self.compression!r}."
+            )
+        if not 0.0 < self.compression_ratio <= 1.0:
+            raise ConfigError(
+                f"parallel.compression_ratio must be in (0, 1], got {self.compression_ratio} "
+                "(the fraction of gradient entries top-k sends, e.g. 0.01)."
+            )
+        if self.compression_rank < 1:
+            raise ConfigError(
+                f"parallel.compression_rank must be >= 1, got {self.compression_rank}."
+            )
+        if self.compression_start < 0:
+            raise ConfigError(
+                f"parallel.compression_start must be >= 0, got {self.compression_start}."
+            )
 
     def resolved_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of ``world_size`` ranks."""

@@ -67,6 +67,7 @@ def check_run(cfg: Config, world_size: int) -> None:
     if p.pp > 1:
         check_pipeline(cfg, dp)
     check_zero(cfg, dp * p.cp)  # ZeRO shards over dp x cp (replicas of the parameters)
+    check_compression(cfg)
     micro = cfg.micro_batch(world_size)
     if t.global_batch % (dp * micro):
         raise ConfigError(
@@ -116,6 +117,30 @@ def check_context(cfg: Config) -> None:
             f"sequence parallelism splits each cp shard of seq_len / cp = {seq // cp} "
             f"tokens over tp = {tp} ranks; train.seq_len must be divisible by cp x tp = "
             f"{cp * tp}{' x 2 (ring)' if p.cp_attention == 'ring' else ''}."
+        )
+
+
+def check_compression(cfg: Config) -> None:
+    """Gradient compression needs plain data parallelism: the ZeRO wrapper (stages 1-3,
+    and stage 0 under mixed precision) reduce-scatters flat shards to their owners, which
+    a top-k or low-rank message cannot feed."""
+    p = cfg.parallel
+    if p.compression == "none":
+        return
+    if p.zero > 0:
+        raise ConfigError(
+            f"parallel.compression = {p.compression!r} works with plain data parallelism "
+            f"only, not with parallel.zero = {p.zero}: ZeRO reduce-scatters each gradient "
+            "shard to its owner, which a compressed all-reduce cannot feed. Use "
+            "parallel.zero = 0, or parallel.compression = 'none'."
+        )
+    if cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("auto", "fp32"):
+        raise ConfigError(
+            f"parallel.compression = {p.compression!r} needs fp32 parameters and reduction "
+            f"(precision.dtype = {cfg.precision.dtype!r}, reduce_dtype = "
+            f"{cfg.precision.reduce_dtype!r}): mixed precision reduces through the ZeRO "
+            "wrapper. For half-precision gradients on the wire use parallel.compression = "
+            "'bf16' with precision.dtype = 'fp32'."
         )
 
 

@@ -137,6 +137,30 @@ def _plan_parser() -> argparse.ArgumentParser:
     lay.add_argument(
         "--cp-attention", choices=("ring", "ulysses"), default="ring", help="attention over cp"
     )
+    lay.add_argument(
+        "--compression",
+        "--parallel.compression",
+        dest="compression",
+        choices=("none", "fp16", "bf16", "topk", "powersgd"),
+        default="none",
+        help="data-parallel gradient compression (zero 0)",
+    )
+    lay.add_argument(
+        "--compression-ratio",
+        "--parallel.compression_ratio",
+        dest="compression_ratio",
+        type=float,
+        default=0.01,
+        help="topk: fraction of gradient entries sent",
+    )
+    lay.add_argument(
+        "--compression-rank",
+        "--parallel.compression_rank",
+        dest="compression_rank",
+        type=int,
+        default=4,
+        help="powersgd: approximation rank",
+    )
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
     o = p.add_argument_group("output")
@@ -266,6 +290,9 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.chunks,
         ns.sequence_parallel,
         ns.cp_attention,
+        ns.compression,
+        ns.compression_ratio,
+        ns.compression_rank,
     )
     q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
     e = with_layout(q, layout)

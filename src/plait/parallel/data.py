@@ -13,6 +13,10 @@ left, waits for every bucket and copies the averaged gradients back into ``.grad
 Inside :meth:`DataParallel.no_sync` the hooks do nothing: gradients accumulate locally
 and the next backward outside the context reduces the accumulated sum, so k micro-steps
 cost one round of communication.
+
+With a ``compressor`` (:mod:`plait.parallel.compression`) each complete bucket goes to
+``compressor.reduce`` instead of the plain all-reduce (after the compressor's warm-up
+steps); the rest is unchanged.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import torch
 from torch import nn
 
 from plait import comm
-from plait.comm import AxisGroup, Handle
+from plait.comm import AxisGroup
 from plait.errors import PlaitError
 from plait.mesh import Mesh
+from plait.parallel.compression import Compressor, Finish
 from plait.pieces import LocalPiece
 
 
@@ -46,7 +51,11 @@ class _Bucket:
     offsets: list[int]
     buffer: torch.Tensor  # (numel,) flat gradients of every parameter in the bucket
     ready: set[int] = field(default_factory=set)  # positions whose gradient has arrived
-    handle: Handle | None = None
+    pending: Finish | None = None  # completes the launched reduction
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self.params]
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -89,6 +98,10 @@ def _make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_bytes: int) 
     return buckets
 
 
+def _no_wait() -> None:
+    """Nothing to wait for (a one-rank group's all-reduce completes at once)."""
+
+
 @torch.no_grad()
 def broadcast_module_state(module: nn.Module, group: AxisGroup) -> None:
     """Make every replica's parameters and buffers equal to the group's first rank
@@ -119,6 +132,8 @@ class DataParallel(nn.Module):
         axes: the mesh axes gradients are averaged over.
         record_events: keep :attr:`events` (gradient arrivals, bucket launches and the
             end of backward, in order) for the last backward pass.
+        compressor: reduce each bucket through this gradient compressor instead of the
+            plain all-reduce (None: plain).
     """
 
     def __init__(
@@ -129,6 +144,7 @@ class DataParallel(nn.Module):
         find_unused_parameters: bool = False,
         axes: Sequence[str] = ("dp",),
         record_events: bool = False,
+        compressor: Compressor | None = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
@@ -138,6 +154,7 @@ class DataParallel(nn.Module):
         self.group: AxisGroup = mesh.axis(*axes)
         self.find_unused_parameters = find_unused_parameters
         self.record_events = record_events
+        self.compressor = compressor
         self.events: list[tuple[str, Any]] = []
         self._sync = True
         self._in_backward = False
@@ -177,7 +194,12 @@ class DataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.handle = comm.all_reduce(bucket.buffer, self.group, op="sum", async_op=True)
+        c = self.compressor
+        if c is not None and c.active:
+            bucket.pending = c.reduce(bucket.index, bucket.buffer, bucket.shapes, self.group)
+        else:
+            handle = comm.all_reduce(bucket.buffer, self.group, op="sum", async_op=True)
+            bucket.pending = handle.wait if handle is not None else _no_wait
         if self.record_events:
             self.events.append(("launch", bucket.index))
 
@@ -190,14 +212,14 @@ class DataParallel(nn.Module):
             b.names[i]
             for b in self.buckets
             for i in range(len(b.params))
-            if b.handle is None and i not in b.ready
+            if b.pending is None and i not in b.ready
         ]
         if missing and not self.find_unused_parameters:
             for b in self.buckets:  # leave a clean state for the next pass
                 b.ready.clear()
-                if b.handle is not None:
-                    b.handle.wait()
-                    b.handle = None
+                if b.pending is not None:
+                    b.pending()
+                    b.pending = None
             raise UnusedParametersError(
                 f"{len(missing)} parameter(s) received no gradient in this backward pass: "
                 f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every rank "
@@ -205,21 +227,23 @@ class DataParallel(nn.Module):
                 "zeros for them, or set requires_grad=False on parameters that are never used."
             )
         for b in self.buckets:
-            if b.handle is None:
+            if b.pending is None:
                 for i in range(len(b.params)):
                     if i not in b.ready:
                         b.view(i).zero_()
                 self._launch(b)
         for b in self.buckets:
-            assert b.handle is not None
-            b.handle.wait()
+            assert b.pending is not None
+            b.pending()
             for i, p in enumerate(b.params):
                 if p.grad is None:
                     p.grad = b.view(i).clone()
                 else:
                     p.grad.copy_(b.view(i))
             b.ready.clear()
-            b.handle = None
+            b.pending = None
+        if self.compressor is not None:
+            self.compressor.end_step()
         if self.record_events:
             self.events.append(("synced", None))
 

@@ -20,7 +20,8 @@ file never changes) in this fixed order (docs/api.md describes it too):
    with fp32 parameters and reduction -> :class:`~plait.parallel.data.DataParallel`
    (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
    reduction dtype) -> ``ZeroDataParallel`` at stage 0 (replicated, but flattened so the
-   optimizer holds fp32 masters).
+   optimizer holds fp32 masters). Gradient compression (``parallel.compression``) plugs
+   into ``DataParallel``'s buckets and needs the plain path.
 
 The result, a :class:`ParallelModel`, holds all a training step needs: the wrapped
 module, the loss that fits the layout (vocabulary-parallel when tp > 1, so the full
@@ -50,7 +51,9 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.config import Config, ParallelConfig, PrecisionConfig
+from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import ContextLayout, apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32, split_for_pipeline
@@ -119,6 +122,12 @@ class ParallelModel(nn.Module):
     def zero(self) -> ZeroDataParallel | None:
         """The ZeRO wrapper (None under plain data parallelism)."""
         return self.module if isinstance(self.module, ZeroDataParallel) else None
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The gradient compressor of plain data parallelism (None: plain all-reduce).
+        Its per-rank state (error feedback, PowerSGD's Q) is saved with checkpoints."""
+        return self.module.compressor if isinstance(self.module, DataParallel) else None
 
     @property
     def stages(self) -> PipelineStages | None:
@@ -264,6 +273,8 @@ class ParallelModel(nn.Module):
             )
         else:
             note = "plain data parallel (bucketed all-reduce)"
+            if self.compressor is not None:
+                note += f", {self.compressor.describe()}"
         tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
         if cp > 1 and self.context is not None:
             kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
@@ -297,6 +308,7 @@ def parallelize(
     precision: PrecisionConfig | str | None = None,
     loss_fn: LossFn | None = None,
     ignore_index: int = IGNORE_INDEX,
+    compressor: Compressor | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -308,7 +320,8 @@ def parallelize(
     ulysses), ``recompute`` (none / selective /
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
-    ``ignore_index``). The degrees come from ``mesh``.
+    ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
+    default: the one ``parallel.compression`` names). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -374,6 +387,18 @@ def parallelize(
         and not policy.needs_master_weights
         and policy.grad_reduce_dtype == policy.param_dtype
     )
+    if compressor is None:
+        compressor = make_compressor(
+            p.compression,
+            ratio=p.compression_ratio,
+            rank=p.compression_rank,
+            start=p.compression_start,
+        )
+    if compressor is not None and not plain:
+        raise ConfigError(
+            f"{compressor.name} gradient compression needs plain data parallelism (zero 0, "
+            f"fp32 parameters and reduction); got zero {p.zero}, precision {precision.dtype}"
+        )
     wrapped: nn.Module
     if plain:
         wrapped = DataParallel(
@@ -382,6 +407,7 @@ def parallelize(
             bucket_mb=p.bucket_mb,
             find_unused_parameters=p.find_unused_parameters,
             axes=_data_axes(mesh),
+            compressor=compressor,
         )
     else:
         wrapped = ZeroDataParallel(

@@ -27,6 +27,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from plait.plan.activations import kv_heads_local
+from plait.plan.compression import traffic
 from plait.plan.compute import (
     attention_flops,
     block_time,
@@ -325,9 +326,11 @@ def _dp_comm(
     f = layout.shard_factor
     if layout.zero == 0:
         g = group(layout, hw, "dp+cp")
-        comm = nb * all_reduce_time(grads / nb, g.size, g.link)
         if g.size == 1:
             return 0.0, 0.0
+        if layout.compression != "none":
+            return _compressed_dp_comm(spec, layout, hw, precision, params, nb, window)
+        comm = nb * all_reduce_time(grads / nb, g.size, g.link)
         return max(comm / nb, comm - window), comm
     shard = group(layout, hw, "dp", size=f)
     replica = group(layout, hw, "dp", size=layout.dp // f, step=f)
@@ -345,6 +348,38 @@ def _dp_comm(
     m = layout.microbatches
     per_mb = max(ag / units, ag - ov * fwd) + max((ag + rs) / units, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross
+
+
+def _compressed_dp_comm(
+    spec: ModelSpec,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    params: int,
+    nb: int,
+    window: float,
+) -> tuple[float, float]:
+    """(exposed, total) seconds of compressed data-parallel traffic plus its compute
+    (:mod:`plait.plan.compression`)."""
+    g = group(layout, hw, "dp+cp")
+    c = traffic(
+        spec,
+        hw,
+        layout.compression,
+        params,
+        precision.grad_bytes,
+        g.size,
+        layout.tp,
+        layout.compression_ratio,
+        layout.compression_rank,
+    )
+    if c.op == "all_gather":
+        comm = nb * all_gather_time(c.wire_bytes / nb, g.size, g.link)
+    else:
+        comm = nb * all_reduce_time(c.wire_bytes / nb, g.size, g.link)
+    if c.overlapped:
+        return max(comm / nb, comm - window) + c.compute_s, comm + c.compute_s
+    return comm + c.compute_s, comm + c.compute_s
 
 
 def estimate(

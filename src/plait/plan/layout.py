@@ -57,6 +57,13 @@ class Layout:
     cp_attention: Literal["ring", "ulysses"] = "ring"
     """How attention spans the cp ranks: 'ring' (K/V blocks around the ring, overlapped
     with the blocks' compute) or 'ulysses' (four all-to-alls per layer and pass)."""
+    compression: str = "none"
+    """Data-parallel gradient compression: none, fp16, bf16, topk or powersgd
+    (:mod:`plait.plan.compression`)."""
+    compression_ratio: float = 0.01
+    """topk: the fraction of gradient entries sent."""
+    compression_rank: int = 4
+    """powersgd: the approximation rank."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks"):
@@ -64,6 +71,13 @@ class Layout:
                 raise ConfigError(f"layout {key} must be positive, got {getattr(self, key)}.")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"layout zero must be 0, 1, 2 or 3, got {self.zero}.")
+        if self.compression not in ("none", "fp16", "bf16", "topk", "powersgd"):
+            raise ConfigError(
+                "layout compression must be none, fp16, bf16, topk or powersgd, got "
+                f"{self.compression!r}."
+            )
+        if self.compression != "none" and self.zero:
+            raise ConfigError("gradient compression needs zero 0 (plain data parallelism).")
         f = self.zero_shard_size
         if f is not None and (f <= 0 or self.dp % f):
             raise ConfigError(
@@ -114,6 +128,9 @@ class Layout:
             schedule=schedule,
             chunks=chunks,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
+            compression=p.compression,
+            compression_ratio=p.compression_ratio,
+            compression_rank=p.compression_rank,
         )
 
     @property
@@ -147,6 +164,8 @@ class Layout:
                 s += f"(v{self.chunks})"
         if self.sequence_parallel:
             s += " sp"
+        if self.compression != "none":
+            s += f" {self.compression}"
         return s + f" rc={self.recompute}"
 
 

@@ -65,6 +65,7 @@ from plait.train.checkpoint_meta import (
 from plait.train.checkpoint_retention import prune
 from plait.train.checkpoint_start import check_start as check_start
 from plait.train.faults import restart_count
+from plait.train.rank_state import rank_state_tensors, restore_rank_state
 from plait.train.reshard import (
     CheckpointReader,
     find_checkpoint,
@@ -87,6 +88,7 @@ def _rank_payload(ts: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, An
     rank = ts.mesh.rank
     fname = rank_filename(rank)
     tensors, rng = rng_payload(ts.device)
+    tensors.update(rank_state_tensors(ts.rank_state))
     params: dict[str, dict[str, Any]] = {}
     state = ts.optimizer.inner.state
     for lp in ts.optimizer.local_pieces():
@@ -291,6 +293,7 @@ def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     ts.sched_step = int(meta["sched_step"])
     ts.sampler.load_state_dict(meta["sampler"])
     restore_rng(reader, ts.mesh.rank, ts.device)
+    restore_rank_state(ts.rank_state, meta, ts.mesh.rank, reader.tensor)
     return reader.step
 
 

@@ -18,6 +18,7 @@ import torch
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.pieces import LocalPiece
+from plait.train.rank_state import HoldsRankState
 
 
 class DescribesPieces(Protocol):
@@ -68,6 +69,8 @@ class TrainState:
     """The run's configuration (recorded in the metadata)."""
     sched_step: int = 0
     """Applied (not skipped) optimizer steps: the learning-rate schedule's clock."""
+    rank_state: HoldsRankState | None = None
+    """Per-rank state saved in the rank's own shard (the gradient compressor's)."""
 
     @property
     def device(self) -> torch.device:

@@ -164,7 +164,9 @@ class Trainer:
         self.val_sampler = BatchSampler(
             len(self.val_set), cfg.train.global_batch, dp_rank, dp, seed + 1
         )
-        self.state = TrainState(self.model, self.optimizer, self.sampler, mesh, cfg)
+        self.state = TrainState(
+            self.model, self.optimizer, self.sampler, mesh, cfg, rank_state=self.model.compressor
+        )
 
         self.params = param_count(cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)

@@ -1,0 +1,52 @@
+"""Gradient compression for data parallelism (``parallel.compression``).
+
+:class:`~plait.parallel.data.DataParallel` hands each gradient bucket to a
+:class:`Compressor` instead of the plain all-reduce. Methods:
+
+* ``fp16`` / ``bf16`` (:mod:`.cast`): cast, all-reduce, cast back; half the bytes;
+* ``topk`` (:mod:`.topk`): the ``compression_ratio`` largest entries per bucket as
+  (index, value) pairs over an AllGather, error feedback;
+* ``powersgd`` (:mod:`.powersgd`): rank-``compression_rank`` power iteration per matrix,
+  warm-started, error feedback.
+
+``compression_start`` plain steps run first (PowerSGD's ``start_iter``). Compression
+applies over dp only (tp/pp untouched) and only on the last micro-step of an
+accumulation (the others do not communicate). ZeRO stages reduce-scatter to shard
+owners rather than all-reduce, and mixed precision reduces through the ZeRO wrapper:
+both are refused with compression (see :func:`plait.config_checks.check_compression`).
+"""
+
+from __future__ import annotations
+
+from plait.parallel.compression.cast import CAST_DTYPES, CastCompressor
+from plait.parallel.compression.compressor import Compressor, Finish
+from plait.parallel.compression.powersgd import PowerSGDCompressor
+from plait.parallel.compression.topk import TopKCompressor
+
+METHODS = ("none", "fp16", "bf16", "topk", "powersgd")
+
+
+def make_compressor(
+    method: str, *, ratio: float = 0.01, rank: int = 4, start: int = 0, seed: int = 0
+) -> Compressor | None:
+    """The compressor for ``parallel.compression = method`` (None for ``"none"``)."""
+    if method == "none":
+        return None
+    if method in CAST_DTYPES:
+        return CastCompressor(method, start)
+    if method == "topk":
+        return TopKCompressor(ratio, start)
+    if method == "powersgd":
+        return PowerSGDCompressor(rank, start, seed=seed)
+    raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")
+
+
+__all__ = [
+    "METHODS",
+    "CastCompressor",
+    "Compressor",
+    "Finish",
+    "PowerSGDCompressor",
+    "TopKCompressor",
+    "make_compressor",
+]
