@@ -28,7 +28,8 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         "dp": int, "tp": int, "pp": int, "cp": int, "zero": int,
         "zero_shard_size": (int, type(None)),
         "micro_batch": int, "microbatches": int, "recompute": str, "schedule": str,
-        "chunks": int, "sequence_parallel": bool, "cp_attention": str, "world": int,
+        "chunks": int, "sequence_parallel": bool, "cp_attention": str, "compression": str,
+        "compression_ratio": float, "compression_rank": int, "world": int,
     },
     "global_batch": int,
     "memory_bytes": {
