@@ -188,6 +188,22 @@ def test_init_mesh_without_a_world_refuses_more_ranks() -> None:
         init_mesh(tp=3)
 
 
+def test_init_mesh_under_a_launcher_refuses_a_bad_layout_before_joining(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun's variables describe a world of 4; tp=3 is refused with the numbers
+    before any rendezvous (which would wait for three ranks that never come)."""
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert comm.launched_world() == (0, 4)
+    with pytest.raises(ConfigError, match=r"does not divide the world size 4"):
+        init_mesh(tp=3)
+    assert not comm.world_initialized()
+    monkeypatch.delenv("MASTER_PORT")
+    assert comm.launched_world() is None  # an incomplete description is no launcher
+
+
 def _body_refuse(ctx: WorkerContext) -> list[tuple[str, str]]:
     out = []
     for degrees in ({"dp": 3}, {"tp": 3}, {"dp": 2, "tp": 1}, {"dp": 0, "tp": 4}):

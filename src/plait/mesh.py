@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -225,18 +226,31 @@ def init_mesh(
     timeout_s: float = 300.0,
     device: torch.device | str | None = None,
 ) -> Mesh:
-    """Build the mesh of this process over the already-joined world.
+    """Build the mesh of this process over its world.
+
+    Under ``torchrun`` (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT) with no process group yet, it joins the launcher's world first, as
+    ``torch.distributed.device_mesh.init_device_mesh`` does: NCCL when ``device`` is
+    CUDA (``"cuda"`` alone means this process's ``LOCAL_RANK`` device), gloo otherwise.
+    A world joined before (``init_process_group``, a test pool) is used as it is.
+    Without a launcher the mesh has one rank and no process groups.
 
     ``dp`` defaults to the world size divided by ``tp * pp * cp``. Degrees whose product
-    is not the world size are refused with the numbers. Without a world (one process,
-    nothing initialised) the mesh has one rank and no process groups.
+    is not the world size are refused with the numbers (before joining a world).
     """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    launched = comm.launched_world()
+    if launched is not None and not comm.world_initialized():
+        check_world(dp, tp, pp, cp, launched[1])  # refuse a bad layout before joining
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        comm.join_launched_world(dev.type, timeout_s=timeout_s)
     world = comm.world_size()
     rank = comm.world_rank()
     layout = MeshLayout(dp=check_world(dp, tp, pp, cp, world), pp=pp, cp=cp, tp=tp)
-    if device is None:
-        device = torch.device("cpu")
-    mesh = Mesh(layout=layout, rank=rank, timeout_s=timeout_s, device=torch.device(device))
+    mesh = Mesh(layout=layout, rank=rank, timeout_s=timeout_s, device=dev)
     for name in AXES:  # every rank creates its single-axis groups in the same order
         mesh.axis(name)
     return mesh

@@ -6,6 +6,7 @@ This module and :mod:`plait.comm.ops` are the only places in plait that call
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -54,6 +55,36 @@ def init_world(
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (and any ``env://`` launcher: Slurm with torchrun, Ray Train, ...) sets
+for each process it starts."""
+
+
+def launched_world() -> tuple[int, int] | None:
+    """``(rank, world size)`` that a launcher gave this process, or None when it was not
+    started by one (the launcher's variables are the world's description, as
+    ``torch.distributed.device_mesh.init_device_mesh`` reads them too)."""
+    if not all(os.environ.get(k) for k in LAUNCHER_VARIABLES):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join_launched_world(device_type: str, timeout_s: float = 300.0) -> bool:
+    """Join the launcher's world when there is one and no process group exists yet:
+    NCCL on CUDA, gloo otherwise. Returns whether it joined (and then leaves the world
+    at exit). Without a launcher, or with a group already joined, it does nothing."""
+    if world_initialized():
+        return False
+    launched = launched_world()
+    if launched is None:
+        return False
+    rank, size = launched
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    init_world(backend, rank, size, "env://", timeout_s=timeout_s)
+    atexit.register(destroy_world)
+    return True
 
 
 def world_initialized() -> bool:

@@ -221,9 +221,28 @@ def check_tensor_parallel(
         check_sequence_length(seq_len, tp)
 
 
+INPUT_KEYWORDS = ("hidden_states", "x", "input", "inputs")
+"""Keyword names a region's input may be passed under (Hugging Face modules are called
+as ``module(hidden_states=...)``); otherwise the first tensor keyword argument."""
+
+
 def _entry_hook(group: AxisGroup, sp: bool) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (enter_region(args[0], group, sp), *args[1:])  # (b, s, h) on every rank
+    """A forward pre-hook (``with_kwargs``) entering the region with its input: the first
+    positional argument, or the input passed by keyword."""
+
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (enter_region(args[0], group, sp), *args[1:]), kwargs  # (b, s, h)
+        keys = [k for k in INPUT_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor)]
+        keys += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if not keys:
+            raise TypeError(
+                f"tensor-parallel region {type(module).__name__} was called without a tensor "
+                "input (no positional argument and no tensor keyword argument)"
+            )
+        return args, {**kwargs, keys[0]: enter_region(kwargs[keys[0]], group, sp)}
 
     return hook
 
@@ -251,7 +270,7 @@ def apply_tensor_parallel(
         m = model.get_submodule(name)
         new: nn.Module | None = None
         if style == "region":
-            m.register_forward_pre_hook(_entry_hook(group, sp))
+            m.register_forward_pre_hook(_entry_hook(group, sp), with_kwargs=True)
         elif style == "replicate":
             for p in m.parameters(recurse=False):
                 set_shard_info(p, TPShard.replicated(tp))
