@@ -114,8 +114,7 @@ def _devices(ray: Any, cfg: Config, world: int) -> int:
     have = float(ray.cluster_resources().get("GPU", 0.0))
     if want == "cuda" and have < world:
         raise ConfigError(
-            f"launch.device cuda on Ray: {world} ranks need {world} GPUs, the cluster has "
-            f"{have:g}."
+            f"launch.device cuda on Ray: {world} ranks need {world} GPUs, the cluster has {have:g}."
         )
     return 1 if have >= world else 0
 
@@ -189,7 +188,7 @@ class RayJob:
             done, pending = self.ray.wait(pending, num_returns=1)
             try:
                 self.summaries[refs[done[0]]] = self.ray.get(done[0])
-            except Exception as e:  # noqa: BLE001  (every rank's failure is reported)
+            except Exception as e:
                 failures[refs[done[0]]] = _failure_text(e)
                 # the others fail at once (closed sockets) or after the comm timeout;
                 # give them a moment to say why, then stop them
@@ -197,7 +196,7 @@ class RayJob:
                 for ref in more:
                     try:
                         self.ray.get(ref)
-                    except Exception as e2:  # noqa: BLE001
+                    except Exception as e2:
                         failures[refs[ref]] = _failure_text(e2)
                 break
         self.stop()
@@ -242,11 +241,14 @@ def launch_ray(cfg: Config, world: int, say: Say | None = None) -> dict[str, Any
                     raise LaunchError({r: t for r, (t, _) in failures.items()})
                 n += 1
                 attempt_cfg = restart_config(cfg, before)
-                src = attempt_cfg.train.resume
+                how = (
+                    "from the latest checkpoint"
+                    if attempt_cfg.train.resume
+                    else "from the start (no checkpoint yet)"
+                )
                 tell(
-                    f"plait: {_describe(failures)}; restarting every rank (restart {n} of "
-                    f"{restarts}), "
-                    + ("from the latest checkpoint" if src else "from the start (no checkpoint yet)")
+                    f"plait: {_describe(failures)}; restarting every rank "
+                    f"(restart {n} of {restarts}), {how}"
                 )
         finally:
             job.close()
