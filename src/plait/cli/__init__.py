@@ -10,6 +10,7 @@ bench       benchmarks: ``plait bench comm | calibrate``      :mod:`plait.cli.be
 ps-train    parameter-server training (sync/async/bounded)   :mod:`plait.cli.ps`
 checkpoint  checkpoint info | consolidate                    :mod:`plait.cli.checkpoint`
 pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pipeline`
+tune        hyperparameter search on Ray Tune                :mod:`plait.cli.tune`
 ==========  ===============================================  =========================
 
 Each sub-command is a function taking the arguments after its name and returning an
@@ -73,6 +74,12 @@ def _pipeline() -> Command:
     return pipeline_main
 
 
+def _tune() -> Command:
+    from plait.cli.tune import tune_main
+
+    return tune_main
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
     "plan": (_plan, "predict memory and step time; search layouts"),
@@ -81,6 +88,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "ps-train": (_ps_train, "parameter-server training (sync/async/bounded)"),
     "checkpoint": (_checkpoint, "checkpoint info | consolidate"),
     "pipeline": (_pipeline, "pipeline schedules: draw | show"),
+    "tune": (_tune, "hyperparameter search on Ray Tune (each trial a multi-rank run)"),
 }
 """Sub-command name -> (the function that imports and returns it, one-line help)."""
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,14 @@ from plait.ps.server import (
     _flat_params,
     _load,
 )
+
+
+def _tensor(arr: Any) -> torch.Tensor:
+    """A read-only array from the object store as a tensor, without a copy (only read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+        return torch.as_tensor(arr)
+
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -124,7 +133,7 @@ class ShardServer:
         ``read``); returns when answered: (version, [reference], whether to go on)."""
         if self._cond is None:
             self._cond = asyncio.Condition()
-        g = torch.as_tensor(grad)  # (shard,)
+        g = _tensor(grad)  # (shard,)
         self.res.worker_steps[worker] += 1
         if self.cfg.mode == "async":
             self._apply([g], [Applied(worker, step, read, self.version)])
@@ -197,7 +206,7 @@ class PSWorker:
         while go:
             shards = self._get([r[1][0] for r in replies], "a weights fetch")
             for (lo, hi), arr in zip(self.bounds, shards, strict=True):
-                _load(params, torch.as_tensor(arr), lo, hi)
+                _load(params, _tensor(arr), lo, hi)
             read = [int(r[0]) for r in replies]  # versions of the weights read
             self.model.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.model, self.index, step)
