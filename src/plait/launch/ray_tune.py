@@ -238,13 +238,13 @@ def run_search(
     )
     grid = tuner.fit()
     rows = []
-    for r in grid:
+    for r in (grid[i] for i in range(len(grid))):
         m = r.metrics or {}
         status = "error" if r.error else ("done" if m.get("step") == steps else "stopped")
         loss = float(m.get("loss", math.nan))
         rows.append(
             TrialRow(
-                dict(r.config["search"]),
+                dict((r.config or {}).get("search", {})),
                 loss,
                 float(m.get("tokens_per_s", math.nan)),
                 int(m.get("step", 0)),

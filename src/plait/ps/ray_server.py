@@ -188,8 +188,11 @@ class PSWorker:
             return list(ray.get(refs, timeout=self.timeout_s))
         except GetTimeoutError:
             raise CommTimeoutError(
-                f"parameter-server worker {self.index}: no reply to {what} within "
-                f"{self.timeout_s:g} s"
+                len(self.servers) + self.index,
+                "ps",
+                what,
+                self.timeout_s,
+                f"parameter-server worker {self.index} got no reply from the servers",
             ) from None
 
     def run(self) -> PSResult:
@@ -259,13 +262,13 @@ def train_parameter_server_ray(
     params = _flat_params(model)
     flat = torch.cat([p.detach().reshape(-1) for p in params])  # (numel,)
     bounds = _bounds(flat.numel(), config.servers)
-    server_cls = ray.remote(ShardServer).options(num_cpus=cpus_per_actor)
-    worker_cls = ray.remote(PSWorker).options(num_cpus=cpus_per_actor)
-    servers = [
+    server_cls: Any = ray.remote(ShardServer).options(num_cpus=cpus_per_actor)
+    worker_cls: Any = ray.remote(PSWorker).options(num_cpus=cpus_per_actor)
+    servers: list[Any] = [
         server_cls.remote(s, flat[lo:hi].clone(), make_optimizer, config, workers)
         for s, (lo, hi) in enumerate(bounds)
     ]
-    actors = [
+    actors: list[Any] = [
         worker_cls.remote(w, make_model, loss_fn, bounds, servers, timeout_s)
         for w in range(workers)
     ]
