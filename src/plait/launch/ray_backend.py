@@ -190,9 +190,10 @@ class RayJob:
                 self.summaries[refs[done[0]]] = self.ray.get(done[0])
             except Exception as e:
                 failures[refs[done[0]]] = _failure_text(e)
-                # the others fail at once (closed sockets) or after the comm timeout;
-                # give them a moment to say why, then stop them
-                more, pending = self.ray.wait(pending, num_returns=len(pending), timeout=2.0)
+                # the others fail at once (closed sockets) or after the comm timeout; give
+                # them up to 10 s to say why (a killed rank's death can be reported after
+                # its peers' errors), then stop them
+                more, pending = self.ray.wait(pending, num_returns=len(pending), timeout=10.0)
                 for ref in more:
                     try:
                         self.ray.get(ref)
