@@ -54,10 +54,11 @@ RUN = [
 ]
 STEPS, KILL_STEP = 12, 7
 RAY_WITH_HOOK = (
-    "import json, logging, os, sys\n"
+    "import json, logging, os, shutil, sys\n"
     "import ray\n"
     "from plait.launch.ray_session import short_temp_dir\n"
-    "ray.init(num_cpus=max(4, os.cpu_count()), _temp_dir=str(short_temp_dir()),\n"
+    "d = short_temp_dir()\n"
+    "ray.init(num_cpus=max(4, os.cpu_count()), _temp_dir=str(d),\n"
     "         include_dashboard=False, logging_level=logging.WARNING,\n"
     "         runtime_env={'worker_process_setup_hook': 'tests.launch.ray_faults.install',\n"
     "                      'env_vars': {'PLAIT_TEST_KILL': sys.argv[1],\n"
@@ -65,6 +66,7 @@ RAY_WITH_HOOK = (
     "from plait.cli import main\n"
     "code = main(sys.argv[2:])\n"
     "ray.shutdown()\n"
+    "shutil.rmtree(d, ignore_errors=True)\n"
     "sys.exit(code)\n"
 )
 
@@ -145,7 +147,7 @@ def recovery(launcher: str, world: int, env: dict[str, str], step_s: float) -> f
 
 def torchtrainer_startup(env: dict[str, str]) -> float:
     code = (
-        "import logging, os, time, ray\n"
+        "import logging, os, shutil, time, ray\n"
         "from ray.train import RunConfig, ScalingConfig\n"
         "from ray.train.torch import TorchTrainer\n"
         "from plait.launch.ray_session import short_temp_dir\n"
@@ -159,6 +161,7 @@ def torchtrainer_startup(env: dict[str, str]) -> float:
         "'/train', name='bench')).fit()\n"
         "print('SECONDS', time.perf_counter() - t)\n"
         "ray.shutdown()\n"
+        "shutil.rmtree(d, ignore_errors=True)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     for line in r.stdout.splitlines():

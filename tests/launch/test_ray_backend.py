@@ -157,3 +157,15 @@ def test_a_bad_address_is_one_line_and_exit_2() -> None:
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("plait: error: launch.ray_address 127.0.0.1:9")
+
+
+def test_relative_paths_are_made_absolute_against_the_driver(tmp_path: Path) -> None:
+    from plait.launch.ray_backend import absolute_paths
+
+    cfg = Config()
+    cfg.train.checkpoint_dir, cfg.log.metrics, cfg.train.resume = "ck", "m.jsonl", "latest"
+    got = absolute_paths(cfg, tmp_path)
+    assert got.train.checkpoint_dir == str(tmp_path / "ck")
+    assert got.log.metrics == str(tmp_path / "m.jsonl")
+    assert got.train.resume == "latest" and got.data.source == "stdlib"
+    assert absolute_paths(got, Path("/elsewhere")).train.checkpoint_dir == str(tmp_path / "ck")

@@ -68,6 +68,33 @@ def restart_config(cfg: Config, before: str | None) -> Config:
     return dataclasses.replace(cfg, train=train)
 
 
+def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
+    """``cfg`` with its relative file and folder paths made absolute against the driver's
+    working directory (``cwd``; default: this process's): a Ray actor runs in a folder of
+    Ray's choosing, where a relative ``ck`` would name another place."""
+    base = Path.cwd() if cwd is None else cwd
+
+    def fix(value: str | None, keep: tuple[str, ...] = ()) -> str | None:
+        if value is None or value in keep or Path(value).is_absolute():
+            return value
+        return str(base / value)
+
+    t, log, data = cfg.train, cfg.log, cfg.data
+    train = dataclasses.replace(
+        t,
+        checkpoint_dir=fix(t.checkpoint_dir),
+        resume=fix(t.resume, ("latest", "auto")),
+        init_from=fix(t.init_from),
+    )
+    log = dataclasses.replace(log, metrics=fix(log.metrics), timeline=fix(log.timeline))
+    source = data.source
+    if source != "stdlib" and (base / source).exists():
+        source = str(base / source)
+    return dataclasses.replace(
+        cfg, train=train, log=log, data=dataclasses.replace(data, source=source)
+    )
+
+
 class RankActor:
     """One rank (wrapped with ``ray.remote`` when launched; Ray imports this module in the
     actor's process)."""
@@ -225,6 +252,7 @@ def launch_ray(cfg: Config, world: int, say: Say | None = None) -> dict[str, Any
     rank 0's run summary. Raises :class:`LaunchError` (the failed ranks and their errors)
     or :class:`ConfigError` (Ray missing, a bad address, too few resources, bad input)."""
     tell = say or (lambda line: print(line, flush=True))
+    cfg = absolute_paths(cfg)
     before = latest_checkpoint(cfg)
     restarts = cfg.launch.max_restarts
     with ray_session(cfg.launch.ray_address, world) as ray:
