@@ -7,7 +7,11 @@ costs milliseconds of set-up. Bodies are module-level functions named
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +42,39 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One local Ray instance (4 CPUs) for the Ray tests, shut down at the end; temporary
+    files under /tmp/plait-ray-<id> (short: Ray's Unix sockets live there), removed.
+    Its workers run ``tests/launch/ray_faults.py``'s setup hook; yields the control file
+    with which a test kills a rank (see there). Skipped without Ray."""
+    ray = pytest.importorskip("ray")
+    from plait.launch.ray_session import short_temp_dir
+
+    control = tmp_path_factory.mktemp("ray") / "kill.json"
+    root = str(Path(__file__).resolve().parents[1])  # the workers import tests.launch
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    temp = short_temp_dir()
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # no token file in the home folder
+    ray.init(
+        num_cpus=4,
+        _temp_dir=str(temp),
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={
+            "worker_process_setup_hook": "tests.launch.ray_faults.install",
+            "env_vars": {"PLAIT_TEST_KILL": str(control), "PYTHONPATH": path},
+        },
+    )
+    try:
+        yield control
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old

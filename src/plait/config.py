@@ -33,6 +33,7 @@ AttentionKind = Literal["sdpa", "blockwise"]
 CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
+LaunchBackend = Literal["local", "torchrun", "ray"]
 
 
 def _positive(section: str, **values: float | int | None) -> None:
@@ -507,11 +508,36 @@ class LaunchConfig:
     """Before starting, ask the planner (plait.plan) for this layout's per-rank memory and
     refuse one predicted not to fit the device (GPU memory, or this host's RAM shared by
     its ranks); false starts anyway."""
+    backend: LaunchBackend = "local"
+    """Who starts the ranks: 'local' (plait's launcher on this machine, or the world of
+    the torchrun that started this process), 'torchrun' (only as a rank of torchrun;
+    refused otherwise) or 'ray' (each rank a Ray actor in a placement group; needs
+    `pip install 'plait[ray]'`; alias --ray)."""
+    ray_address: str | None = None
+    """Ray cluster to join: 'auto' (the one running on this machine) or HOST:PORT; unset:
+    start a private local Ray instance for this run (temporary files under
+    /tmp/plait-ray-<id>, removed after a successful run)."""
+    max_restarts: int = 0
+    """launch.backend = 'ray': restart every rank after a rank dies or fails (a killed
+    process, a crash, a hang cut by parallel.timeout_s), at most this many times; each
+    restart resumes from the checkpoint that train.checkpoint_dir's `latest` names.
+    (Under torchrun use its own --max-restarts.)"""
 
     def __post_init__(self) -> None:
         _positive("launch", nproc=self.nproc, threads=self.threads)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"launch.device must be auto, cpu or cuda, got {self.device!r}.")
+        if self.backend not in ("local", "torchrun", "ray"):
+            raise ConfigError(
+                f"launch.backend must be local, torchrun or ray, got {self.backend!r}."
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"launch.max_restarts must not be negative, got {self.max_restarts}.")
+        if self.ray_address is not None and self.backend != "ray":
+            raise ConfigError(
+                "launch.ray_address is set but launch.backend is not 'ray'; add --ray "
+                "(--launch.backend ray) or leave the address out."
+            )
 
 
 @dataclass

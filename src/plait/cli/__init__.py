@@ -11,6 +11,7 @@ ps-train    parameter-server training (sync/async/bounded)   :mod:`plait.cli.ps`
 checkpoint  checkpoint info | consolidate                    :mod:`plait.cli.checkpoint`
 pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pipeline`
 plot        draw runs' metrics (loss, val, tokens/s, comm)   :mod:`plait.cli.plot`
+tune        hyperparameter search on Ray Tune                :mod:`plait.cli.tune`
 ==========  ===============================================  =========================
 
 Each sub-command is a function taking the arguments after its name and returning an
@@ -80,6 +81,12 @@ def _plot() -> Command:
     return plot_main
 
 
+def _tune() -> Command:
+    from plait.cli.tune import tune_main
+
+    return tune_main
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
     "plan": (_plan, "predict memory and step time; search layouts"),
@@ -89,6 +96,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "checkpoint": (_checkpoint, "checkpoint info | consolidate"),
     "pipeline": (_pipeline, "pipeline schedules: draw | show"),
     "plot": (_plot, "draw runs' metrics (loss, validation loss, tokens/s, comm) into a PNG"),
+    "tune": (_tune, "hyperparameter search on Ray Tune (each trial a multi-rank run)"),
 }
 """Sub-command name -> (the function that imports and returns it, one-line help)."""
 

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.cli.common import check_output_path
 from plait.errors import ConfigError
@@ -53,6 +53,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-work", type=int, default=0, help="its extra matmuls per step")
     p.add_argument("--timeout", type=float, default=300.0, help="comm timeout (s)")
     p.add_argument(
+        "--launch.backend",
+        dest="backend",
+        choices=("local", "ray"),
+        default="local",
+        help="'ray': servers and workers as Ray actors, weights passed by object reference",
+    )
+    p.add_argument(
+        "--ray", dest="backend", action="store_const", const="ray", help="--launch.backend ray"
+    )
+    p.add_argument(
+        "--launch.ray_address",
+        dest="ray_address",
+        default=None,
+        help="Ray cluster: 'auto' or HOST:PORT (default: a private local one)",
+    )
+    p.add_argument(
         "--records",
         metavar="DIR",
         help="each server writes every applied gradient (worker, step, read version, "
@@ -72,6 +88,8 @@ def ps_train_main(argv: Sequence[str]) -> int:
     cfg = PSConfig(args.servers, args.mode, args.staleness, args.steps)
     cfg.validate(world)  # every bad input fails here, before any process starts
     _check_args(args, world - cfg.servers)
+    if args.backend == "ray" and env is None:
+        return _run_ray(args, cfg, world)
     if env is None:
         launch_local(world, ["ps-train", *argv])
         return 0
@@ -127,6 +145,77 @@ def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) ->
             print(summary)
     finally:
         comm.destroy_world()
+
+
+def _run_ray(args: argparse.Namespace, cfg: PSConfig, world: int) -> int:
+    """The servers and workers as Ray actors (:mod:`plait.ps.ray_server`); prints the
+    same summary as the gloo version."""
+    from plait.launch.ray_session import check_address, import_ray, ray_session
+
+    import_ray()
+    if args.ray_address:
+        check_address(args.ray_address)
+    with ray_session(args.ray_address, world):
+        print(run_on_ray(args, cfg, world - cfg.servers), flush=True)
+    return 0
+
+
+def _setup(args: argparse.Namespace, workers: int) -> tuple[Any, Any, Any, Any]:
+    """(model, loss_fn, AdamW factory, validation batch) of the built-in run."""
+    import torch
+
+    from plait.config import DataConfig
+    from plait.model import Transformer, lm_loss
+    from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
+
+    model = Transformer(_model_config(args), seed=args.seed)
+    train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
+    train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
+    samplers = [
+        BatchSampler(len(train_set), args.batch * workers, w, workers, args.seed)
+        for w in range(workers)
+    ]
+    heavy = torch.ones(128, 128)
+    slow_worker, slow_work = args.slow_worker, args.slow_work
+
+    def loss_fn(m: torch.nn.Module, worker: int, step: int) -> torch.Tensor:
+        if worker == slow_worker:  # deterministic extra work, no sleeping
+            for _ in range(slow_work):
+                heavy.copy_(torch.mm(heavy, heavy).clamp_(-1, 1))
+        x, y = train_set.batch(samplers[worker].rank_indices(step))  # (batch, seq)
+        return lm_loss(m(x), y)
+
+    lr = args.lr
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    return model, loss_fn, adamw, val_set.batch(list(range(min(len(val_set), 16))))
+
+
+def run_on_ray(args: argparse.Namespace, cfg: PSConfig, workers: int) -> str:
+    """Train with server and worker actors on the connected Ray instance; the summary."""
+    import torch
+
+    from plait.model import Transformer, lm_loss
+    from plait.ps.ray_server import train_parameter_server_ray
+
+    model, loss_fn, adamw, (vx, vy) = _setup(args, workers)
+    mcfg, seed = _model_config(args), args.seed
+    t0 = time.perf_counter()
+    run = train_parameter_server_ray(
+        model, lambda: Transformer(mcfg, seed=seed), loss_fn, adamw, cfg, workers, args.timeout
+    )
+    seconds = time.perf_counter() - t0
+    if args.records:
+        for res in run.servers:
+            _write_records(Path(args.records) / f"server{res.index}.jsonl", res)
+    with torch.no_grad():
+        val_loss = float(lm_loss(model(vx), vy))
+    puts = sorted({n for p in run.puts for n in p.values()})
+    return _summary(run.servers[0], cfg, cfg.servers + workers, seconds, val_loss) + (
+        f"\n  on Ray: weights ray.put per version: {puts} (workers fetch by reference)"
+    )
 
 
 def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:

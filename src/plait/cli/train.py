@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from train.checkpoint_dir's latest checkpoint, or from PATH (sets "
         "train.resume; 'auto': latest if any, else start fresh)",
     )
+    t.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the ranks as Ray actors (same as --launch.backend ray; see docs/ray.md)",
+    )
     return t
 
 
@@ -73,12 +78,20 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         return 0
     if ns.resume:
         overrides.append(f"train.resume={ns.resume}")
+    if ns.ray:
+        overrides.append("launch.backend=ray")
     data = load_config_data(ns.config, overrides)
     notes = run_defaults(data)
     cfg = config_from_dict(data)
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     _check_device(cfg)
+    if cfg.launch.backend == "ray" and env is None:  # one line and exit 2, before any work
+        from plait.launch.ray_session import check_address, import_ray
+
+        import_ray()
+        if cfg.launch.ray_address:
+            check_address(cfg.launch.ray_address)
     if env is None:  # the launching process (or the only one) says it once
         for note in notes:
             print(f"plait: {note}", flush=True)
@@ -104,6 +117,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
 
         per_host = env.local_world_size if env is not None else world
         refuse_unless_fits(cfg, world, per_host, _cuda_device())
+    if cfg.launch.backend != "local" and env is None:
+        _check_data(cfg)
+        return _launch_backend(cfg, world)
     if env is None and world > 1:
         _check_data(cfg)  # fail here, once, before starting any process
         return launch_local(world, list(argv), cfg.train.checkpoint_dir)
@@ -156,6 +172,21 @@ def _check_device(cfg: Config) -> None:
             "device; use --device cpu (or auto), or install a CUDA build of torch on a "
             "machine with a GPU."
         )
+
+
+def _launch_backend(cfg: Config, world: int) -> int:
+    """``launch.backend`` ray (the ranks as Ray actors) or torchrun (refused outside it)."""
+    from plait.errors import ConfigError
+
+    if cfg.launch.backend == "torchrun":
+        raise ConfigError(
+            "launch.backend is 'torchrun' but this process was not started by torchrun; run "
+            "`torchrun --nproc-per-node N -m plait train ...`, or use --launch.backend local."
+        )
+    from plait.launch.ray_backend import launch_ray
+
+    launch_ray(cfg, world)
+    return 0
 
 
 def _cuda_device() -> tuple[str, float] | None:

@@ -87,6 +87,12 @@ def join_launched_world(device_type: str, timeout_s: float = 300.0) -> bool:
     return True
 
 
+def init_method_tcp(host: str, port: int) -> str:
+    """The ``init_method`` of a world that meets at rank 0's ``host:port`` (the workers'
+    own addresses, e.g. Ray actors), instead of torchrun's ``env://`` variables."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def world_initialized() -> bool:
     """Whether this process has joined a world."""
     return dist.is_available() and dist.is_initialized()

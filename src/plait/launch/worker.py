@@ -35,8 +35,11 @@ def resolve_backend(cfg: Config, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def run_rank(cfg: Config, env: RankEnv | None, show_progress: bool = True) -> dict[str, Any]:
-    """Train on this rank (``env`` None: one process, no process group)."""
+def run_rank(
+    cfg: Config, env: RankEnv | None, show_progress: bool = True, init_method: str = "env://"
+) -> dict[str, Any]:
+    """Train on this rank (``env`` None: one process, no process group). ``init_method``:
+    where the world meets (torchrun's ``env://``; Ray ranks meet at rank 0's address)."""
     from plait.train.trainer import Trainer
 
     if env is not None:  # a rank of plait's launcher or of torchrun: die with it
@@ -52,7 +55,7 @@ def run_rank(cfg: Config, env: RankEnv | None, show_progress: bool = True) -> di
             resolve_backend(cfg, device),
             env.rank,
             env.world_size,
-            "env://",
+            init_method,
             timeout_s=cfg.parallel.timeout_s,
         )
         joined = True
