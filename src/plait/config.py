@@ -30,6 +30,7 @@ NonFinite = Literal["error", "skip"]
 PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 AttentionKind = Literal["sdpa", "blockwise"]
+ModelFamily = Literal["plait", "hf-llama"]
 CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
@@ -44,7 +45,8 @@ def _positive(section: str, **values: float | int | None) -> None:
 
 @dataclass
 class ModelConfig:
-    """Size and shape of the built-in decoder-only transformer."""
+    """The model: size and shape of the built-in decoder-only transformer (the same sizes
+    build a Hugging Face Llama with family 'hf-llama'), or your own model (factory)."""
 
     vocab_size: int = 256
     """Vocabulary size; 256 for the built-in byte-level tokenizer."""
@@ -74,6 +76,16 @@ class ModelConfig:
     """Attention kernel on one device: 'sdpa' (torch's fused scaled_dot_product_attention)
     or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
     only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
+    family: ModelFamily = "plait"
+    """Which model the size fields build: 'plait' (the built-in transformer) or
+    'hf-llama' (Hugging Face transformers' LlamaForCausalLM from a LlamaConfig with these
+    sizes, randomly initialised, nothing downloaded; needs the extra plait[hf]).
+    docs/models.md maps the fields."""
+    factory: str | None = None
+    """Your own model: 'package.module:function', called as function(model_config) after
+    torch.manual_seed(train.seed); it returns an nn.Module mapping token ids (batch, seq)
+    to logits (batch, seq, vocab) or to an output with .logits. The module must be
+    importable (installed, on PYTHONPATH or in the current folder). Overrides family."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -108,6 +120,14 @@ class ModelConfig:
             raise ConfigError(
                 f"model.attention must be sdpa or blockwise, got {self.attention!r}."
             )
+        if self.family not in ("plait", "hf-llama"):
+            raise ConfigError(f"model.family must be plait or hf-llama, got {self.family!r}.")
+        if self.factory is not None:
+            module, sep, attr = self.factory.partition(":")
+            if not (sep and module.strip() and attr.strip()):
+                raise ConfigError(
+                    f"model.factory must be 'package.module:function', got {self.factory!r}."
+                )
 
     @property
     def kv_heads(self) -> int:

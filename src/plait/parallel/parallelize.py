@@ -23,7 +23,9 @@ file never changes) in this fixed order (docs/api.md describes it too):
    optimizer holds fp32 masters). Gradient compression (``parallel.compression``) plugs
    into ``DataParallel``'s buckets and needs the plain path.
 
-The result, a :class:`ParallelModel`, holds all a training step needs: the wrapped
+The model may return logits, a Hugging Face output with ``.logits`` or a tuple whose
+first element is the logits (:func:`~plait.model.factory.logits_of` picks them for the
+loss). The result, a :class:`ParallelModel`, holds all a training step needs: the wrapped
 module, the loss that fits the layout (vocabulary-parallel when tp > 1, so the full
 logits are never gathered), and the pipeline driver when pp > 1. Its :meth:`step` is the
 same call with or without a pipeline, so a user's own loop and plait's trainer are the
@@ -53,11 +55,12 @@ from plait.comm import AxisGroup
 from plait.config import Config, ParallelConfig, PrecisionConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.model.factory import logits_of
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import ContextLayout, apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32, split_for_pipeline
-from plait.parallel.pipeline.split import PipelineStages
+from plait.parallel.pipeline.split import PipelineStages, check_splittable
 from plait.parallel.precision import PrecisionPolicy
 from plait.parallel.recompute import RecomputeMode, apply_recompute
 from plait.parallel.tensor.layers import shard_info, tensor_parallel_piece
@@ -248,7 +251,7 @@ class ParallelModel(nn.Module):
         for k, (x, y) in enumerate(pairs):
             last = k == len(pairs) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                micro_loss = self.loss_fn(at_least_fp32(self.module(x)), y)
+                micro_loss = self.loss_fn(at_least_fp32(logits_of(self.module(x))), y)
                 (micro_loss * (loss_scale / micro_batches)).backward()
             total += micro_loss.detach().double() / micro_batches
         return self._dp_mean(total)
@@ -260,7 +263,7 @@ class ParallelModel(nn.Module):
             inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.evaluate(inputs, targets))
-        return self._dp_mean(self.loss_fn(at_least_fp32(self.module(inputs)), targets))
+        return self._dp_mean(self.loss_fn(at_least_fp32(logits_of(self.module(inputs))), targets))
 
     def describe(self) -> str:
         """One line: the wrappers applied, outermost last."""
@@ -316,7 +319,8 @@ def parallelize(
     ``train.recompute``, the ``precision`` section and the pipeline's profiling shape)
     or None (defaults); keyword arguments override it: ``zero`` (stage 0-3),
     ``zero_shard_size`` (hybrid factor F), ``tp_plan`` (a plan as data; default: the
-    built-in transformer's), ``sequence_parallel``, ``cp_attention`` (ring /
+    model's ``plait_tp_plan``, the shipped plan of a Hugging Face Llama or the built-in
+    transformer's), ``sequence_parallel``, ``cp_attention`` (ring /
     ulysses), ``recompute`` (none / selective /
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
@@ -356,6 +360,8 @@ def parallelize(
             if tp > 1
             else cross_entropy_loss(ignore_index)
         )
+    if pp > 1:  # refuse a model the split cannot cut, naming it, before any change
+        check_splittable(model)
     # 1. tensor (and sequence) parallelism over the tp axis.
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)

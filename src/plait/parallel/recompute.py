@@ -105,13 +105,14 @@ def apply_recompute(
 ) -> list[str]:
     """Make every block of ``model`` recompute in backward according to ``mode``.
 
-    Blocks are the modules of ``block_classes`` (default: plait's ``Block`` and torch's
-    transformer encoder/decoder layers). Returns the qualified names of the blocks
-    changed. ``mode="none"`` restores the original forwards.
+    Blocks are the modules of ``block_classes`` (default: plait's ``Block``, torch's
+    transformer encoder/decoder layers and a Hugging Face model's
+    ``_no_split_modules``). Returns the qualified names of the blocks changed.
+    ``mode="none"`` restores the original forwards.
     """
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
-    classes = tuple(block_classes) if block_classes is not None else default_block_classes()
+    classes = tuple(block_classes) if block_classes is not None else default_block_classes(model)
     names = []
     for name, m in model.named_modules():
         if not isinstance(m, classes):

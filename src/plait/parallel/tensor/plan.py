@@ -42,6 +42,7 @@ from plait.comm.group import AxisGroup
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.parallel.tensor.hf_llama_plan import HF_LLAMA_TP_PLAN, is_hf_llama
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -94,6 +95,18 @@ vocabulary-parallel."""
 _HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "rowwise_heads")
 
 
+def default_plan(model: nn.Module) -> Plan:
+    """The plan used when none is passed: the model's own ``plait_tp_plan`` attribute
+    (a factory may attach one), :data:`~plait.parallel.tensor.hf_llama_plan.
+    HF_LLAMA_TP_PLAN` for a Hugging Face Llama, else :data:`TRANSFORMER_TP_PLAN`."""
+    own = getattr(model, "plait_tp_plan", None)
+    if own is not None:
+        return tuple(own)
+    if is_hf_llama(model):
+        return HF_LLAMA_TP_PLAN
+    return TRANSFORMER_TP_PLAN
+
+
 def _matches(pattern: str, name: str) -> bool:
     p, n = pattern.split("."), name.split(".")
     return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n, strict=True))
@@ -115,9 +128,9 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
         if not hits:
             raise ConfigError(
                 f"tensor-parallel plan: {pattern!r} matches no module of the model "
-                f"({type(model).__name__}); the default plan is for plait's Transformer. "
-                "Pass parallelize(..., tp_plan=[(module pattern, style), ...]) for this "
-                "model, or use tp = 1."
+                f"({type(model).__name__}); the default plans are for plait's Transformer "
+                "and Hugging Face Llama. Pass parallelize(..., tp_plan=[(module pattern, "
+                "style), ...]) or set the model's plait_tp_plan attribute, or use tp = 1."
             )
         for n in hits:
             out.setdefault(n, style)
@@ -138,10 +151,10 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
 
 def vocab_size_of(model: nn.Module, plan: Plan | None = None) -> int:
     """The vocabulary size of ``model``'s head: the output features of the module the
-    plan (default :data:`TRANSFORMER_TP_PLAN`) marks ``vocab_head``. Call it before
+    plan (default :func:`default_plan`) marks ``vocab_head``. Call it before
     :func:`apply_tensor_parallel` (whose loss needs it); raises :class:`ConfigError`
     when the plan has no vocabulary head."""
-    styles = resolve_plan(model, TRANSFORMER_TP_PLAN if plan is None else plan)
+    styles = resolve_plan(model, default_plan(model) if plan is None else plan)
     heads = [n for n, s in styles.items() if s == "vocab_head"]
     if not heads:
         raise ConfigError(
@@ -255,7 +268,7 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard the full one-device ``model`` over ``mesh``'s tp axis in place; returns it.
 
-    ``plan`` defaults to :data:`TRANSFORMER_TP_PLAN`. Modules are replaced by their
+    ``plan`` defaults to :func:`default_plan`. Modules are replaced by their
     parallel versions (same attribute names, so parameter names do not change);
     regions get forward pre-hooks. The model's logits become vocabulary-sharded: use
     :func:`~plait.parallel.tensor.loss.vocab_parallel_loss`. Parameters are plain local shards, so
@@ -263,7 +276,14 @@ def apply_tensor_parallel(
     """
     group = mesh.axis("tp")
     tp, sp = group.size, sequence_parallel
-    styles = resolve_plan(model, TRANSFORMER_TP_PLAN if plan is None else plan)
+    plan = default_plan(model) if plan is None else plan
+    if sp and tp > 1 and plan is HF_LLAMA_TP_PLAN:
+        raise ConfigError(
+            f"sequence parallelism is not supported for {type(model).__name__}: its forward "
+            "derives positions and the causal mask from the hidden states' length, which "
+            "sequence parallelism shards; use parallel.sequence_parallel = false."
+        )
+    styles = resolve_plan(model, plan)
     replicas = _validate(model, styles, tp)  # every ConfigError is raised by here
     sharded: dict[int, nn.Parameter] = {}  # id(full weight) -> shard (tied weights)
     for name, style in styles.items():
@@ -307,7 +327,40 @@ def apply_tensor_parallel(
         if new is not None:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
+    _set_heads_per_rank(model, styles)
     return model
+
+
+def _set_heads_per_rank(model: nn.Module, styles: dict[str, Style]) -> None:
+    """Attention modules that keep head counts as attributes get this rank's counts.
+
+    Hugging Face attention reads ``num_key_value_groups`` (query heads per key/value
+    head) and, in older versions, ``num_heads``, ``num_key_value_heads`` and
+    ``hidden_size`` (heads x head_dim, for the output reshape); each one the module has
+    is set from the sharded projections' rows. Modules that read the counts from
+    tensor shapes (plait's own ``Attention``) have none of them and are left alone.
+    """
+    local: dict[str, dict[str, int]] = {}
+    for name, style in styles.items():
+        if style not in ("colwise_heads", "colwise_kv_heads"):
+            continue
+        parent = name.rpartition(".")[0]
+        weight = model.get_submodule(name).weight  # (local heads x head_dim, dim)
+        local.setdefault(parent, {})[style] = weight.shape[0] // _head_dim(model, name)
+    for parent_name, counts in local.items():
+        parent = model.get_submodule(parent_name)
+        q, kv = counts.get("colwise_heads"), counts.get("colwise_kv_heads")
+        values: dict[str, int] = {}
+        if q is not None:
+            values.update(num_heads=q, hidden_size=q * int(parent.head_dim))
+        if kv is not None:
+            values["num_key_value_heads"] = kv
+        if q is not None and kv is not None:
+            values["num_key_value_groups"] = q // kv
+        for attr, v in values.items():
+            old = getattr(parent, attr, None)
+            if isinstance(old, int) and not isinstance(old, bool):
+                setattr(parent, attr, v)
 
 
 @torch.no_grad()

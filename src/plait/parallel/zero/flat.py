@@ -19,7 +19,7 @@ becomes a view into the unit's flat buffer, so model code is untouched.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,17 +33,26 @@ ROOT = "<root>"
 """Name of the root unit (parameters outside every wrapped module, and shared ones)."""
 
 
-def default_block_classes() -> tuple[type[nn.Module], ...]:
-    """Module classes treated as transformer blocks: plait's ``Block`` and torch's
-    ``TransformerEncoderLayer`` / ``TransformerDecoderLayer``."""
+def default_block_classes(model: nn.Module | None = None) -> tuple[type[nn.Module], ...]:
+    """Module classes treated as transformer blocks: plait's ``Block``, torch's
+    ``TransformerEncoderLayer`` / ``TransformerDecoderLayer`` and, given ``model``, the
+    classes a Hugging Face model names in ``_no_split_modules`` (its decoder layers,
+    e.g. ``LlamaDecoderLayer``)."""
     from plait.model.transformer import Block
 
-    return (Block, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    classes: list[type[nn.Module]] = [Block, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer]
+    declared = set(getattr(model, "_no_split_modules", None) or ()) if model is not None else set()
+    if declared:
+        for m in model.modules():  # type: ignore[union-attr]
+            if type(m).__name__ in declared and type(m) not in classes:
+                classes.append(type(m))
+    return tuple(classes)
 
 
 def default_unit_names(model: nn.Module) -> list[str]:
     """The default units: every transformer block and embedding, plus each top-level
-    child that holds parameters outside those (the output head, typically).
+    child that holds parameters outside those (the output head, typically; the
+    elements of a top-level ``ModuleList`` / ``ModuleDict`` count as top-level).
 
     For plait's ``Transformer``: ``tok_embeddings``, each ``layers.i`` and ``output``;
     the final norm stays in the root unit.
@@ -52,10 +61,10 @@ def default_unit_names(model: nn.Module) -> list[str]:
 
     if isinstance(model, Transformer):
         return ["tok_embeddings", *(f"layers.{i}" for i in range(len(model.layers))), "output"]
-    classes = (*default_block_classes(), nn.Embedding)
+    classes = (*default_block_classes(model), nn.Embedding)
     names = [n for n, m in model.named_modules() if n and isinstance(m, classes)]
     covered = set(names)
-    for child_name, child in model.named_children():
+    for child_name, child in _called_children(model, ""):
         if child_name in covered or not any(p.requires_grad for p in child.parameters()):
             continue
         uncovered = False
@@ -67,6 +76,18 @@ def default_unit_names(model: nn.Module) -> list[str]:
             names.append(child_name)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(names, key=lambda n: order[n])
+
+
+def _called_children(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    """The children of ``module`` whose forward runs: a ``ModuleList`` / ``ModuleDict``
+    is never called itself (a unit there would never be gathered), so its own children
+    stand in for it."""
+    for name, child in module.named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            yield from _called_children(child, full)
+        else:
+            yield full, child
 
 
 def select_units(model: nn.Module, wrap: WrapSpec) -> list[str]:

@@ -1,0 +1,148 @@
+"""Which model a run trains: the built-in transformer, a Hugging Face Llama, or yours.
+
+``model.factory = "package.module:function"`` names your own model: the function is
+called as ``function(model_config)`` (the run's :class:`~plait.config.ModelConfig`, so it
+may read the size fields or ignore them) after ``torch.manual_seed(train.seed)``, on the
+CPU in float32, and returns an ``nn.Module`` that maps token ids ``(batch, seq)`` to
+logits ``(batch, seq, vocab)`` -- or to an output object with ``.logits`` (Hugging
+Face style) or a tuple whose first element is the logits; :func:`logits_of` adapts
+those. Every rank builds the full one-device model from the same seed, so every layout
+starts from the same weights; ``parallelize`` shards it from outside.
+
+``model.family = "hf-llama"`` builds ``transformers.LlamaForCausalLM`` from the size
+fields (:mod:`plait.model.hf_llama`). Without either, plait's own
+:class:`~plait.model.transformer.Transformer`.
+
+A model may carry its tensor-parallel plan as data in the attribute
+``plait_tp_plan`` (rows ``(module pattern, style)``, see
+:mod:`plait.parallel.tensor.plan`); ``parallelize`` uses it when no plan is passed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.config import ModelConfig
+from plait.errors import ConfigError
+from plait.model.transformer import Transformer, flops_per_token, param_count
+
+
+def load_factory(path: str) -> Callable[[ModelConfig], nn.Module]:
+    """The function ``path`` (``'package.module:function'``) names. The current folder
+    is searched after ``sys.path`` (as ``python -m`` does), so a ``mypkg/`` next to where
+    ``plait train`` runs is found. Raises :class:`ConfigError` naming what is missing."""
+    module_name, _, attr = path.partition(":")
+    if not (module_name and attr):
+        raise ConfigError(f"model.factory must be 'package.module:function', got {path!r}.")
+    try:
+        module = _import(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"model.factory {path!r}: cannot import {module_name!r} ({e}); the module must "
+            "be installed, on PYTHONPATH or in the current folder."
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"model.factory {path!r}: {module_name} has no attribute {attr!r}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"model.factory {path!r}: {attr} is not callable.")
+    return obj  # type: ignore[no-any-return]
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        top = name.partition(".")[0]
+        if e.name != top or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)  # the current folder, searched last
+        return importlib.import_module(name)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The full one-device model of ``cfg`` (factory, family), initialised from
+    ``seed``; raises :class:`ConfigError` when it cannot be built."""
+    if cfg.factory is not None:
+        fn = load_factory(cfg.factory)
+        torch.manual_seed(seed)
+        model = fn(cfg)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an "
+                "nn.Module."
+            )
+        return model
+    if cfg.family == "hf-llama":
+        from plait.model.hf_llama import build_hf_llama
+
+        torch.manual_seed(seed)
+        return build_hf_llama(cfg)
+    return Transformer(cfg, seed=seed)
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """What can be checked before any rank starts: the factory imports and is callable,
+    transformers is installed for ``hf-llama`` and the sizes map onto a LlamaConfig."""
+    if cfg.factory is not None:
+        load_factory(cfg.factory)
+    elif cfg.family == "hf-llama":
+        from plait.model.hf_llama import llama_config
+
+        llama_config(cfg)
+
+
+def is_builtin(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` builds plait's own Transformer (no factory, family 'plait')."""
+    return cfg.factory is None and cfg.family == "plait"
+
+
+def describe_model(model: nn.Module, cfg: ModelConfig) -> str:
+    """A few words naming the model for the run's banner."""
+    if cfg.factory is not None:
+        return f"{type(model).__name__} from model.factory {cfg.factory}"
+    what = "Hugging Face LlamaForCausalLM, " if cfg.family == "hf-llama" else ""
+    return f"{what}{cfg.n_layers} layers, dim {cfg.dim}"
+
+
+def model_params(model: nn.Module, cfg: ModelConfig) -> int:
+    """Parameters of the full one-device model (shared tensors counted once)."""
+    if is_builtin(cfg):
+        return param_count(cfg)
+    return sum(p.numel() for p in model.parameters())  # parameters() skips duplicates
+
+
+def model_flops_per_token(model: nn.Module, cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: the built-in formula for the built-in transformer and
+    the Llama family (same matmuls); ``6·N`` (every parameter a matmul weight, attention
+    not counted) for a factory model, whose structure plait does not know."""
+    if cfg.factory is None:
+        return flops_per_token(cfg, seq_len)
+    return 6.0 * model_params(model, cfg)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, its ``.logits`` (a Hugging
+    Face ``CausalLMOutput``) or the first element of a tuple or list."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(
+        f"the model returned {type(out).__name__}; plait's loss needs logits (batch, seq, "
+        "vocab): return a tensor, an output with .logits, or a tuple whose first element "
+        "is the logits (or pass parallelize(..., loss_fn=...))."
+    )

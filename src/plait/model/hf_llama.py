@@ -1,0 +1,81 @@
+"""A Hugging Face ``LlamaForCausalLM`` built from plait's size fields (``model.family =
+"hf-llama"``), randomly initialised; nothing is downloaded.
+
+Needs the optional extra ``plait[hf]`` (transformers). The fields map as:
+
+====================  ================================
+plait ModelConfig     transformers LlamaConfig
+====================  ================================
+vocab_size            vocab_size
+dim                   hidden_size
+n_layers              num_hidden_layers
+n_heads               num_attention_heads
+n_kv_heads            num_key_value_heads (default: n_heads)
+ffn_dim               intermediate_size (default: plait's SwiGLU width)
+max_seq_len           max_position_embeddings
+rope_theta            rope_theta
+norm_eps              rms_norm_eps
+tie_embeddings        tie_word_embeddings
+init_std              initializer_range
+attention 'sdpa'      attn_implementation 'sdpa'
+====================  ================================
+
+The model is built with ``use_cache=False`` (training keeps no key/value cache) and
+returns Hugging Face's output object; plait's loss reads its ``.logits``
+(:func:`plait.model.factory.logits_of`). Its tensor-parallel plan is
+:data:`plait.parallel.tensor.hf_plans.HF_LLAMA_TP_PLAN`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from plait.config import ModelConfig
+from plait.errors import ConfigError, install_hint
+
+
+def import_transformers() -> Any:
+    """The ``transformers`` module, or a :class:`ConfigError` saying how to install it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            "model.family 'hf-llama' needs Hugging Face transformers, which is not "
+            f"installed; install it with {install_hint('hf', 'transformers')}."
+        ) from e
+    return transformers
+
+
+def llama_config(cfg: ModelConfig) -> Any:
+    """The ``transformers.LlamaConfig`` of ``cfg`` (see the module docstring's table)."""
+    if cfg.attention != "sdpa":
+        raise ConfigError(
+            f"model.attention {cfg.attention!r} is plait's own kernel; model.family "
+            "'hf-llama' uses transformers' attention: use model.attention 'sdpa'."
+        )
+    transformers = import_transformers()
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        intermediate_size=cfg.hidden_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_hf_llama(cfg: ModelConfig) -> nn.Module:
+    """``LlamaForCausalLM`` of ``cfg``, initialised from torch's global generator (seed
+    it first: every rank must build the same weights)."""
+    transformers = import_transformers()
+    model: nn.Module = transformers.LlamaForCausalLM(llama_config(cfg))
+    return model
