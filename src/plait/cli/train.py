@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     t = argparse.ArgumentParser(
         prog="plait train",
         description=(
-            "Train the built-in transformer. Any config field can be set with a dotted "
+            "Train the built-in transformer, a Hugging Face Llama (--model.family "
+            "hf-llama) or your own model (--model.factory pkg.module:function; see "
+            "docs/models.md). Any config field can be set with a dotted "
             "flag (--train.steps 50); short aliases: --nproc --dp --tp --pp --cp --zero "
             "--steps --global-batch --micro-batch --seq-len --lr --seed --data --metrics "
             "--device --progress --init-from, and plait plan's --microbatches --chunks "
@@ -112,7 +114,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
             )
         return 0
     _check_outputs(cfg)
-    if cfg.launch.check_memory:  # the planner's memory verdict, before any process starts
+    # the planner's memory verdict, before any process starts (it knows the built-in
+    # transformer's shapes, which model.family 'hf-llama' shares; not a factory model's)
+    if cfg.launch.check_memory and cfg.model.factory is None:
         from plait.plan.fit import refuse_unless_fits
 
         per_host = env.local_world_size if env is not None else world

@@ -35,7 +35,7 @@ from torch import nn
 
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.model import Transformer, flops_per_token, param_count
+from plait.model.factory import build_model, describe_model, model_flops_per_token, model_params
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
@@ -123,8 +123,12 @@ class Trainer:
         self.accum = cfg.accumulation_steps(world)
 
         torch.manual_seed(cfg.train.seed)
-        base = Transformer(cfg.model, seed=cfg.train.seed).to(self.device)
+        # the full one-device model (built-in, model.family or model.factory), one seed
+        base = build_model(cfg.model, seed=cfg.train.seed).to(self.device)
         self.base = base  # the one-device model; parallelize shards it in place
+        self.params = model_params(base, cfg.model)  # before sharding
+        self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)
+        self.model_note = describe_model(base, cfg.model)
         self.show_progress = show_progress
         self.checkpoints = Checkpointing(cfg, mesh)  # folder lock, resume / init_from, saves
         try:
@@ -133,7 +137,7 @@ class Trainer:
             self.checkpoints.close()
             raise
 
-    def _build(self, cfg: Config, mesh: Mesh, base: Transformer) -> None:
+    def _build(self, cfg: Config, mesh: Mesh, base: nn.Module) -> None:
         world = mesh.world_size
         self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
         self.model = parallelize(base, mesh, cfg)
@@ -168,8 +172,6 @@ class Trainer:
             self.model, self.optimizer, self.sampler, mesh, cfg, rank_state=self.model.compressor
         )
 
-        self.params = param_count(cfg.model)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         peak = peak_flops(self.device, cfg.log.peak_tflops)
         self.peak_source = peak.source
         self.peak = None if peak.flops is None else peak.flops * world
@@ -435,8 +437,7 @@ class Trainer:
         return (
             f"plait: {self.mesh.describe()}\n"
             f"plait: {zero_note}; {prec_note}; recompute {t.recompute}\n"
-            f"plait: model {self.params / 1e6:.2f} M parameters "
-            f"({cfg.model.n_layers} layers, dim {cfg.model.dim}); "
+            f"plait: model {self.params / 1e6:.2f} M parameters ({self.model_note}); "
             f"{len(self.train_set):,} training / {len(self.val_set):,} validation sequences "
             f"of {t.seq_len} tokens\n"
             f"plait: global batch {t.global_batch} = dp {self.mesh.size('dp')} x micro-batch "
