@@ -42,8 +42,8 @@ def test_builtin_is_the_default() -> None:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("tests.model.factory_models", "must be 'package.module:function'"),
-        ("nopkg.models:build", "cannot import 'nopkg.models'"),
+        ("tests.model.factory_models", r"must be 'package\.module:function'"),
+        ("nopkg.models:build", r"cannot import 'nopkg\.models'"),
         ("tests.model.factory_models:nope", "has no attribute 'nope'"),
         ("tests.model.factory_models:TP_PLAN", "is not callable"),
     ],
@@ -54,16 +54,18 @@ def test_bad_factories_are_refused(path: str, message: str) -> None:
 
 
 def test_factory_config_field_is_checked() -> None:
-    with pytest.raises(ConfigError, match="package.module:function"):
+    with pytest.raises(ConfigError, match=r"package\.module:function"):
         ModelConfig(factory="no_colon")
-    with pytest.raises(ConfigError, match="model.family must be plait or hf-llama"):
+    with pytest.raises(ConfigError, match=r"model\.family must be plait or hf-llama"):
         ModelConfig(family="gpt2")  # type: ignore[arg-type]
 
 
-def test_factory_returning_no_module_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_factory_returning_no_module_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "badfactory.py").write_text("def build(cfg):\n    return 42\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match="returned int, not an nn.Module"):
+    with pytest.raises(ConfigError, match=r"returned int, not an nn\.Module"):
         build_model(ModelConfig(factory="badfactory:build"), seed=0)
 
 
@@ -122,7 +124,9 @@ def test_hf_llama_without_transformers_says_how_to_install(
         ({"tp": 2, "sequence_parallel": True}, 2, "sequence parallelism"),
     ],
 )
-def test_hf_llama_refuses_what_it_cannot_take(parallel: dict[str, object], world: int, what: str) -> None:
+def test_hf_llama_refuses_what_it_cannot_take(
+    parallel: dict[str, object], world: int, what: str
+) -> None:
     pytest.importorskip("transformers")
     cfg = Config(
         model=ModelConfig(dim=32, n_layers=2, n_heads=4, max_seq_len=32, family="hf-llama"),

@@ -36,7 +36,9 @@ MODELS = {
 }
 
 
-def config(kind: str, root: str | None = None, resume: str | None = None, **parallel: Any) -> Config:
+def config(
+    kind: str, root: str | None = None, resume: str | None = None, **parallel: Any
+) -> Config:
     base = tiny_config(steps=4)
     model = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, **MODELS[kind])
     dtype = parallel.pop("dtype", "fp32")

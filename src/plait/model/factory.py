@@ -55,7 +55,7 @@ def load_factory(path: str) -> Callable[[ModelConfig], nn.Module]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"model.factory {path!r}: {attr} is not callable.")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def _import(name: str) -> Any:

@@ -5,9 +5,10 @@ world size, batch arithmetic, ZeRO options, the pipeline's block count). What de
 the parallel implementation lives with it and runs here, after those: the model (a
 factory that imports, transformers for a Hugging Face model, and the parallelisms such a
 model cannot take), the tensor-parallel divisibility of heads, key/value heads, the MLP
-width and (sequence parallelism) the sequence length; the pipeline schedule (built and validated as data); and whether the
-device computes in the requested dtype. Every failure is one
-:class:`~plait.errors.ConfigError` paragraph naming the numbers and what would work.
+width and (sequence parallelism) the sequence length; the pipeline schedule (built and
+validated as data); and whether the device computes in the requested dtype. Every
+failure is one :class:`~plait.errors.ConfigError` paragraph naming the numbers and what
+would work.
 """
 
 from __future__ import annotations

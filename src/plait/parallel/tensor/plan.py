@@ -344,15 +344,17 @@ def _set_heads_per_rank(model: nn.Module, styles: dict[str, Style]) -> None:
     for name, style in styles.items():
         if style not in ("colwise_heads", "colwise_kv_heads"):
             continue
-        parent = name.rpartition(".")[0]
         weight = model.get_submodule(name).weight  # (local heads x head_dim, dim)
-        local.setdefault(parent, {})[style] = weight.shape[0] // _head_dim(model, name)
+        assert isinstance(weight, torch.Tensor)
+        head_dim = _head_dim(model, name)
+        counts = local.setdefault(name.rpartition(".")[0], {"head_dim": head_dim})
+        counts[style] = weight.shape[0] // head_dim
     for parent_name, counts in local.items():
         parent = model.get_submodule(parent_name)
         q, kv = counts.get("colwise_heads"), counts.get("colwise_kv_heads")
         values: dict[str, int] = {}
         if q is not None:
-            values.update(num_heads=q, hidden_size=q * int(parent.head_dim))
+            values.update(num_heads=q, hidden_size=q * counts["head_dim"])
         if kv is not None:
             values["num_key_value_heads"] = kv
         if q is not None and kv is not None:
