@@ -61,7 +61,10 @@ def test_two_agents_train_as_one_node(
         how = (
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "t"]
             if rendezvous == "c10d"
-            else ["--node-rank", str(node), "--master-addr", "localhost", "--master-port", str(port)]
+            else [
+                *["--node-rank", str(node), "--master-addr", "localhost"],
+                *["--master-port", str(port)],
+            ]
         )
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
