@@ -11,7 +11,8 @@ Two models, both built the way ``plait train`` builds them
   attention region by keyword (``self_attn(hidden_states=...)``); and ``hf-llama-mqa``
   (one key/value head, so under tp2 it is replicated and the attention's
   ``num_key_value_groups`` must be the per-rank 2, not 4; with eager attention, which
-  repeats K/V by that number, where sdpa would infer it from the shapes).
+  repeats K/V by that number, where sdpa would infer it from the shapes); and
+  ``hf-llama-tied`` (``lm_head`` shares the embedding matrix: one vocabulary shard).
 
 The reference is the plain PyTorch loop on one process over the whole global batch
 (``model(x)``, its logits, ``F.cross_entropy``, ``clip_grad_norm_``, AdamW), float64.
@@ -49,6 +50,7 @@ CONFIGS = {
     "factory": ModelConfig(**SIZES, factory="tests.model.factory_models:build"),
     "hf-llama": ModelConfig(**SIZES, n_kv_heads=2, family="hf-llama"),
     "hf-llama-mqa": ModelConfig(**SIZES, n_kv_heads=1, family="hf-llama"),
+    "hf-llama-tied": ModelConfig(**SIZES, tie_embeddings=True, family="hf-llama"),
 }
 
 
@@ -120,6 +122,7 @@ LAYOUTS = [
     pytest.param("hf-llama", 2, 1, 3, id="hf-llama-zero3-dp2"),
     pytest.param("hf-llama", 1, 2, 0, id="hf-llama-tp2"),
     pytest.param("hf-llama-mqa", 1, 2, 0, id="hf-llama-mqa-tp2-kv-replicated"),
+    pytest.param("hf-llama-tied", 1, 2, 0, id="hf-llama-tied-embeddings-tp2"),
 ]
 
 
