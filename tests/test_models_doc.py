@@ -6,12 +6,15 @@
   steps, losses to rtol 1e-9), so the shown plan is a right one, not just one that runs.
 * ``plait train --model.family hf-llama ...`` runs as shown.
 
+These are the CLI runs of both (each must name its model and write its losses).
+
 Commands get tests/test_docs.py's TINY flags appended (a tiny model, 2 steps).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import shlex
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import torch
 from plait.config import ModelConfig
 from plait.testing import WorkerContext, WorkerPool
 from tests.test_docs import TINY, Block, parse_blocks
+from tests.tiny import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "models.md"
@@ -53,15 +57,25 @@ def _run(command: str, cwd: Path) -> str:
     return r.stdout
 
 
-def test_page_commands_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "banner"),
+    [
+        ("--model.factory", "MyLM from model.factory mypkg.models:build"),
+        ("--model.family hf-llama", "Hugging Face LlamaForCausalLM, 2 layers, dim 32"),
+    ],
+)
+def test_page_commands_run(tmp_path: Path, kind: str, banner: str) -> None:
+    """Each command as shown (2 ranks, tp 2): it names the model in its banner, shards it
+    over tp and writes 2 finite losses."""
+    if "hf-llama" in kind:
+        pytest.importorskip("transformers")
     _write_package(tmp_path)
-    commands = [b.code.strip() for b in _blocks() if b.lang == "bash"]
-    assert len(commands) == 2
-    for command in commands:
-        if "hf-llama" in command:
-            pytest.importorskip("transformers")
-        out = _run(command, tmp_path)
-        assert "plait: done: 2 steps" in out, out
+    command = next(b.code.strip() for b in _blocks() if b.lang == "bash" and kind in b.code)
+    assert "--nproc 2 --tp 2" in command
+    out = _run(command, tmp_path)
+    assert banner in out and "tensor parallel tp 2" in out, out
+    rows = read_metrics(tmp_path / "runs" / "last" / "metrics.jsonl")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in rows)
 
 
 def _losses(ctx: WorkerContext | None, module: str) -> list[float]:
