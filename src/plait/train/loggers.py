@@ -116,7 +116,13 @@ class WandbLogger:
         self._run.log(dict(scalars), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() only *informs* wandb's service process that the run is over; the
+        # service closes (flushes) the run file later.  teardown() waits for the
+        # service to exit, so the run's files are complete when close() returns.
+        wandb.teardown()
 
 
 class MlflowLogger:
