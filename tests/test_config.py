@@ -87,6 +87,15 @@ from plait.errors import ConfigError
         (lambda: LogConfig(peak_tflops=0.0), r"log\.peak_tflops must be positive"),
         (lambda: LogConfig(timeline="step.svg"), r"log\.timeline must name a \.png file"),
         (lambda: LogConfig(progress="fancy"), r"log\.progress must be auto, bar, lines or none"),
+        (
+            lambda: ParallelConfig(pp_grad_reduce="bucket"),  # type: ignore[arg-type]
+            r"parallel\.pp_grad_reduce must be step or microbatch, got 'bucket'",
+        ),
+        (
+            lambda: ParallelConfig(pp=2, zero=2, pp_reshard_after_forward=True),
+            r"pp_reshard_after_forward .* needs parallel\.zero = 3 and parallel\.pp > 1 "
+            r"\(got zero 2, pp 2\)",
+        ),
         (lambda: LaunchConfig(nproc=0), r"launch\.nproc must be positive"),
         (lambda: LaunchConfig(threads=0), r"launch\.threads must be positive"),
         (lambda: LaunchConfig(device="tpu"), r"launch\.device must be auto, cpu or cuda"),

@@ -125,7 +125,6 @@ def test_check_world_refusals(
             2,
             r"train.micro_batch \(2\) x parallel.microbatches \(4\) must equal .* = 16",
         ),
-        (_cfg(parallel={"pp": 2, "zero": 2}), 2, r"parallel.zero = 2 with pipeline parallelism"),
         (
             _cfg(parallel={"zero": 2, "zero_shard_size": 3}),
             4,
@@ -186,4 +185,7 @@ def test_validate_passes() -> None:
     _cfg(model={"vocab_size": 100}, data={"tokenizer": "tiktoken:x"}).validate(1)
     _cfg(train={"seq_len": 256}).validate(4)
     _cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}).validate(4)  # dp2 x tp2
+    for stage in (2, 3):  # ZeRO-2/3 under pipeline parallelism (pp2 x dp2)
+        _cfg(parallel={"pp": 2, "zero": stage, "pp_grad_reduce": "microbatch"}).validate(4)
+    _cfg(parallel={"pp": 2, "zero": 3, "pp_reshard_after_forward": True}).validate(4)
     _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)

@@ -29,6 +29,7 @@ ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
 NonFinite = Literal["error", "skip"]
 PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
+PPGradReduce = Literal["step", "microbatch"]
 AttentionKind = Literal["sdpa", "blockwise"]
 ModelFamily = Literal["plait", "hf-llama"]
 CPAttention = Literal["ring", "ulysses"]
@@ -203,6 +204,18 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """ZeRO-3: free a unit's gathered parameters after its forward and gather them again
     for its backward (false: keep them until the backward; less traffic, more memory)."""
+    pp_grad_reduce: PPGradReduce = "step"
+    """ZeRO-2/3 with pp > 1: when gradients, accumulated over the micro-batches of a step,
+    are reduce-scattered over dp: 'step' (once per unit and step, right after the last
+    backward of its pipeline piece; the piece's full gradients are held through the
+    step; the torchtitan/FSDP2 choice) or 'microbatch' (after every backward action:
+    only one piece's full gradients at a time, m times the reduce-scatters)."""
+    pp_reshard_after_forward: bool = False
+    """ZeRO-3 with pp > 1: free a pipeline piece's gathered parameters after every forward
+    and backward action and gather them again for the next micro-batch (true), or keep
+    them gathered from the piece's first action of a step to its last (false, the
+    default: one all-gather per unit and step; torchtitan's reshard_after_forward=False
+    under PP)."""
     prefetch: bool = True
     """ZeRO-3: start gathering the next unit's parameters while the current one computes."""
     offload: Offload = "none"
@@ -253,6 +266,16 @@ class ParallelConfig:
         if self.balance not in ("equal", "measured"):
             raise ConfigError(f"parallel.balance must be equal or measured, got {self.balance!r}.")
         _positive("parallel", zero_shard_size=self.zero_shard_size)
+        if self.pp_grad_reduce not in ("step", "microbatch"):
+            raise ConfigError(
+                f"parallel.pp_grad_reduce must be step or microbatch, got {self.pp_grad_reduce!r}."
+            )
+        if self.pp_reshard_after_forward and (self.zero != 3 or self.pp == 1):
+            raise ConfigError(
+                "parallel.pp_reshard_after_forward re-gathers ZeRO-3 parameters per "
+                "micro-batch under pipeline parallelism; it needs parallel.zero = 3 and "
+                f"parallel.pp > 1 (got zero {self.zero}, pp {self.pp})."
+            )
         if self.offload not in ("none", "optimizer", "params"):
             raise ConfigError(
                 f"parallel.offload must be none, optimizer or params, got {self.offload!r}."

@@ -207,9 +207,3 @@ def check_pipeline(cfg: Config, dp: int) -> None:
             f"train.micro_batch ({t.micro_batch}) x parallel.microbatches ({m}) must equal "
             f"the per-rank batch global_batch / dp = {per_rank}; leave one of them unset."
         )
-    if p.zero > 1:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with pipeline parallelism is not supported: stages "
-            "2 and 3 reduce gradients on every backward pass, i.e. per micro-batch. Use "
-            "parallel.zero = 1 (sharded optimizer state) or 0 with pp > 1."
-        )

@@ -29,6 +29,8 @@ from plait.parallel.pipeline.split import (
     check_splittable,
     split_transformer,
 )
+from plait.parallel.zero.pipeline import GradReduce, PipelineZero
+from plait.parallel.zero.wrapper import ZeroDataParallel
 
 
 def split_for_pipeline(
@@ -88,6 +90,11 @@ class PipelineEngine:
         hidden_dim: width of the activations passed between pieces.
         seq_factor: tp under sequence parallelism (messages hold ``seq / tp``
             positions), else 1.
+        zero_grad_reduce: ZeRO-2/3 (``model`` a stage-2/3 ``ZeroDataParallel``): reduce
+            each unit's gradients once per step ("step") or after every backward action
+            ("microbatch"); see :mod:`plait.parallel.zero.pipeline`.
+        zero_reshard: ZeRO-3: free a piece's parameters after every action (re-gather
+            per micro-batch) instead of keeping them gathered through the step.
 
     The message shape ``(batch / m, seq / seq_factor, hidden_dim)`` follows each call's
     tokens, so training and evaluation batches may differ.
@@ -103,6 +110,8 @@ class PipelineEngine:
         microbatches: int,
         hidden_dim: int,
         seq_factor: int = 1,
+        zero_grad_reduce: GradReduce = "step",
+        zero_reshard: bool = False,
     ) -> None:
         stages = find_stages(model)
         if stages is None:
@@ -128,6 +137,17 @@ class PipelineEngine:
             dtype,
             mesh.device,
         )
+        self.zero: PipelineZero | None = None  # ZeRO-2/3: the schedule drives the wrapper
+        if isinstance(model, ZeroDataParallel) and model.stage >= 2:
+            self.zero = PipelineZero(
+                model,
+                stages,
+                self.schedule,
+                mesh.index("pp"),
+                grad_reduce=zero_grad_reduce,
+                reshard=zero_reshard,
+            )
+            self.runtime.action_hooks = self.zero
 
     def _shape_for(self, tokens: torch.Tensor) -> None:
         """Size the activation messages for a batch ``(batch, seq)`` of tokens."""
@@ -144,13 +164,20 @@ class PipelineEngine:
         """Forward + backward of this rank's batch ``(batch, seq)``; gradients reduced
         over dp; returns the mean loss on every pipeline rank."""
         self._shape_for(tokens)
+        if self.zero is not None:
+            return self.zero.train(self.runtime, tokens, targets, scale)
         return pipeline_step(self.model, self.runtime, tokens, targets, scale)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """The mean loss of one batch (forward actions only), on every pipeline rank."""
         self._shape_for(tokens)
-        return self.runtime.loss_to_all(self.runtime.forward_loss(tokens, targets))
+        try:
+            loss = self.runtime.forward_loss(tokens, targets)
+        finally:
+            if self.zero is not None:
+                self.zero.release()
+        return self.runtime.loss_to_all(loss)
 
     def gather_timeline(self) -> list[tuple[int, Any, float, float]] | None:
         """The last training step's measured timeline of every pipeline rank, on pp index

@@ -41,6 +41,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -68,6 +69,16 @@ class ActionRecord:
     def as_tuple(self) -> tuple[int, Action, float, float]:
         """``(rank, action, start, end)``, the record format :mod:`plait.viz` draws."""
         return (self.rank, self.action, self.start, self.end)
+
+
+class ActionHooks(Protocol):
+    """Called around every compute action of a step (:attr:`PipelineRuntime.action_hooks`)."""
+
+    def before(self, a: Action) -> None:
+        """Before ``a`` runs."""
+
+    def after(self, a: Action) -> None:
+        """After ``a`` ran."""
 
 
 def _tag(kind: int, microbatch: int, stage: int, m: int, stages: int) -> int:
@@ -115,6 +126,9 @@ class PipelineRuntime:
         self.last_stage = schedule.virtual_stages - 1
         self.records: list[ActionRecord] = []
         self.step_start = 0.0  # time.perf_counter() at the start of the last step
+        # called before and after every compute action (ZeRO-2/3 under pp gathers and
+        # reduces there: plait.parallel.zero.pipeline.PipelineZero); None: nothing
+        self.action_hooks: ActionHooks | None = None
         self._params = {
             s: [p for p in stages.piece(s).parameters() if p.requires_grad]
             for s in range(self.rank, schedule.virtual_stages, schedule.stages)
@@ -192,7 +206,12 @@ class PipelineRuntime:
                 i = j
                 continue
             start = time.perf_counter() - t0
+            hooks = self.action_hooks
+            if hooks is not None:
+                hooks.before(a)
             self._compute(a)
+            if hooks is not None:
+                hooks.after(a)
             self.records.append(ActionRecord(self.rank, a, start, time.perf_counter() - t0))
             i += 1
         for h, _ in self._sends:

@@ -336,6 +336,14 @@ class ZeroDataParallel(nn.Module):
                 )
         return out
 
+    def detach_hooks(self) -> None:
+        """Remove the module and autograd hooks that gather and reduce on their own: the
+        caller drives ``gatherer`` and the reductions instead (ZeRO-2/3 under pipeline
+        parallelism, :class:`plait.parallel.zero.pipeline.PipelineZero`)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""
         return [(u.name, len(u.params), u.numel, u.padded) for u in self.units]

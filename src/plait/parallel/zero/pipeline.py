@@ -1,0 +1,217 @@
+"""ZeRO stages 2 and 3 under pipeline parallelism: the schedule drives gathers and reductions.
+
+Without a pipeline, :class:`~plait.parallel.zero.ZeroDataParallel` reacts to autograd: a
+forward pre-hook gathers a unit, a hook on its output's gradient gathers it again for
+backward, and a post-accumulate-grad hook reduce-scatters a unit once backward has
+produced all its gradients, with one end-of-backward callback. Under pipeline parallelism
+one step is many forwards and backwards of several pieces (interleaved: several chunks per
+rank; zero-bubble: backward split into ``I`` and ``W``, whose weight gradients are written
+into ``.grad`` directly), so those hooks would fire per micro-batch and per piece and the
+end-of-backward callback would see other pieces' units without gradients.
+:class:`PipelineZero` removes the wrapper's hooks and is called by the pipeline runtime
+around every compute action instead (``before(action)`` / ``after(action)``), knowing the
+rank's whole action list:
+
+* **Gradients** (stages 2 and 3) accumulate in ``.grad`` over the micro-batches of one
+  step. With ``grad_reduce = "step"`` (the default, as torchtitan/FSDP2 do under PP) each
+  unit is reduce-scattered once per step, asynchronously, right after the last action of
+  the step that produces its piece's weight gradients (the last ``B``, or ``W`` under
+  zero-bubble), so the reduction overlaps the rest of the schedule; the full gradients of
+  the rank's pieces live from their first backward to that point. With ``"microbatch"``
+  each backward action reduce-scatters its piece's gradients at once and drops them: the
+  full gradients of one piece live only during one action, at the price of m
+  reduce-scatters per step instead of one. Either way the reduced shards are summed into
+  the unit's ``grad_shard`` (the reduce-scatter averages over dp; hybrid sharding then
+  averages over the replicas). Units holding a tied matrix (its two copies' gradients are
+  summed over pp after the schedule) or spanning two pieces are reduced at the end of the
+  step.
+* **Parameters** (stage 3). With ``reshard = False`` (the default, torchtitan's
+  ``reshard_after_forward=False`` under PP) a piece's units are gathered at its first
+  action of the step and freed after its last one: one all-gather per unit per step, the
+  rank's pieces' full parameters held during the step. With ``reshard = True`` every
+  compute action gathers its piece's units before and frees them after: only the current
+  piece's full parameters are held, at the price of one all-gather per action
+  (2m per piece and step, 3m under zero-bubble). Freed storage is released with
+  ``resize_(0)`` and refilled in place (:mod:`plait.parallel.zero.gather`), so autograd's
+  saved references stay valid across a free and the next gather.
+
+Between steps a rank holds only shards (stage 3: parameters, gradients and optimizer
+state; stage 2: full parameters, gradient and optimizer-state shards). Evaluation
+(forward actions only) frees everything afterwards (:meth:`PipelineZero.release`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from plait import comm
+from plait.comm import Handle
+from plait.errors import ConfigError
+from plait.parallel.data import UnusedParametersError
+from plait.parallel.pipeline.actions import Action, Op, Schedule
+from plait.parallel.zero.flat import FlatUnit
+from plait.parallel.zero.gather import GatherState
+
+if TYPE_CHECKING:
+    from plait.parallel.pipeline.runtime import PipelineRuntime
+    from plait.parallel.pipeline.split import PipelineStages
+    from plait.parallel.zero.wrapper import ZeroDataParallel
+
+GradReduce = Literal["step", "microbatch"]
+_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that write weight gradients
+
+
+class PipelineZero:
+    """Drive ``zero``'s (stage 2 or 3) gathers and reductions from the pipeline schedule.
+
+    Args:
+        zero: the ZeRO wrapper around this rank's ``stages`` (stage 2 or 3); its hooks
+            are removed.
+        stages: this rank's pipeline pieces.
+        schedule: the schedule the runtime executes.
+        rank: this rank's index on the pp axis.
+        grad_reduce: "step" (one reduce-scatter per unit and step) or "microbatch".
+        reshard: stage 3: free a piece's parameters after every action (True) or keep
+            them from the piece's first to its last action of the step (False).
+    """
+
+    MAX_REDUCES_IN_FLIGHT = 2
+    """Reduce-scatters in flight before the oldest is waited for (its buffer freed)."""
+
+    def __init__(
+        self,
+        zero: ZeroDataParallel,
+        stages: PipelineStages,
+        schedule: Schedule,
+        rank: int,
+        *,
+        grad_reduce: GradReduce = "step",
+        reshard: bool = False,
+    ) -> None:
+        if zero.stage not in (2, 3):
+            raise ConfigError(f"PipelineZero drives ZeRO stages 2 and 3, not {zero.stage}")
+        if grad_reduce not in ("step", "microbatch"):
+            raise ConfigError(f"grad_reduce must be step or microbatch, got {grad_reduce!r}")
+        zero.detach_hooks()  # the schedule, not autograd, says when to gather and reduce
+        self.zero, self.stages, self.schedule = zero, stages, schedule
+        self.grad_reduce: GradReduce = grad_reduce
+        self.reshard = reshard
+        piece_of: dict[int, int] = {}  # id(parameter) -> virtual stage holding it
+        for s in range(rank, schedule.virtual_stages, schedule.stages):
+            for p in stages.piece(s).parameters():
+                piece_of[id(p)] = s
+        units = zero.units
+        self.pieces_of = [sorted({piece_of[id(p)] for p in u.params}) for u in units]
+        self.units_of: dict[int, list[FlatUnit]] = {}
+        for u in units:
+            for s in self.pieces_of[u.index]:
+                self.units_of.setdefault(s, []).append(u)
+        tied = stages.tied
+        self.deferred = {  # reduced after the schedule (and the tied-gradient sum)
+            u.index
+            for u in units
+            if len(self.pieces_of[u.index]) > 1 or any(p is tied for p in u.params)
+        }
+        compute = [a for a in schedule.actions[rank] if a.op.is_compute]
+        self.last_grad: dict[int, Action] = {}  # piece -> its last weight-gradient action
+        self.last_use: dict[int, Action] = {}  # piece -> its last compute action
+        for a in compute:
+            self.last_use[a.stage] = a
+            if a.op in _GRAD_OPS:
+                self.last_grad[a.stage] = a
+        self._pending: list[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = []
+        self.reductions = 0  # reduce-scatters launched (counted; tests read them)
+        self.gathers = 0  # stage 3: all-gathers launched
+
+    # ------------------------------------------------------------------ runtime hooks
+
+    def before(self, a: Action) -> None:
+        """Before compute action ``a``: stage 3 gathers the piece's units (all launched,
+        then waited for)."""
+        g = self.zero.gatherer
+        if g is None:
+            return
+        units = self.units_of.get(a.stage, [])
+        for u in units:
+            if g.gathers[u.index].state is GatherState.FREE:
+                self.gathers += 1
+            g.start(u)
+        for u in units:
+            g.ensure(u)
+
+    def after(self, a: Action) -> None:
+        """After compute action ``a``: reduce the piece's gradients when due; stage 3
+        frees its units when due."""
+        s = a.stage
+        if a.op in _GRAD_OPS and (self.grad_reduce == "microbatch" or a == self.last_grad.get(s)):
+            for u in self.units_of.get(s, []):
+                if u.index not in self.deferred:
+                    self._reduce(u)
+        g = self.zero.gatherer
+        if g is not None and (self.reshard or a == self.last_use.get(s)):
+            for u in self.units_of.get(s, []):
+                if u.index not in self.deferred or self.reshard:
+                    g.free(u)
+
+    # ------------------------------------------------------------------ step
+
+    def train(
+        self, runtime: PipelineRuntime, tokens: torch.Tensor, targets: torch.Tensor, scale: float
+    ) -> float:
+        """One step's schedule (``runtime.action_hooks`` is this driver); then the tied
+        gradients' sum over pp, the deferred units' reductions, and every reduction
+        waited for (gradients end in the units' ``grad_shard``). Returns the mean loss
+        on every pipeline rank."""
+        try:
+            loss = runtime.step(tokens, targets, scale)
+            self.stages.sync_tied_grads()
+            for u in self.zero.units:
+                if u.index in self.deferred:
+                    self._reduce(u)
+            while self._pending:
+                self._finish_oldest()
+        finally:
+            self.release()
+        return runtime.loss_to_all(loss)
+
+    def release(self) -> None:
+        """Stage 3: free every unit (after a step or an evaluation pass)."""
+        if self.zero.gatherer is not None:
+            self.zero.gatherer.free_all()
+
+    # ------------------------------------------------------------------ reductions
+
+    @torch.no_grad()
+    def _reduce(self, u: FlatUnit) -> None:
+        """Reduce-scatter ``u``'s accumulated ``.grad`` (asynchronously) and drop it."""
+        z = self.zero
+        buf = torch.zeros(u.padded, dtype=z.reduce_dtype, device=z.device)  # (padded,)
+        missing = []
+        for i, p in enumerate(u.params):
+            if p.grad is None:
+                missing.append(u.names[i])
+                continue
+            u.view(i, buf).copy_(p.grad)
+            p.grad = None
+        if missing and not z.find_unused_parameters:
+            raise UnusedParametersError(
+                f"{len(missing)} parameter(s) of ZeRO unit {u.name!r} received no gradient "
+                f"in this pipeline step: {', '.join(missing[:10])}. Pass "
+                "find_unused_parameters=True to reduce zeros for them."
+            )
+        out, h = comm.reduce_scatter(buf, z.shard_group, op="avg", async_op=True)
+        self._pending.append((u, buf, out, h))
+        self.reductions += 1
+        z._note_event("reduce", u.name)
+        while len(self._pending) > self.MAX_REDUCES_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        u, _buf, out, h = self._pending.pop(0)
+        h.wait()  # (shard_numel,) the dp average of this rank's shard
+        if self.zero.replicate_group.size > 1:
+            comm.all_reduce(out, self.zero.replicate_group, op="avg")
+        assert u.grad_shard is not None
+        u.grad_shard.add_(out)

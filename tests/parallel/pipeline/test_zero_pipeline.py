@@ -1,0 +1,174 @@
+"""ZeRO-2 and ZeRO-3 under pipeline parallelism (pp2 x dp2) against one process.
+
+Protocol as in test_engine.py: the built-in transformer (4 blocks, float64, one seed);
+the reference runs STEPS AdamW steps with global-norm clipping at CLIP (engaged) on the
+whole global batch in the pytest process. Each layout is prepared by ``parallelize``
+(pipeline split, then ``ZeroDataParallel`` stage 2 or 3 driven by the schedule:
+:class:`plait.parallel.zero.pipeline.PipelineZero`) and stepped by
+:class:`plait.optim.Optimizer`; each dp rank feeds its slice of the global batch.
+Compared: the dp-averaged loss and the clipping norm at every step, and every weight after
+the last step (gathered under ``ZeroDataParallel.gathered``). Tolerance: float64,
+rtol=1e-9 / atol=1e-11 (summation order only). The driver's counters check the chosen
+trade: one reduce-scatter per unit and step ('step') or one per backward action
+('microbatch'); stage 3 gathers once per unit and step, or per action when resharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from plait.config import Config, ParallelConfig, TrainConfig
+from plait.model import Transformer
+from plait.optim import Optimizer
+from plait.parallel.parallelize import parallelize
+from plait.testing import WorkerContext, WorkerPool
+from tests.parallel.pipeline.test_runtime import BATCH, SEQ, VOCAB, loss64, model_config
+
+M = "tests.parallel.pipeline.test_zero_pipeline"
+STEPS, LAYERS, MICRO = 5, 4, 4
+CLIP = 0.5
+RTOL, ATOL = 1e-9, 1e-11
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def reference(tied: bool) -> dict[str, object]:
+    model = Transformer(model_config(LAYERS, tied=tied), seed=3).double()
+    opt = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
+    losses, norms = [], []
+    for x, y in batches():
+        loss = loss64(model(x), y)
+        loss.backward()
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "weights": dict(model.state_dict())}
+
+
+def _body(
+    ctx: WorkerContext,
+    zero: int,
+    schedule: str,
+    chunks: int,
+    reduce: str,
+    reshard: bool,
+    tied: bool,
+) -> dict[str, object]:
+    mesh = ctx.mesh(dp=2, pp=2)
+    par = ParallelConfig(
+        dp=2,
+        pp=2,
+        zero=zero,
+        pipeline_schedule=schedule,
+        chunks=chunks,
+        microbatches=MICRO,
+        pp_grad_reduce=reduce,  # type: ignore[arg-type]
+        pp_reshard_after_forward=reshard,
+    )
+    cfg = Config(
+        model=model_config(LAYERS, tied=tied),
+        parallel=par,
+        train=TrainConfig(global_batch=BATCH, seq_len=SEQ, grad_clip=CLIP),
+    )
+    model = Transformer(cfg.model, seed=3).double()
+    pm = parallelize(model, mesh, cfg)
+    assert pm.pipeline is not None and pm.stages is not None and pm.zero is not None
+    driver = pm.pipeline.zero
+    assert driver is not None and pm.zero.stage == zero
+    opt = Optimizer(pm, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
+    per = BATCH // 2
+    r = mesh.index("dp")
+    losses, norms, counts = [], [], []
+    for x, y in batches():
+        before = (driver.reductions, driver.gathers)
+        loss = pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        counts.append((driver.reductions - before[0], driver.gathers - before[1]))
+        assert pm.zero.gathered_bytes == 0  # stage 3: only shards between steps
+        losses.append(float(loss))
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad()
+    weights: dict[str, torch.Tensor] = {}
+    with pm.zero.gathered():
+        for piece in pm.stages.chunks:
+            weights.update({k: v.detach().clone() for k, v in piece.state_dict().items()})
+    actions = pm.pipeline.schedule.actions[mesh.index("pp")]
+    # reduce-scatters per step if each backward action reduced its piece's own units
+    own = {
+        s: [u for u in us if u.index not in driver.deferred] for s, us in driver.units_of.items()
+    }
+    per_action = sum(len(own[a.stage]) for a in actions if a.op.value in ("B", "W"))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "counts": counts,
+        "units": len(pm.zero.units),
+        "deferred": len(driver.deferred),
+        "per_action": per_action + len(driver.deferred),
+    }
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[bool, dict[str, object]]:
+    return {False: reference(False), True: reference(True)}
+
+
+LAYOUTS = [
+    # (zero, schedule, chunks, pp_grad_reduce, pp_reshard_after_forward, tied)
+    (2, "1f1b", 1, "step", False, True),
+    (2, "interleaved", 2, "microbatch", False, False),
+    (2, "zb", 1, "step", False, False),
+    (3, "1f1b", 1, "microbatch", True, False),
+    (3, "interleaved", 2, "step", False, True),
+    (3, "interleaved", 2, "microbatch", True, False),
+    (3, "zb", 1, "step", True, True),
+]
+
+
+@pytest.mark.parametrize(("zero", "schedule", "chunks", "reduce", "reshard", "tied"), LAYOUTS)
+def test_zero_pipeline_matches_one_process(
+    pools: Callable[[int], WorkerPool],
+    refs: dict[bool, dict[str, object]],
+    zero: int,
+    schedule: str,
+    chunks: int,
+    reduce: str,
+    reshard: bool,
+    tied: bool,
+) -> None:
+    ref = refs[tied]
+    assert ref["norms"][0] > CLIP  # type: ignore[index]  # clipping is engaged
+    results = pools(4).run(f"{M}:_body", zero, schedule, chunks, reduce, reshard, tied)
+    for step in range(STEPS):
+        for r in results:
+            assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=RTOL)
+            assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=RTOL)
+    seen: set[str] = set()
+    for r in results:
+        for k, w in r["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][k], rtol=RTOL, atol=ATOL)  # type: ignore[index]
+            seen.add(k)
+    assert seen == set(ref["weights"])  # type: ignore[arg-type]
+    for r in results:  # the trade chosen: reductions and gathers per step
+        units = r["units"]
+        want_reduce = units if reduce == "step" else r["per_action"]
+        for reductions, gathers in r["counts"]:
+            assert reductions == want_reduce
+            if zero == 2:
+                assert gathers == 0
+            elif not reshard:
+                assert gathers == units
+            else:
+                assert gathers > units
