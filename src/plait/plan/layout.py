@@ -57,6 +57,13 @@ class Layout:
     cp_attention: Literal["ring", "ulysses"] = "ring"
     """How attention spans the cp ranks: 'ring' (K/V blocks around the ring, overlapped
     with the blocks' compute) or 'ulysses' (four all-to-alls per layer and pass)."""
+    pp_grad_reduce: Literal["step", "microbatch"] = "step"
+    """ZeRO-2/3 with pp > 1: gradients reduce-scattered once per step (the pieces' full
+    gradients held through the step) or after every backward action (one piece's)."""
+    pp_reshard_after_forward: bool = False
+    """ZeRO-3 with pp > 1: free a piece's gathered parameters after every action (one
+    piece's held at a time, 2 all-gathers per piece and micro-batch) instead of keeping
+    every local piece gathered through the step (one all-gather per step)."""
     compression: str = "none"
     """Data-parallel gradient compression: none, fp16, bf16, topk or powersgd
     (:mod:`plait.plan.compression`)."""
@@ -87,6 +94,10 @@ class Layout:
             raise ConfigError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}.")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
+        if self.pp_grad_reduce not in ("step", "microbatch"):
+            raise ConfigError(
+                f"layout pp_grad_reduce must be step or microbatch, got {self.pp_grad_reduce!r}."
+            )
         if self.chunks > 1 and self.schedule != "interleaved":
             raise ConfigError("chunks > 1 needs the interleaved schedule.")
         if self.sequence_parallel and self.tp == 1:
@@ -128,6 +139,8 @@ class Layout:
             schedule=schedule,
             chunks=chunks,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
+            pp_grad_reduce=p.pp_grad_reduce,
+            pp_reshard_after_forward=p.pp_reshard_after_forward,
             compression=p.compression,
             compression_ratio=p.compression_ratio,
             compression_rank=p.compression_rank,

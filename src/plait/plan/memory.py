@@ -26,7 +26,9 @@ micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
 **Buffers**: plait's data-parallel gradient buckets (a persistent flat copy of every
 gradient), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's gathered units (the computing
 unit plus the prefetched ones, with their unsharded gradients), pipeline send/receive
-buffers.
+buffers. Under pp, ZeRO-2/3 hold the unsharded gradients of a step's micro-batches and
+(stage 3) the gathered pieces instead, per ``pp_grad_reduce`` and
+``pp_reshard_after_forward`` (:func:`pipeline_zero_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -197,6 +199,8 @@ def buffer_bytes(
     out = 0.0
     if copies_gradients(layout, precision, runtime):
         out += grad_bytes  # plait's DataParallel: flat copies of every gradient
+    elif layout.zero >= 2 and layout.pp > 1:
+        pass  # the pipeline drives ZeRO-2/3: pipeline_zero_buffer_bytes
     elif layout.zero in (1, 2):
         out += min(bucket, grad_bytes)  # one reduce-scatter bucket in flight
     elif layout.zero == 3:
@@ -208,6 +212,32 @@ def buffer_bytes(
         msg = layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
         out += 2 * msg / (layout.tp if layout.sequence_parallel else 1)
     return out
+
+
+def pipeline_zero_buffer_bytes(
+    sp: StageParams, spec: ModelSpec, layout: Layout, precision: Precision, stage: int
+) -> float:
+    """ZeRO-2/3 under pipeline parallelism (:mod:`plait.parallel.zero.pipeline`): the
+    unsharded gradients accumulated over a step's micro-batches, the gathered parameters
+    (stage 3) and the reduce-scatter buffers in flight, at their peak on stage ``stage``.
+
+    ``pp_grad_reduce = "step"`` holds the full gradients of every local piece (``P``)
+    until the piece's last backward; ``"microbatch"`` one piece's (its blocks, ``1/v`` of
+    the stage's, plus the embedding or head it holds: a tied matrix, reduced at the end
+    of the step, is counted with every piece). Stage 3 holds every local
+    piece's parameters gathered through the step (``P``), or one piece's with
+    ``pp_reshard_after_forward``. Two units' reduce-scatter buffers are in flight at most.
+    """
+    if layout.zero < 2 or layout.pp == 1:
+        return 0.0
+    layer = layer_params_per_rank(spec, layout.tp)
+    edge = sp.params - sp.layers * layer  # embedding / final norm and head, if any
+    piece = math.ceil(sp.layers / layout.chunks) * layer + edge  # the largest local piece
+    held = sp.params if layout.pp_grad_reduce == "step" else piece
+    out = (held + 2 * sp.unit_params) * precision.grad_bytes
+    if layout.zero == 3:
+        out += (piece if layout.pp_reshard_after_forward else sp.params) * precision.param_bytes
+    return float(out)
 
 
 def stage_memory(
@@ -241,6 +271,7 @@ def stage_memory(
             spec, layout, precision, runtime, seq_len
         )
     buffers = buffer_bytes(sp, spec, layout, precision, runtime, seq_len)
+    buffers += pipeline_zero_buffer_bytes(sp, spec, layout, precision, stage)
     return MemoryBreakdown(
         stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer
     )

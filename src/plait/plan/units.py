@@ -62,11 +62,15 @@ def stage_units(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[Unit, ..
         root.append(vocab)
     if last:
         norm = (h, h) if spec.bias else (h,)
-        if spec.tie_embeddings and not tied_here:
-            units.append((vocab,))  # the last stage's own copy of the tied matrix
-        elif not spec.tie_embeddings:
-            units.append((vocab,))
-        root += norm
+        if pp > 1 and not spec.tie_embeddings:
+            # the split's last piece is a unit of its own: final norm, then the head
+            units.append((*norm, vocab))
+        else:
+            if spec.tie_embeddings and not tied_here:
+                units.append((vocab,))  # the last stage's own copy of the tied matrix
+            elif not spec.tie_embeddings:
+                units.append((vocab,))
+            root += norm
     if root:
         units.append(tuple(root))
     return tuple(units)

@@ -124,6 +124,7 @@ class PipelineZero:
         self._pending: list[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = []
         self.reductions = 0  # reduce-scatters launched (counted; tests read them)
         self.gathers = 0  # stage 3: all-gathers launched
+        self.peak_grad_bytes = 0  # the most unsharded gradient bytes held after an action
 
     # ------------------------------------------------------------------ runtime hooks
 
@@ -145,6 +146,14 @@ class PipelineZero:
         """After compute action ``a``: reduce the piece's gradients when due; stage 3
         frees its units when due."""
         s = a.stage
+        if a.op in _GRAD_OPS:
+            held = sum(
+                p.grad.numel() * p.grad.element_size()
+                for u in self.zero.units
+                for p in u.params
+                if p.grad is not None
+            )
+            self.peak_grad_bytes = max(self.peak_grad_bytes, held)
         if a.op in _GRAD_OPS and (self.grad_reduce == "microbatch" or a == self.last_grad.get(s)):
             for u in self.units_of.get(s, []):
                 if u.index not in self.deferred:
