@@ -57,13 +57,6 @@ class Layout:
     cp_attention: Literal["ring", "ulysses"] = "ring"
     """How attention spans the cp ranks: 'ring' (K/V blocks around the ring, overlapped
     with the blocks' compute) or 'ulysses' (four all-to-alls per layer and pass)."""
-    pp_grad_reduce: Literal["step", "microbatch"] = "step"
-    """ZeRO-2/3 with pp > 1: gradients reduce-scattered once per step (the pieces' full
-    gradients held through the step) or after every backward action (one piece's)."""
-    pp_reshard_after_forward: bool = False
-    """ZeRO-3 with pp > 1: free a piece's gathered parameters after every action (one
-    piece's held at a time, 2 all-gathers per piece and micro-batch) instead of keeping
-    every local piece gathered through the step (one all-gather per step)."""
     compression: str = "none"
     """Data-parallel gradient compression: none, fp16, bf16, topk or powersgd
     (:mod:`plait.plan.compression`)."""
@@ -71,6 +64,13 @@ class Layout:
     """topk: the fraction of gradient entries sent."""
     compression_rank: int = 4
     """powersgd: the approximation rank."""
+    pp_grad_reduce: Literal["step", "microbatch"] = "step"
+    """ZeRO-2/3 with pp > 1: gradients reduce-scattered once per step (the pieces' full
+    gradients held through the step) or after every backward action (one piece's)."""
+    pp_reshard_after_forward: bool = False
+    """ZeRO-3 with pp > 1: free a piece's gathered parameters after every action (one
+    piece's held at a time, 2 all-gathers per piece and micro-batch) instead of keeping
+    every local piece gathered through the step (one all-gather per step)."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks"):
