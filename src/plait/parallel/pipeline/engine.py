@@ -210,7 +210,10 @@ class PipelineEngine:
         s, b = self.schedule, self.stages.boundaries
         stages = [c.stage for c in self.stages.chunks if isinstance(c, StagePiece)]
         mine = ", ".join(f"piece {k}: blocks {b[k]}-{b[k + 1] - 1}" for k in stages)
-        return (
+        text = (
             f"pipeline {s.name}: pp {s.stages} x chunks {s.chunks}, {s.microbatches} "
             f"micro-batches per step; boundaries {b}; this rank: {mine}"
         )
+        if self.zero is not None:
+            text += "; " + self.zero.describe()
+        return text

@@ -126,6 +126,15 @@ class PipelineZero:
         self.gathers = 0  # stage 3: all-gathers launched
         self.peak_grad_bytes = 0  # the most unsharded gradient bytes held after an action
 
+    def describe(self) -> str:
+        """One phrase: when gradients are reduced and (stage 3) parameters gathered."""
+        grads = "once per step" if self.grad_reduce == "step" else "after every backward action"
+        text = f"ZeRO-{self.zero.stage} under pp: gradients reduce-scattered {grads}"
+        if self.zero.stage == 3:
+            params = "re-gathered for every action" if self.reshard else "gathered once per step"
+            text += f", parameters {params}"
+        return text
+
     # ------------------------------------------------------------------ runtime hooks
 
     def before(self, a: Action) -> None:
