@@ -125,3 +125,34 @@ def test_pipeline_zero_state_bytes_are_exact(
         model_bytes = pipeline_zero_buffer_bytes(sp, spec, layout, precision, got["pp"])
         measured = got["peak_grads"] + got["peak_gathered"] + 2 * unit
         assert measured == pytest.approx(model_bytes, rel=0.02), f"rank pp{got['pp']}"
+
+
+def test_planner_prices_the_pipeline_zero_choices() -> None:
+    """The trade each choice makes, as the planner sees it (no processes): per-micro-batch
+    reduction and resharding hold less memory (one of the v = 2 local pieces) and move
+    more bytes."""
+    from dataclasses import replace
+
+    from plait.plan.estimate import estimate
+    from plait.plan.hardware import hardware_preset
+
+    spec = ModelSpec.from_config(
+        ModelConfig(vocab_size=32000, dim=1024, n_layers=16, n_heads=16, max_seq_len=1024)
+    )
+    hw = hardware_preset("h100-80gb")
+    base = Layout(
+        dp=4, pp=2, zero=3, micro_batch=1, microbatches=8, schedule="interleaved", chunks=2
+    )
+    prec, rt = PRECISIONS["bf16-mixed"], RUNTIMES["plait"]
+
+    def run(layout: Layout) -> tuple[float, float]:
+        e = estimate(spec, layout, hw, prec, rt, 1024)
+        return e.memory.buffers, e.time.dp_comm_total
+
+    keep, reshard = run(base), run(replace(base, pp_reshard_after_forward=True))
+    assert reshard[0] < keep[0] and reshard[1] > keep[1]
+    step, micro = keep, run(replace(base, pp_grad_reduce="microbatch"))
+    assert micro[0] < step[0] and micro[1] > step[1]
+    z2 = run(replace(base, zero=2))
+    # stage 2 all-gathers once (after the optimizer step): the bytes of stage 3 kept
+    assert z2[1] == pytest.approx(keep[1]) and z2[0] < keep[0]
