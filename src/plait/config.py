@@ -212,10 +212,11 @@ class ParallelConfig:
     only one piece's full gradients at a time, m times the reduce-scatters)."""
     pp_reshard_after_forward: bool = False
     """ZeRO-3 with pp > 1: free a pipeline piece's gathered parameters after every forward
-    and backward action and gather them again for the next micro-batch (true), or keep
-    them gathered from the piece's first action of a step to its last (false, the
-    default: one all-gather per unit and step; torchtitan's reshard_after_forward=False
-    under PP)."""
+    and backward action (unless the rank's next action runs the same piece) and gather
+    them again for the next micro-batch (true: one piece's parameters held at a time,
+    which pays with several chunks per rank), or keep them gathered from the piece's
+    first action of a step to its last (false, the default: one all-gather per unit and
+    step; torchtitan's reshard_after_forward=False under PP)."""
     prefetch: bool = True
     """ZeRO-3: start gathering the next unit's parameters while the current one computes."""
     offload: Offload = "none"

@@ -361,8 +361,9 @@ def _pipeline_zero_comm(
     (``pp_grad_reduce = "step"``, overlapping the rest of the schedule except the last
     piece's) or once per micro-batch (exposed: the same share); stage 2 all-gathers the
     updated parameters once after the step; stage 3 gathers once per step, or each piece
-    before each of its forward and backward actions with ``pp_reshard_after_forward``
-    (blocking: no prefetch across actions)."""
+    before each of its forward and backward actions with ``pp_reshard_after_forward`` and
+    several pieces per rank (an upper bound: consecutive actions of one piece share a
+    gather; blocking, no prefetch across actions)."""
     m, v = layout.microbatches, layout.chunks
     rs = reduce_scatter_time(rs_bytes, shard.size, shard.link)
     ag = all_gather_time(ag_bytes, shard.size, shard.link)
@@ -370,7 +371,8 @@ def _pipeline_zero_comm(
     exposed_rs = reductions / v  # the last piece's reductions end the step
     if layout.zero == 2:
         return exposed_rs + ag + cross, reductions + ag + cross
-    gathers = 2 * m * ag if layout.pp_reshard_after_forward else ag
+    regather = layout.pp_reshard_after_forward and v > 1  # one piece per rank stays gathered
+    gathers = 2 * m * ag if regather else ag
     return exposed_rs + gathers + cross, reductions + gathers + cross
 
 

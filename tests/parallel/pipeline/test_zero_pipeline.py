@@ -169,9 +169,9 @@ def test_zero_pipeline_matches_one_process(
             assert reductions == want_reduce
             if zero == 2:
                 assert gathers == 0
-            elif not reshard:
+            elif not reshard or chunks == 1:  # one piece per rank: it stays gathered
                 assert gathers == units
-            else:
+            else:  # the schedule alternates the rank's pieces: re-gathered
                 assert gathers > units
 
 

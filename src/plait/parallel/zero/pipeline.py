@@ -29,9 +29,13 @@ rank's whole action list:
   ``reshard_after_forward=False`` under PP) a piece's units are gathered at its first
   action of the step and freed after its last one: one all-gather per unit per step, the
   rank's pieces' full parameters held during the step. With ``reshard = True`` every
-  compute action gathers its piece's units before and frees them after: only the current
-  piece's full parameters are held, at the price of one all-gather per action
-  (2m per piece and step, 3m under zero-bubble). Freed storage is released with
+  compute action gathers its piece's units before and frees them after, unless the
+  rank's next action runs the same piece: only the current piece's full parameters are
+  held, at the price of up to one all-gather per action (2m per piece and step, 3m
+  under zero-bubble) when the schedule alternates pieces (interleaved); with one piece
+  per rank it stays gathered, which is the peak either way. Nothing is prefetched
+  across actions: with v = 2 the next action's piece is the other one, so prefetching
+  would hold both, the memory of not resharding. Freed storage is released with
   ``resize_(0)`` and refilled in place (:mod:`plait.parallel.zero.gather`), so autograd's
   saved references stay valid across a free and the next gather.
 
@@ -42,6 +46,7 @@ state; stage 2: full parameters, gradient and optimizer-state shards). Evaluatio
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -121,6 +126,9 @@ class PipelineZero:
             self.last_use[a.stage] = a
             if a.op in _GRAD_OPS:
                 self.last_grad[a.stage] = a
+        forward = [a for a in compute if a.op is Op.FORWARD]  # an evaluation pass
+        self._next = dict(itertools.pairwise(compute))  # the next compute action
+        self._next_eval = dict(itertools.pairwise(forward))
         self._pending: list[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = []
         self.reductions = 0  # reduce-scatters launched (counted; tests read them)
         self.gathers = 0  # stage 3: all-gathers launched
@@ -168,9 +176,17 @@ class PipelineZero:
                 if u.index not in self.deferred:
                     self._reduce(u)
         g = self.zero.gatherer
-        if g is not None and (self.reshard or a == self.last_use.get(s)):
+        if g is None:
+            return
+        if self.reshard:  # free what the next action does not use (same piece: keep)
+            nxt = (self._next if torch.is_grad_enabled() else self._next_eval).get(a)
+            needed = {u.index for u in self.units_of.get(nxt.stage, [])} if nxt else set()
             for u in self.units_of.get(s, []):
-                if u.index not in self.deferred or self.reshard:
+                if u.index not in needed:
+                    g.free(u)
+        elif a == self.last_use.get(s):
+            for u in self.units_of.get(s, []):
+                if u.index not in self.deferred:
                     g.free(u)
 
     # ------------------------------------------------------------------ step
