@@ -175,6 +175,10 @@ class Layout:
             s += f" {self.schedule}"
             if self.schedule == "interleaved":
                 s += f"(v{self.chunks})"
+            if self.zero >= 2 and self.pp_grad_reduce == "microbatch":
+                s += " rs/mb"  # gradients reduce-scattered per micro-batch
+            if self.zero == 3 and self.pp_reshard_after_forward:
+                s += " reshard"
         if self.sequence_parallel:
             s += " sp"
         if self.compression != "none":

@@ -195,6 +195,16 @@ def _shard_factors(q: Query, space: Space, dp: int, zero: int) -> list[int | Non
     return out
 
 
+def _pp_zero_choices(pp: int, v: int, zero: int) -> list[tuple[str, bool]]:
+    """``(pp_grad_reduce, pp_reshard_after_forward)`` worth trying: ZeRO-2/3 under pp
+    reduce once per step or per micro-batch; ZeRO-3 with several chunks per rank may
+    also re-gather per action (with one piece per rank it changes nothing)."""
+    if pp == 1 or zero < 2:
+        return [("step", False)]
+    reshard = [False, True] if zero == 3 and v > 1 else [False]
+    return [(g, r) for g in ("step", "microbatch") for r in reshard]
+
+
 def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]]:
     """Groups of valid layouts that differ only in ZeRO stage and F."""
     n = q.devices
@@ -222,9 +232,16 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                         for sp, rc in itertools.product(sps, space.recompute):
                             base = Layout(dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp)
                             group = [
-                                replace(base, zero=z, zero_shard_size=f)
+                                replace(
+                                    base,
+                                    zero=z,
+                                    zero_shard_size=f,
+                                    pp_grad_reduce=g,  # type: ignore[arg-type]
+                                    pp_reshard_after_forward=r,
+                                )
                                 for z in zeros
                                 for f in _shard_factors(q, space, dp, z)
+                                for g, r in _pp_zero_choices(pp, v, z)
                             ]
                             if group:
                                 yield group
@@ -243,14 +260,18 @@ def count_layouts(q: Query, space: Space) -> int:
                 dp = n // (tp * pp * cp)
                 per_replica = q.global_batch // dp
                 zeros = [z for z in space.zero if dp > 1 or z == 0]
-                variants = sum(len(_shard_factors(q, space, dp, z)) for z in zeros)
                 sps = len([x for x in space.sequence_parallel if tp > 1 or not x])
                 for mb in space.micro_batch:
                     if per_replica % mb:
                         continue
-                    scheds = sum(1 for *_, bad in _schedules(q, space, pp, per_replica // mb)
-                                 if not bad)
-                    total += scheds * sps * len(space.recompute) * variants
+                    for _, v, bad in _schedules(q, space, pp, per_replica // mb):
+                        if bad:
+                            continue
+                        variants = sum(
+                            len(_shard_factors(q, space, dp, z)) * len(_pp_zero_choices(pp, v, z))
+                            for z in zeros
+                        )
+                        total += sps * len(space.recompute) * variants
     return total
 
 
