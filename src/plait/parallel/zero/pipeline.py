@@ -206,9 +206,20 @@ class PipelineZero:
                     self._reduce(u)
             while self._pending:
                 self._finish_oldest()
+        except BaseException:
+            self._abandon()
+            raise
         finally:
             self.release()
         return runtime.loss_to_all(loss)
+
+    def _abandon(self) -> None:
+        """A failed step: forget the reductions in flight and the accumulated gradients,
+        so the next step starts clean (the reduced shards are the optimizer's to zero)."""
+        self._pending = []
+        for u in self.zero.units:
+            for p in u.params:
+                p.grad = None
 
     def release(self) -> None:
         """Stage 3: free every unit (after a step or an evaluation pass)."""
