@@ -39,7 +39,6 @@ from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
 from plait.plan.network import (
-    Group,
     all_gather_time,
     all_reduce_time,
     all_to_all_time,
@@ -48,6 +47,7 @@ from plait.plan.network import (
     p2p_time,
     reduce_scatter_time,
 )
+from plait.plan.pipeline_zero import pipeline_zero_comm
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,7 @@ def _dp_comm(
     cross = all_reduce_time(grads / f, replica.size, replica.link)  # hybrid: across groups
     cross += all_reduce_time(grads, cpg.size, cpg.link)  # cp ranks share the weights
     if layout.zero >= 2 and layout.pp > 1:  # the pipeline drives ZeRO-2/3
-        return _pipeline_zero_comm(layout, shard, ag_bytes=weights, rs_bytes=grads, cross=cross)
+        return pipeline_zero_comm(layout, shard, ag_bytes=weights, rs_bytes=grads, cross=cross)
     if layout.zero in (1, 2):
         rs = nb * reduce_scatter_time(grads / nb, shard.size, shard.link)
         ag = all_gather_time(weights, shard.size, shard.link)
@@ -351,29 +351,6 @@ def _dp_comm(
     m = layout.microbatches
     per_mb = max(ag / units, ag - ov * fwd) + max((ag + rs) / units, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross
-
-
-def _pipeline_zero_comm(
-    layout: Layout, shard: Group, ag_bytes: float, rs_bytes: float, cross: float
-) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO-2/3 traffic under pp
-    (:mod:`plait.parallel.zero.pipeline`): reduce-scatters once per step
-    (``pp_grad_reduce = "step"``, overlapping the rest of the schedule except the last
-    piece's) or once per micro-batch (exposed: the same share); stage 2 all-gathers the
-    updated parameters once after the step; stage 3 gathers once per step, or each piece
-    before each of its forward and backward actions with ``pp_reshard_after_forward`` and
-    several pieces per rank (an upper bound: consecutive actions of one piece share a
-    gather; blocking, no prefetch across actions)."""
-    m, v = layout.microbatches, layout.chunks
-    rs = reduce_scatter_time(rs_bytes, shard.size, shard.link)
-    ag = all_gather_time(ag_bytes, shard.size, shard.link)
-    reductions = rs if layout.pp_grad_reduce == "step" else m * rs
-    exposed_rs = reductions / v  # the last piece's reductions end the step
-    if layout.zero == 2:
-        return exposed_rs + ag + cross, reductions + ag + cross
-    regather = layout.pp_reshard_after_forward and v > 1  # one piece per rank stays gathered
-    gathers = 2 * m * ag if regather else ag
-    return exposed_rs + gathers + cross, reductions + gathers + cross
 
 
 def _compressed_dp_comm(
