@@ -6,7 +6,7 @@ the interleaved schedule (2 chunks per rank, m micro-batches) under each variant
 * ``zero1`` -- the baseline (ZeRO-1: gradients accumulated in full buffers, one
   reduce-scatter per step through the zero-valued backward, optimizer state sharded);
 * ``zero2 step`` / ``zero2 micro`` -- ``parallel.pp_grad_reduce`` = step / microbatch;
-* ``zero3 keep`` / ``zero3 reshard`` -- ``parallel.pp_reshard_after_forward`` false / true
+* ``zero3 keep`` / ``zero3 reshard`` -- ``parallel.pp_reshard`` false / true
   (gradients reduced once per step).
 
 All variants are built in the same processes and stepped in alternation (one step of
@@ -49,7 +49,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "zero2 step": {"zero": 2, "pp_grad_reduce": "step"},
     "zero2 micro": {"zero": 2, "pp_grad_reduce": "microbatch"},
     "zero3 keep": {"zero": 3},
-    "zero3 reshard": {"zero": 3, "pp_reshard_after_forward": True},
+    "zero3 reshard": {"zero": 3, "pp_reshard": True},
 }
 
 

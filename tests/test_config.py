@@ -92,8 +92,8 @@ from plait.errors import ConfigError
             r"parallel\.pp_grad_reduce must be step or microbatch, got 'bucket'",
         ),
         (
-            lambda: ParallelConfig(pp=2, zero=2, pp_reshard_after_forward=True),
-            r"pp_reshard_after_forward .* needs parallel\.zero = 3 and parallel\.pp > 1 "
+            lambda: ParallelConfig(pp=2, zero=2, pp_reshard=True),
+            r"pp_reshard .* needs parallel\.zero = 3 and parallel\.pp > 1 "
             r"\(got zero 2, pp 2\)",
         ),
         (lambda: LaunchConfig(nproc=0), r"launch\.nproc must be positive"),

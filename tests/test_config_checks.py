@@ -187,5 +187,5 @@ def test_validate_passes() -> None:
     _cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}).validate(4)  # dp2 x tp2
     for stage in (2, 3):  # ZeRO-2/3 under pipeline parallelism (pp2 x dp2)
         _cfg(parallel={"pp": 2, "zero": stage, "pp_grad_reduce": "microbatch"}).validate(4)
-    _cfg(parallel={"pp": 2, "zero": 3, "pp_reshard_after_forward": True}).validate(4)
+    _cfg(parallel={"pp": 2, "zero": 3, "pp_reshard": True}).validate(4)
     _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)

@@ -210,7 +210,7 @@ class ParallelConfig:
     backward of its pipeline piece; the piece's full gradients are held through the
     step; the torchtitan/FSDP2 choice) or 'microbatch' (after every backward action:
     only one piece's full gradients at a time, m times the reduce-scatters)."""
-    pp_reshard_after_forward: bool = False
+    pp_reshard: bool = False
     """ZeRO-3 with pp > 1: free a pipeline piece's gathered parameters after every forward
     and backward action (unless the rank's next action runs the same piece) and gather
     them again for the next micro-batch (true: one piece's parameters held at a time,
@@ -271,9 +271,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.pp_grad_reduce must be step or microbatch, got {self.pp_grad_reduce!r}."
             )
-        if self.pp_reshard_after_forward and (self.zero != 3 or self.pp == 1):
+        if self.pp_reshard and (self.zero != 3 or self.pp == 1):
             raise ConfigError(
-                "parallel.pp_reshard_after_forward re-gathers ZeRO-3 parameters per "
+                "parallel.pp_reshard re-gathers ZeRO-3 parameters per "
                 "micro-batch under pipeline parallelism; it needs parallel.zero = 3 and "
                 f"parallel.pp > 1 (got zero {self.zero}, pp {self.pp})."
             )

@@ -58,7 +58,7 @@ def _body(
             chunks=chunks,
             microbatches=MICRO,
             pp_grad_reduce=reduce,  # type: ignore[arg-type]
-            pp_reshard_after_forward=reshard,
+            pp_reshard=reshard,
         ),
         train=TrainConfig(global_batch=BATCH, seq_len=SEQ),
     )
@@ -112,7 +112,7 @@ def test_pipeline_zero_state_bytes_are_exact(
         schedule="interleaved" if chunks > 1 else "1f1b",
         chunks=chunks,
         pp_grad_reduce=reduce,  # type: ignore[arg-type]
-        pp_reshard_after_forward=reshard,
+        pp_reshard=reshard,
     )
     for got in results:
         mem = stage_memory(spec, layout, precision, RUNTIMES["plait"], SEQ, got["pp"], got["dp"])
@@ -149,7 +149,7 @@ def test_planner_prices_the_pipeline_zero_choices() -> None:
         e = estimate(spec, layout, hw, prec, rt, 1024)
         return e.memory.buffers, e.time.dp_comm_total
 
-    keep, reshard = run(base), run(replace(base, pp_reshard_after_forward=True))
+    keep, reshard = run(base), run(replace(base, pp_reshard=True))
     assert reshard[0] < keep[0] and reshard[1] > keep[1]
     step, micro = keep, run(replace(base, pp_grad_reduce="microbatch"))
     assert micro[0] < step[0] and micro[1] > step[1]

@@ -442,7 +442,7 @@ def parallelize(
             hidden_dim=_hidden_dim(model),
             seq_factor=tp if sp else 1,
             zero_grad_reduce=p.pp_grad_reduce,
-            zero_reshard=p.pp_reshard_after_forward,
+            zero_reshard=p.pp_reshard,
         )
     return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names, context)
 

@@ -67,7 +67,7 @@ class Layout:
     pp_grad_reduce: Literal["step", "microbatch"] = "step"
     """ZeRO-2/3 with pp > 1: gradients reduce-scattered once per step (the pieces' full
     gradients held through the step) or after every backward action (one piece's)."""
-    pp_reshard_after_forward: bool = False
+    pp_reshard: bool = False
     """ZeRO-3 with pp > 1: free a piece's gathered parameters after every action (one
     piece's held at a time, 2 all-gathers per piece and micro-batch) instead of keeping
     every local piece gathered through the step (one all-gather per step)."""
@@ -140,7 +140,7 @@ class Layout:
             chunks=chunks,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
             pp_grad_reduce=p.pp_grad_reduce,
-            pp_reshard_after_forward=p.pp_reshard_after_forward,
+            pp_reshard=p.pp_reshard,
             compression=p.compression,
             compression_ratio=p.compression_ratio,
             compression_rank=p.compression_rank,
@@ -177,7 +177,7 @@ class Layout:
                 s += f"(v{self.chunks})"
             if self.zero >= 2 and self.pp_grad_reduce == "microbatch":
                 s += " rs/mb"  # gradients reduce-scattered per micro-batch
-            if self.zero == 3 and self.pp_reshard_after_forward:
+            if self.zero == 3 and self.pp_reshard:
                 s += " reshard"
         if self.sequence_parallel:
             s += " sp"

@@ -28,7 +28,7 @@ gradient), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's gathered units (the comp
 unit plus the prefetched ones, with their unsharded gradients), pipeline send/receive
 buffers. Under pp, ZeRO-2/3 hold the unsharded gradients of a step's micro-batches and
 (stage 3) the gathered pieces instead, per ``pp_grad_reduce`` and
-``pp_reshard_after_forward`` (:func:`pipeline_zero_buffer_bytes`).
+``pp_reshard`` (:func:`pipeline_zero_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def pipeline_zero_buffer_bytes(
     the stage's, plus the embedding or head it holds: a tied matrix, reduced at the end
     of the step, is counted with every piece). Stage 3 holds every local
     piece's parameters gathered through the step (``P``), or one piece's with
-    ``pp_reshard_after_forward``. Two units' reduce-scatter buffers are in flight at most.
+    ``pp_reshard``. Two units' reduce-scatter buffers are in flight at most.
     """
     if layout.zero < 2 or layout.pp == 1:
         return 0.0
@@ -236,7 +236,7 @@ def pipeline_zero_buffer_bytes(
     held = sp.params if layout.pp_grad_reduce == "step" else piece
     out = (held + 2 * sp.unit_params) * precision.grad_bytes
     if layout.zero == 3:
-        out += (piece if layout.pp_reshard_after_forward else sp.params) * precision.param_bytes
+        out += (piece if layout.pp_reshard else sp.params) * precision.param_bytes
     return float(out)
 
 

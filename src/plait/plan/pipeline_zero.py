@@ -3,7 +3,7 @@
 The runtime (:mod:`plait.parallel.zero.pipeline`) reduce-scatters each unit's gradients
 once per step or once per backward action (``Layout.pp_grad_reduce``) and, at stage 3,
 gathers each piece once per step or before each of its actions
-(``Layout.pp_reshard_after_forward``); the memory side is
+(``Layout.pp_reshard``); the memory side is
 :func:`plait.plan.memory.pipeline_zero_buffer_bytes`.
 """
 
@@ -21,7 +21,7 @@ def pipeline_zero_comm(
     (``pp_grad_reduce = "step"``, overlapping the rest of the schedule except the last
     piece's) or once per micro-batch (exposed: the same share); stage 2 all-gathers the
     updated parameters once after the step; stage 3 gathers once per step, or each piece
-    before each of its forward and backward actions with ``pp_reshard_after_forward`` and
+    before each of its forward and backward actions with ``pp_reshard`` and
     several pieces per rank (an upper bound: consecutive actions of one piece share a
     gather; blocking, no prefetch across actions)."""
     m, v = layout.microbatches, layout.chunks
@@ -31,6 +31,6 @@ def pipeline_zero_comm(
     exposed_rs = reductions / v  # the last piece's reductions end the step
     if layout.zero == 2:
         return exposed_rs + ag + cross, reductions + ag + cross
-    regather = layout.pp_reshard_after_forward and v > 1  # one piece per rank stays gathered
+    regather = layout.pp_reshard and v > 1  # one piece per rank stays gathered
     gathers = 2 * m * ag if regather else ag
     return exposed_rs + gathers + cross, reductions + gathers + cross

@@ -196,7 +196,7 @@ def _shard_factors(q: Query, space: Space, dp: int, zero: int) -> list[int | Non
 
 
 def _pp_zero_choices(pp: int, v: int, zero: int) -> list[tuple[str, bool]]:
-    """``(pp_grad_reduce, pp_reshard_after_forward)`` worth trying: ZeRO-2/3 under pp
+    """``(pp_grad_reduce, pp_reshard)`` worth trying: ZeRO-2/3 under pp
     reduce once per step or per micro-batch; ZeRO-3 with several chunks per rank may
     also re-gather per action (with one piece per rank it changes nothing)."""
     if pp == 1 or zero < 2:
@@ -237,7 +237,7 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                                     zero=z,
                                     zero_shard_size=f,
                                     pp_grad_reduce=g,  # type: ignore[arg-type]
-                                    pp_reshard_after_forward=r,
+                                    pp_reshard=r,
                                 )
                                 for z in zeros
                                 for f in _shard_factors(q, space, dp, z)

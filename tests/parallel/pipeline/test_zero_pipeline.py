@@ -76,7 +76,7 @@ def _body(
         chunks=chunks,
         microbatches=MICRO,
         pp_grad_reduce=reduce,  # type: ignore[arg-type]
-        pp_reshard_after_forward=reshard,
+        pp_reshard=reshard,
     )
     cfg = Config(
         model=model_config(LAYERS, tied=tied),
@@ -127,7 +127,7 @@ def refs() -> dict[bool, dict[str, object]]:
 
 
 LAYOUTS = [
-    # (zero, schedule, chunks, pp_grad_reduce, pp_reshard_after_forward, tied)
+    # (zero, schedule, chunks, pp_grad_reduce, pp_reshard, tied)
     (2, "1f1b", 1, "step", False, True),
     (2, "interleaved", 2, "microbatch", False, False),
     (2, "zb", 1, "step", False, False),
@@ -186,7 +186,7 @@ def test_cli_pp2_dp2_tp2_zero3_matches_one_process(tmp_path: Path) -> None:
     tiny = [*tiny_args(), "--steps", "3"]
     assert main(["train", *tiny, "--nproc", "1", "--metrics", str(one)]) == 0
     layout = ["--nproc", "8", "--pp", "2", "--dp", "2", "--tp", "2", "--zero", "3"]
-    layout += ["--parallel.pp_reshard_after_forward", "true", "--metrics", str(eight)]
+    layout += ["--parallel.pp_reshard", "true", "--metrics", str(eight)]
     r = run_plait(["train", *tiny, *layout], tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ZeRO stage 3 over dp" in r.stdout
