@@ -28,16 +28,18 @@ rank's whole action list:
 * **Parameters** (stage 3). With ``reshard = False`` (the default, torchtitan's
   ``reshard_after_forward=False`` under PP) a piece's units are gathered at its first
   action of the step and freed after its last one: one all-gather per unit per step, the
-  rank's pieces' full parameters held during the step. With ``reshard = True`` every
-  compute action gathers its piece's units before and frees them after, unless the
-  rank's next action runs the same piece: only the current piece's full parameters are
-  held, at the price of up to one all-gather per action (2m per piece and step, 3m
-  under zero-bubble) when the schedule alternates pieces (interleaved); with one piece
-  per rank it stays gathered, which is the peak either way. Nothing is prefetched
-  across actions: with v = 2 the next action's piece is the other one, so prefetching
-  would hold both, the memory of not resharding. Freed storage is released with
-  ``resize_(0)`` and refilled in place (:mod:`plait.parallel.zero.gather`), so autograd's
-  saved references stay valid across a free and the next gather.
+  rank's pieces' full parameters held during the step (every unit's all-gather is
+  launched at the step's first action, so later pieces arrive while the first computes).
+  With ``reshard = True`` every compute action gathers its piece's units before and
+  frees them after, unless the rank's next action runs the same piece: only the current
+  piece's full parameters are held, at the price of up to one all-gather per action (2m
+  per piece and step, 3m under zero-bubble) when the schedule alternates pieces
+  (interleaved); with one piece per rank it stays gathered, which is the peak either
+  way. Nothing is prefetched across actions: with v = 2 the next action's piece is the
+  other one, so prefetching would hold both, the memory of not resharding. Freed storage
+  is released with ``resize_(0)`` and refilled in place
+  (:mod:`plait.parallel.zero.gather`), so autograd's saved references stay valid across
+  a free and the next gather.
 
 Between steps a rank holds only shards (stage 3: parameters, gradients and optimizer
 state; stage 2: full parameters, gradient and optimizer-state shards). Evaluation
@@ -133,6 +135,7 @@ class PipelineZero:
         self.reductions = 0  # reduce-scatters launched (counted; tests read them)
         self.gathers = 0  # stage 3: all-gathers launched
         self.peak_grad_bytes = 0  # the most unsharded gradient bytes held after an action
+        self._started = False  # stage 3, kept gathered: this step's gathers are launched
 
     def describe(self) -> str:
         """One phrase: when gradients are reduced and (stage 3) parameters gathered."""
@@ -152,11 +155,17 @@ class PipelineZero:
         if g is None:
             return
         units = self.units_of.get(a.stage, [])
+        if not self.reshard and not self._started:
+            # kept gathered through the step anyway: launch every unit's all-gather at
+            # the step's first action, the later pieces' overlapping the first's compute
+            self._started = True
+            first = {u.index for u in units}
+            units = [*units, *(u for u in self.zero.units if u.index not in first)]
         for u in units:
             if g.gathers[u.index].state is GatherState.FREE:
                 self.gathers += 1
             g.start(u)
-        for u in units:
+        for u in self.units_of.get(a.stage, []):
             g.ensure(u)
 
     def after(self, a: Action) -> None:
@@ -223,6 +232,7 @@ class PipelineZero:
 
     def release(self) -> None:
         """Stage 3: free every unit (after a step or an evaluation pass)."""
+        self._started = False
         if self.zero.gatherer is not None:
             self.zero.gatherer.free_all()
 
