@@ -109,7 +109,7 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
         times[name].append(time.perf_counter() - t0)
 
     def plait_save(k: int) -> None:
-        save_checkpoint(tr, root / "plait", k, keep=1)
+        save_checkpoint(tr.state, root / "plait", k, keep=1)
 
     def dcp_save(k: int) -> None:
         msd, osd = get_state_dict(ref, opt)
@@ -118,7 +118,7 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
     def plait_load(k: int) -> None:
         reader = CheckpointReader(root / "plait" / f"step_{k:08d}")
         reader.model_state()  # the full weights, as a resume reads them
-        restore_training_state(tr, reader)
+        restore_training_state(tr.state, reader)
 
     def dcp_load(k: int) -> None:
         msd, osd = get_state_dict(ref, opt)

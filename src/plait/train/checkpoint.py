@@ -29,6 +29,7 @@ step counters, loss scaler, sampler position and this rank's RNG states.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from plait import comm
 from plait.config import Config
 from plait.errors import PlaitError
 from plait.mesh import Mesh
+from plait.train.checkpoint_io import verify_collective
+from plait.train.checkpoint_load import load_pieces
 from plait.train.checkpoint_lock import FolderLock, remove_temporaries
 from plait.train.checkpoint_meta import (
     FORMAT,
@@ -68,9 +71,8 @@ from plait.train.faults import restart_count
 from plait.train.rank_state import rank_state_tensors, restore_rank_state
 from plait.train.reshard import (
     CheckpointReader,
+    check_model,
     find_checkpoint,
-    load_weights,
-    load_weights_file,
     restore_rng,
 )
 from plait.train.state import TrainState
@@ -269,23 +271,11 @@ def save_checkpoint(
 
 @torch.no_grad()
 def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
-    """Optimizer state of this rank's pieces, counters, scaler, sampler, RNG; returns
-    the step to continue from."""
+    """This rank's pieces (weights and optimizer state, :mod:`plait.train.checkpoint_load`),
+    counters, scaler, sampler, RNG; returns the step to continue from."""
     meta = reader.meta
     opt = ts.optimizer
-    for lp in opt.local_pieces():
-        state: dict[str, torch.Tensor] = {}
-        for kind in reader.kinds(lp.name):
-            if kind == "param":
-                continue
-            vals = reader.read(lp.name, kind, lp.tp, lp.start, lp.end)
-            state[kind] = vals.to(lp.key.device).view(lp.key.shape).clone()
-        for s in reader.scalar_names(lp.name):
-            v = reader.scalar(lp.name, s)
-            if v is not None:
-                state[s] = v.clone()
-        if state:
-            opt.inner.state[lp.key] = state
+    load_pieces(ts, reader)
     o = meta["optimizer"]
     opt.steps, opt.skipped = int(o["steps"]), int(o["skipped"])
     if opt.scaler is not None and o.get("scaler"):
@@ -295,6 +285,19 @@ def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     restore_rng(reader, ts.mesh.rank, ts.device)
     restore_rank_state(ts.rank_state, meta, ts.mesh.rank, reader.tensor)
     return reader.step
+
+
+def open_weights(path: str, mesh: Mesh) -> CheckpointReader:
+    """``train.init_from``: a checkpoint folder (its files verified once per host) or a
+    consolidated safetensors file, opened for rank-local reads."""
+    p = Path(path)
+    if p.is_dir():
+        reader = CheckpointReader(p, verify=False)
+        verify_collective(p, reader.meta, mesh)
+        return reader
+    if not p.is_file():
+        raise CheckpointError(f"no checkpoint or weights file at {p}")
+    return CheckpointReader.from_weights_file(p)
 
 
 class Checkpointing:
@@ -316,7 +319,8 @@ class Checkpointing:
         mode = t.resume
         if mode is None and self.root is not None and restart_count() > 0:
             mode = "auto"
-        self.reader = find_checkpoint(mode, self.root, mesh.rank == 0) if mode else None
+        verify = functools.partial(verify_collective, mesh=mesh)  # once per file per host
+        self.reader = find_checkpoint(mode, self.root, mesh.rank == 0, verify) if mode else None
         self.resumed_from: str | None = None
         """Name of the checkpoint folder the run resumed from (retention keeps it)."""
         self.trusted: set[str] = set()
@@ -326,6 +330,10 @@ class Checkpointing:
             if self.root is not None and self.reader.folder.parent.resolve() == self.root.resolve():
                 self.resumed_from = self.reader.folder.name
         self.init_from = t.init_from
+        self.weights: CheckpointReader | None = None
+        """``init_from``'s weights (a checkpoint folder or a consolidated file)."""
+        if self.reader is None and t.init_from:
+            self.weights = open_weights(t.init_from, mesh)
         self.steps = t.steps
         self.saved: list[Path] = []
         self.on_stage: SaveHook | None = None
@@ -370,16 +378,22 @@ class Checkpointing:
         return self.init_from
 
     def load_weights(self, model: nn.Module) -> None:
-        """Resumed or ``init_from`` weights into the full model, before parallelize."""
-        if self.reader is not None:
-            load_weights(model, self.reader.model_state(), str(self.reader.folder))
-        elif self.init_from:
-            load_weights(model, load_weights_file(self.init_from), self.init_from)
+        """Check, before parallelize, that the resumed or ``init_from`` tensors match the
+        full model by name and shape (no tensor data is read here: every rank reads its
+        own pieces in :meth:`restore`)."""
+        reader = self.reader or self.weights
+        if reader is not None:
+            shapes = {n: list(e.shape) for n, e in reader.params.items()}
+            check_model(shapes, model, self.source or str(reader.folder))
 
     def restore(self, ts: TrainState, say: Callable[[str], None] | None = None) -> int:
         """Everything else once the optimizer exists; the step to continue from. ``say``
         (rank 0's progress messages) hears where the run started from."""
         if self.reader is None:
+            if self.weights is not None:
+                load_pieces(ts, self.weights, optimizer_state=False)
+                self.weights.close()
+                self.weights = None
             if self.init_from and say is not None:
                 say(f"plait: started from the weights in {self.init_from}")
             return 0
@@ -394,7 +408,8 @@ class Checkpointing:
                     f"run has {self.steps}: the learning-rate schedule (warm-up, cosine "
                     "decay to the last step) changes from here on"
                 )
-        self.reader = None  # free the cached tensors
+        self.reader.close()
+        self.reader = None  # free the open files
         return step
 
     def after_step(self, ts: TrainState, done: int, last: int, stop: bool) -> Path | None:
