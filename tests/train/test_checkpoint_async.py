@@ -103,7 +103,8 @@ def test_training_continues_while_the_writer_runs(tmp_path: Path) -> None:
     # the writer of save 1 was mid-write while step 2 trained: it saw step 2 finish
     assert "waited" in seen and "not set" not in seen
     assert seen.index("writer of step 1 waits") < seen.index("step 2 done")
-    events = trainer.checkpoints.writer.events  # type: ignore[union-attr]
+    assert trainer.checkpoints.writer is not None
+    events = trainer.checkpoints.writer.events
     assert events[:2] == [("snapshot", 1), ("written", 1)]
     assert ("committed", 1) in events and events[-1] == ("committed", 3)
     assert read_latest(tmp_path) == tmp_path / step_dirname(3)
@@ -147,7 +148,7 @@ def test_writer_failure_raises_at_the_next_save(tmp_path: Path) -> None:
 
     trainer = Trainer(async_config(str(tmp_path), steps=3, every=1), init_mesh(), False)
     trainer.checkpoints.on_stage = hook
-    with pytest.raises(CheckpointSaveError, match="step_00000002.*No space left"):
+    with pytest.raises(CheckpointSaveError, match=r"step_00000002.*No space left"):
         trainer.run()
     assert not list(tmp_path.glob(".tmp-*"))
     assert read_latest(tmp_path) == tmp_path / step_dirname(1)

@@ -73,7 +73,7 @@ def test_each_rank_reads_only_its_pieces(
     data_bytes = 0
     for f in files:
         sf = ShardFile(f)
-        data_bytes += sum(sf.info(k)[3] - sf.info(k)[2] for k in sf.keys())
+        data_bytes += sum(sf.info(k)[3] - sf.info(k)[2] for k in sf.entries)
         sf.close()
     got = pools(world).run(f"{M}:_load_body", str(folder), kw)
     for rank, r in enumerate(got):
