@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
 from plait import comm
 from plait.errors import PlaitError
 from plait.mesh import Mesh
+from plait.train.checkpoint_io import write_safetensors
 from plait.train.checkpoint_meta import (
     FORMAT,
     LATEST,
@@ -46,7 +46,6 @@ from plait.train.checkpoint_meta import (
     rank_filename,
     replace_durable,
     rng_payload,
-    sha256_bytes,
     step_dirname,
     write_durable,
 )
@@ -80,8 +79,10 @@ class Snapshot:
     """Rank 0: each parameter's position in the one-device model (metadata order)."""
 
 
-def snapshot(ts: TrainState, step: int) -> Snapshot:
-    """Phase 1: copy this rank's state to host memory (see the module docstring)."""
+def snapshot(ts: TrainState, step: int, copy: bool = True) -> Snapshot:
+    """Phase 1: copy this rank's state to host memory (see the module docstring).
+    ``copy=False`` (a synchronous save: nothing changes the state until it is written)
+    keeps tensors already on the CPU as they are instead of copying them."""
     rank = ts.mesh.rank
     fname = rank_filename(rank)
     tensors, rng = rng_payload(ts.device)
@@ -93,16 +94,16 @@ def snapshot(ts: TrainState, step: int) -> Snapshot:
             continue
         tag = f"{lp.name}/{lp.start}"
         piece = Piece(fname, lp.start, lp.end, lp.tp, {"param": f"param/{tag}"})
-        tensors[f"param/{tag}"] = lp.value.detach().to("cpu", copy=True)
+        tensors[f"param/{tag}"] = lp.value.detach().to("cpu", copy=copy)
         for k, v in state.get(lp.key, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise CheckpointError(f"optimizer state {k!r} of {lp.name} is not a tensor")
             if v.dim() == 0:
                 piece.scalars[k] = f"{k}/{tag}"
-                tensors[f"{k}/{tag}"] = v.detach().to("cpu", copy=True)
+                tensors[f"{k}/{tag}"] = v.detach().to("cpu", copy=copy)
             else:
                 piece.keys[k] = f"{k}/{tag}"
-                tensors[f"{k}/{tag}"] = v.detach().reshape(-1).to("cpu", copy=True)
+                tensors[f"{k}/{tag}"] = v.detach().reshape(-1).to("cpu", copy=copy)
         entry = params.setdefault(
             lp.name,
             ParamEntry(
@@ -191,10 +192,8 @@ def open_folder(root: Path, tmp: Path) -> None:
 def write_rank(tmp: Path, snap: Snapshot, stage: SaveHook) -> None:
     """Phase 2: this rank's file, fsynced, then its index (renamed into place, so a
     reader never sees a partial index)."""
-    data = st_save(snap.tensors)
-    write_durable(tmp / snap.index["file"], data)
-    snap.index["checksum"] = {"sha256": sha256_bytes(data), "bytes": len(data)}
-    del data
+    digest, size = write_safetensors(tmp / snap.index["file"], snap.tensors)
+    snap.index["checksum"] = {"sha256": digest, "bytes": size}
     stage("shard")
     part = tmp / f".{index_name(snap.rank)}.part"
     write_durable(part, json_bytes(snap.index))
@@ -295,7 +294,7 @@ def save_checkpoint(
             raise save_error(root, step, failed, err or f"see rank {failed[0]}")
 
     _step(lambda: open_folder(root, tmp), only_rank0=True)
-    snap = snapshot(ts, step)
+    snap = snapshot(ts, step, copy=False)  # written before training changes anything
     _step(lambda: write_rank(tmp, snap, stage))
     _step(lambda: commit(root, snap, keep, stage, protect, trusted), only_rank0=True)
     return final
