@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from plait.mesh import Mesh
 from plait.train.checkpoint_meta import CheckpointError
 from plait.train.checkpoint_save import (
@@ -58,6 +60,9 @@ class AsyncSaver:
         self.step = -1
         self.error: str | None = None
         self.cancel = threading.Event()
+        self.staging: dict[str, torch.Tensor] = {}
+        """Host buffers the state is copied into, reused from save to save (one copy of
+        this rank's state; pinned for a CUDA state)."""
         self.events: list[tuple[str, int]] = []
         """``(what, step)`` in order: "snapshot" (training thread, state copied),
         "written" (this rank's file complete), "committed" (rank 0: ``latest`` replaced),
@@ -80,7 +85,7 @@ class AsyncSaver:
         failed = agree(self.mesh, err)
         if failed:
             raise save_error(self.root, step, failed, err or f"see rank {failed[0]}")
-        snap = snapshot(ts, step)
+        snap = snapshot(ts, step, staging=self.staging)
         self.events.append(("snapshot", step))
         stage: SaveHook = on_stage if on_stage is not None else (lambda _: None)
         self.step = step
@@ -99,7 +104,6 @@ class AsyncSaver:
     ) -> None:
         try:
             write_rank(tmp, snap, stage)
-            snap.tensors.clear()  # the host copy is on disk: free it
             self.events.append(("written", snap.step))
             if snap.rank == 0:
                 self._await_ranks(tmp, snap.world)

@@ -79,14 +79,33 @@ class Snapshot:
     """Rank 0: each parameter's position in the one-device model (metadata order)."""
 
 
-def snapshot(ts: TrainState, step: int, copy: bool = True) -> Snapshot:
+def snapshot(
+    ts: TrainState, step: int, copy: bool = True, staging: dict[str, torch.Tensor] | None = None
+) -> Snapshot:
     """Phase 1: copy this rank's state to host memory (see the module docstring).
     ``copy=False`` (a synchronous save: nothing changes the state until it is written)
-    keeps tensors already on the CPU as they are instead of copying them."""
+    keeps tensors already on the CPU as they are instead of copying them. ``staging``
+    (an asynchronous save): host buffers kept from the previous save, reused (pinned
+    for a CUDA state), so a save copies into memory that is already mapped."""
     rank = ts.mesh.rank
     fname = rank_filename(rank)
     tensors, rng = rng_payload(ts.device)
     tensors.update(rank_state_tensors(ts.rank_state))
+    cuda = False
+
+    def host(key: str, t: torch.Tensor) -> torch.Tensor:
+        nonlocal cuda
+        if staging is None:
+            return t.detach().to("cpu", copy=copy)
+        buf = staging.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            pin = t.device.type == "cuda"
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+            staging[key] = buf
+        cuda = cuda or t.device.type == "cuda"
+        buf.copy_(t.detach(), non_blocking=True)
+        return buf
+
     params: dict[str, dict[str, Any]] = {}
     state = ts.optimizer.inner.state
     for lp in ts.optimizer.local_pieces():
@@ -94,16 +113,16 @@ def snapshot(ts: TrainState, step: int, copy: bool = True) -> Snapshot:
             continue
         tag = f"{lp.name}/{lp.start}"
         piece = Piece(fname, lp.start, lp.end, lp.tp, {"param": f"param/{tag}"})
-        tensors[f"param/{tag}"] = lp.value.detach().to("cpu", copy=copy)
+        tensors[f"param/{tag}"] = host(f"param/{tag}", lp.value)
         for k, v in state.get(lp.key, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise CheckpointError(f"optimizer state {k!r} of {lp.name} is not a tensor")
             if v.dim() == 0:
                 piece.scalars[k] = f"{k}/{tag}"
-                tensors[f"{k}/{tag}"] = v.detach().to("cpu", copy=copy)
+                tensors[f"{k}/{tag}"] = host(f"{k}/{tag}", v)
             else:
                 piece.keys[k] = f"{k}/{tag}"
-                tensors[f"{k}/{tag}"] = v.detach().reshape(-1).to("cpu", copy=copy)
+                tensors[f"{k}/{tag}"] = host(f"{k}/{tag}", v.reshape(-1))
         entry = params.setdefault(
             lp.name,
             ParamEntry(
@@ -111,6 +130,8 @@ def snapshot(ts: TrainState, step: int, copy: bool = True) -> Snapshot:
             ).to_json(),
         )
         entry["pieces"].append(piece.to_json())
+    if cuda:
+        torch.cuda.synchronize(ts.device)  # the non-blocking copies have landed
     index = {"rank": rank, "file": fname, "rng": rng, "keys": sorted(tensors), "params": params}
     header = _header(ts, step) if rank == 0 else None
     order = {n: i for i, n in enumerate(ts.model.param_names)} if rank == 0 else {}
