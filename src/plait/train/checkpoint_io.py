@@ -17,6 +17,7 @@ Every rank checks every file's size (a ``stat``) itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -88,6 +89,10 @@ class ShardFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def keys(self) -> list[str]:
         return list(self.entries)

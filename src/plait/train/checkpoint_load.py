@@ -87,10 +87,18 @@ def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> Non
     """The optimizer state of piece ``lp`` (per-element tensors and scalars)."""
     state: dict[str, torch.Tensor] = {}
     dtype = dtype_from_name(reader.entry(lp.name).dtype)
+    have = ts.optimizer.inner.state.get(lp.key, {})  # read into it in place if it fits
     for kind in reader.kinds(lp.name):
         if kind == "param":
             continue
-        t = torch.empty(lp.key.shape, dtype=dtype, device=lp.key.device)
+        t = have.get(kind)
+        fits = (
+            isinstance(t, torch.Tensor) and t.shape == lp.key.shape and t.dtype == dtype
+            and t.device == lp.key.device and t.is_contiguous()
+        )
+        if not fits:
+            t = torch.empty(lp.key.shape, dtype=dtype, device=lp.key.device)
+        assert isinstance(t, torch.Tensor)
         reader.read_into(lp.name, kind, lp.tp, lp.start, t.view(-1))
         state[kind] = t
     for s in reader.scalar_names(lp.name):
