@@ -85,3 +85,33 @@ def test_each_rank_reads_only_its_pieces(
     for r in got:
         union.update(r["loaded"])
     _assert_same_weights(union, src["snap"])
+
+
+def test_checkpoint_written_by_the_safetensors_library_still_loads(tmp_path: Path) -> None:
+    """Checkpoints from before the rank-local loader (files serialised by
+    ``safetensors.torch.save``, another header order) load bit-exactly: the format is
+    the same, only the writer changed."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from plait.train.checkpoint_meta import sha256_file
+    from tests.train.test_checkpoint import _train
+
+    root = tmp_path / "ck"
+    full = _train(None, config(str(root)))
+    old = tmp_path / "old"
+    shutil.copytree(root / step_dirname(SAVE_AT), old)
+    meta = json.loads((old / "metadata.json").read_text())
+    for name in meta["files"]:
+        save_file(load_file(str(old / name)), str(old / name))  # the library's layout
+        size = (old / name).stat().st_size
+        meta["files"][name] = {"sha256": sha256_file(old / name), "bytes": size}
+    (old / "metadata.json").write_text(json.dumps(meta))
+    assert (old / "rank00000.safetensors").read_bytes() != (
+        root / step_dirname(SAVE_AT) / "rank00000.safetensors"
+    ).read_bytes()
+    resumed = _train(None, config(None, resume=str(old)))
+    assert resumed["losses"] == full["losses"][SAVE_AT:]
+    _assert_same_weights(resumed["final"], full["final"])
