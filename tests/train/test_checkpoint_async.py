@@ -107,6 +107,8 @@ def test_training_continues_while_the_writer_runs(tmp_path: Path) -> None:
     events = trainer.checkpoints.writer.events
     assert events[:2] == [("snapshot", 1), ("written", 1)]
     assert ("committed", 1) in events and events[-1] == ("committed", 3)
+    for k in (1, 2):  # at most one save in flight: save k is committed before k + 1 starts
+        assert events.index(("committed", k)) < events.index(("snapshot", k + 1))
     assert read_latest(tmp_path) == tmp_path / step_dirname(3)
 
 
