@@ -115,3 +115,31 @@ def test_checkpoint_written_by_the_safetensors_library_still_loads(tmp_path: Pat
     resumed = _train(None, config(None, resume=str(old)))
     assert resumed["losses"] == full["losses"][SAVE_AT:]
     _assert_same_weights(resumed["final"], full["final"])
+
+
+def _init_body(ctx: WorkerContext, weights: str) -> Any:
+    cfg = config(None, init_from=weights, steps=1, zero=3)
+    tr = Trainer(cfg, ctx.mesh(dp=ctx.world_size), False)
+    pieces = {(p.name, p.start, p.end) for p in tr.optimizer.local_pieces()}
+    return {
+        "read": tr.checkpoints.load_report["bytes_read"],
+        "expected": sum((b - a) * 4 for _, a, b in pieces),  # fp32 values only
+        "loaded": full_weights(tr),
+    }
+
+
+def test_init_from_a_consolidated_file_reads_only_own_pieces(
+    pools: Callable[[int], WorkerPool], zero3_dp4: Any, tmp_path: Path
+) -> None:
+    from plait.train.reshard import consolidate
+
+    folder, src = zero3_dp4
+    out = tmp_path / "model.safetensors"
+    summary = consolidate(folder, out)
+    got = pools(2).run(f"{M}:_init_body", str(out))
+    for r in got:
+        assert r["read"] == r["expected"] < summary["bytes"]  # its shard's weights only
+    union: dict[str, Any] = {}
+    for r in got:
+        union.update(r["loaded"])
+    _assert_same_weights(union, src["snap"])
