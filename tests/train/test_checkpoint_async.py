@@ -7,8 +7,9 @@
   after it wrote its file, waits for an event the training thread sets when step 2 is
   done; it gets it (recorded events, no timings).
 * A SIGKILL during the background write leaves ``latest`` on the previous checkpoint,
-  which loads; a writer failing with a full disk raises CheckpointSaveError at the
-  next save and leaves the previous checkpoint.
+  which loads; a writer failing with a full disk (in one process, or on rank 1 of two)
+  raises CheckpointSaveError at the next save on every rank and leaves the previous
+  checkpoint.
 * A read-only (unwritable) folder fails at start, with exit 2, not at the first save.
 """
 
@@ -169,3 +170,32 @@ def test_async_to_an_unwritable_folder_fails_at_start(
     assert code == 2, err
     assert "loss" not in out  # refused before any step
     assert "is not writable" in err and "Traceback" not in err
+
+
+def _fail_on_rank1(ctx: WorkerContext, root: str) -> Any:
+    """Rank 1's writer of the step-2 save fails (a full disk); every rank must learn it."""
+    tr = Trainer(async_config(root, steps=3, every=1, zero=3), ctx.mesh(dp=2), False)
+
+    def hook(name: str) -> None:
+        if ctx.rank == 1 and name == "shard" and threading.current_thread().name.endswith("-2"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    tr.checkpoints.on_stage = hook
+    try:
+        tr.run()
+    except CheckpointSaveError as e:
+        return str(e)
+    return None
+
+
+def test_one_ranks_writer_failing_fails_the_save_on_every_rank(
+    pools: Callable[[int], WorkerPool], tmp_path: Path
+) -> None:
+    root = tmp_path / "ck"
+    errors = pools(2).run(f"{M}:_fail_on_rank1", str(root))
+    for e in errors:  # rank 1's own error, and rank 0's (its writer gave the save up)
+        assert e is not None and "step_00000002" in e and "rank(s) 0, 1" in e, e
+        assert "No space left on device" in e, e
+    assert read_latest(root) == root / step_dirname(1)  # the previous checkpoint stays
+    assert not list(root.glob(".tmp-*"))
+    assert CheckpointReader(root / step_dirname(1)).step == 1

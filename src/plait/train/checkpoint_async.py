@@ -123,7 +123,8 @@ class AsyncSaver:
                 if (tmp / index_name(r)).exists():
                     missing.discard(r)
                 elif (tmp / f"rank{r:05d}.error").exists():
-                    raise CheckpointError(f"rank {r}'s writer failed (see its error)")
+                    why = (tmp / f"rank{r:05d}.error").read_text("utf-8", errors="replace")
+                    raise CheckpointError(f"rank {r}'s writer failed: {why}")
             if not missing:
                 return
             if self.cancel.is_set():
