@@ -3,21 +3,23 @@
 A rank of the new layout asks for a *region* of a parameter (or of one of its optimizer
 states): its tensor-parallel block (or the whole tensor) and an element range of it,
 exactly the description :mod:`plait.train.checkpoint_meta` stores for every saved
-piece. :meth:`CheckpointReader.read` answers it
+piece. :meth:`CheckpointReader.read_into` answers it with byte-range reads of the shard
+files (:mod:`plait.train.checkpoint_io`), never more than the region needs:
 
 * directly, when saved pieces of the very same block cover the range: only the
-  overlapping slices of those pieces are read (safetensors reads a slice without
-  loading the whole tensor) — same tp layout, any dp degree or ZeRO stage;
-* otherwise by assembling the global tensor from every piece (each element's global
-  position from :func:`~plait.train.checkpoint_meta.global_flat_index`, padding
-  dropped) and cutting the region out — a change of tensor-parallel degree.
+  overlapping byte ranges of those pieces are read, straight into the destination —
+  same tp layout, any dp degree, ZeRO stage or pipeline split;
+* otherwise (a change of tensor-parallel degree) each saved piece is walked in bounded
+  chunks, each element's global position computed
+  (:func:`~plait.train.checkpoint_meta.global_flat_index`, padding dropped), and only
+  the runs of elements that fall into the region are read.
 
 Every element of the region must be covered by a saved piece, or the read is refused
 naming the tensor. Also here: :func:`find_checkpoint` (which checkpoint a resume reads,
-with the fallback past a corrupt one), :func:`load_weights` (one-device weights into the
-full model, refusing a mismatch by tensor name), :func:`restore_rng`, and
-:func:`consolidate`, which writes the whole model into one safetensors file with
-one-device names (what ``plait checkpoint consolidate`` does).
+with the fallback past a corrupt one), :func:`check_model` (refusing a checkpoint whose
+tensors do not match the model, by name), :func:`restore_rng`, and :func:`consolidate`,
+which writes the whole model into one safetensors file with one-device names (what
+``plait checkpoint consolidate`` does: the one place the whole model is assembled).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 from torch import nn
 
@@ -192,20 +193,6 @@ class CheckpointReader:
         return {name: self.read_global(name) for name in self.params}
 
 
-def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a consolidated safetensors file, or of a checkpoint folder."""
-    p = Path(path)
-    if p.is_dir():
-        return CheckpointReader(p).model_state()
-    if not p.is_file():
-        raise CheckpointError(f"no checkpoint or weights file at {p}")
-    try:
-        with safe_open(str(p), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{p} is not a readable safetensors file ({e})") from None
-
-
 def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[str, Any]:
     """Write the whole model of checkpoint ``source`` (a folder, or a reader already
     opened and verified) into the safetensors file ``out`` (one-device names, the stored
@@ -318,14 +305,6 @@ def check_model(reader_params: dict[str, list[int]], model: nn.Module, source: s
             f"{source} does not match the model: it holds tensor {extra[0]!r}"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} the model does not have"
         )
-
-
-@torch.no_grad()
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy one-device ``state`` into the full, not yet parallelized ``model``."""
-    check_model({k: list(v.shape) for k, v in state.items()}, model, source)
-    for name, p in model.named_parameters():
-        p.copy_(state[name].to(p.dtype))
 
 
 def restore_rng(reader: CheckpointReader, rank: int, device: torch.device) -> None:
