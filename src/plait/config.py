@@ -361,6 +361,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the newest this many verified checkpoints; older ones are deleted after each
     save (never the one the run resumed from; see docs/reliability.md)."""
+    async_checkpoint: bool = False
+    """Save in the background: at a save the state is copied to host memory and training
+    continues while a writer thread writes the files and commits (``latest`` is replaced
+    only once every rank's files are complete); at most one save is in flight (the next
+    save, and the end of the run, wait for it). See docs/checkpoints.md."""
     resume: str | None = None
     """'latest' (what checkpoint_dir's `latest` points to; an unreadable one falls back
     to the previous checkpoint with a warning), 'auto' (latest if any, else start fresh)

@@ -212,6 +212,18 @@ class Optimizer:
         """The separate fp32 master tensors (empty when the masters are the parameters)."""
         return self.sharded.master_tensors() if self.sharded is not None else []
 
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """After the masters were written in place (a checkpoint load): copy them into
+        the model's shards and make the parameters whole again (ZeRO-1/2's all-gather),
+        as the end of :meth:`step` does; nothing to do without sharded masters."""
+        if self.sharded is None:
+            return
+        for slot in self.sharded.slots:
+            if not slot.alias:
+                self.sharded.zero.param_shard(slot.unit).copy_(slot.master)
+        self.sharded.zero.sync_params()
+
     def local_pieces(self) -> list[LocalPiece]:
         """The model's pieces (:meth:`ParallelModel.local_pieces`) that this optimizer
         steps, each with its master values (``value``) and the key of its optimizer

@@ -16,6 +16,10 @@ import textwrap
 CHECKPOINT_MODULES = (
     "plait.train.checkpoint",
     "plait.train.checkpoint_meta",
+    "plait.train.checkpoint_io",
+    "plait.train.checkpoint_load",
+    "plait.train.checkpoint_save",
+    "plait.train.checkpoint_async",
     "plait.train.reshard",
     "plait.train.state",
     "plait.pieces",

@@ -264,15 +264,25 @@ class DataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def local_pieces(self) -> list[LocalPiece]:
-        """Every trainable parameter whole, in the module's own names; the first rank of
-        the group writes (the replicas are identical)."""
-        first = self.group.index == 0
+        """Every trainable parameter whole, in the module's own names. The replicas are
+        identical, so each parameter is written by one rank of the group, chosen to
+        spread the bytes evenly (largest first, to the replica with the fewest bytes so
+        far: every replica computes the same assignment), so a checkpoint save writes
+        in parallel."""
+        held = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        size, me = self.group.size, self.group.index
+        load = [0] * size
+        writer: dict[str, int] = {}
+        for n, p in sorted(held, key=lambda np_: (-np_[1].numel(), np_[0])):
+            r = min(range(size), key=lambda i: (load[i], i))
+            writer[n] = r
+            load[r] += p.numel() * p.element_size()
         out = []
-        for n, p in self.module.named_parameters():
-            if p.requires_grad:
-                flat = p.detach().reshape(-1)  # (numel,) a view of the parameter
-                shape = list(p.shape)
-                out.append(LocalPiece(n, shape, None, 0, p.numel(), flat, p, p.dtype, first))
+        for n, p in held:
+            flat = p.detach().reshape(-1)  # (numel,) a view of the parameter
+            shape = list(p.shape)
+            write = writer[n] == me
+            out.append(LocalPiece(n, shape, None, 0, p.numel(), flat, p, p.dtype, write))
         return out
 
     def bucket_summary(self) -> list[tuple[int, int, int]]:

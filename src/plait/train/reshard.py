@@ -3,21 +3,23 @@
 A rank of the new layout asks for a *region* of a parameter (or of one of its optimizer
 states): its tensor-parallel block (or the whole tensor) and an element range of it,
 exactly the description :mod:`plait.train.checkpoint_meta` stores for every saved
-piece. :meth:`CheckpointReader.read` answers it
+piece. :meth:`CheckpointReader.read_into` answers it with byte-range reads of the shard
+files (:mod:`plait.train.checkpoint_io`), never more than the region needs:
 
 * directly, when saved pieces of the very same block cover the range: only the
-  overlapping slices of those pieces are read (safetensors reads a slice without
-  loading the whole tensor) — same tp layout, any dp degree or ZeRO stage;
-* otherwise by assembling the global tensor from every piece (each element's global
-  position from :func:`~plait.train.checkpoint_meta.global_flat_index`, padding
-  dropped) and cutting the region out — a change of tensor-parallel degree.
+  overlapping byte ranges of those pieces are read, straight into the destination —
+  same tp layout, any dp degree, ZeRO stage or pipeline split;
+* otherwise (a change of tensor-parallel degree) each saved piece is walked in bounded
+  chunks, each element's global position computed
+  (:func:`~plait.train.checkpoint_meta.global_flat_index`, padding dropped), and only
+  the runs of elements that fall into the region are read.
 
 Every element of the region must be covered by a saved piece, or the read is refused
 naming the tensor. Also here: :func:`find_checkpoint` (which checkpoint a resume reads,
-with the fallback past a corrupt one), :func:`load_weights` (one-device weights into the
-full model, refusing a mismatch by tensor name), :func:`restore_rng`, and
-:func:`consolidate`, which writes the whole model into one safetensors file with
-one-device names (what ``plait checkpoint consolidate`` does).
+with the fallback past a corrupt one), :func:`check_model` (refusing a checkpoint whose
+tensors do not match the model, by name), :func:`restore_rng`, and :func:`consolidate`,
+which writes the whole model into one safetensors file with one-device names (what
+``plait checkpoint consolidate`` does: the one place the whole model is assembled).
 """
 
 from __future__ import annotations
@@ -25,16 +27,17 @@ from __future__ import annotations
 import json
 import random
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 from torch import nn
 
-from plait.pieces import TPSplit, same_split
+from plait.pieces import TPSplit
+from plait.train.checkpoint_io import ShardFile, read_region
 from plait.train.checkpoint_meta import (
     LATEST,
     METADATA,
@@ -42,6 +45,7 @@ from plait.train.checkpoint_meta import (
     ParamEntry,
     Piece,
     dtype_from_name,
+    dtype_to_name,
     global_flat_index,
     list_steps,
     params_of,
@@ -53,9 +57,13 @@ from plait.train.checkpoint_meta import (
 
 
 class CheckpointReader:
-    """Random access to the pieces of one checkpoint folder.
+    """Random access to the pieces of one checkpoint folder (or, through
+    :meth:`from_weights_file`, of a consolidated weights file).
 
-    ``verify`` checks every file's sha256 first (:class:`CorruptCheckpointError`).
+    Reads are byte ranges of the shard files (:class:`~plait.train.checkpoint_io.
+    ShardFile`); :attr:`bytes_read` counts the tensor data read. ``verify`` checks every
+    file's sha256 first (:class:`CorruptCheckpointError`); a resume verifies collectively
+    instead (:func:`~plait.train.checkpoint_io.verify_collective`: once per file per host).
     """
 
     def __init__(self, folder: str | Path, verify: bool = True) -> None:
@@ -64,28 +72,55 @@ class CheckpointReader:
         if verify:
             verify_files(self.folder, self.meta)
         self.params: dict[str, ParamEntry] = params_of(self.meta)
-        self._files: dict[str, Any] = {}
+        self._files: dict[str, ShardFile] = {}
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    @classmethod
+    def from_weights_file(cls, path: str | Path) -> CheckpointReader:
+        """A consolidated safetensors file (one-device names, whole tensors) seen as a
+        checkpoint with one piece per tensor and no optimizer state."""
+        p = Path(path)
+        f = ShardFile(p)
+        self = cls.__new__(cls)
+        self.folder = p.parent
+        self.meta = {"step": 0}
+        self.params = {}
+        for key in f.entries:
+            dt, shape, _, _ = f.info(key)
+            name = dtype_to_name(dt)
+            piece = Piece(p.name, 0, f.numel(key), None, {"param": key})
+            self.params[key] = ParamEntry(shape, name, name, [piece])
+        self._files = {p.name: f}
+        self._cache = {}
+        return self
 
     @property
     def step(self) -> int:
         """Optimizer steps done when the checkpoint was written."""
         return int(self.meta["step"])
 
-    def _file(self, name: str) -> Any:
+    @property
+    def bytes_read(self) -> int:
+        """Tensor data read from the files so far (headers and checksums not counted)."""
+        return sum(f.bytes_read for f in self._files.values())
+
+    def close(self) -> None:
+        """Close the open files (the reader can still open them again)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._cache.clear()
+
+    def _file(self, name: str) -> ShardFile:
         f = self._files.get(name)
         if f is None:
-            f = safe_open(str(self.folder / name), framework="pt", device="cpu")
+            f = ShardFile(self.folder / name)
             self._files[name] = f
         return f
 
     def tensor(self, file: str, key: str) -> torch.Tensor:
         """One stored tensor (whole)."""
-        return self._file(file).get_tensor(key)
-
-    def _slice(self, piece: Piece, kind: str, a: int, b: int) -> torch.Tensor:
-        key = piece.keys[kind]
-        return self._file(piece.file).get_slice(key)[a:b]
+        return self._file(file).read(key)
 
     def entry(self, name: str) -> ParamEntry:
         e = self.params.get(name)
@@ -102,28 +137,17 @@ class CheckpointReader:
         """``(end - start,)`` values of ``kind`` ("param", "exp_avg", ...) of parameter
         ``name`` at elements ``[start, end)`` of tensor-parallel block ``tp`` (None: the
         whole tensor, flattened), in the stored dtype (tp padding reads as zero)."""
-        e = self.entry(name)
-        dtype = dtype_from_name(e.dtype)
-        out = torch.zeros(end - start, dtype=dtype)
-        covered = 0
-        for p in e.pieces:
-            if kind not in p.keys:
-                raise CheckpointError(f"checkpoint {self.folder}: {name} has no {kind!r} state")
-            if not same_split(p.tp, tp):
-                continue
-            a, b = max(start, p.start), min(end, p.end)
-            if a < b:
-                out[a - start : b - start] = self._slice(p, kind, a - p.start, b - p.start)
-                covered += b - a
-        if covered == end - start:
-            return out
-        full = self.read_global(name, kind).reshape(-1)  # (numel,)
-        idx = global_flat_index(e.shape, tp, start, end)
-        valid = idx >= 0
-        out = torch.zeros(end - start, dtype=full.dtype)
-        out[valid] = full[idx[valid]]
+        out = torch.empty(end - start, dtype=dtype_from_name(self.entry(name).dtype))
+        self.read_into(name, kind, tp, start, out)
         return out
 
+    def read_into(
+        self, name: str, kind: str, tp: TPSplit | None, start: int, out: torch.Tensor
+    ) -> None:
+        """Like :meth:`read`, into ``out`` (``(n,)``, any dtype and device, contiguous):
+        only the byte ranges that hold the region are read, straight into ``out`` when
+        it is a CPU tensor of the stored dtype, else through a bounded buffer."""
+        read_region(self, name, kind, tp, start, out)
     def read_global(self, name: str, kind: str = "param") -> torch.Tensor:
         """The whole global tensor (``shape``) of ``kind`` of ``name``, from every piece."""
         key = (name, kind)
@@ -136,7 +160,7 @@ class CheckpointReader:
         for p in e.pieces:
             if kind not in p.keys:
                 raise CheckpointError(f"checkpoint {self.folder}: {name} has no {kind!r} state")
-            data = self.tensor(p.file, p.keys[kind]).reshape(-1)
+            data = self.tensor(p.file, p.keys[kind]).reshape(-1)  # (piece numel,)
             idx = global_flat_index(e.shape, p.tp, p.start, p.end)
             valid = idx >= 0
             flat[idx[valid]] = data[valid].to(flat.dtype)
@@ -167,20 +191,6 @@ class CheckpointReader:
     def model_state(self) -> dict[str, torch.Tensor]:
         """Every parameter as a whole tensor with its one-device name (stored dtype)."""
         return {name: self.read_global(name) for name in self.params}
-
-
-def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a consolidated safetensors file, or of a checkpoint folder."""
-    p = Path(path)
-    if p.is_dir():
-        return CheckpointReader(p).model_state()
-    if not p.is_file():
-        raise CheckpointError(f"no checkpoint or weights file at {p}")
-    try:
-        with safe_open(str(p), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{p} is not a readable safetensors file ({e})") from None
 
 
 def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[str, Any]:
@@ -215,21 +225,36 @@ def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[
     }
 
 
-def find_checkpoint(spec: str, root: Path | None, announce: bool = True) -> CheckpointReader | None:
+def find_checkpoint(
+    spec: str,
+    root: Path | None,
+    announce: bool = True,
+    verify: Callable[[Path, dict[str, Any]], Any] | None = None,
+) -> CheckpointReader | None:
     """The checkpoint to resume from, verified.
 
     ``spec`` is "latest" (what ``root/latest`` names; if that one is missing or corrupt,
     the newest usable older one, with a warning), "auto" (the same, but None when
     ``root`` holds no checkpoint at all), or a path: a checkpoint folder (no fallback)
     or a checkpoint root (as "latest"). ``announce``: issue the fallback warning here.
+    ``verify(folder, meta)``: how to check a candidate's files (default: every file's
+    sha256 here; a resume passes the collective check, once per file per host).
     """
+
+    def _open(folder: Path) -> CheckpointReader:
+        if verify is None:
+            return CheckpointReader(folder)
+        reader = CheckpointReader(folder, verify=False)
+        verify(folder, reader.meta)
+        return reader
+
     if spec not in ("latest", "auto"):
         p = Path(spec)
         if p.is_dir() and not (p / METADATA).exists() and (read_latest(p) or list_steps(p)):
-            return find_checkpoint("latest", p, announce)
+            return find_checkpoint("latest", p, announce, verify)
         if not p.exists():
             raise CheckpointError(f"no checkpoint at {p}")
-        return CheckpointReader(p)
+        return _open(p)
     if root is None:
         raise CheckpointError(f"resume = {spec!r} needs train.checkpoint_dir")
     pointed = read_latest(root)
@@ -245,7 +270,7 @@ def find_checkpoint(spec: str, root: Path | None, announce: bool = True) -> Chec
     problems: list[str] = []
     for folder in candidates:
         try:
-            reader = CheckpointReader(folder)
+            reader = _open(folder)
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -280,14 +305,6 @@ def check_model(reader_params: dict[str, list[int]], model: nn.Module, source: s
             f"{source} does not match the model: it holds tensor {extra[0]!r}"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} the model does not have"
         )
-
-
-@torch.no_grad()
-def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy one-device ``state`` into the full, not yet parallelized ``model``."""
-    check_model({k: list(v.shape) for k, v in state.items()}, model, source)
-    for name, p in model.named_parameters():
-        p.copy_(state[name].to(p.dtype))
 
 
 def restore_rng(reader: CheckpointReader, rank: int, device: torch.device) -> None:

@@ -27,6 +27,10 @@ class DescribesPieces(Protocol):
     param_names: list[str]
     """Every parameter's one-device name, in the one-device model's order."""
 
+    def local_pieces(self) -> list[LocalPiece]:
+        """The pieces this rank holds, with the model's own storage (``value``)."""
+        ...
+
 
 class HoldsPieces(Protocol):
     """An optimizer that says which pieces it steps and where their state lives."""

@@ -323,6 +323,7 @@ class Trainer:
             if health.stop:
                 stopped = n < t.steps
                 break
+        self.checkpoints.finish()  # an asynchronous save in flight completes (or fails) here
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2] if times else 0.0
         summary = RunSummary(
             t.steps,

@@ -1,0 +1,109 @@
+"""Rank-local loading: each rank reads exactly the pieces it holds in its new layout.
+
+A resume (or a start from ``train.init_from``) runs *after* the model is parallelized and
+the optimizer exists, so every rank knows what it holds: the model's pieces
+(``model.local_pieces()``: one-device name, global shape, tensor-parallel block, flat
+element range, the model's own storage) and the optimizer's (the same pieces with their
+fp32 master and the key of their optimizer state). For each piece the rank reads the
+byte ranges of the saved pieces that cover it (:func:`~plait.train.checkpoint_io.
+read_region`) straight into the master (or the parameter) and copies that into the
+model's storage, then reads the piece's optimizer state into freshly allocated state
+tensors. Nothing else is read: no rank ever holds the full model of a checkpoint, only
+its own shard plus one bounded read buffer. The code names no parallelism: whatever
+layout (dp, ZeRO flat segments, tp blocks, pipeline stages, their combinations) the
+pieces describe is what is read. Finally the optimizer makes replicas whole
+(``publish_masters``: under ZeRO-1/2 the all-gather every step ends with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plait.pieces import LocalPiece
+from plait.train.checkpoint_meta import CheckpointError, dtype_from_name
+from plait.train.reshard import CheckpointReader
+from plait.train.state import TrainState
+
+
+def _ident(lp: LocalPiece) -> tuple[Any, ...]:
+    return (lp.name, None if lp.tp is None else tuple(lp.tp.to_json()), lp.start, lp.end)
+
+
+def _check_shape(reader: CheckpointReader, lp: LocalPiece, source: str) -> None:
+    e = reader.params.get(lp.name)
+    if e is None:
+        raise CheckpointError(
+            f"{source} does not match the model: it has no tensor {lp.name!r} (shape "
+            f"{lp.shape}); was it written for another model configuration?"
+        )
+    if list(e.shape) != list(lp.shape):
+        raise CheckpointError(
+            f"{source} does not match the model: tensor {lp.name!r} has shape {e.shape} in "
+            f"the checkpoint but {lp.shape} in the model"
+        )
+
+
+@torch.no_grad()
+def load_pieces(ts: TrainState, reader: CheckpointReader, optimizer_state: bool = True) -> None:
+    """Every piece this rank holds: its values into the model (and the masters), and
+    with ``optimizer_state`` its optimizer state, read from ``reader``'s byte ranges."""
+    source = str(reader.folder)
+    opt = ts.optimizer
+    opt_pieces = {_ident(lp): lp for lp in opt.local_pieces()}
+    model_pieces = ts.model.local_pieces()
+    done: set[tuple[Any, ...]] = set()
+    for mp in model_pieces:
+        _check_shape(reader, mp, source)
+        ident = _ident(mp)
+        op = opt_pieces.get(ident)
+        target = op.value if op is not None else mp.value  # master first: the exact values
+        _read_into(reader, mp, "param", target)
+        if mp.value.data_ptr() != target.data_ptr():
+            mp.value.copy_(target.view(mp.value.shape))  # model dtype from the master
+        done.add(ident)
+    for ident, op in opt_pieces.items():  # pieces only the optimizer describes
+        if ident not in done:
+            _check_shape(reader, op, source)
+            _read_into(reader, op, "param", op.value)
+    if optimizer_state:
+        for op in opt_pieces.values():
+            _load_state(ts, reader, op)
+    publish = getattr(opt, "publish_masters", None)
+    if publish is not None:
+        publish()
+
+
+def _read_into(reader: CheckpointReader, lp: LocalPiece, kind: str, dst: torch.Tensor) -> None:
+    """The piece's region of ``kind`` into ``dst`` (its storage, written in place)."""
+    if dst.is_contiguous():
+        reader.read_into(lp.name, kind, lp.tp, lp.start, dst.view(-1))
+    else:  # a strided view: through a temporary of the piece's size
+        dst.copy_(reader.read(lp.name, kind, lp.tp, lp.start, lp.end).view(dst.shape))
+
+
+def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> None:
+    """The optimizer state of piece ``lp`` (per-element tensors and scalars)."""
+    state: dict[str, torch.Tensor] = {}
+    dtype = dtype_from_name(reader.entry(lp.name).dtype)
+    have = ts.optimizer.inner.state.get(lp.key, {})  # read into it in place if it fits
+    for kind in reader.kinds(lp.name):
+        if kind == "param":
+            continue
+        t = have.get(kind)
+        fits = (
+            isinstance(t, torch.Tensor) and t.shape == lp.key.shape and t.dtype == dtype
+            and t.device == lp.key.device and t.is_contiguous()
+        )
+        if not fits:
+            t = torch.empty(lp.key.shape, dtype=dtype, device=lp.key.device)
+        assert isinstance(t, torch.Tensor)
+        reader.read_into(lp.name, kind, lp.tp, lp.start, t.view(-1))
+        state[kind] = t
+    for s in reader.scalar_names(lp.name):
+        v = reader.scalar(lp.name, s)
+        if v is not None:
+            state[s] = v
+    if state:
+        ts.optimizer.inner.state[lp.key] = state
