@@ -96,16 +96,16 @@ def profile_body(
                 posts.clear()
                 if prof is not None and i >= warmup:
                     prof.enable()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 rt.step(x, y)
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 if prof is not None and i >= warmup:
                     prof.disable()
                 stages.zero_grad(set_to_none=True)
                 if i >= warmup:
                     recs = [(r.action, rt.step_start + r.start, rt.step_start + r.end)
                             for r in rt.records]
-                    runs.append({"wall": wall, "t0": t0, "recs": recs, "posts": list(posts)})
+                    runs.append({"wall": wall, "cpu": cpu, "t0": t0, "recs": recs, "posts": list(posts)})
             text = ""
             if prof is not None:
                 buf = io.StringIO()
@@ -175,7 +175,7 @@ def analyse(res: list[dict[str, Any]], name: str, p: int, m: int, v: int) -> str
                         len(seen)))
             durations.append({a: e - s for a, s, e in run["recs"] if a.op.is_compute})
         replay = _replay(sched, durations)
-        rows.append((makespan, t_end - t0, replay, per))
+        rows.append((makespan, t_end - t0, replay, per, [run["cpu"] for run in runs]))
     rows.sort(key=lambda r: r[0])
     med = rows[len(rows) // 2]
     lines = [f"### {name} (v={v}), p={p}, m={m}: median of {n} steps"]
@@ -191,6 +191,16 @@ def analyse(res: list[dict[str, Any]], name: str, p: int, m: int, v: int) -> str
             f"| {r} | {comp * 1e3:.1f} | {post * 1e3:.2f} | {wait * 1e3:.1f} | "
             f"{gaps * 1e3:.2f} | {end * 1e3:.2f} | {nb} |"
         )
+    ops: dict[str, list[float]] = {}
+    for k in range(n):
+        for r in range(p):
+            for a, s, e in res[r][name]["runs"][k]["recs"]:
+                if a.op.is_compute:
+                    ops.setdefault(f"{a.op.value}@rank{r}", []).append(e - s)
+    lines.append("median action ms: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in sorted(ops.items())))
+    lines.append("CPU s per step per rank (median): " + ", ".join(
+        f"{statistics.median(r[4][q] for r in rows) * 1e3:.0f} ms" for q in range(p)))
     ex = [r[0] - r[2] for r in rows]
     lines.append(f"excess over replay, all steps (ms): {', '.join(f'{e * 1e3:.1f}' for e in ex)}; "
                  f"median {statistics.median(ex) * 1e3:.1f}")
