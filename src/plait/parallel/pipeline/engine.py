@@ -127,6 +127,7 @@ class PipelineEngine:
             (1, 1, hidden_dim),  # set from each batch (see _shape_for)
             dtype,
             mesh.device,
+            early_recv=placement == "adjacent",  # a rendezvous transport keeps its batches
         )
 
     def _shape_for(self, tokens: torch.Tensor) -> None:
