@@ -19,6 +19,9 @@ printed too.
 Run from the repository root::
 
     python benchmarks/pipeline_profile.py --schedules 1f1b,interleaved,zb --stages 2 -m 8
+
+A schedule name with ``:late`` (``1f1b:late``) runs with ``early_recv=False``. The
+schedules' steps alternate (one step of each in turn), so they meet the same load.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def profile_body(
     y = torch.randint(0, mcfg.vocab_size, (m * micro, seq), generator=g)
     out: dict[str, Any] = {}
     try:
-        for name, v in schedules:
+        rts = {}
+        for label, v in schedules:
+            name, _, late = label.partition(":")
             mesh = ctx.mesh(dp=1, pp=ctx.world_size)
             stages = split_transformer(Transformer(mcfg, seed=0), mesh, chunks=v)
             rt = PipelineRuntime(
@@ -88,11 +93,15 @@ def profile_body(
                 lm_loss,
                 (micro, seq, mcfg.dim),
                 torch.float32,
+                early_recv=late != "late",
             )
-            runs = []
             prof = cProfile.Profile() if cprofile and ctx.rank == 0 else None
-            for i in range(warmup + steps):
-                comm.barrier(mesh.axis("pp"))
+            rts[label] = (rt, stages, prof, [])
+        for i in range(warmup + steps):
+            order = list(rts) if i % 2 == 0 else list(reversed(rts))
+            for label in order:
+                rt, stages, prof, runs = rts[label]
+                comm.barrier(ctx.mesh(dp=1, pp=ctx.world_size).axis("pp"))
                 posts.clear()
                 if prof is not None and i >= warmup:
                     prof.enable()
@@ -105,13 +114,15 @@ def profile_body(
                 if i >= warmup:
                     recs = [(r.action, rt.step_start + r.start, rt.step_start + r.end)
                             for r in rt.records]
-                    runs.append({"wall": wall, "cpu": cpu, "t0": t0, "recs": recs, "posts": list(posts)})
+                    runs.append({"wall": wall, "cpu": cpu, "t0": t0, "recs": recs,
+                                 "posts": list(posts)})
+        for label, (_rt, _stages, prof, runs) in rts.items():
             text = ""
             if prof is not None:
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
                 text = buf.getvalue()
-            out[name] = {"runs": runs, "cprofile": text}
+            out[label] = {"runs": runs, "cprofile": text}
     finally:
         comm.batch_isend_irecv = real  # type: ignore[assignment]
     return out
@@ -149,7 +160,7 @@ def _replay(schedule: Any, durations: list[dict[Any, float]]) -> float:
 def analyse(res: list[dict[str, Any]], name: str, p: int, m: int, v: int) -> str:
     from plait.parallel.pipeline.schedules import build_schedule
 
-    sched = build_schedule(name, p, m, v)
+    sched = build_schedule(name.partition(":")[0], p, m, v)
     n = len(res[0][name]["runs"])
     rows = []
     for k in range(n):
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "vocab_size": args.vocab, "dim": args.dim, "n_layers": args.layers,
         "n_heads": args.heads, "max_seq_len": args.seq,
     }
-    scheds = [(s, 2 if s == "interleaved" else 1) for s in args.schedules.split(",")]
+    scheds = [(s, 2 if s.startswith("interleaved") else 1) for s in args.schedules.split(",")]
     with WorkerPool(args.stages, comm_timeout_s=600) as pool:
         res = pool.run(BODY, model_kwargs, scheds, args.microbatches, args.micro, args.seq,
                        args.warmup, args.steps, args.cprofile, timeout_s=1200)
