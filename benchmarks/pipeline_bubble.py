@@ -18,11 +18,18 @@ from the *fastest* (least disturbed) step's recorded timeline:
 * **formula** -- ``(p-1)/(m+p-1)`` (divided by v for interleaved; for ZB-H1 the
   simulator's unit-cost value).
 
-The reference is ``torch.distributed.pipelining`` (``ScheduleGPipe`` and
-``Schedule1F1B``, ``PipelineStage`` over the very same pieces, same micro-batches, its
-own loss scaling) in the same processes: ``plait/torch`` is the ratio of the fastest
-step times (and, in brackets, of the medians). With p = 4 on a 2-core machine four
-single-threaded ranks share two cores.
+The reference is ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B`` with the same 2 stages per rank (stage k on rank k % p, its
+"loop" placement, as plait's split), ``ScheduleInterleavedZeroBubble`` with one stage
+per rank (ZB1P, i.e. ZB-H1, as plait's ``zb``); ``PipelineStage`` over the very same
+pieces, same micro-batches, its own loss scaling) in the same processes. Every plait and
+torch schedule of one m runs one step in turn, in a rotating order, so the paired
+ratios (median over steps of plait / torch, wall and CPU time) compare steps taken
+under the same load; a second table compares interleaved and zero-bubble with plait's
+own 1F1B the same way, against the simulator's prediction. (``ScheduleZBVZeroBubble``
+and ``ScheduleDualPipeV`` need the V stage placement, stages r and 2p - 1 - r on rank r,
+which plait's schedules do not use, so they are left out.) With p = 4 on a 2-core
+machine four single-threaded ranks share two cores.
 
 Run from the repository root::
 
@@ -401,9 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         f"block counts; micro-batch {args.micro} x seq {args.seq}, fp32; forward + backward "
         "only (no optimizer step) for both implementations.",
         f"- Timing: {args.warmup} warm-up + {args.steps} measured steps per cell, each after "
-        "an untimed barrier, plait's and torch's steps alternating in ABBA order; a step's "
-        "time is the slowest rank's; the fastest step's timeline gives the measured bubble "
-        "and the mean action times fed to the simulator.",
+        "an untimed barrier; for each m every plait and torch schedule runs one step in "
+        "turn (a rotating order), so every ratio pairs steps taken under the same load; a "
+        "step's time (wall, or CPU: the process time of all a rank's threads) is the "
+        "slowest rank's; paired ratios are medians over the steps of plait / torch (and "
+        "schedule / plait 1F1B); the fastest step's timeline gives the measured bubble and "
+        "the mean action times fed to the simulator. `load`: 1-minute load average before "
+        "-> after the p's runs.",
     ]
     section = (
         "## Pipeline bubble (issues 5, 18)\n\n"
