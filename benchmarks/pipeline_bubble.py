@@ -18,11 +18,18 @@ from the *fastest* (least disturbed) step's recorded timeline:
 * **formula** -- ``(p-1)/(m+p-1)`` (divided by v for interleaved; for ZB-H1 the
   simulator's unit-cost value).
 
-The reference is ``torch.distributed.pipelining`` (``ScheduleGPipe`` and
-``Schedule1F1B``, ``PipelineStage`` over the very same pieces, same micro-batches, its
-own loss scaling) in the same processes: ``plait/torch`` is the ratio of the fastest
-step times (and, in brackets, of the medians). With p = 4 on a 2-core machine four
-single-threaded ranks share two cores.
+The reference is ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B`` with the same 2 stages per rank (stage k on rank k % p, its
+"loop" placement, as plait's split), ``ScheduleInterleavedZeroBubble`` with one stage
+per rank (ZB1P, i.e. ZB-H1, as plait's ``zb``); ``PipelineStage`` over the very same
+pieces, same micro-batches, its own loss scaling) in the same processes. Every plait and
+torch schedule of one m runs one step in turn, in a rotating order, so the paired
+ratios (median over steps of plait / torch, wall and CPU time) compare steps taken
+under the same load; a second table compares interleaved and zero-bubble with plait's
+own 1F1B the same way, against the simulator's prediction. (``ScheduleZBVZeroBubble``
+and ``ScheduleDualPipeV`` need the V stage placement, stages r and 2p - 1 - r on rank r,
+which plait's schedules do not use, so they are left out.) With p = 4 on a 2-core
+machine four single-threaded ranks share two cores.
 
 Run from the repository root::
 
@@ -51,7 +58,12 @@ from plait.bench.results import command_line, environment, write_section  # noqa
 
 BODY = "benchmarks.pipeline_bubble:bench_body"
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
-TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+TORCH = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb": "ScheduleInterleavedZeroBubble",  # ZB1P; with one stage per rank = ZB-H1
+}
 
 
 def _batch(m: int, micro: int, seq: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -95,43 +107,52 @@ def _plait_step(
 
 
 def _torch_step(
-    ctx: Any, mcfg: Any, name: str, m: int, micro: int, seq: int
+    ctx: Any, mcfg: Any, name: str, v: int, m: int, micro: int, seq: int
 ) -> Callable[[], list[Record]]:
-    """One step of torch.distributed.pipelining over the same pieces."""
+    """One step of torch.distributed.pipelining over the same pieces (piece k on rank
+    k % p, as plait's round-robin split and torch's "loop" stage placement agree)."""
     import torch.distributed.pipelining as tpp
 
     from plait.model import Transformer, lm_loss
     from plait.parallel.pipeline.split import split_transformer
 
     mesh = ctx.mesh(dp=1, pp=ctx.world_size)
-    stages = split_transformer(Transformer(mcfg, seed=0), mesh, chunks=1)
-    piece = stages.chunks[0]
+    stages = split_transformer(Transformer(mcfg, seed=0), mesh, chunks=v)
     p, r = ctx.world_size, ctx.rank
-    stage = tpp.PipelineStage(piece, r, p, torch.device("cpu"))
-    sched = getattr(tpp, TORCH[name])(stage, n_microbatches=m, loss_fn=lm_loss)
+    pieces = [stages.piece(s) for s in range(r, p * v, p)]
+    tstages = [
+        tpp.PipelineStage(piece, s, p * v, torch.device("cpu"))
+        for piece, s in zip(pieces, range(r, p * v, p), strict=True)
+    ]
+    cls = getattr(tpp, TORCH[name])
+    multi = name in ("interleaved", "zb")  # the multi-stage classes take a list
+    sched = cls(tstages if multi else tstages[0], n_microbatches=m, loss_fn=lm_loss)
     x, y = _batch(m, micro, seq, mcfg.vocab_size, 1)
+    first, last = 0 in [t.stage_index for t in tstages], p * v - 1 in [
+        t.stage_index for t in tstages
+    ]
 
     def step() -> list[Record]:
-        if r == 0:
-            sched.step(x)
-        elif r == p - 1:
-            sched.step(target=y, losses=[])
+        kw: dict[str, Any] = {"target": y, "losses": []} if last else {}
+        if first:
+            sched.step(x, **kw)
         else:
-            sched.step()
-        piece.zero_grad(set_to_none=True)
+            sched.step(**kw)
+        stages.zero_grad(set_to_none=True)
         return []
 
     return step
 
 
-def _timed(ctx: Any, step: Callable[[], list[Record]]) -> tuple[float, list[Record]]:
-    """Barrier (untimed), then one step: (seconds, records)."""
+def _timed(ctx: Any, step: Callable[[], list[Record]]) -> tuple[float, float, list[Record]]:
+    """Barrier (untimed), then one step: (wall seconds, CPU seconds of this process (all
+    its threads, gloo's included), records)."""
     from plait import comm
 
     comm.barrier(ctx.mesh(dp=1, pp=ctx.world_size).axis("pp"))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     recs = step()
-    return time.perf_counter() - t0, recs
+    return time.perf_counter() - t0, time.process_time() - c0, recs
 
 
 def bench_body(
@@ -143,28 +164,37 @@ def bench_body(
     warmup: int,
     steps: int,
 ) -> dict[str, Any]:
-    """On every rank: plait (each schedule) and torch (GPipe, 1F1B) for each m; plait's
-    and torch's steps alternate in ABBA order."""
+    """On every rank, for each m: plait (each schedule) and torch (each schedule of the
+    same name) -- all of them in one loop, step by step in a rotating order, so that
+    every ratio (plait/torch, interleaved/1F1B, ...) pairs steps taken under the same
+    load."""
     from plait.config import ModelConfig
 
     mcfg = ModelConfig(**model_kwargs)
     out: dict[str, Any] = {}
     for m in ms:
+        runners: dict[str, Callable[[], list[Record]]] = {}
         for name, v in SCHEDULES:
-            runners = {"plait": _plait_step(ctx, mcfg, name, v, m, micro, seq)}
+            runners[f"plait/{name}/{m}"] = _plait_step(ctx, mcfg, name, v, m, micro, seq)
             if name in TORCH:
-                runners["torch"] = _torch_step(ctx, mcfg, name, m, micro, seq)
-            res: dict[str, tuple[list[float], list[list[Record]]]] = {k: ([], []) for k in runners}
-            for i in range(warmup + steps):
-                order = list(runners) if i % 2 == 0 else list(reversed(runners))
-                for k in order:
-                    secs, recs = _timed(ctx, runners[k])
-                    if i >= warmup:
-                        res[k][0].append(secs)
-                        res[k][1].append(recs)
-            out[f"plait/{name}/{m}"] = res["plait"]
-            if name in TORCH:
-                out[f"torch/{name}/{m}"] = res["torch"][0]
+                runners[f"torch/{name}/{m}"] = _torch_step(ctx, mcfg, name, v, m, micro, seq)
+        keys = list(runners)
+        res: dict[str, tuple[list[float], list[list[Record]], list[float]]] = {
+            k: ([], [], []) for k in keys
+        }
+        for i in range(warmup + steps):
+            shift = i % len(keys)
+            order = keys[shift:] + keys[:shift]
+            if i % 2:
+                order.reverse()
+            for k in order:
+                secs, cpu, recs = _timed(ctx, runners[k])
+                if i >= warmup:
+                    res[k][0].append(secs)
+                    res[k][1].append(recs)
+                    res[k][2].append(cpu)
+        out.update(res)
+        runners.clear()
     return out
 
 
@@ -176,7 +206,17 @@ def _steps(per_rank: list[list[float]]) -> tuple[int, float, float]:
     return k, slow[k], statistics.median(slow)
 
 
-def _analyse(results: list[dict[str, Any]], p: int, ms: list[int]) -> list[dict[str, Any]]:
+def _paired(mine: list[list[float]], ref: list[list[float]]) -> float:
+    """Median over the paired steps of (plait / torch), a step's value being the slowest
+    rank's (wall or CPU time)."""
+    a = [max(ts) for ts in zip(*mine, strict=True)]
+    b = [max(ts) for ts in zip(*ref, strict=True)]
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def _analyse(
+    results: list[dict[str, Any]], p: int, ms: list[int], load: str = ""
+) -> list[dict[str, Any]]:
     from fractions import Fraction
 
     from plait.parallel.pipeline.actions import Op
@@ -204,12 +244,22 @@ def _analyse(results: list[dict[str, Any]], p: int, ms: list[int]) -> list[dict[
                 per_chunk=False,
             )
             sched = build_schedule(name, p, m, v)
-            sim = float(simulate(sched, costs).bubble)
+            simres = simulate(sched, costs)
+            sim = float(simres.bubble)
             formula = float(simulate(sched).bubble) if name == "zb" else (p - 1) / (m + p - 1) / v
             tkey = f"torch/{name}/{m}"
-            ref = _steps([r[tkey] for r in results]) if name in TORCH else None
+            ref = _steps([r[tkey][0] for r in results]) if name in TORCH else None
+            paired = cpu_ratio = None
+            if name in TORCH:
+                paired = _paired([r[key][0] for r in results], [r[tkey][0] for r in results])
+                cpu_ratio = _paired([r[key][2] for r in results], [r[tkey][2] for r in results])
+            base = f"plait/1f1b/{m}"
+            vs = _paired([r[key][0] for r in results], [r[base][0] for r in results])
+            vs_cpu = _paired([r[key][2] for r in results], [r[base][2] for r in results])
             rows.append(
                 {
+                    "vs_1f1b": vs,
+                    "vs_1f1b_cpu": vs_cpu,
                     "p": p,
                     "m": m,
                     "schedule": name if v == 1 else f"{name} (v={v})",
@@ -223,6 +273,11 @@ def _analyse(results: list[dict[str, Any]], p: int, ms: list[int]) -> list[dict[
                     "torch_ms": ref[1] * 1e3 if ref else None,
                     "torch_median_ms": ref[2] * 1e3 if ref else None,
                     "f_ms": mean[Op.FORWARD] * 1e3,
+                    "paired": paired,
+                    "sim_ms": float(simres.makespan) * 1e3,
+                    "unit_makespan": float(simulate(sched).makespan),
+                    "cpu_ratio": cpu_ratio,
+                    "load": load,
                 }
             )
     return rows
@@ -232,21 +287,51 @@ def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| p | m | schedule | measured bubble | simulated (measured F/B) | formula | "
         "mean F ms | plait step ms fastest (median) | torch.pipelining ms fastest (median) "
-        "| plait/torch fastest (median) |\n"
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| plait/torch paired wall | plait/torch paired CPU | load |\n"
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
     )
     lines = []
     for r in rows:
         t, tm = r["torch_ms"], r["torch_median_ms"]
         ref = (
-            f"{t:.0f} ({tm:.0f}) | {r['step_ms'] / t:.2f} ({r['median_ms'] / tm:.2f})"
+            f"{TORCH[r['name']]} {t:.0f} ({tm:.0f}) | {r['paired']:.2f} | {r['cpu_ratio']:.2f}"
             if t
-            else "— | —"
+            else "— | — | —"
         )
         lines.append(
             f"| {r['p']} | {r['m']} | {r['schedule']} | {r['measured']:.3f} | "
             f"{r['simulated']:.3f} | {r['formula']:.3f} | {r['f_ms']:.1f} | "
-            f"{r['step_ms']:.0f} ({r['median_ms']:.0f}) | {ref} |"
+            f"{r['step_ms']:.0f} ({r['median_ms']:.0f}) | {ref} | {r['load']} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _versus(rows: list[dict[str, Any]]) -> str:
+    """Interleaved and zero-bubble against plait's own 1F1B at the same p, m: the
+    simulator's predicted step ratio (unit costs F = 1, B = 2, I = W = 1; and the
+    measured mean action times of each schedule's run) and the measured one (medians)."""
+    head = (
+        "| p | m | schedule | predicted / 1F1B (unit costs) | predicted / 1F1B (measured "
+        "F, B, I, W) | measured / 1F1B (paired steps, median) | CPU time / 1F1B (paired) "
+        "| target |\n"
+        "|---:|---:|---|---:|---:|---:|---:|---|\n"
+    )
+    base = {(r["p"], r["m"]): r for r in rows if r["name"] == "1f1b"}
+    lines = []
+    for r in rows:
+        b = base.get((r["p"], r["m"]))
+        if r["name"] not in ("interleaved", "zb") or b is None:
+            continue
+        unit = r["unit_makespan"] / b["unit_makespan"]
+        sim = r["sim_ms"] / b["sim_ms"]
+        meas = r["vs_1f1b"]
+        if unit < 0.95:
+            verdict = "met" if meas < 1.0 else "**not met**"
+        else:
+            verdict = "— (predicted gain <= 5 %)"
+        lines.append(
+            f"| {r['p']} | {r['m']} | {r['schedule']} | {unit:.3f} | {sim:.3f} | "
+            f"{meas:.3f} | {r['vs_1f1b_cpu']:.3f} | {verdict} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -290,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(x) for x in args.microbatches.split(",")]
     rows: list[dict[str, Any]] = []
     for p in [int(x) for x in args.stages.split(",")]:
+        load0 = os.getloadavg()[0]
         with WorkerPool(p, comm_timeout_s=args.timeout) as pool:
             res = pool.run(
                 BODY,
@@ -301,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.steps,
                 timeout_s=args.timeout,
             )
-        part = _analyse(res, p, ms)
+        part = _analyse(res, p, ms, f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
         print(_table(part), flush=True)
+        print(_versus(part), flush=True)
         rows += part
     if args.pictures is not None:
         p = max(r["p"] for r in rows)
@@ -324,11 +411,23 @@ def main(argv: list[str] | None = None) -> int:
         f"block counts; micro-batch {args.micro} x seq {args.seq}, fp32; forward + backward "
         "only (no optimizer step) for both implementations.",
         f"- Timing: {args.warmup} warm-up + {args.steps} measured steps per cell, each after "
-        "an untimed barrier, plait's and torch's steps alternating in ABBA order; a step's "
-        "time is the slowest rank's; the fastest step's timeline gives the measured bubble "
-        "and the mean action times fed to the simulator.",
+        "an untimed barrier; for each m every plait and torch schedule runs one step in "
+        "turn (a rotating order), so every ratio pairs steps taken under the same load; a "
+        "step's time (wall, or CPU: the process time of all a rank's threads) is the "
+        "slowest rank's; paired ratios are medians over the steps of plait / torch (and "
+        "schedule / plait 1F1B); the fastest step's timeline gives the measured bubble and "
+        "the mean action times fed to the simulator. `load`: 1-minute load average before "
+        "-> after the p's runs.",
     ]
-    section = "## Pipeline bubble (issue 5)\n\n" + _table(rows) + "\n" + "\n".join(notes)
+    section = (
+        "## Pipeline bubble (issues 5, 18)\n\n"
+        + _table(rows)
+        + "\nInterleaved and zero-bubble against plait's 1F1B (target: faster wherever the "
+        "simulator predicts a gain of more than 5 %):\n\n"
+        + _versus(rows)
+        + "\n"
+        + "\n".join(notes)
+    )
     if args.out is not None:
         write_section(args.out, "pipeline_bubble", section)
         print(f"wrote {args.out}")

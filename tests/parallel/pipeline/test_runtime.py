@@ -20,6 +20,7 @@ import torch
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model import Transformer, lm_loss
+from plait.parallel.pipeline.actions import Action, Op
 from plait.parallel.pipeline.runtime import PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.split import split_transformer
@@ -90,6 +91,7 @@ def _body_pipeline(
     tied: bool = False,
     boundaries: list[int] | None = None,
     placement: str = "adjacent",
+    early_recv: bool = True,
 ) -> dict[str, object]:
     p = ctx.world_size
     mesh = ctx.mesh(dp=1, pp=p)
@@ -97,7 +99,13 @@ def _body_pipeline(
     stages = split_transformer(model, mesh, chunks=v, boundaries=boundaries)
     schedule = build_schedule(name, p, m, v, placement=placement)
     runtime = PipelineRuntime(
-        stages, schedule, mesh.axis("pp"), loss64, (BATCH // m, SEQ, 16), torch.float64
+        stages,
+        schedule,
+        mesh.axis("pp"),
+        loss64,
+        (BATCH // m, SEQ, 16),
+        torch.float64,
+        early_recv=early_recv,
     )
     opt = torch.optim.AdamW(stages.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
@@ -150,6 +158,78 @@ def test_lockstep_placement_matches_one_process(
     """The comm placement for rendezvous (NCCL-like) sends runs the same math."""
     results = pools(4).run(f"{M}:_body_pipeline", name, m, v, False, None, "lockstep")
     check_parity(results, refs[False])
+
+
+@pytest.mark.parametrize(("name", "m", "v"), [("1f1b", MICRO, 1), ("interleaved", MICRO, 2)])
+def test_receives_in_their_own_batch_match_one_process(
+    pools: Callable[[int], WorkerPool],
+    refs: dict[bool, dict[str, object]],
+    name: str,
+    m: int,
+    v: int,
+) -> None:
+    """``early_recv=False`` (each receive posted with its own batch) runs the same math."""
+    results = pools(2).run(f"{M}:_body_pipeline", name, m, v, False, None, "adjacent", False)
+    check_parity(results, refs[False])
+
+
+def _body_posts(ctx: WorkerContext, name: str, v: int, early: bool) -> list[list[str]]:
+    """One step; per batched isend/irecv call, the receives it posts (``kind:tag``)."""
+    from plait import comm
+
+    mesh = ctx.mesh(dp=1, pp=ctx.world_size)
+    stages = split_transformer(Transformer(model_config(), seed=3).double(), mesh, chunks=v)
+    schedule = build_schedule(name, ctx.world_size, MICRO, v)
+    runtime = PipelineRuntime(
+        stages, schedule, mesh.axis("pp"), loss64, (BATCH // MICRO, SEQ, 16), torch.float64,
+        early_recv=early,
+    )
+    calls: list[list[str]] = []
+    real = comm.batch_isend_irecv
+
+    def spy(ops: list[comm.P2P], g: comm.AxisGroup) -> list[comm.Handle]:
+        calls.append([f"recv:{o.tag}" for o in ops if o.kind == "recv"])
+        return real(ops, g)
+
+    comm.batch_isend_irecv = spy
+    try:
+        x, y = batches()[0]
+        runtime.step(x, y)
+    finally:
+        comm.batch_isend_irecv = real
+    return calls
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_early_receives_are_posted_one_batch_ahead(
+    pools: Callable[[int], WorkerPool], early: bool
+) -> None:
+    """With ``early_recv`` every communication batch also posts the next batch's
+    receives (the first posts its own too); without it each posts only its own."""
+    from plait.parallel.pipeline.runtime import _ACT, _GRAD, _comm_batches, _tag
+
+    schedule = build_schedule("interleaved", 2, MICRO, 2)
+    results = pools(2).run(f"{M}:_body_posts", "interleaved", 2, early)
+    for rank, calls in enumerate(results):
+        acts = schedule.actions[rank]
+        runs = [acts[i:j] for i, (j, _) in sorted(_comm_batches(acts).items())]
+        assert len(calls) == len(runs)
+
+        def recvs(run: tuple[Action, ...]) -> list[str]:
+            out = []
+            for a in run:
+                if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                    kind = _ACT if a.op is Op.RECV_ACT else _GRAD
+                    out.append(f"recv:{_tag(kind, a.microbatch, a.stage, MICRO, 4)}")
+            return out
+
+        if early:
+            want = [recvs(runs[0]) + recvs(runs[1])]
+            want += [recvs(runs[k + 1]) if k + 1 < len(runs) else [] for k in range(1, len(runs))]
+        else:
+            want = [recvs(run) for run in runs]
+        assert calls == want
+        assert any(len(c) > 0 for c in calls)
 
 
 def test_tied_embeddings_across_first_and_last_stage(

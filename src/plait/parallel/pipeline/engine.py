@@ -136,6 +136,7 @@ class PipelineEngine:
             (1, 1, hidden_dim),  # set from each batch (see _shape_for)
             dtype,
             mesh.device,
+            early_recv=placement == "adjacent",  # a rendezvous transport keeps its batches
         )
         self.zero: PipelineZero | None = None  # ZeRO-2/3: the schedule drives the wrapper
         if isinstance(model, ZeroDataParallel) and model.stage >= 2:

@@ -17,10 +17,19 @@
   (:func:`plait.comm.batch_isend_irecv` on the pp axis). Every message has a known shape
   ``(micro, seq, dim)`` and dtype, so no shape handshake precedes it, and a tag unique
   within the step (kind, micro-batch, receiving stage), so messages cannot be confused.
-  Receives are waited for right after posting (the schedule puts them just before the
-  compute that needs them); sends complete in the background and are waited for at the
-  end of the step. These are the semantics the schedule validator assumes: a send
-  never blocks, a receive blocks until its send is posted.
+  Receives are waited for where the schedule puts them (just before the compute that
+  needs them); sends complete in the background and are waited for at the end of the
+  step. These are the semantics the schedule validator assumes: a send never blocks, a
+  receive blocks until its send is posted.
+* Early receives (``early_recv=True``, the default except under NCCL's lock-step
+  placement): the receives of the *next* communication batch are posted with the
+  current one, one compute action ahead of their wait. gloo moves a message only once
+  both sides have posted it (the receiver's post notifies the sender, whose background
+  thread then writes the data), so a receive posted just before its wait put that
+  hand-shake -- two thread wake-ups across processes -- on the critical path of every
+  message; posted one action early it completes while this rank computes. The wait
+  stays where the schedule has it, so no new waiting (or deadlock) is possible; tags
+  are unique within the step, so an early receive cannot take another message.
 
 Every action's start and end (seconds from the start of the step, which is
 :attr:`PipelineRuntime.step_start` on ``time.perf_counter``'s clock, shared by the
@@ -97,6 +106,10 @@ class PipelineRuntime:
         loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
         act_shape: shape of one activation message ``(micro, seq, dim)``.
         dtype: dtype of activations and their gradients.
+        device: where the messages are received.
+        early_recv: post each communication batch's receives with the batch before it
+            (see the module doc); False keeps every receive in its own batch, as a
+            rendezvous transport (NCCL's grouped send/recv) needs.
     """
 
     def __init__(
@@ -108,6 +121,7 @@ class PipelineRuntime:
         act_shape: Sequence[int],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        early_recv: bool = True,
     ) -> None:
         if schedule.stages != group.size or schedule.chunks * group.size != stages.virtual_stages:
             raise ConfigError(
@@ -123,6 +137,7 @@ class PipelineRuntime:
         self.act_shape = tuple(act_shape)
         self.dtype = dtype
         self.device = torch.device(device)
+        self.early_recv = early_recv
         self.last_stage = schedule.virtual_stages - 1
         self.records: list[ActionRecord] = []
         self.step_start = 0.0  # time.perf_counter() at the start of the last step
@@ -189,18 +204,18 @@ class PipelineRuntime:
         self._grad_out: dict[tuple[int, int], torch.Tensor | None] = {}
         self._splits: dict[tuple[int, int], BackwardSplit] = {}
         self._sends: list[tuple[Handle, torch.Tensor]] = []
+        self._posted: dict[tuple[int, int, int], Handle] = {}  # early receives, by key
         self._losses: list[torch.Tensor] = []
         self.records = []
+        batches = _comm_batches(actions)  # start index -> (end index, next batch's actions)
         t0 = self.step_start = time.perf_counter()
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.op.is_comm:
-                j = i
-                while j < len(actions) and actions[j].op.is_comm:
-                    j += 1
+                j, ahead = batches[i]
                 start = time.perf_counter() - t0
-                self._communicate(actions[i:j])
+                self._communicate(actions[i:j], ahead if self.early_recv else ())
                 end = time.perf_counter() - t0
                 self.records.extend(ActionRecord(self.rank, c, start, end) for c in actions[i:j])
                 i = j
@@ -216,7 +231,7 @@ class PipelineRuntime:
             i += 1
         for h, _ in self._sends:
             h.wait()
-        leftover = len(self._outputs) + len(self._recv) + len(self._to_send)
+        leftover = len(self._outputs) + len(self._recv) + len(self._to_send) + len(self._posted)
         if train and leftover:
             raise RuntimeError(
                 f"schedule {self.schedule.name!r} left {leftover} activation(s) or gradient(s) "
@@ -227,31 +242,40 @@ class PipelineRuntime:
             return None
         return torch.stack([loss.double() for loss in self._losses]).mean()
 
-    def _communicate(self, actions: Sequence[Action]) -> None:
-        """One batched isend/irecv for a run of communication actions; wait the receives."""
+    def _communicate(self, actions: Sequence[Action], ahead: Sequence[Action] = ()) -> None:
+        """One batched isend/irecv for a run of communication actions (and the receives
+        of ``ahead``, the next run, posted early); wait this run's receives."""
         m, vs, p = self.schedule.microbatches, self.schedule.virtual_stages, self.group.size
         ops: list[P2P] = []
-        recvs: list[Handle] = []
+        keys: list[tuple[int, int, int] | None] = []  # receive key per op, None for sends
         for a in actions:
             if a.op in (Op.SEND_ACT, Op.SEND_GRAD):
                 kind = _ACT if a.op == Op.SEND_ACT else _GRAD
                 dst = a.stage + 1 if kind == _ACT else a.stage - 1  # the receiving stage
                 t = self._to_send.pop((kind, a.microbatch, a.stage))
                 ops.append(P2P("send", t, dst % p, _tag(kind, a.microbatch, dst, m, vs)))
-            else:
+                keys.append(None)
+        for a in (*actions, *ahead):
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
                 kind = _ACT if a.op == Op.RECV_ACT else _GRAD
+                rkey = (kind, a.microbatch, a.stage)
+                if rkey in self._posted:  # posted early with the previous batch
+                    continue
                 peer = (a.stage - 1) % p if kind == _ACT else (a.stage + 1) % p
                 buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                self._recv[(kind, a.microbatch, a.stage)] = buf
+                self._recv[rkey] = buf
                 ops.append(P2P("recv", buf, peer, _tag(kind, a.microbatch, a.stage, m, vs)))
+                keys.append(rkey)
         handles = comm.batch_isend_irecv(ops, self.group)
-        for h, o in zip(handles, ops, strict=True):
-            if o.kind == "recv":
-                recvs.append(h)
-            else:
+        for h, o, key in zip(handles, ops, keys, strict=True):
+            if key is None:
                 self._sends.append((h, o.tensor))
-        for h in recvs:
-            h.wait()
+            else:
+                self._posted[key] = h
+        for a in actions:
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                kind = _ACT if a.op == Op.RECV_ACT else _GRAD
+                self._posted.pop((kind, a.microbatch, a.stage)).wait()
 
     def _compute(self, a: Action) -> None:
         key = (a.microbatch, a.stage)
@@ -308,6 +332,27 @@ class PipelineRuntime:
             return
         assert grad is not None
         self._to_send[(_GRAD, a.microbatch, a.stage)] = grad
+
+
+def _comm_batches(actions: Sequence[Action]) -> dict[int, tuple[int, tuple[Action, ...]]]:
+    """For each run of communication actions starting at index i: (the index after the
+    run, the actions of the next run, empty for the last)."""
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(actions):
+        if actions[i].op.is_comm:
+            j = i
+            while j < len(actions) and actions[j].op.is_comm:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    out: dict[int, tuple[int, tuple[Action, ...]]] = {}
+    for k, (i, j) in enumerate(runs):
+        nxt = tuple(actions[runs[k + 1][0] : runs[k + 1][1]]) if k + 1 < len(runs) else ()
+        out[i] = (j, nxt)
+    return out
 
 
 def sync_gradients(model: nn.Module, stages: PipelineStages) -> None:
