@@ -217,7 +217,9 @@ class BackwardSplit:
                 raise RuntimeError("zero-bubble split: a consumer node did not run in I")
             if direct is not None:
                 if grads[0] is not None:
-                    _accumulate(direct.param, _direct_grad(node, direct, grads[0]), True)
+                    with torch.no_grad():  # saved inputs require grad: build no graph
+                        g = _direct_grad(node, direct, grads[0])
+                    _accumulate(direct.param, g, True)
                 continue
             edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
             given = [g for g in grads if g is not None]
