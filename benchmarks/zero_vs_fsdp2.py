@@ -9,7 +9,11 @@ rank:
   and the output head, then on the root (plait's default units), both with
   ``reshard_after_forward=True``; ``torch.optim.AdamW`` over the DTensor shards;
 * ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2;
-* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated).
+* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated);
+* ``zro`` — PyTorch's ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(AdamW)``
+  (ZeRO-1: each rank steps the parameters it owns, then broadcasts them). Its
+  ``overlap_with_ddp`` refuses gloo ("Gloo backend using Overlapping DDP with ZeRO may
+  meet hangs"), so the plain form runs. Same bucket size as plait DP.
 
 Every copy is built from the same seed on every rank, so all five start from identical
 weights. Measured steps rotate through the implementations in blocks, in an order that
@@ -51,7 +55,8 @@ import torch  # noqa: E402
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
 from plait.bench.timing import median_iqr, rotate_blocks, slowest_ms  # noqa: E402
 
-IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp")
+IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp", "zro")
+BUCKET_MB = 4.0  # plait DP, plait ZeRO-1/2 (when it buckets) and DDP alike
 
 
 # --------------------------------------------------------------------------- rank side
@@ -98,6 +103,8 @@ def bench_body(
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plait import comm
     from plait.config import ModelConfig
@@ -122,8 +129,14 @@ def bench_body(
         z = ZeroDataParallel(m, mesh, stage)
         impls[f"zero{stage}"] = (z, Optimizer(z, torch.optim.AdamW(m.parameters(), lr=lr)))
     base = build()
-    dpm = DataParallel(base, mesh, bucket_mb=4.0)
+    dpm = DataParallel(base, mesh, bucket_mb=BUCKET_MB)
     impls["dp"] = (dpm, Optimizer(dpm, torch.optim.AdamW(base.parameters(), lr=lr)))
+    zmodel = build()
+    ddp = DDP(zmodel, process_group=g.pg, bucket_cap_mb=BUCKET_MB)
+    zro = ZeroRedundancyOptimizer(
+        zmodel.parameters(), optimizer_class=torch.optim.AdamW, process_group=g.pg, lr=lr
+    )
+    impls["zro"] = (ddp, zro)
     fmodel = build()
     dmesh = DeviceMesh.from_group(g.pg, "cpu") if g.pg is not None else None
     for module in [fmodel.tok_embeddings, *fmodel.layers, fmodel.output]:
@@ -170,7 +183,7 @@ def bench_body(
             run(name, 1, timed=False)
     for name in IMPLS:  # after the warm-up steps: optimizer state exists
         model, opt = impls[name]
-        if name == "fsdp2":
+        if name in ("fsdp2", "zro"):
             state_bytes[name] = _fsdp2_bytes(model, opt)
         else:
             state_bytes[name] = memory_report(model, opt, rank).bytes
@@ -286,7 +299,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         med = {k: _median_ms(res, k) for k in IMPLS}
         cpu = {k: _cpu_ms(res, k) for k in IMPLS}
         for k in IMPLS:
-            ref = "fsdp2" if k == "zero3" else ("dp" if k in ("zero1", "zero2") else None)
+            ref = "fsdp2" if k == "zero3" else ("dp" if k in ("zero1", "zero2", "zro") else None)
             ratio = f"{med[k][0] / med[ref][0]:.3f} vs {ref}" if ref else "—"
             paired = f"{_paired_ratio(res, k, ref):.3f}" if ref else "—"
             cratio = f"{cpu[k] / cpu[ref]:.3f}" if ref else "—"
@@ -301,6 +314,28 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 f"| {paired} | {cpu[k]:.1f} | {cratio} "
                 f"| {b['params']:,} | {b['grads']:,} | {b['optimizer']:,} "
                 f"| {total / r0['numel']:.3f} | {formula} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def _pair_table(rows: list[dict[str, Any]]) -> str:
+    """ZeRO-1/2 against plait DP and against torch's DDP + ZeroRedundancyOptimizer."""
+    out = [
+        "| world | impl | paired vs dp | CPU vs dp | paired vs zro | CPU vs zro |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        w, res = row["world"], row["results"]
+        cpu = {k: _cpu_ms(res, k) for k in IMPLS}
+        for k in ("zero1", "zero2", "zro"):
+            vs_zro = (
+                f"{_paired_ratio(res, k, 'zro'):.3f} | {cpu[k] / cpu['zro']:.3f}"
+                if k != "zro"
+                else "— | —"
+            )
+            out.append(
+                f"| {w} | {k} | {_paired_ratio(res, k, 'dp'):.3f} | {cpu[k] / cpu['dp']:.3f} "
+                f"| {vs_zro} |"
             )
     return "\n".join(out) + "\n"
 
@@ -388,13 +423,20 @@ def main(argv: list[str] | None = None) -> int:
             + f"; zero3/fsdp2 {meds['zero3'] / meds['fsdp2']:.3f} "
             f"(paired {_paired_ratio(results, 'zero3', 'fsdp2'):.3f}, CPU "
             f"{_cpu_ms(results, 'zero3') / _cpu_ms(results, 'fsdp2'):.3f}); "
+            + "; ".join(
+                f"{k}/{ref} paired {_paired_ratio(results, k, ref):.3f} CPU "
+                f"{_cpu_ms(results, k) / _cpu_ms(results, ref):.3f}"
+                for k, ref in (("zero1", "dp"), ("zero2", "dp"), ("zero1", "zro"), ("zro", "dp"))
+            )
+            + "; "
             f"load {loads[world][0]:.1f} -> {loads[world][1]:.1f} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    table, mtable = _table(rows), _memory_table(mem)
+    table, mtable, ptable = _table(rows), _memory_table(mem), _pair_table(rows)
     print()
     print(table)
+    print(ptable)
     print(mtable)
     if args.out is not None:
         cores = os.cpu_count()
@@ -448,6 +490,9 @@ def main(argv: list[str] | None = None) -> int:
             "`fully_shard`, ZeRO-1/2 against plait DP (CPU, gloo; written by "
             "`benchmarks/zero_vs_fsdp2.py`).\n\n"
             + table
+            + "\n### ZeRO-1/2 against plait DP and torch DDP + ZeroRedundancyOptimizer "
+            "(paired ratios, CPU-time ratios)\n\n"
+            + ptable
             + "\n### Per-rank state bytes, bf16 parameters + fp32 masters + Adam\n\n"
             + mtable
             + "\n"
