@@ -8,9 +8,8 @@ no storage to tell views apart), for plait's block in fp32 without dropout.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import pytest
 import torch

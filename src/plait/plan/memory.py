@@ -25,9 +25,9 @@ micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
 
 **Buffers**: data-parallel gradient buckets when they copy the gradients (a runtime
 with ``grad_buckets="copy"``; plait's gradients are views into its buckets, which then
-cost nothing beyond the gradients), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's gathered units (the computing
-unit plus the prefetched ones, with their unsharded gradients), pipeline send/receive
-buffers.
+cost nothing beyond the gradients), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's
+gathered units (the computing unit plus the prefetched ones, with their unsharded
+gradients), pipeline send/receive buffers.
 """
 
 from __future__ import annotations
