@@ -20,8 +20,10 @@ reduce-scattered asynchronously over the shard group (ReduceScatter, Rajbhandari
 2020), the average landing in this rank's ``(shard_numel,)`` piece; with hybrid sharding
 the piece is then all-reduced over the replicate group (AllReduce). Stages 0/1 keep full
 gradient buffers (``.grad`` is a view into them) and communicate only in the
-synchronising backward (``no_sync`` accumulates locally); stages 2/3 copy the gradients
-into a transient buffer, reduce on every backward and keep only the shard.
+synchronising backward (``no_sync`` accumulates locally), launching each unit's
+reduce-scatter from the hook and waiting for them only at the end of backward; stages
+2/3 copy the gradients into a transient buffer, reduce on every backward and keep only
+the shard.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`: the hooks' entry point, the cap on
@@ -168,8 +170,9 @@ class GradientReducer:
     """
 
     MAX_REDUCES_IN_FLIGHT = 2
-    """Reduce-scatters allowed in flight before the oldest is completed (stages 2/3 free
-    its full gradient buffer then)."""
+    """Stages 2/3: reduce-scatters allowed in flight before the oldest is completed (its
+    transient full gradient buffer is freed then). Stages 0/1 reduce from the persistent
+    gradient buffers and wait for nothing before the end of backward."""
 
     def __init__(
         self,
@@ -233,8 +236,11 @@ class GradientReducer:
     # ------------------------------------------------------------------ pieces
 
     def _alloc_buffer(self, u: FlatUnit) -> None:
-        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients."""
-        u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
+        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients (every
+        parameter's run is written by its hook or zeroed at the end of backward; only
+        the padding is zeroed here)."""
+        u.grad_full = torch.empty(u.padded, dtype=self.reduce_dtype, device=self.device)
+        u.grad_full[u.numel :].zero_()
         self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
         self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
 
@@ -254,6 +260,8 @@ class GradientReducer:
         self._note("reduce", u.name)
         if self.stage == 3:
             self._release(u)
+        if self.stage <= 1:  # persistent buffers: nothing to free early, nothing to wait
+            return
         in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
         for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
             self._finish_scatter(v)
@@ -280,6 +288,10 @@ class GradientReducer:
                 )
             if u.grad_full is None:
                 self._alloc_buffer(u)
+            if self.stage >= 2:  # a fresh buffer: the missing gradients count as zeros
+                for i in range(len(u.params)):
+                    if i not in r.ready:
+                        u.view(i, u.grad_full).zero_()
             self._launch(r)
         for r in self._launched:
             if r.state is ReduceState.SCATTERING:

@@ -9,13 +9,24 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   ``parallelize`` for 16-bit parameters, whose fp32 masters the optimizer wrapper holds).
 * **stage 1** — full parameters and full gradients on every rank (gradients accumulate
   locally under ``no_sync``); in the synchronising backward each unit's gradient is
-  reduce-scattered once it is complete, each rank updates only its shard (optimizer
-  state and fp32 masters for 1/N of the parameters) and the updated shards are
-  all-gathered. Bytes/param with bf16 + Adam: 2 + 2 + 12/N.
+  reduce-scattered from a backward hook the moment it is complete (overlapping the rest
+  of backward; nothing waits for it until the end of backward), each rank updates only
+  its shard (optimizer state and fp32 masters for 1/N of the parameters) and the updated
+  shards are all-gathered. Bytes/param with bf16 + Adam: 2 + 2 + 12/N.
 * **stage 2** — as 1, but only the gradient shard is kept: a unit's gradients are copied
   into a transient buffer and reduce-scattered (asynchronously) the moment backward has
   produced all of them, on every micro-step; at most
   ``GradientReducer.MAX_REDUCES_IN_FLIGHT`` + 1 such buffers exist at once. 2 + 14/N.
+
+  Stages 1/2, after the step: :meth:`ZeroDataParallel.sync_params` *launches* the
+  all-gathers of the updated shards (one per unit, asynchronous) and returns; each
+  unit's gather is completed just before the unit's next forward (a forward pre-hook),
+  so the gathers overlap the optimizer step's tail and the forward of earlier units.
+  Anything that reads the full parameters through the wrapper completes them first
+  (:meth:`~ZeroDataParallel.gathered`, :meth:`~ZeroDataParallel.local_pieces`,
+  ``state_dict``, the next optimizer step); code that reads ``module``'s parameters
+  directly between a step and the next forward calls
+  :meth:`~ZeroDataParallel.wait_params` (or uses ``gathered()``).
 * **stage 3** — parameters are sharded too: a unit is all-gathered just before its
   forward (the next unit's gather is started meanwhile: prefetch), freed after it
   (``reshard_after_forward``), gathered again before its backward (triggered by a hook
@@ -158,6 +169,16 @@ class ZeroDataParallel(nn.Module):
                 note=self._note_event,
             )
         self._hooks: list[Any] = []
+        # stages 1/2: unit index -> (all-gather output (padded,), handle) launched by
+        # sync_params and completed before the unit's next forward (or any full read)
+        self._param_gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        if stage in (1, 2) and self.shard_group.size > 1:
+            for u in self.units:
+                for m in u.triggers or [module]:
+                    hook = functools.partial(self._before_forward, u)
+                    self._hooks.append(m.register_forward_pre_hook(hook))
+            self._hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
+            self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
             self._init_unit(u)
             for i, p in enumerate(u.params):
@@ -191,6 +212,14 @@ class ZeroDataParallel(nn.Module):
     def _note_event(self, kind: str, name: str) -> None:
         if self.record_events:
             self.events.append((kind, name))
+
+    def _before_forward(self, u: FlatUnit, module: nn.Module, args: Any) -> None:
+        """Stages 1/2: ``u``'s updated parameters must be in place before it computes."""
+        if self._param_gathers:
+            self.wait_params(u)
+
+    def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.wait_params()
 
     def _release(self, u: FlatUnit) -> None:
         """``u``'s reduce-scatter is launched (the reducer's callback): stage 3 frees it."""
@@ -264,6 +293,7 @@ class ZeroDataParallel(nn.Module):
     def gathered(self) -> Iterator[None]:
         """Stage 3: hold every unit's full parameters inside the block (e.g. to read the
         weights); other stages hold them always."""
+        self.wait_params()
         if self.gatherer is not None:
             self.gatherer.gather_all()
         try:
@@ -305,24 +335,50 @@ class ZeroDataParallel(nn.Module):
         return g
 
     @torch.no_grad()
-    def sync_params(self) -> None:
+    def sync_params(self, wait: bool = False) -> None:
         """Stages 1/2 after an optimizer step: all-gather the updated shards so every
-        rank holds the full parameters again (stage 3 gathers at the next forward)."""
+        rank holds the full parameters again (stage 3 gathers at the next forward).
+
+        The all-gathers (one per unit, in forward order) are launched and left in
+        flight: each unit's is completed by a forward pre-hook just before the unit
+        computes, so communication overlaps the forward of the units before it.
+        ``wait=True`` (or :meth:`wait_params`) completes them now."""
         if self.stage == 3 or self.shard_group.size == 1:
             return
-        pending = []
+        self.wait_params()  # a previous step's gathers (a step with no forward between)
         for u in self.units:
             out, h = comm.all_gather(u.full[u.lo : u.hi], self.shard_group, async_op=True)
-            pending.append((u, out, h))
-        for u, out, h in pending:
+            self._param_gathers[u.index] = (out, h)
+            self._note_event("gather", u.name)
+        if wait:
+            self.wait_params()
+
+    @torch.no_grad()
+    def wait_params(self, unit: FlatUnit | None = None) -> None:
+        """Stages 1/2: complete the all-gather of ``unit``'s updated shards (every
+        unit's when None) launched by :meth:`sync_params`; a no-op when none is in
+        flight. Only the other ranks' chunks are copied in: this rank's chunk is the
+        shard the optimizer wrote."""
+        todo = list(self._param_gathers) if unit is None else [unit.index]
+        for index in todo:
+            hit = self._param_gathers.pop(index, None)
+            if hit is None:
+                continue
+            out, h = hit
             h.wait()
-            u.full.copy_(out)
+            u = self.units[index]
+            me, f = self.shard_group.index, u.shard_count
+            full, got = u.full.view(f, u.shard_numel), out.view(f, u.shard_numel)
+            full[:me].copy_(got[:me])
+            full[me + 1 :].copy_(got[me + 1 :])
+            self._note_event("gathered", u.name)
 
     def local_pieces(self) -> list[LocalPiece]:
         """This rank's runs of each parameter in its shards, named as in ``module``: a
         unit's shard ``[lo, hi)`` of the flat, padded parameters covers runs of one or more
         parameters (padding left out). Replicas of a shard (hybrid sharding) are equal
         after the step, so only the first replicate rank writes."""
+        self.wait_params()
         names = {id(p): n for n, p in self.module.named_parameters()}
         first = self.replicate_group.index == 0
         out: list[LocalPiece] = []
