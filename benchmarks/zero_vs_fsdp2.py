@@ -183,8 +183,10 @@ def bench_body(
             run(name, 1, timed=False)
     for name in IMPLS:  # after the warm-up steps: optimizer state exists
         model, opt = impls[name]
-        if name in ("fsdp2", "zro"):
+        if name == "fsdp2":
             state_bytes[name] = _fsdp2_bytes(model, opt)
+        elif name == "zro":  # the state is in its local optimizer (this rank's partition)
+            state_bytes[name] = _fsdp2_bytes(model, opt.optim)  # type: ignore[attr-defined]
         else:
             state_bytes[name] = memory_report(model, opt, rank).bytes
     rotate_blocks(IMPLS, steps, block, lambda name, n: run(name, n, timed=True))

@@ -600,6 +600,76 @@ def test_gradients_are_reduce_scattered_during_backward(
         assert r["grad_bytes_after"] == 0
 
 
+def _body_overlap_1_2(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+    """Two optimizer steps of ZeRO-1/2 (the first accumulating over a ``no_sync``
+    micro-step); the events of the last backward, then of the next forward with each
+    unit's forward marked ("computed", unit name)."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    model = _builtin(layers=4)
+    zdp = ZeroDataParallel(model, mesh, stage, record_events=True)
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
+    for u in zdp.units:
+        if u.module is not None:
+            u.module.register_forward_hook(
+                lambda m, a, o, name=u.name: zdp.events.append(("computed", name))
+            )
+    x, y = _batches()[0]
+    with zdp.no_sync():
+        _loss(zdp(x[:2]), y[:2]).backward()
+    no_sync_events = list(zdp.events)
+    _loss(zdp(x[2:4]), y[2:4]).backward()
+    backward_events = list(zdp.events)
+    opt.step()
+    pending = len(zdp._param_gathers)
+    out = zdp(x[:2])  # completes the gathers unit by unit
+    forward_events = list(zdp.events)
+    with zdp.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
+    return {
+        "no_sync": no_sync_events,
+        "backward": backward_events,
+        "forward": forward_events,
+        "pending": pending,
+        "units": [u.name for u in zdp.units],
+        "weights": weights,
+        "finite": bool(torch.isfinite(out).all()),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_2_reduce_scatter_starts_before_backward_ends(
+    pools: Callable[[int], WorkerPool], stage: int
+) -> None:
+    """ZeRO-1 and ZeRO-2 launch a unit's reduce-scatter from the backward hook as soon as
+    its gradients are complete: the output head's (the first unit backward finishes) is
+    launched before the first block has any gradient, i.e. before backward ends. Stage
+    1 then waits for none of them inside backward (every "scattered" event, the wait,
+    follows the last gradient) and inside ``no_sync`` reduces nothing. After the step
+    every unit's all-gather is still in flight and each completes just before its own
+    unit's forward: the last block's after the first block has computed."""
+    results = pools(2).run(f"{M}:_body_overlap_1_2", stage)
+    for r in results:
+        reduced = [e for e in r["no_sync"] if e[0] in ("reduce", "scattered")]
+        assert bool(reduced) == (stage == 2)  # stage 2 reduces every micro-step
+        ev = r["backward"]
+        kinds = [k for k, _ in ev]
+        last_grad = len(kinds) - 1 - kinds[::-1].index("grad")
+        first_reduce = kinds.index("reduce")
+        assert first_reduce < last_grad, ev
+        assert ev.index(("reduce", "output")) < ev.index(("grad", "layers.0")), ev
+        assert kinds.count("reduce") == len(r["units"]) and ev[-1] == ("synced", "")
+        if stage == 1:
+            assert all(i > last_grad for i, k in enumerate(kinds) if k == "scattered"), ev
+        assert r["pending"] == len(r["units"])
+        fwd = r["forward"]
+        assert sorted(n for k, n in fwd if k == "gathered") == sorted(r["units"])
+        assert fwd.index(("computed", "layers.0")) < fwd.index(("gathered", "layers.3")), fwd
+        assert fwd.index(("gathered", "layers.3")) < fwd.index(("computed", "layers.3")), fwd
+        assert r["finite"]
+    for a, b in zip(results[0]["weights"], results[1]["weights"], strict=True):
+        assert torch.equal(a, b)  # every rank holds the same full parameters again
+
+
 # ----------------------------------------------------------------------------- memory
 
 

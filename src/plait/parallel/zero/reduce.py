@@ -268,6 +268,7 @@ class GradientReducer:
 
     def _finish_scatter(self, r: UnitReduction) -> None:
         r.finish_scatter(self.replicate_group)
+        self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
 
     def finish_backward(self) -> None:
