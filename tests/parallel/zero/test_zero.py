@@ -143,11 +143,19 @@ def _train(
     offload: str = "none",
     opt_kind: str = "adamw",
     recompute: str = "none",
+    bucket_mb: float | None = None,
 ) -> dict[str, Any]:
     model = _make(name)
     if recompute != "none":
         apply_recompute(model, recompute)  # type: ignore[arg-type]
-    zdp = ZeroDataParallel(model, mesh, stage, zero_shard_size=zero_shard_size, offload=offload)  # type: ignore[arg-type]
+    zdp = ZeroDataParallel(
+        model,
+        mesh,
+        stage,
+        zero_shard_size=zero_shard_size,
+        offload=offload,  # type: ignore[arg-type]
+        bucket_mb=bucket_mb,
+    )
     opt = Optimizer(zdp, _optimizer(model, opt_kind), max_norm=clip)
     n, r = mesh.size("dp"), mesh.index("dp")
     per_rank = GLOBAL_BATCH // n
@@ -218,6 +226,11 @@ PARITY = [
     (4, "encoder", 3, {"opt_kind": "sgd", "clip": CLIP}),
     (2, "builtin", 3, {"recompute": "full"}),
     (2, "builtin", 3, {"recompute": "selective", "clip": CLIP}),
+    # stages 1/2 with units fused into reduce-scatter / all-gather buckets
+    *[(w, "builtin", s, {"bucket_mb": 0.05}) for w in (2, 4) for s in (1, 2)],
+    (2, "builtin", 2, {"bucket_mb": 1.0, "clip": CLIP}),  # one bucket: every unit
+    (2, "encoder", 1, {"bucket_mb": 0.05, "accum": 2, "clip": CLIP}),
+    (4, "builtin", 2, {"bucket_mb": 0.05, "zero_shard_size": 2, "accum": 2}),
 ]
 
 
@@ -344,16 +357,20 @@ def test_offload_keeps_masters_and_state_on_the_cpu(pools: Callable[[int], Worke
 # ----------------------------------------------------------------------------- traffic
 
 
-def _body_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+def _body_traffic(
+    ctx: WorkerContext, stage: int, bucket_mb: float | None = None
+) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
     wrapped: nn.Module
+    buckets = 0
     if stage == 0:
         wrapped = DataParallel(model, mesh, bucket_mb=0.01)
         opt = Optimizer(wrapped, _optimizer(model, "adamw"))
     else:
-        wrapped = ZeroDataParallel(model, mesh, stage)
+        wrapped = ZeroDataParallel(model, mesh, stage, bucket_mb=bucket_mb)
         opt = Optimizer(wrapped, _optimizer(model, "adamw"))
+        buckets = len(wrapped.reducer.buckets)
     x, y = _batches()[0]
     per = GLOBAL_BATCH // ctx.world_size
     mesh.stats.reset()
@@ -365,6 +382,7 @@ def _body_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     s = mesh.stats
     return {
         "units": units,
+        "buckets": buckets,
         "numel": sum(p.numel() for p in model.parameters()),
         **{
             op: (s.get("dp", op).bytes, s.get("dp", op).calls)
@@ -400,6 +418,17 @@ def test_traffic_matches_formulas(pools: Callable[[int], WorkerPool], world: int
             if stage < 3:
                 assert ag == pytest.approx(f * padded_bytes, rel=1e-12)
                 assert (rs + ag) / dp["all_reduce"][0] == pytest.approx(1.0, rel=0.01)
+                assert r["reduce_scatter"][1] == r["all_gather"][1] == len(padded)
+    for stage in (1, 2):  # fused into buckets: the same bytes in fewer, larger calls
+        for r, ref in zip(
+            pools(world).run(f"{M}:_body_traffic", stage, 0.05),
+            pools(world).run(f"{M}:_body_traffic", stage),
+            strict=True,
+        ):
+            assert 1 < r["buckets"] < len(r["units"])
+            for op in ("reduce_scatter", "all_gather"):
+                assert r[op][0] == pytest.approx(ref[op][0], rel=1e-12)
+                assert r[op][1] == r["buckets"]
             else:
                 assert ag == pytest.approx(2 * f * padded_bytes, rel=1e-12)
                 ratio = (rs + ag) / dp["all_reduce"][0]

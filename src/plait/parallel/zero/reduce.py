@@ -111,6 +111,12 @@ class UnitReduction:
         out, h = comm.reduce_scatter(buffer, shard_group, op="avg", async_op=True)
         self.shard, self._scatter, self._buffer = out, h, buffer
 
+    def joined(self, shard: torch.Tensor, handle: Handle, buffer: torch.Tensor) -> None:
+        """The unit's gradient goes out in a bucket's reduce-scatter (``handle``); its
+        averaged ``(shard_numel,)`` piece will be ``shard``, a view into the output."""
+        self._go(ReduceState.SCATTERING)
+        self.shard, self._scatter, self._buffer = shard, handle, buffer
+
     def finish_scatter(self, replicate_group: AxisGroup) -> None:
         """Wait for the reduce-scatter; start the all-reduce across replicas (hybrid)."""
         assert self._scatter is not None
@@ -153,6 +159,46 @@ class UnitReduction:
         self.ready.clear()
 
 
+class GradBucket:
+    """Consecutive units (in backward order) whose gradients are reduce-scattered in one
+    call (stages 1/2 with ``bucket_mb``). The flat ``(F · width,)`` input is laid out as
+    F rows of ``width`` = the units' shard sizes side by side: row r holds chunk r of
+    every unit, so the rank-r output of one reduce-scatter is every unit's r-th shard,
+    unit ``k``'s at columns ``[cols[k], cols[k] + shard_numel)``."""
+
+    def __init__(self, units: list[UnitReduction]) -> None:
+        self.units = units
+        self.cols: list[int] = []
+        width = 0
+        for r in units:
+            self.cols.append(width)
+            width += r.unit.shard_numel
+        self.width = width
+        self.done: set[int] = set()  # unit indices whose gradients are complete
+        self.buffer: torch.Tensor | None = None  # (F * width,) while in flight
+
+    @property
+    def names(self) -> str:
+        return "+".join(r.unit.name for r in self.units)
+
+
+def plan_buckets(units: list[UnitReduction], nbytes: int, element_size: int) -> list[GradBucket]:
+    """Greedy buckets over ``units`` in reverse order (backward order, roughly): a
+    bucket closes once it holds at least ``nbytes`` of gradients (as DataParallel's)."""
+    out: list[GradBucket] = []
+    cur: list[UnitReduction] = []
+    size = 0
+    for r in reversed(units):
+        cur.append(r)
+        size += r.unit.padded * element_size
+        if size >= nbytes:
+            out.append(GradBucket(cur))
+            cur, size = [], 0
+    if cur:
+        out.append(GradBucket(cur))
+    return out
+
+
 class GradientReducer:
     """The backward-time gradient path of one ZeRO-wrapped module.
 
@@ -167,6 +213,8 @@ class GradientReducer:
             its gathered parameters then).
         on_finish: called at the end of every synchronising backward.
         note: records an event ``(kind, unit name)`` (tests read the order).
+        bucket_bytes: stages 1/2: reduce-scatter consecutive units together in buckets of
+            at least this many bytes (None: one reduce-scatter per unit).
     """
 
     MAX_REDUCES_IN_FLIGHT = 2
@@ -186,8 +234,17 @@ class GradientReducer:
         release: Callable[[FlatUnit], None],
         on_finish: Callable[[], None],
         note: Callable[[str, str], None],
+        bucket_bytes: int | None = None,
     ) -> None:
         self.units = [UnitReduction(u) for u in units]
+        fuse = bucket_bytes is not None and stage in (1, 2) and shard_group.size > 1
+        size = torch.empty((), dtype=reduce_dtype).element_size()
+        self.buckets = (
+            plan_buckets(self.units, bucket_bytes, size)  # type: ignore[arg-type]
+            if fuse
+            else [GradBucket([r]) for r in reversed(self.units)]
+        )
+        self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
         self.stage = stage
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reduce_dtype, self.device = reduce_dtype, device
@@ -231,7 +288,7 @@ class GradientReducer:
         if r.mark_ready(i):
             self._note("grad", u.name)  # the unit's first gradient arrived
         if r.complete:
-            self._launch(r)
+            self._complete(r)
 
     # ------------------------------------------------------------------ pieces
 
@@ -248,6 +305,42 @@ class GradientReducer:
         if self.stage >= 2 and u.grad_full is not None:
             self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
             u.grad_full = None
+
+    def _complete(self, r: UnitReduction) -> None:
+        """``r``'s gradients are final: reduce-scatter its bucket once every unit of the
+        bucket is (a bucket of one unit goes at once)."""
+        b = self._bucket_of[r.unit.index]
+        if len(b.units) == 1:
+            self._launch(r)
+            return
+        b.done.add(r.unit.index)
+        if len(b.done) == len(b.units):
+            self._launch_bucket(b)
+
+    def _launch_bucket(self, b: GradBucket) -> None:
+        """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`)."""
+        f = self.shard_group.size
+        buf = torch.empty(f * b.width, dtype=self.reduce_dtype, device=self.device)
+        grid = buf.view(f, b.width)  # (F, width): row r = chunk r of every unit
+        for r, col in zip(b.units, b.cols, strict=True):
+            u = r.unit
+            assert u.grad_full is not None
+            grid[:, col : col + u.shard_numel].copy_(u.grad_full.view(f, u.shard_numel))
+            self._drop_buffer(u)  # stage 2: copied into the bucket, freed now
+        b.buffer = buf
+        self.grad_buffer_bytes += buf.numel() * buf.element_size()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
+        for r, col in zip(b.units, b.cols, strict=True):
+            r.joined(out[col : col + r.unit.shard_numel], h, buf)
+            self._launched.append(r)
+            self._note("reduce", r.unit.name)
+        b.done.clear()
+        if self.stage <= 1:
+            return
+        in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
+        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
+            self._finish_scatter(v)
 
     def _launch(self, r: UnitReduction) -> None:
         """Reduce-scatter ``r``'s unit; at most ``MAX_REDUCES_IN_FLIGHT`` stay in flight
@@ -270,6 +363,10 @@ class GradientReducer:
         r.finish_scatter(self.replicate_group)
         self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
+        b = self._bucket_of[r.unit.index]
+        if b.buffer is not None:  # the bucket's input is no longer needed
+            self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+            b.buffer = None
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: reduce what is left, wait, keep the shards."""
@@ -289,11 +386,13 @@ class GradientReducer:
                 )
             if u.grad_full is None:
                 self._alloc_buffer(u)
+            full = u.grad_full
+            assert full is not None
             if self.stage >= 2:  # a fresh buffer: the missing gradients count as zeros
                 for i in range(len(u.params)):
                     if i not in r.ready:
-                        u.view(i, u.grad_full).zero_()
-            self._launch(r)
+                        u.view(i, full).zero_()
+            self._complete(r)
         for r in self._launched:
             if r.state is ReduceState.SCATTERING:
                 self._finish_scatter(r)
@@ -316,6 +415,11 @@ class GradientReducer:
         for r in self.units:
             r.reset()
             self._drop_buffer(r.unit)
+        for b in self.buckets:
+            b.done.clear()
+            if b.buffer is not None:
+                self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+                b.buffer = None
         self._on_finish()
 
     def reduced(self, u: FlatUnit) -> torch.Tensor | None:
@@ -331,3 +435,5 @@ class GradientReducer:
         """``zero_grad``: every unit back to IDLE."""
         for r in self.units:
             r.reset()
+        for b in self.buckets:
+            b.done.clear()

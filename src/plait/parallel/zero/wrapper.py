@@ -66,7 +66,7 @@ from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reduce import GradientReducer
+from plait.parallel.zero.reduce import GradBucket, GradientReducer
 from plait.pieces import LocalPiece
 
 Offload = Literal["none", "optimizer", "params"]
@@ -91,6 +91,9 @@ class ZeroDataParallel(nn.Module):
         record_events: keep :attr:`events` (gathers, frees, reductions) of the last step.
         axis: the mesh axis to shard over, or a combination of axes whose ranks hold
             the same parameters (``("dp", "cp")`` under context parallelism).
+        bucket_mb: stages 1/2: reduce-scatter the gradients, and all-gather the updated
+            parameters, of consecutive units together in buckets of at least this many
+            MiB (as DataParallel's ``bucket_mb``); None: one collective per unit.
     """
 
     def __init__(
@@ -109,8 +112,11 @@ class ZeroDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         record_events: bool = False,
         axis: str | tuple[str, ...] = "dp",
+        bucket_mb: float | None = None,
     ) -> None:
         super().__init__()
+        if bucket_mb is not None and bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be positive (or None), got {bucket_mb}")
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -155,6 +161,7 @@ class ZeroDataParallel(nn.Module):
             release=self._release,
             on_finish=self._after_backward,
             note=self._note_event,
+            bucket_bytes=int(bucket_mb * 2**20) if bucket_mb is not None else None,
         )
         self.gatherer: ParameterGatherer | None = None  # stage 3 only
         if stage == 3:
@@ -169,16 +176,18 @@ class ZeroDataParallel(nn.Module):
                 note=self._note_event,
             )
         self._hooks: list[Any] = []
-        # stages 1/2: unit index -> (all-gather output (padded,), handle) launched by
-        # sync_params and completed before the unit's next forward (or any full read)
-        self._param_gathers: dict[int, tuple[torch.Tensor, Any]] = {}
+        # stages 1/2: unit index -> (its bucket, the bucket's all-gather output
+        # (F * width,), handle), launched by sync_params and completed before the unit's
+        # next forward (or any full read); every unit of a bucket maps to the same entry
+        self._param_gathers: dict[int, tuple[GradBucket, torch.Tensor, Any]] = {}
         if stage in (1, 2) and self.shard_group.size > 1:
             for u in self.units:
                 for m in u.triggers or [module]:
                     hook = functools.partial(self._before_forward, u)
                     self._hooks.append(m.register_forward_pre_hook(hook))
             self._hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
-            self._hooks.append(module.register_state_dict_pre_hook(self._before_state_dict))
+            for m in module.modules():  # a state_dict of any part reads full parameters
+                self._hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
             self._init_unit(u)
             for i, p in enumerate(u.params):
@@ -346,32 +355,47 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 3 or self.shard_group.size == 1:
             return
         self.wait_params()  # a previous step's gathers (a step with no forward between)
-        for u in self.units:
-            out, h = comm.all_gather(u.full[u.lo : u.hi], self.shard_group, async_op=True)
-            self._param_gathers[u.index] = (out, h)
-            self._note_event("gather", u.name)
+        # forward order: the bucket holding the first unit first
+        for b in sorted(self.reducer.buckets, key=lambda b: min(r.unit.index for r in b.units)):
+            units = sorted((r.unit for r in b.units), key=lambda u: u.index)
+            if len(units) == 1:
+                u = units[0]
+                send = u.full[u.lo : u.hi]  # (shard_numel,)
+            else:  # the units' shards side by side, as the bucket's columns
+                send = torch.empty(b.width, dtype=self.param_dtype, device=self.device)
+                for r, col in zip(b.units, b.cols, strict=True):
+                    u = r.unit
+                    send[col : col + u.shard_numel].copy_(u.full[u.lo : u.hi])
+            out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
+            for u in units:
+                self._param_gathers[u.index] = (b, out, h)
+            self._note_event("gather", b.names if len(units) > 1 else units[0].name)
         if wait:
             self.wait_params()
 
     @torch.no_grad()
     def wait_params(self, unit: FlatUnit | None = None) -> None:
         """Stages 1/2: complete the all-gather of ``unit``'s updated shards (every
-        unit's when None) launched by :meth:`sync_params`; a no-op when none is in
-        flight. Only the other ranks' chunks are copied in: this rank's chunk is the
-        shard the optimizer wrote."""
+        unit's when None; a bucket's units complete together) launched by
+        :meth:`sync_params`; a no-op when none is in flight. Only the other ranks'
+        chunks are copied in: this rank's chunk is the shard the optimizer wrote."""
         todo = list(self._param_gathers) if unit is None else [unit.index]
+        me = self.shard_group.index
         for index in todo:
-            hit = self._param_gathers.pop(index, None)
+            hit = self._param_gathers.get(index)
             if hit is None:
                 continue
-            out, h = hit
+            b, out, h = hit
             h.wait()
-            u = self.units[index]
-            me, f = self.shard_group.index, u.shard_count
-            full, got = u.full.view(f, u.shard_numel), out.view(f, u.shard_numel)
-            full[:me].copy_(got[:me])
-            full[me + 1 :].copy_(got[me + 1 :])
-            self._note_event("gathered", u.name)
+            f = self.shard_group.size
+            got = out.view(f, b.width)  # (F, width)
+            for r, col in zip(b.units, b.cols, strict=True):
+                u = r.unit
+                self._param_gathers.pop(u.index, None)
+                full, part = u.full.view(f, u.shard_numel), got[:, col : col + u.shard_numel]
+                full[:me].copy_(part[:me])
+                full[me + 1 :].copy_(part[me + 1 :])
+                self._note_event("gathered", u.name)
 
     def local_pieces(self) -> list[LocalPiece]:
         """This rank's runs of each parameter in its shards, named as in ``module``: a
