@@ -1,6 +1,6 @@
 """plait ZeRO against PyTorch FSDP2 (``fully_shard``) and plait DP: step time and state bytes.
 
-Five implementations train the same built-in transformer in the *same* gloo ranks (a
+Six implementations train the same built-in transformer in the *same* gloo ranks (a
 :class:`plait.testing.WorkerPool`), fp32, AdamW, same per-rank data, one torch thread per
 rank:
 
@@ -8,21 +8,21 @@ rank:
 * ``fsdp2`` — ``torch.distributed.fsdp.fully_shard`` on the token embedding, every block
   and the output head, then on the root (plait's default units), both with
   ``reshard_after_forward=True``; ``torch.optim.AdamW`` over the DTensor shards;
-* ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2;
+* ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2, units fused into buckets of DP's size;
 * ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated);
 * ``zro`` — PyTorch's ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(AdamW)``
   (ZeRO-1: each rank steps the parameters it owns, then broadcasts them). Its
   ``overlap_with_ddp`` refuses gloo ("Gloo backend using Overlapping DDP with ZeRO may
   meet hangs"), so the plain form runs. Same bucket size as plait DP.
 
-Every copy is built from the same seed on every rank, so all five start from identical
+Every copy is built from the same seed on every rank, so all six start from identical
 weights. Measured steps rotate through the implementations in blocks, in an order that
 reverses every round (A B C D E E D C B A ...), so drift of the machine affects all alike.
 A timed step is ``zero_grad`` + forward + loss + backward (with every collective) +
 optimizer step (including ZeRO-1/2's all-gather of the updated shards), preceded by an
 untimed barrier; a step's time is the slowest rank's, and the table reports the median.
 
-Checks (the run fails if one does not hold): the five step-1 losses agree exactly on every
+Checks (the run fails if one does not hold): the six step-1 losses agree exactly on every
 rank; the loss trajectories stay within 1e-4 relative; plait's per-rank state bytes equal
 the ZeRO formulas for fp32 + Adam (stage 3: 16/N bytes/param; 2: 4 + 12/N; 1: 4 + 4 +
 8/N) up to padding.
@@ -99,7 +99,7 @@ def bench_body(
     lr: float,
     seed: int,
 ) -> dict[str, Any]:
-    """Every rank: build the five implementations, warm up, time rotating blocks."""
+    """Every rank: build the six implementations, warm up, time rotating blocks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -126,7 +126,7 @@ def bench_body(
     impls: dict[str, tuple[torch.nn.Module, Any]] = {}
     for stage in (3, 1, 2):
         m = build()
-        z = ZeroDataParallel(m, mesh, stage)
+        z = ZeroDataParallel(m, mesh, stage, bucket_mb=BUCKET_MB if stage < 3 else None)
         impls[f"zero{stage}"] = (z, Optimizer(z, torch.optim.AdamW(m.parameters(), lr=lr)))
     base = build()
     dpm = DataParallel(base, mesh, bucket_mb=BUCKET_MB)
@@ -309,8 +309,6 @@ def _table(rows: list[dict[str, Any]]) -> str:
             total = b["params"] + b["grads"] + b["master"] + b["optimizer"]
             stage = {"zero1": 1, "zero2": 2, "zero3": 3, "dp": 0}.get(k)
             formula = f"{_formula(stage, w, 4, False):.2f}" if stage is not None else "—"
-            if k == "dp":
-                formula += " (+4 bucket)"
             out.append(
                 f"| {w} | {k} | {med[k][0]:.1f} ({med[k][1]:.0f}–{med[k][2]:.0f}) | {ratio} "
                 f"| {paired} | {cpu[k]:.1f} | {cratio} "
@@ -473,9 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             "buffers/shards incl. padding; Adam m and v per shard piece; the 0-dim step "
             "counters left out); FSDP2 from the local shards of its DTensors (FSDP2 pads "
             "each parameter's dim 0 separately). fp32 formulas: zero1 4 + 4 + 8/N, zero2 "
-            "4 + 12/N, zero3 16/N (no separate masters in fp32); plait DP keeps a second "
-            "gradient copy in its all-reduce buckets.",
-            "- Checks passed: identical step-1 loss of all five on every rank, trajectories "
+            "4 + 12/N, zero3 16/N (no separate masters in fp32); plait DP's gradients are "
+            "views into its all-reduce buckets (16 bytes/param); `zro`'s bytes leave out "
+            "DDP's own bucket copy of the gradients (not a parameter's `.grad`).",
+            "- Checks passed: identical step-1 loss of all six on every rank, trajectories "
             "within 1e-4 relative, plait's bytes within padding of the formulas.",
             "- Memory table: bf16 parameters and gradients, fp32 master weights, AdamW, one "
             "step of 1 x 8 tokens per rank, rank 0; `parallel.zero=0` with bf16 runs plait's "
