@@ -649,7 +649,7 @@ def _body_overlap_1_2(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     _loss(zdp(x[2:4]), y[2:4]).backward()
     backward_events = list(zdp.events)
     opt.step()
-    pending = len(zdp._param_gathers)
+    pending = zdp.gathers_in_flight
     out = zdp(x[:2])  # completes the gathers unit by unit
     forward_events = list(zdp.events)
     with zdp.gathered():

@@ -44,6 +44,7 @@ import torch
 from plait import comm
 from plait.comm import AxisGroup, Handle
 from plait.parallel.data import UnusedParametersError
+from plait.parallel.zero.bucket import GradBucket, plan_buckets
 from plait.parallel.zero.flat import FlatUnit
 
 
@@ -157,46 +158,6 @@ class UnitReduction:
         self._go(ReduceState.IDLE)
         self.shard = None
         self.ready.clear()
-
-
-class GradBucket:
-    """Consecutive units (in backward order) whose gradients are reduce-scattered in one
-    call (stages 1/2 with ``bucket_mb``). The flat ``(F · width,)`` input is laid out as
-    F rows of ``width`` = the units' shard sizes side by side: row r holds chunk r of
-    every unit, so the rank-r output of one reduce-scatter is every unit's r-th shard,
-    unit ``k``'s at columns ``[cols[k], cols[k] + shard_numel)``."""
-
-    def __init__(self, units: list[UnitReduction]) -> None:
-        self.units = units
-        self.cols: list[int] = []
-        width = 0
-        for r in units:
-            self.cols.append(width)
-            width += r.unit.shard_numel
-        self.width = width
-        self.done: set[int] = set()  # unit indices whose gradients are complete
-        self.buffer: torch.Tensor | None = None  # (F * width,) while in flight
-
-    @property
-    def names(self) -> str:
-        return "+".join(r.unit.name for r in self.units)
-
-
-def plan_buckets(units: list[UnitReduction], nbytes: int, element_size: int) -> list[GradBucket]:
-    """Greedy buckets over ``units`` in reverse order (backward order, roughly): a
-    bucket closes once it holds at least ``nbytes`` of gradients (as DataParallel's)."""
-    out: list[GradBucket] = []
-    cur: list[UnitReduction] = []
-    size = 0
-    for r in reversed(units):
-        cur.append(r)
-        size += r.unit.padded * element_size
-        if size >= nbytes:
-            out.append(GradBucket(cur))
-            cur, size = [], 0
-    if cur:
-        out.append(GradBucket(cur))
-    return out
 
 
 class GradientReducer:

@@ -59,14 +59,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from plait import comm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
+from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reduce import GradBucket, GradientReducer
+from plait.parallel.zero.reduce import GradientReducer
 from plait.pieces import LocalPiece
 
 Offload = Literal["none", "optimizer", "params"]
@@ -176,10 +176,11 @@ class ZeroDataParallel(nn.Module):
                 note=self._note_event,
             )
         self._hooks: list[Any] = []
-        # stages 1/2: unit index -> (its bucket, the bucket's all-gather output
-        # (F * width,), handle), launched by sync_params and completed before the unit's
-        # next forward (or any full read); every unit of a bucket maps to the same entry
-        self._param_gathers: dict[int, tuple[GradBucket, torch.Tensor, Any]] = {}
+        # stages 1/2: the all-gathers launched by sync_params, completed before each
+        # unit's next forward (or any full read)
+        self._param_sync = ParamSync(
+            self.shard_group, self.param_dtype, self.device, self._note_event
+        )
         if stage in (1, 2) and self.shard_group.size > 1:
             for u in self.units:
                 for m in u.triggers or [module]:
@@ -224,7 +225,7 @@ class ZeroDataParallel(nn.Module):
 
     def _before_forward(self, u: FlatUnit, module: nn.Module, args: Any) -> None:
         """Stages 1/2: ``u``'s updated parameters must be in place before it computes."""
-        if self._param_gathers:
+        if self._param_sync.in_flight:
             self.wait_params(u)
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
@@ -355,47 +356,20 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 3 or self.shard_group.size == 1:
             return
         self.wait_params()  # a previous step's gathers (a step with no forward between)
-        # forward order: the bucket holding the first unit first
-        for b in sorted(self.reducer.buckets, key=lambda b: min(r.unit.index for r in b.units)):
-            units = sorted((r.unit for r in b.units), key=lambda u: u.index)
-            if len(units) == 1:
-                u = units[0]
-                send = u.full[u.lo : u.hi]  # (shard_numel,)
-            else:  # the units' shards side by side, as the bucket's columns
-                send = torch.empty(b.width, dtype=self.param_dtype, device=self.device)
-                for r, col in zip(b.units, b.cols, strict=True):
-                    u = r.unit
-                    send[col : col + u.shard_numel].copy_(u.full[u.lo : u.hi])
-            out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
-            for u in units:
-                self._param_gathers[u.index] = (b, out, h)
-            self._note_event("gather", b.names if len(units) > 1 else units[0].name)
+        self._param_sync.launch(self.reducer.buckets)
         if wait:
             self.wait_params()
 
-    @torch.no_grad()
     def wait_params(self, unit: FlatUnit | None = None) -> None:
         """Stages 1/2: complete the all-gather of ``unit``'s updated shards (every
         unit's when None; a bucket's units complete together) launched by
-        :meth:`sync_params`; a no-op when none is in flight. Only the other ranks'
-        chunks are copied in: this rank's chunk is the shard the optimizer wrote."""
-        todo = list(self._param_gathers) if unit is None else [unit.index]
-        me = self.shard_group.index
-        for index in todo:
-            hit = self._param_gathers.get(index)
-            if hit is None:
-                continue
-            b, out, h = hit
-            h.wait()
-            f = self.shard_group.size
-            got = out.view(f, b.width)  # (F, width)
-            for r, col in zip(b.units, b.cols, strict=True):
-                u = r.unit
-                self._param_gathers.pop(u.index, None)
-                full, part = u.full.view(f, u.shard_numel), got[:, col : col + u.shard_numel]
-                full[:me].copy_(part[:me])
-                full[me + 1 :].copy_(part[me + 1 :])
-                self._note_event("gathered", u.name)
+        :meth:`sync_params`; a no-op when none is in flight."""
+        self._param_sync.wait(unit)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Stages 1/2: units whose post-step all-gather is launched and not completed."""
+        return self._param_sync.in_flight
 
     def local_pieces(self) -> list[LocalPiece]:
         """This rank's runs of each parameter in its shards, named as in ``module``: a
