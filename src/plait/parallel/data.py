@@ -191,9 +191,15 @@ class DataParallel(nn.Module):
                 self.events = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket, i = self._where[p]  # type: ignore[index]
-        self._adopt(p, bucket, i)
-        if self.group.size > 1:
-            bucket.view(i).div_(self.group.size)  # pre-divide: the sum is the mean
+        view, g = bucket.view(i), p.grad
+        assert g is not None
+        n = self.group.size
+        if g.data_ptr() == view.data_ptr() and g.shape == view.shape:
+            if n > 1:
+                view.div_(n)  # pre-divide in place: the sum is the mean
+        else:  # a fresh gradient: moved into the bucket (divided on the way in)
+            torch.div(g, n, out=view)
+            p.grad = view
         bucket.ready.add(i)
         if self.record_events:
             self.events.append(("grad", bucket.names[i]))
