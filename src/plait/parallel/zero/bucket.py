@@ -72,10 +72,12 @@ class ParamSync:
     """Stages 1/2 after the step: one all-gather per bucket of the updated shards,
     launched by :meth:`launch`, completed per unit by :meth:`wait`.
 
-    The bucket's ``(width,)`` send buffer is its units' shards side by side (the unit's
-    own shard itself when the bucket has one unit); the ``(F * width,)`` output holds row
-    r = rank r's shards, copied into each unit's flat parameters except this rank's own
-    chunk (the shard the optimizer wrote, which must not change while in flight).
+    A bucket of one unit is gathered in place: the unit's shard is the input and its
+    flat ``(padded,)`` parameters the output (no copy in or out). Otherwise the bucket's
+    ``(width,)`` send buffer is its units' shards side by side and the ``(F * width,)``
+    output holds row r = rank r's shards, copied into each unit's flat parameters except
+    this rank's own chunk. Either way the shard the optimizer wrote must not change while
+    a gather is in flight (the optimizer waits first).
     """
 
     def __init__(
@@ -99,15 +101,17 @@ class ParamSync:
     def launch(self, buckets: list[GradBucket]) -> None:
         """Start every bucket's all-gather, in forward order (first unit first)."""
         for b in sorted(buckets, key=lambda b: min(r.unit.index for r in b.units)):
-            if len(b.units) == 1:
+            if len(b.units) == 1:  # in place: the shard is this rank's chunk of full
                 u = b.units[0].unit
-                send = u.full[u.lo : u.hi]  # (shard_numel,)
+                out, h = comm.all_gather(
+                    u.full[u.lo : u.hi], self.shard_group, async_op=True, out=u.full
+                )
             else:  # the units' shards side by side, as the bucket's columns
                 send = torch.empty(b.width, dtype=self.dtype, device=self.device)
                 for r, col in zip(b.units, b.cols, strict=True):
                     u = r.unit
                     send[col : col + u.shard_numel].copy_(u.full[u.lo : u.hi])
-            out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
+                out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
             for r in b.units:
                 self._pending[r.unit.index] = (b, out, h)
             self._note("gather", b.names)
@@ -127,7 +131,9 @@ class ParamSync:
             for r, col in zip(b.units, b.cols, strict=True):
                 u = r.unit
                 self._pending.pop(u.index, None)
-                full, part = u.full.view(f, u.shard_numel), got[:, col : col + u.shard_numel]
-                full[:me].copy_(part[:me])
-                full[me + 1 :].copy_(part[me + 1 :])
+                if out.data_ptr() != u.full.data_ptr():  # not gathered in place
+                    full = u.full.view(f, u.shard_numel)
+                    part = got[:, col : col + u.shard_numel]
+                    full[:me].copy_(part[:me])
+                    full[me + 1 :].copy_(part[me + 1 :])
                 self._note("gathered", u.name)
