@@ -19,8 +19,9 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   ``GradientReducer.MAX_REDUCES_IN_FLIGHT`` + 1 such buffers exist at once. 2 + 14/N.
 
   Stages 1/2, after the step: :meth:`ZeroDataParallel.sync_params` *launches* the
-  all-gathers of the updated shards (one per unit, asynchronous) and returns; each
-  unit's gather is completed just before the unit's next forward (a forward pre-hook),
+  all-gathers of the updated shards (one per unit, or per bucket with ``bucket_mb``:
+  :mod:`plait.parallel.zero.bucket`) and returns; each unit's gather is completed just
+  before the unit's next forward (a forward pre-hook),
   so the gathers overlap the optimizer step's tail and the forward of earlier units.
   Anything that reads the full parameters through the wrapper completes them first
   (:meth:`~ZeroDataParallel.gathered`, :meth:`~ZeroDataParallel.local_pieces`,
@@ -301,8 +302,9 @@ class ZeroDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Stage 3: hold every unit's full parameters inside the block (e.g. to read the
-        weights); other stages hold them always."""
+        """Hold every unit's full parameters inside the block (e.g. to read the weights):
+        stage 3 gathers them; stages 1/2 complete the all-gathers still in flight from
+        the last step; stage 0 holds them always."""
         self.wait_params()
         if self.gatherer is not None:
             self.gatherer.gather_all()
@@ -349,8 +351,8 @@ class ZeroDataParallel(nn.Module):
         """Stages 1/2 after an optimizer step: all-gather the updated shards so every
         rank holds the full parameters again (stage 3 gathers at the next forward).
 
-        The all-gathers (one per unit, in forward order) are launched and left in
-        flight: each unit's is completed by a forward pre-hook just before the unit
+        The all-gathers (one per unit or bucket, in forward order) are launched and left
+        in flight: each unit's is completed by a forward pre-hook just before the unit
         computes, so communication overlaps the forward of the units before it.
         ``wait=True`` (or :meth:`wait_params`) completes them now."""
         if self.stage == 3 or self.shard_group.size == 1:
