@@ -32,6 +32,8 @@ transient buffer), the transient buffer bytes, and the callback queued on the au
 engine that finishes every reduction at the end of backward and refuses parameters that
 got no gradient (unless ``find_unused_parameters``). It talks to the wrapper only
 through the callbacks it is given (release a stage-3 unit, end of backward, events).
+With ``bucket_bytes`` (stages 1/2) a unit whose gradients are complete waits for the rest
+of its :class:`~plait.parallel.zero.bucket.GradBucket`; the bucket goes out in one call.
 """
 
 from __future__ import annotations
