@@ -357,9 +357,7 @@ def test_offload_keeps_masters_and_state_on_the_cpu(pools: Callable[[int], Worke
 # ----------------------------------------------------------------------------- traffic
 
 
-def _body_traffic(
-    ctx: WorkerContext, stage: int, bucket_mb: float | None = None
-) -> dict[str, Any]:
+def _body_traffic(ctx: WorkerContext, stage: int, bucket_mb: float | None = None) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
     wrapped: nn.Module
