@@ -1,6 +1,6 @@
 """plait ZeRO against PyTorch FSDP2 (``fully_shard``) and plait DP: step time and state bytes.
 
-Five implementations train the same built-in transformer in the *same* gloo ranks (a
+Six implementations train the same built-in transformer in the *same* gloo ranks (a
 :class:`plait.testing.WorkerPool`), fp32, AdamW, same per-rank data, one torch thread per
 rank:
 
@@ -8,17 +8,21 @@ rank:
 * ``fsdp2`` — ``torch.distributed.fsdp.fully_shard`` on the token embedding, every block
   and the output head, then on the root (plait's default units), both with
   ``reshard_after_forward=True``; ``torch.optim.AdamW`` over the DTensor shards;
-* ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2;
-* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated).
+* ``zero1``, ``zero2`` — plait ZeRO stages 1 and 2, units fused into buckets of DP's size;
+* ``dp`` — plait ``DataParallel`` (bucketed all-reduce) + ``Optimizer`` (replicated);
+* ``zro`` — PyTorch's ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(AdamW)``
+  (ZeRO-1: each rank steps the parameters it owns, then broadcasts them). Its
+  ``overlap_with_ddp`` refuses gloo ("Gloo backend using Overlapping DDP with ZeRO may
+  meet hangs"), so the plain form runs. Same bucket size as plait DP.
 
-Every copy is built from the same seed on every rank, so all five start from identical
+Every copy is built from the same seed on every rank, so all six start from identical
 weights. Measured steps rotate through the implementations in blocks, in an order that
 reverses every round (A B C D E E D C B A ...), so drift of the machine affects all alike.
 A timed step is ``zero_grad`` + forward + loss + backward (with every collective) +
 optimizer step (including ZeRO-1/2's all-gather of the updated shards), preceded by an
 untimed barrier; a step's time is the slowest rank's, and the table reports the median.
 
-Checks (the run fails if one does not hold): the five step-1 losses agree exactly on every
+Checks (the run fails if one does not hold): the six step-1 losses agree exactly on every
 rank; the loss trajectories stay within 1e-4 relative; plait's per-rank state bytes equal
 the ZeRO formulas for fp32 + Adam (stage 3: 16/N bytes/param; 2: 4 + 12/N; 1: 4 + 4 +
 8/N) up to padding.
@@ -51,7 +55,8 @@ import torch  # noqa: E402
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
 from plait.bench.timing import median_iqr, rotate_blocks, slowest_ms  # noqa: E402
 
-IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp")
+IMPLS = ("zero3", "fsdp2", "zero1", "zero2", "dp", "zro")
+BUCKET_MB = 4.0  # plait DP, plait ZeRO-1/2 (when it buckets) and DDP alike
 
 
 # --------------------------------------------------------------------------- rank side
@@ -94,10 +99,12 @@ def bench_body(
     lr: float,
     seed: int,
 ) -> dict[str, Any]:
-    """Every rank: build the five implementations, warm up, time rotating blocks."""
+    """Every rank: build the six implementations, warm up, time rotating blocks."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from plait import comm
     from plait.config import ModelConfig
@@ -119,11 +126,17 @@ def bench_body(
     impls: dict[str, tuple[torch.nn.Module, Any]] = {}
     for stage in (3, 1, 2):
         m = build()
-        z = ZeroDataParallel(m, mesh, stage)
+        z = ZeroDataParallel(m, mesh, stage, bucket_mb=BUCKET_MB if stage < 3 else None)
         impls[f"zero{stage}"] = (z, Optimizer(z, torch.optim.AdamW(m.parameters(), lr=lr)))
     base = build()
-    dpm = DataParallel(base, mesh, bucket_mb=4.0)
+    dpm = DataParallel(base, mesh, bucket_mb=BUCKET_MB)
     impls["dp"] = (dpm, Optimizer(dpm, torch.optim.AdamW(base.parameters(), lr=lr)))
+    zmodel = build()
+    ddp = DDP(zmodel, process_group=g.pg, bucket_cap_mb=BUCKET_MB)
+    zro = ZeroRedundancyOptimizer(
+        zmodel.parameters(), optimizer_class=torch.optim.AdamW, process_group=g.pg, lr=lr
+    )
+    impls["zro"] = (ddp, zro)
     fmodel = build()
     dmesh = DeviceMesh.from_group(g.pg, "cpu") if g.pg is not None else None
     for module in [fmodel.tok_embeddings, *fmodel.layers, fmodel.output]:
@@ -172,6 +185,8 @@ def bench_body(
         model, opt = impls[name]
         if name == "fsdp2":
             state_bytes[name] = _fsdp2_bytes(model, opt)
+        elif name == "zro":  # the state is in its local optimizer (this rank's partition)
+            state_bytes[name] = _fsdp2_bytes(model, opt.optim)  # type: ignore[attr-defined]
         else:
             state_bytes[name] = memory_report(model, opt, rank).bytes
     rotate_blocks(IMPLS, steps, block, lambda name, n: run(name, n, timed=True))
@@ -286,7 +301,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         med = {k: _median_ms(res, k) for k in IMPLS}
         cpu = {k: _cpu_ms(res, k) for k in IMPLS}
         for k in IMPLS:
-            ref = "fsdp2" if k == "zero3" else ("dp" if k in ("zero1", "zero2") else None)
+            ref = "fsdp2" if k == "zero3" else ("dp" if k in ("zero1", "zero2", "zro") else None)
             ratio = f"{med[k][0] / med[ref][0]:.3f} vs {ref}" if ref else "—"
             paired = f"{_paired_ratio(res, k, ref):.3f}" if ref else "—"
             cratio = f"{cpu[k] / cpu[ref]:.3f}" if ref else "—"
@@ -294,13 +309,33 @@ def _table(rows: list[dict[str, Any]]) -> str:
             total = b["params"] + b["grads"] + b["master"] + b["optimizer"]
             stage = {"zero1": 1, "zero2": 2, "zero3": 3, "dp": 0}.get(k)
             formula = f"{_formula(stage, w, 4, False):.2f}" if stage is not None else "—"
-            if k == "dp":
-                formula += " (+4 bucket)"
             out.append(
                 f"| {w} | {k} | {med[k][0]:.1f} ({med[k][1]:.0f}–{med[k][2]:.0f}) | {ratio} "
                 f"| {paired} | {cpu[k]:.1f} | {cratio} "
                 f"| {b['params']:,} | {b['grads']:,} | {b['optimizer']:,} "
                 f"| {total / r0['numel']:.3f} | {formula} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def _pair_table(rows: list[dict[str, Any]]) -> str:
+    """ZeRO-1/2 against plait DP and against torch's DDP + ZeroRedundancyOptimizer."""
+    out = [
+        "| world | impl | paired vs dp | CPU vs dp | paired vs zro | CPU vs zro |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        w, res = row["world"], row["results"]
+        cpu = {k: _cpu_ms(res, k) for k in IMPLS}
+        for k in ("zero1", "zero2", "zro"):
+            vs_zro = (
+                f"{_paired_ratio(res, k, 'zro'):.3f} | {cpu[k] / cpu['zro']:.3f}"
+                if k != "zro"
+                else "— | —"
+            )
+            out.append(
+                f"| {w} | {k} | {_paired_ratio(res, k, 'dp'):.3f} | {cpu[k] / cpu['dp']:.3f} "
+                f"| {vs_zro} |"
             )
     return "\n".join(out) + "\n"
 
@@ -388,13 +423,20 @@ def main(argv: list[str] | None = None) -> int:
             + f"; zero3/fsdp2 {meds['zero3'] / meds['fsdp2']:.3f} "
             f"(paired {_paired_ratio(results, 'zero3', 'fsdp2'):.3f}, CPU "
             f"{_cpu_ms(results, 'zero3') / _cpu_ms(results, 'fsdp2'):.3f}); "
+            + "; ".join(
+                f"{k}/{ref} paired {_paired_ratio(results, k, ref):.3f} CPU "
+                f"{_cpu_ms(results, k) / _cpu_ms(results, ref):.3f}"
+                for k, ref in (("zero1", "dp"), ("zero2", "dp"), ("zero1", "zro"), ("zro", "dp"))
+            )
+            + "; "
             f"load {loads[world][0]:.1f} -> {loads[world][1]:.1f} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    table, mtable = _table(rows), _memory_table(mem)
+    table, mtable, ptable = _table(rows), _memory_table(mem), _pair_table(rows)
     print()
     print(table)
+    print(ptable)
     print(mtable)
     if args.out is not None:
         cores = os.cpu_count()
@@ -429,9 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             "buffers/shards incl. padding; Adam m and v per shard piece; the 0-dim step "
             "counters left out); FSDP2 from the local shards of its DTensors (FSDP2 pads "
             "each parameter's dim 0 separately). fp32 formulas: zero1 4 + 4 + 8/N, zero2 "
-            "4 + 12/N, zero3 16/N (no separate masters in fp32); plait DP keeps a second "
-            "gradient copy in its all-reduce buckets.",
-            "- Checks passed: identical step-1 loss of all five on every rank, trajectories "
+            "4 + 12/N, zero3 16/N (no separate masters in fp32); plait DP's gradients are "
+            "views into its all-reduce buckets (16 bytes/param); `zro`'s bytes leave out "
+            "DDP's own bucket copy of the gradients (not a parameter's `.grad`).",
+            "- Checks passed: identical step-1 loss of all six on every rank, trajectories "
             "within 1e-4 relative, plait's bytes within padding of the formulas.",
             "- Memory table: bf16 parameters and gradients, fp32 master weights, AdamW, one "
             "step of 1 x 8 tokens per rank, rank 0; `parallel.zero=0` with bf16 runs plait's "
@@ -448,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             "`fully_shard`, ZeRO-1/2 against plait DP (CPU, gloo; written by "
             "`benchmarks/zero_vs_fsdp2.py`).\n\n"
             + table
+            + "\n### ZeRO-1/2 against plait DP and torch DDP + ZeroRedundancyOptimizer "
+            "(paired ratios, CPU-time ratios)\n\n"
+            + ptable
             + "\n### Per-rank state bytes, bf16 parameters + fp32 masters + Adam\n\n"
             + mtable
             + "\n"

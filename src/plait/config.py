@@ -224,7 +224,9 @@ class ParallelConfig:
     the optimizer state on the CPU and steps there; 'params' (zero 3) also keeps the
     parameter shards on the CPU between uses."""
     bucket_mb: float = 25.0
-    """Gradient bucket size in MiB for the overlapped data-parallel all-reduce."""
+    """Gradient bucket size in MiB for the overlapped data-parallel all-reduce; under
+    ZeRO 1/2 consecutive units are fused into reduce-scatter and all-gather buckets of
+    at least this size."""
     find_unused_parameters: bool = False
     """Treat parameters that get no gradient as zero gradients instead of refusing."""
     compression: Compression = "none"

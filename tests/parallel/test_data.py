@@ -20,6 +20,7 @@ from plait import init_mesh
 from plait.mesh import Mesh
 from plait.parallel.data import DataParallel, UnusedParametersError
 from plait.testing import WorkerContext, WorkerPool
+from plait.train.memory import memory_report
 
 M = "tests.parallel.test_data"
 STEPS = 5
@@ -209,6 +210,52 @@ def test_first_bucket_launches_before_backward_finishes(
         assert first_launch < last_grad, events  # communication overlapped backward
         assert kinds.count("launch") > 1
         assert kinds[-2:] == ["backward_end", "synced"]
+
+
+def _grad_storage_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters' ``.grad`` tensors."""
+    storages = {
+        p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+        for p in model.parameters()
+        if p.grad is not None
+    }
+    return sum(storages.values())
+
+
+def _body_grad_bytes(ctx: WorkerContext) -> dict[str, object]:
+    mesh = ctx.mesh(dp=ctx.world_size)
+    torch.manual_seed(0)
+    model = _builtin()
+    dp = DataParallel(model, mesh, bucket_mb=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    out: dict[str, object] = {"param_bytes": sum(p.nbytes for p in model.parameters())}
+    for step, zero in enumerate([True, False, True]):  # fresh grads, then in-place zeroing
+        with dp.no_sync():  # accumulation: the views, or fresh tensors moved in later
+            dp(x).float().pow(2).mean().backward()
+        dp(x).float().pow(2).mean().backward()
+        buckets = {b.buffer.untyped_storage().data_ptr() for b in dp.buckets}
+        out[f"grad_bytes_{step}"] = _grad_storage_bytes(model)
+        out[f"views_{step}"] = all(
+            p.grad is not None and p.grad.untyped_storage().data_ptr() in buckets
+            for p in model.parameters()
+        )
+        out[f"report_{step}"] = memory_report(dp).bytes["grads"]
+        opt.step()
+        dp.zero_grad(set_to_none=zero)
+    return out
+
+
+def test_gradients_are_views_into_the_buckets(pools: Callable[[int], WorkerPool]) -> None:
+    """One copy of the gradients per rank: every ``.grad`` is a view into its bucket and
+    the distinct storages behind them hold exactly the parameters' bytes (measured from
+    the tensors), after accumulation, after ``zero_grad(set_to_none=True)`` (fresh
+    gradients moved into the buckets) and after zeroing in place."""
+    for r in pools(2).run(f"{M}:_body_grad_bytes"):
+        for step in range(3):
+            assert r[f"views_{step}"]
+            assert r[f"grad_bytes_{step}"] == r["param_bytes"]
+            assert r[f"report_{step}"] == r["param_bytes"]  # memory_report counts the same
 
 
 def _body_unused(ctx: WorkerContext, find: bool) -> str:

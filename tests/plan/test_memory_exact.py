@@ -9,6 +9,7 @@ no storage to tell views apart), for plait's block in fp32 without dropout.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,7 +83,9 @@ def test_plait_model_state_is_exact(name: str) -> None:
     assert (mem.params, mem.grads, mem.master) == (weights, grads, 0)
     assert mem.optimizer == optim
     assert spec.tensor_count() == len(list(model.parameters()))
-    assert mem.buffers == grads  # plait's DataParallel keeps a flat copy of every gradient
+    assert mem.buffers == 0  # plait's DataParallel: .grad are views into its buckets
+    copying = memory_per_rank(spec, Layout(), FP32, replace(PLAIT, grad_buckets="copy"), 16)
+    assert copying.buffers == grads  # a runtime whose buckets copy every gradient
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -97,26 +97,37 @@ def all_reduce(
 
 
 def all_gather(
-    t: torch.Tensor, g: AxisGroup, async_op: bool = False
+    t: torch.Tensor, g: AxisGroup, async_op: bool = False, out: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, Handle]:
     """Concatenate every rank's ``t`` along dim 0, in axis order (AllGather).
 
+    ``out`` (optional): a contiguous ``(size · len(t), ...)`` tensor to gather into; ``t``
+    may be this rank's own chunk of it (an in-place gather: no copy in or out).
     Returns the output, or ``(output, handle)`` when ``async_op``.
     """
     t = t.contiguous()
-    out = torch.empty((g.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    shape = (g.size * t.shape[0], *t.shape[1:])
+    if out is not None and (
+        tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != t.dtype
+    ):
+        raise ValueError(
+            f"all_gather on axis '{g.name}': out must be a contiguous {t.dtype} tensor of "
+            f"shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
+    res = out if out is not None else torch.empty(shape, dtype=t.dtype, device=t.device)
     if g.pg is None:
-        out.copy_(t)
-        h = _run(g, "all_gather", tensor_bytes(out), lambda a: None, async_op)
+        if res.data_ptr() != t.data_ptr():
+            res.copy_(t)
+        h = _run(g, "all_gather", tensor_bytes(res), lambda a: None, async_op)
     else:
         h = _run(
             g,
             "all_gather",
-            tensor_bytes(out),
-            lambda a: _all_gather_single(out, t, group=g.pg, async_op=a),
+            tensor_bytes(res),
+            lambda a: _all_gather_single(res, t, group=g.pg, async_op=a),
             async_op,
         )
-    return (out, h) if h is not None else out
+    return (res, h) if h is not None else res
 
 
 def reduce_scatter(

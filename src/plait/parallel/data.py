@@ -1,14 +1,17 @@
 """Data parallelism for any ``nn.Module``: bucketed, overlapped gradient all-reduce.
 
 Every rank holds the same weights (broadcast from data-parallel rank 0 at wrap time)
-and sees different micro-batches. Gradients are packed into buckets of about
-``bucket_mb`` MiB in *reverse registration order* (roughly the order backward produces
-them). A post-accumulate-grad hook copies each gradient into its bucket the moment it
-is final (divided by the group size on the way in); when a bucket's last gradient
-arrives, its all-reduce (a sum of the pre-divided gradients: the mean over ranks) is
-launched asynchronously, so communication
-overlaps the rest of backward. At the end of backward a callback launches whatever is
-left, waits for every bucket and copies the averaged gradients back into ``.grad``.
+and sees different micro-batches. Gradients live in flat buckets of about ``bucket_mb``
+MiB in *reverse registration order* (roughly the order backward produces them): every
+``.grad`` is a view into its bucket (PyTorch DDP's ``gradient_as_bucket_view``), so a
+rank holds one copy of the gradients, as many bytes as the parameters. Autograd
+accumulates into the views; when it has made a fresh gradient instead (after
+``zero_grad(set_to_none=True)``), the post-accumulate-grad hook moves it into the bucket
+and points ``.grad`` back at the view. The hook divides each final gradient by the group
+size in place; when a bucket's last gradient is in, the bucket's all-reduce (a sum of
+the pre-divided gradients: the mean over ranks) is launched asynchronously, so
+communication overlaps the rest of backward. At the end of backward a callback launches
+whatever is left and waits for every bucket: the averaged gradients are then in place.
 
 Inside :meth:`DataParallel.no_sync` the hooks do nothing: gradients accumulate locally
 and the next backward outside the context reduces the accumulated sum, so k micro-steps
@@ -49,7 +52,7 @@ class _Bucket:
     params: list[nn.Parameter]
     names: list[str]
     offsets: list[int]
-    buffer: torch.Tensor  # (numel,) flat gradients of every parameter in the bucket
+    buffer: torch.Tensor  # (numel,) flat gradients of every parameter; .grad are views
     ready: set[int] = field(default_factory=set)  # positions whose gradient has arrived
     pending: Finish | None = None  # completes the launched reduction
 
@@ -167,6 +170,9 @@ class DataParallel(nn.Module):
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
         self._broadcast_state()
+        for b in self.buckets:  # .grad is a view into its bucket from the start
+            for i, p in enumerate(b.params):
+                p.grad = b.view(i)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
 
     # ------------------------------------------------------------------ set-up
@@ -185,13 +191,33 @@ class DataParallel(nn.Module):
                 self.events = []
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bucket, i = self._where[p]  # type: ignore[index]
-        assert p.grad is not None
-        torch.div(p.grad, self.group.size, out=bucket.view(i))  # pre-divide: the mean
+        view, g = bucket.view(i), p.grad
+        assert g is not None
+        n = self.group.size
+        if g.data_ptr() == view.data_ptr() and g.shape == view.shape:
+            if n > 1:
+                view.div_(n)  # pre-divide in place: the sum is the mean
+        else:  # a fresh gradient: moved into the bucket (divided on the way in)
+            torch.div(g, n, out=view)
+            p.grad = view
         bucket.ready.add(i)
         if self.record_events:
             self.events.append(("grad", bucket.names[i]))
         if len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
+
+    @staticmethod
+    def _adopt(p: torch.Tensor, bucket: _Bucket, i: int) -> None:
+        """Make ``p.grad`` the bucket's view again, moving a fresh gradient into it."""
+        view = bucket.view(i)
+        g = p.grad
+        if g is None:  # no gradient this pass (find_unused_parameters)
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
+            view.copy_(g)
+        else:
+            return
+        p.grad = view
 
     def _launch(self, bucket: _Bucket) -> None:
         c = self.compressor
@@ -228,18 +254,14 @@ class DataParallel(nn.Module):
             )
         for b in self.buckets:
             if b.pending is None:
-                for i in range(len(b.params)):
-                    if i not in b.ready:
-                        b.view(i).zero_()
+                for i, p in enumerate(b.params):
+                    if i not in b.ready:  # unused: its gradient counts as zero
+                        p.grad = None
+                        self._adopt(p, b, i)
                 self._launch(b)
         for b in self.buckets:
             assert b.pending is not None
-            b.pending()
-            for i, p in enumerate(b.params):
-                if p.grad is None:
-                    p.grad = b.view(i).clone()
-                else:
-                    p.grad.copy_(b.view(i))
+            b.pending()  # the averaged gradients are in the bucket, i.e. in .grad
             b.ready.clear()
             b.pending = None
         if self.compressor is not None:
@@ -284,6 +306,16 @@ class DataParallel(nn.Module):
             write = writer[n] == me
             out.append(LocalPiece(n, shape, None, 0, p.numel(), flat, p, p.dtype, write))
         return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (``set_to_none``: the next backward moves its fresh
+        gradients into the buckets), or zero the buckets in place, ``.grad`` staying a
+        view into them."""
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                p.grad = None if set_to_none else b.view(i)
+            if not set_to_none:
+                b.buffer.zero_()
 
     def bucket_summary(self) -> list[tuple[int, int, int]]:
         """``(bucket index, parameter count, bytes)`` for each bucket."""

@@ -429,6 +429,7 @@ def parallelize(
             offload=p.offload,
             find_unused_parameters=p.find_unused_parameters,
             axis=_data_axes(mesh),
+            bucket_mb=p.bucket_mb if p.zero in (1, 2) else None,  # fused like DP's buckets
         )
     pipeline = None
     if pp > 1:

@@ -249,9 +249,11 @@ class Runtime:
     fused_norm: bool = False
     """The norm kernel saves only its input and statistics; plait's RMSNorm is written
     in plain PyTorch and also saves its normalised output."""
-    grad_buckets: Literal["copy", "view"] = "copy"
-    """Data-parallel gradient buckets: persistent flat copies of every gradient
-    (plait's DataParallel) or views into one contiguous gradient buffer (Megatron)."""
+    grad_buckets: Literal["copy", "view"] = "view"
+    """Data-parallel gradient buckets: the gradients are views into the communication
+    buckets (plait's DataParallel, Megatron's contiguous buffer, DDP's
+    ``gradient_as_bucket_view``) or the buckets hold a persistent flat copy of every
+    gradient (DDP's default; plait's DataParallel before issue 18)."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (the unit of one overlapped all-reduce)."""
     prefetch_units: int = 1

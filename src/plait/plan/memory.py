@@ -23,12 +23,13 @@ micro-batches a stage holds at its peak: GPipe m; 1F1B ``min(m, p - j)`` on stag
 micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
 ``p + (p-1)/v``, i.e. Korthikanti et al.'s factor ``1 + (p-1)/(p·v)``), at most m.
 
-**Buffers**: plait's data-parallel gradient buckets (a persistent flat copy of every
-gradient), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's gathered units (the computing
-unit plus the prefetched ones, with their unsharded gradients), pipeline send/receive
-buffers. Under pp, ZeRO-2/3 hold the unsharded gradients of a step's micro-batches and
-(stage 3) the gathered pieces instead, per ``pp_grad_reduce`` and
-``pp_reshard`` (:func:`pipeline_zero_buffer_bytes`).
+**Buffers**: data-parallel gradient buckets when they copy the gradients (a runtime
+with ``grad_buckets="copy"``; plait's gradients are views into its buckets, which then
+cost nothing beyond the gradients), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's
+gathered units (the computing unit plus the prefetched ones, with their unsharded
+gradients), pipeline send/receive buffers. Under pp, ZeRO-2/3 hold the unsharded
+gradients of a step's micro-batches and (stage 3) the gathered pieces instead, per
+``pp_grad_reduce`` and ``pp_reshard`` (:func:`pipeline_zero_buffer_bytes`).
 """
 
 from __future__ import annotations
@@ -179,9 +180,11 @@ def state_bytes(
 
 
 def copies_gradients(layout: Layout, precision: Precision, runtime: Runtime) -> bool:
-    """Whether plain data parallelism keeps bucket copies of the gradients: plait's
-    DataParallel does (fp32 weights); with 16-bit weights plait wraps ZeRO stage 0,
-    whose gradients are views into flat buffers that are reduced in place."""
+    """Whether plain data parallelism keeps bucket copies of the gradients: only a
+    runtime with ``grad_buckets="copy"`` (fp32 weights; with 16-bit weights plait wraps
+    ZeRO stage 0, whose gradients are views into flat buffers). plait's DataParallel
+    keeps ``.grad`` as views into its buckets: per-rank gradient bytes equal the
+    parameter bytes."""
     return layout.zero == 0 and runtime.grad_buckets == "copy" and precision.master_bytes == 0
 
 
@@ -198,7 +201,7 @@ def buffer_bytes(
     bucket = runtime.bucket_mb * 2**20
     out = 0.0
     if copies_gradients(layout, precision, runtime):
-        out += grad_bytes  # plait's DataParallel: flat copies of every gradient
+        out += grad_bytes  # a runtime whose buckets copy every gradient
     elif layout.zero >= 2 and layout.pp > 1:
         pass  # the pipeline drives ZeRO-2/3: pipeline_zero_buffer_bytes
     elif layout.zero in (1, 2):

@@ -120,8 +120,8 @@ def memory_report(model: nn.Module, optimizer: object | None = None, rank: int =
 
     ``model`` may be a :class:`~plait.parallel.parallelize.ParallelModel` (its wrapper is
     counted), a :class:`~plait.parallel.zero.ZeroDataParallel`, a
-    :class:`~plait.parallel.data.DataParallel` (whose bucket buffers count as gradients:
-    they hold a second copy during the all-reduce) or any module; ``optimizer`` a
+    :class:`~plait.parallel.data.DataParallel` (its bucket buffers count as gradients:
+    ``.grad`` are views into them, so each storage is counted once) or any module; ``optimizer`` a
     :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
     """
     from plait.parallel.parallelize import ParallelModel

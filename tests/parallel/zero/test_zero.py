@@ -143,11 +143,19 @@ def _train(
     offload: str = "none",
     opt_kind: str = "adamw",
     recompute: str = "none",
+    bucket_mb: float | None = None,
 ) -> dict[str, Any]:
     model = _make(name)
     if recompute != "none":
         apply_recompute(model, recompute)  # type: ignore[arg-type]
-    zdp = ZeroDataParallel(model, mesh, stage, zero_shard_size=zero_shard_size, offload=offload)  # type: ignore[arg-type]
+    zdp = ZeroDataParallel(
+        model,
+        mesh,
+        stage,
+        zero_shard_size=zero_shard_size,
+        offload=offload,  # type: ignore[arg-type]
+        bucket_mb=bucket_mb,
+    )
     opt = Optimizer(zdp, _optimizer(model, opt_kind), max_norm=clip)
     n, r = mesh.size("dp"), mesh.index("dp")
     per_rank = GLOBAL_BATCH // n
@@ -218,6 +226,11 @@ PARITY = [
     (4, "encoder", 3, {"opt_kind": "sgd", "clip": CLIP}),
     (2, "builtin", 3, {"recompute": "full"}),
     (2, "builtin", 3, {"recompute": "selective", "clip": CLIP}),
+    # stages 1/2 with units fused into reduce-scatter / all-gather buckets
+    *[(w, "builtin", s, {"bucket_mb": 0.05}) for w in (2, 4) for s in (1, 2)],
+    (2, "builtin", 2, {"bucket_mb": 1.0, "clip": CLIP}),  # one bucket: every unit
+    (2, "encoder", 1, {"bucket_mb": 0.05, "accum": 2, "clip": CLIP}),
+    (4, "builtin", 2, {"bucket_mb": 0.05, "zero_shard_size": 2, "accum": 2}),
 ]
 
 
@@ -344,16 +357,18 @@ def test_offload_keeps_masters_and_state_on_the_cpu(pools: Callable[[int], Worke
 # ----------------------------------------------------------------------------- traffic
 
 
-def _body_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+def _body_traffic(ctx: WorkerContext, stage: int, bucket_mb: float | None = None) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
     wrapped: nn.Module
+    buckets = 0
     if stage == 0:
         wrapped = DataParallel(model, mesh, bucket_mb=0.01)
         opt = Optimizer(wrapped, _optimizer(model, "adamw"))
     else:
-        wrapped = ZeroDataParallel(model, mesh, stage)
+        wrapped = ZeroDataParallel(model, mesh, stage, bucket_mb=bucket_mb)
         opt = Optimizer(wrapped, _optimizer(model, "adamw"))
+        buckets = len(wrapped.reducer.buckets)
     x, y = _batches()[0]
     per = GLOBAL_BATCH // ctx.world_size
     mesh.stats.reset()
@@ -365,6 +380,7 @@ def _body_traffic(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     s = mesh.stats
     return {
         "units": units,
+        "buckets": buckets,
         "numel": sum(p.numel() for p in model.parameters()),
         **{
             op: (s.get("dp", op).bytes, s.get("dp", op).calls)
@@ -400,6 +416,17 @@ def test_traffic_matches_formulas(pools: Callable[[int], WorkerPool], world: int
             if stage < 3:
                 assert ag == pytest.approx(f * padded_bytes, rel=1e-12)
                 assert (rs + ag) / dp["all_reduce"][0] == pytest.approx(1.0, rel=0.01)
+                assert r["reduce_scatter"][1] == r["all_gather"][1] == len(padded)
+    for stage in (1, 2):  # fused into buckets: the same bytes in fewer, larger calls
+        for r, ref in zip(
+            pools(world).run(f"{M}:_body_traffic", stage, 0.05),
+            pools(world).run(f"{M}:_body_traffic", stage),
+            strict=True,
+        ):
+            assert 1 < r["buckets"] < len(r["units"])
+            for op in ("reduce_scatter", "all_gather"):
+                assert r[op][0] == pytest.approx(ref[op][0], rel=1e-12)
+                assert r[op][1] == r["buckets"]
             else:
                 assert ag == pytest.approx(2 * f * padded_bytes, rel=1e-12)
                 ratio = (rs + ag) / dp["all_reduce"][0]
@@ -598,6 +625,76 @@ def test_gradients_are_reduce_scattered_during_backward(
         window = GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
         assert r["peak_grad_bytes"] <= sum(sizes[:window]) < sum(sizes)
         assert r["grad_bytes_after"] == 0
+
+
+def _body_overlap_1_2(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+    """Two optimizer steps of ZeRO-1/2 (the first accumulating over a ``no_sync``
+    micro-step); the events of the last backward, then of the next forward with each
+    unit's forward marked ("computed", unit name)."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    model = _builtin(layers=4)
+    zdp = ZeroDataParallel(model, mesh, stage, record_events=True)
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
+    for u in zdp.units:
+        if u.module is not None:
+            u.module.register_forward_hook(
+                lambda m, a, o, name=u.name: zdp.events.append(("computed", name))
+            )
+    x, y = _batches()[0]
+    with zdp.no_sync():
+        _loss(zdp(x[:2]), y[:2]).backward()
+    no_sync_events = list(zdp.events)
+    _loss(zdp(x[2:4]), y[2:4]).backward()
+    backward_events = list(zdp.events)
+    opt.step()
+    pending = zdp.gathers_in_flight
+    out = zdp(x[:2])  # completes the gathers unit by unit
+    forward_events = list(zdp.events)
+    with zdp.gathered():
+        weights = [p.detach().clone() for p in model.parameters()]
+    return {
+        "no_sync": no_sync_events,
+        "backward": backward_events,
+        "forward": forward_events,
+        "pending": pending,
+        "units": [u.name for u in zdp.units],
+        "weights": weights,
+        "finite": bool(torch.isfinite(out).all()),
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_1_2_reduce_scatter_starts_before_backward_ends(
+    pools: Callable[[int], WorkerPool], stage: int
+) -> None:
+    """ZeRO-1 and ZeRO-2 launch a unit's reduce-scatter from the backward hook as soon as
+    its gradients are complete: the output head's (the first unit backward finishes) is
+    launched before the first block has any gradient, i.e. before backward ends. Stage
+    1 then waits for none of them inside backward (every "scattered" event, the wait,
+    follows the last gradient) and inside ``no_sync`` reduces nothing. After the step
+    every unit's all-gather is still in flight and each completes just before its own
+    unit's forward: the last block's after the first block has computed."""
+    results = pools(2).run(f"{M}:_body_overlap_1_2", stage)
+    for r in results:
+        reduced = [e for e in r["no_sync"] if e[0] in ("reduce", "scattered")]
+        assert bool(reduced) == (stage == 2)  # stage 2 reduces every micro-step
+        ev = r["backward"]
+        kinds = [k for k, _ in ev]
+        last_grad = len(kinds) - 1 - kinds[::-1].index("grad")
+        first_reduce = kinds.index("reduce")
+        assert first_reduce < last_grad, ev
+        assert ev.index(("reduce", "output")) < ev.index(("grad", "layers.0")), ev
+        assert kinds.count("reduce") == len(r["units"]) and ev[-1] == ("synced", "")
+        if stage == 1:
+            assert all(i > last_grad for i, k in enumerate(kinds) if k == "scattered"), ev
+        assert r["pending"] == len(r["units"])
+        fwd = r["forward"]
+        assert sorted(n for k, n in fwd if k == "gathered") == sorted(r["units"])
+        assert fwd.index(("computed", "layers.0")) < fwd.index(("gathered", "layers.3")), fwd
+        assert fwd.index(("gathered", "layers.3")) < fwd.index(("computed", "layers.3")), fwd
+        assert r["finite"]
+    for a, b in zip(results[0]["weights"], results[1]["weights"], strict=True):
+        assert torch.equal(a, b)  # every rank holds the same full parameters again
 
 
 # ----------------------------------------------------------------------------- memory

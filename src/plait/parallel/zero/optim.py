@@ -148,7 +148,9 @@ class ShardedMasters:
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor]) -> None:
         """The inner step on the masters, the copy back into the model dtype and the
-        all-gather of the updated shards (stages 1/2)."""
+        launch of the all-gathers of the updated shards (stages 1/2; each completes
+        before its unit's next forward)."""
+        self.zero.wait_params()  # the shards must not change under a gather in flight
         for slot, g in zip(self.slots, grads, strict=True):
             for seg, start, end in slot.segments:
                 seg.grad = g[start:end]

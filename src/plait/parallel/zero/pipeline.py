@@ -150,9 +150,12 @@ class PipelineZero:
 
     def before(self, a: Action) -> None:
         """Before compute action ``a``: stage 3 gathers the piece's units (all launched,
-        then waited for)."""
+        then waited for); stage 2 completes the units' post-step all-gathers that
+        :meth:`ZeroDataParallel.sync_params` left in flight."""
         g = self.zero.gatherer
-        if g is None:
+        if g is None:  # stage 2: the piece's post-step all-gathers must be complete
+            for u in self.units_of.get(a.stage, []):
+                self.zero.wait_params(u)
             return
         units = self.units_of.get(a.stage, [])
         if not self.reshard and not self._started:

@@ -20,8 +20,10 @@ reduce-scattered asynchronously over the shard group (ReduceScatter, Rajbhandari
 2020), the average landing in this rank's ``(shard_numel,)`` piece; with hybrid sharding
 the piece is then all-reduced over the replicate group (AllReduce). Stages 0/1 keep full
 gradient buffers (``.grad`` is a view into them) and communicate only in the
-synchronising backward (``no_sync`` accumulates locally); stages 2/3 copy the gradients
-into a transient buffer, reduce on every backward and keep only the shard.
+synchronising backward (``no_sync`` accumulates locally), launching each unit's
+reduce-scatter from the hook and waiting for them only at the end of backward; stages
+2/3 copy the gradients into a transient buffer, reduce on every backward and keep only
+the shard.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`: the hooks' entry point, the cap on
@@ -30,6 +32,8 @@ transient buffer), the transient buffer bytes, and the callback queued on the au
 engine that finishes every reduction at the end of backward and refuses parameters that
 got no gradient (unless ``find_unused_parameters``). It talks to the wrapper only
 through the callbacks it is given (release a stage-3 unit, end of backward, events).
+With ``bucket_bytes`` (stages 1/2) a unit whose gradients are complete waits for the rest
+of its :class:`~plait.parallel.zero.bucket.GradBucket`; the bucket goes out in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 from plait import comm
 from plait.comm import AxisGroup, Handle
 from plait.parallel.data import UnusedParametersError
+from plait.parallel.zero.bucket import GradBucket, plan_buckets
 from plait.parallel.zero.flat import FlatUnit
 
 
@@ -109,6 +114,12 @@ class UnitReduction:
         out, h = comm.reduce_scatter(buffer, shard_group, op="avg", async_op=True)
         self.shard, self._scatter, self._buffer = out, h, buffer
 
+    def joined(self, shard: torch.Tensor, handle: Handle, buffer: torch.Tensor) -> None:
+        """The unit's gradient goes out in a bucket's reduce-scatter (``handle``); its
+        averaged ``(shard_numel,)`` piece will be ``shard``, a view into the output."""
+        self._go(ReduceState.SCATTERING)
+        self.shard, self._scatter, self._buffer = shard, handle, buffer
+
     def finish_scatter(self, replicate_group: AxisGroup) -> None:
         """Wait for the reduce-scatter; start the all-reduce across replicas (hybrid)."""
         assert self._scatter is not None
@@ -165,11 +176,14 @@ class GradientReducer:
             its gathered parameters then).
         on_finish: called at the end of every synchronising backward.
         note: records an event ``(kind, unit name)`` (tests read the order).
+        bucket_bytes: stages 1/2: reduce-scatter consecutive units together in buckets of
+            at least this many bytes (None: one reduce-scatter per unit).
     """
 
     MAX_REDUCES_IN_FLIGHT = 2
-    """Reduce-scatters allowed in flight before the oldest is completed (stages 2/3 free
-    its full gradient buffer then)."""
+    """Stages 2/3: reduce-scatters allowed in flight before the oldest is completed (its
+    transient full gradient buffer is freed then). Stages 0/1 reduce from the persistent
+    gradient buffers and wait for nothing before the end of backward."""
 
     def __init__(
         self,
@@ -183,8 +197,17 @@ class GradientReducer:
         release: Callable[[FlatUnit], None],
         on_finish: Callable[[], None],
         note: Callable[[str, str], None],
+        bucket_bytes: int | None = None,
     ) -> None:
         self.units = [UnitReduction(u) for u in units]
+        fuse = bucket_bytes is not None and stage in (1, 2) and shard_group.size > 1
+        size = torch.empty((), dtype=reduce_dtype).element_size()
+        self.buckets = (
+            plan_buckets(self.units, bucket_bytes, size)  # type: ignore[arg-type]
+            if fuse
+            else [GradBucket([r]) for r in reversed(self.units)]
+        )
+        self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
         self.stage = stage
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reduce_dtype, self.device = reduce_dtype, device
@@ -228,13 +251,16 @@ class GradientReducer:
         if r.mark_ready(i):
             self._note("grad", u.name)  # the unit's first gradient arrived
         if r.complete:
-            self._launch(r)
+            self._complete(r)
 
     # ------------------------------------------------------------------ pieces
 
     def _alloc_buffer(self, u: FlatUnit) -> None:
-        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients."""
-        u.grad_full = torch.zeros(u.padded, dtype=self.reduce_dtype, device=self.device)
+        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients (every
+        parameter's run is written by its hook or zeroed at the end of backward; only
+        the padding is zeroed here)."""
+        u.grad_full = torch.empty(u.padded, dtype=self.reduce_dtype, device=self.device)
+        u.grad_full[u.numel :].zero_()
         self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
         self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
 
@@ -242,6 +268,42 @@ class GradientReducer:
         if self.stage >= 2 and u.grad_full is not None:
             self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
             u.grad_full = None
+
+    def _complete(self, r: UnitReduction) -> None:
+        """``r``'s gradients are final: reduce-scatter its bucket once every unit of the
+        bucket is (a bucket of one unit goes at once)."""
+        b = self._bucket_of[r.unit.index]
+        if len(b.units) == 1:
+            self._launch(r)
+            return
+        b.done.add(r.unit.index)
+        if len(b.done) == len(b.units):
+            self._launch_bucket(b)
+
+    def _launch_bucket(self, b: GradBucket) -> None:
+        """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`)."""
+        f = self.shard_group.size
+        buf = torch.empty(f * b.width, dtype=self.reduce_dtype, device=self.device)
+        grid = buf.view(f, b.width)  # (F, width): row r = chunk r of every unit
+        for r, col in zip(b.units, b.cols, strict=True):
+            u = r.unit
+            assert u.grad_full is not None
+            grid[:, col : col + u.shard_numel].copy_(u.grad_full.view(f, u.shard_numel))
+            self._drop_buffer(u)  # stage 2: copied into the bucket, freed now
+        b.buffer = buf
+        self.grad_buffer_bytes += buf.numel() * buf.element_size()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
+        for r, col in zip(b.units, b.cols, strict=True):
+            r.joined(out[col : col + r.unit.shard_numel], h, buf)
+            self._launched.append(r)
+            self._note("reduce", r.unit.name)
+        b.done.clear()
+        if self.stage <= 1:
+            return
+        in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
+        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
+            self._finish_scatter(v)
 
     def _launch(self, r: UnitReduction) -> None:
         """Reduce-scatter ``r``'s unit; at most ``MAX_REDUCES_IN_FLIGHT`` stay in flight
@@ -254,13 +316,20 @@ class GradientReducer:
         self._note("reduce", u.name)
         if self.stage == 3:
             self._release(u)
+        if self.stage <= 1:  # persistent buffers: nothing to free early, nothing to wait
+            return
         in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
         for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
             self._finish_scatter(v)
 
     def _finish_scatter(self, r: UnitReduction) -> None:
         r.finish_scatter(self.replicate_group)
+        self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
+        b = self._bucket_of[r.unit.index]
+        if b.buffer is not None:  # the bucket's input is no longer needed
+            self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+            b.buffer = None
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: reduce what is left, wait, keep the shards."""
@@ -280,7 +349,13 @@ class GradientReducer:
                 )
             if u.grad_full is None:
                 self._alloc_buffer(u)
-            self._launch(r)
+            full = u.grad_full
+            assert full is not None
+            if self.stage >= 2:  # a fresh buffer: the missing gradients count as zeros
+                for i in range(len(u.params)):
+                    if i not in r.ready:
+                        u.view(i, full).zero_()
+            self._complete(r)
         for r in self._launched:
             if r.state is ReduceState.SCATTERING:
                 self._finish_scatter(r)
@@ -303,6 +378,11 @@ class GradientReducer:
         for r in self.units:
             r.reset()
             self._drop_buffer(r.unit)
+        for b in self.buckets:
+            b.done.clear()
+            if b.buffer is not None:
+                self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+                b.buffer = None
         self._on_finish()
 
     def reduced(self, u: FlatUnit) -> torch.Tensor | None:
@@ -318,3 +398,5 @@ class GradientReducer:
         """``zero_grad``: every unit back to IDLE."""
         for r in self.units:
             r.reset()
+        for b in self.buckets:
+            b.done.clear()

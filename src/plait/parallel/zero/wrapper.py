@@ -9,13 +9,25 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
   ``parallelize`` for 16-bit parameters, whose fp32 masters the optimizer wrapper holds).
 * **stage 1** — full parameters and full gradients on every rank (gradients accumulate
   locally under ``no_sync``); in the synchronising backward each unit's gradient is
-  reduce-scattered once it is complete, each rank updates only its shard (optimizer
-  state and fp32 masters for 1/N of the parameters) and the updated shards are
-  all-gathered. Bytes/param with bf16 + Adam: 2 + 2 + 12/N.
+  reduce-scattered from a backward hook the moment it is complete (overlapping the rest
+  of backward; nothing waits for it until the end of backward), each rank updates only
+  its shard (optimizer state and fp32 masters for 1/N of the parameters) and the updated
+  shards are all-gathered. Bytes/param with bf16 + Adam: 2 + 2 + 12/N.
 * **stage 2** — as 1, but only the gradient shard is kept: a unit's gradients are copied
   into a transient buffer and reduce-scattered (asynchronously) the moment backward has
   produced all of them, on every micro-step; at most
   ``GradientReducer.MAX_REDUCES_IN_FLIGHT`` + 1 such buffers exist at once. 2 + 14/N.
+
+  Stages 1/2, after the step: :meth:`ZeroDataParallel.sync_params` *launches* the
+  all-gathers of the updated shards (one per unit, or per bucket with ``bucket_mb``:
+  :mod:`plait.parallel.zero.bucket`) and returns; each unit's gather is completed just
+  before the unit's next forward (a forward pre-hook),
+  so the gathers overlap the optimizer step's tail and the forward of earlier units.
+  Anything that reads the full parameters through the wrapper completes them first
+  (:meth:`~ZeroDataParallel.gathered`, :meth:`~ZeroDataParallel.local_pieces`,
+  ``state_dict``, the next optimizer step); code that reads ``module``'s parameters
+  directly between a step and the next forward calls
+  :meth:`~ZeroDataParallel.wait_params` (or uses ``gathered()``).
 * **stage 3** — parameters are sharded too: a unit is all-gathered just before its
   forward (the next unit's gather is started meanwhile: prefetch), freed after it
   (``reshard_after_forward``), gathered again before its backward (triggered by a hook
@@ -48,11 +60,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from plait import comm
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
+from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
 from plait.parallel.zero.reduce import GradientReducer
@@ -80,6 +92,9 @@ class ZeroDataParallel(nn.Module):
         record_events: keep :attr:`events` (gathers, frees, reductions) of the last step.
         axis: the mesh axis to shard over, or a combination of axes whose ranks hold
             the same parameters (``("dp", "cp")`` under context parallelism).
+        bucket_mb: stages 1/2: reduce-scatter the gradients, and all-gather the updated
+            parameters, of consecutive units together in buckets of at least this many
+            MiB (as DataParallel's ``bucket_mb``); None: one collective per unit.
     """
 
     def __init__(
@@ -98,8 +113,11 @@ class ZeroDataParallel(nn.Module):
         find_unused_parameters: bool = False,
         record_events: bool = False,
         axis: str | tuple[str, ...] = "dp",
+        bucket_mb: float | None = None,
     ) -> None:
         super().__init__()
+        if bucket_mb is not None and bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb must be positive (or None), got {bucket_mb}")
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         if stage not in (0, 1, 2, 3):
             raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
@@ -144,6 +162,7 @@ class ZeroDataParallel(nn.Module):
             release=self._release,
             on_finish=self._after_backward,
             note=self._note_event,
+            bucket_bytes=int(bucket_mb * 2**20) if bucket_mb is not None else None,
         )
         self.gatherer: ParameterGatherer | None = None  # stage 3 only
         if stage == 3:
@@ -158,6 +177,19 @@ class ZeroDataParallel(nn.Module):
                 note=self._note_event,
             )
         self._hooks: list[Any] = []
+        # stages 1/2: the all-gathers launched by sync_params, completed before each
+        # unit's next forward (or any full read)
+        self._param_sync = ParamSync(
+            self.shard_group, self.param_dtype, self.device, self._note_event
+        )
+        if stage in (1, 2) and self.shard_group.size > 1:
+            for u in self.units:
+                for m in u.triggers or [module]:
+                    hook = functools.partial(self._before_forward, u)
+                    self._hooks.append(m.register_forward_pre_hook(hook))
+            self._hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
+            for m in module.modules():  # a state_dict of any part reads full parameters
+                self._hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
             self._init_unit(u)
             for i, p in enumerate(u.params):
@@ -191,6 +223,14 @@ class ZeroDataParallel(nn.Module):
     def _note_event(self, kind: str, name: str) -> None:
         if self.record_events:
             self.events.append((kind, name))
+
+    def _before_forward(self, u: FlatUnit, module: nn.Module, args: Any) -> None:
+        """Stages 1/2: ``u``'s updated parameters must be in place before it computes."""
+        if self._param_sync.in_flight:
+            self.wait_params(u)
+
+    def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.wait_params()
 
     def _release(self, u: FlatUnit) -> None:
         """``u``'s reduce-scatter is launched (the reducer's callback): stage 3 frees it."""
@@ -262,8 +302,10 @@ class ZeroDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """Stage 3: hold every unit's full parameters inside the block (e.g. to read the
-        weights); other stages hold them always."""
+        """Hold every unit's full parameters inside the block (e.g. to read the weights):
+        stage 3 gathers them; stages 1/2 complete the all-gathers still in flight from
+        the last step; stage 0 holds them always."""
+        self.wait_params()
         if self.gatherer is not None:
             self.gatherer.gather_all()
         try:
@@ -305,24 +347,38 @@ class ZeroDataParallel(nn.Module):
         return g
 
     @torch.no_grad()
-    def sync_params(self) -> None:
+    def sync_params(self, wait: bool = False) -> None:
         """Stages 1/2 after an optimizer step: all-gather the updated shards so every
-        rank holds the full parameters again (stage 3 gathers at the next forward)."""
+        rank holds the full parameters again (stage 3 gathers at the next forward).
+
+        The all-gathers (one per unit or bucket, in forward order) are launched and left
+        in flight: each unit's is completed by a forward pre-hook just before the unit
+        computes, so communication overlaps the forward of the units before it.
+        ``wait=True`` (or :meth:`wait_params`) completes them now."""
         if self.stage == 3 or self.shard_group.size == 1:
             return
-        pending = []
-        for u in self.units:
-            out, h = comm.all_gather(u.full[u.lo : u.hi], self.shard_group, async_op=True)
-            pending.append((u, out, h))
-        for u, out, h in pending:
-            h.wait()
-            u.full.copy_(out)
+        self.wait_params()  # a previous step's gathers (a step with no forward between)
+        self._param_sync.launch(self.reducer.buckets)
+        if wait:
+            self.wait_params()
+
+    def wait_params(self, unit: FlatUnit | None = None) -> None:
+        """Stages 1/2: complete the all-gather of ``unit``'s updated shards (every
+        unit's when None; a bucket's units complete together) launched by
+        :meth:`sync_params`; a no-op when none is in flight."""
+        self._param_sync.wait(unit)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Stages 1/2: units whose post-step all-gather is launched and not completed."""
+        return self._param_sync.in_flight
 
     def local_pieces(self) -> list[LocalPiece]:
         """This rank's runs of each parameter in its shards, named as in ``module``: a
         unit's shard ``[lo, hi)`` of the flat, padded parameters covers runs of one or more
         parameters (padding left out). Replicas of a shard (hybrid sharding) are equal
         after the step, so only the first replicate rank writes."""
+        self.wait_params()
         names = {id(p): n for n, p in self.module.named_parameters()}
         first = self.replicate_group.index == 0
         out: list[LocalPiece] = []

@@ -1,0 +1,139 @@
+"""ZeRO-1/2 buckets: units fused into one reduce-scatter and one all-gather.
+
+Stages 1 and 2 hold full parameters, so nothing forces a collective per unit: with
+``bucket_mb`` (DataParallel's bucket size) consecutive units, in backward order, form a
+:class:`GradBucket` whose gradients go out in one reduce-scatter (launched by
+:class:`~plait.parallel.zero.reduce.GradientReducer` when the bucket's last unit is
+complete) and whose updated shards come back in one all-gather after the step
+(:class:`ParamSync`). Without ``bucket_mb`` every unit is a bucket of its own. The bytes
+on the wire are the same either way; only the number of calls changes.
+
+:class:`ParamSync` launches the post-step all-gathers and leaves them in flight; the
+wrapper completes a unit's (its bucket's) just before the unit's next forward, so the
+gathers of later units overlap the forward of earlier ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plait import comm
+from plait.comm import AxisGroup
+from plait.parallel.zero.flat import FlatUnit
+
+if TYPE_CHECKING:
+    from plait.parallel.zero.reduce import UnitReduction
+
+
+class GradBucket:
+    """Consecutive units (in backward order) whose gradients are reduce-scattered in one
+    call (stages 1/2 with ``bucket_mb``). The flat ``(F · width,)`` input is laid out as
+    F rows of ``width`` = the units' shard sizes side by side: row r holds chunk r of
+    every unit, so the rank-r output of one reduce-scatter is every unit's r-th shard,
+    unit ``k``'s at columns ``[cols[k], cols[k] + shard_numel)``."""
+
+    def __init__(self, units: list[UnitReduction]) -> None:
+        self.units = units
+        self.cols: list[int] = []
+        width = 0
+        for r in units:
+            self.cols.append(width)
+            width += r.unit.shard_numel
+        self.width = width
+        self.done: set[int] = set()  # unit indices whose gradients are complete
+        self.buffer: torch.Tensor | None = None  # (F * width,) while in flight
+
+    @property
+    def names(self) -> str:
+        return "+".join(r.unit.name for r in self.units)
+
+
+def plan_buckets(units: list[UnitReduction], nbytes: int, element_size: int) -> list[GradBucket]:
+    """Greedy buckets over ``units`` in reverse order (backward order, roughly): a
+    bucket closes once it holds at least ``nbytes`` of gradients (as DataParallel's)."""
+    out: list[GradBucket] = []
+    cur: list[UnitReduction] = []
+    size = 0
+    for r in reversed(units):
+        cur.append(r)
+        size += r.unit.padded * element_size
+        if size >= nbytes:
+            out.append(GradBucket(cur))
+            cur, size = [], 0
+    if cur:
+        out.append(GradBucket(cur))
+    return out
+
+
+class ParamSync:
+    """Stages 1/2 after the step: one all-gather per bucket of the updated shards,
+    launched by :meth:`launch`, completed per unit by :meth:`wait`.
+
+    A bucket of one unit is gathered in place: the unit's shard is the input and its
+    flat ``(padded,)`` parameters the output (no copy in or out). Otherwise the bucket's
+    ``(width,)`` send buffer is its units' shards side by side and the ``(F * width,)``
+    output holds row r = rank r's shards, copied into each unit's flat parameters except
+    this rank's own chunk. Either way the shard the optimizer wrote must not change while
+    a gather is in flight (the optimizer waits first).
+    """
+
+    def __init__(
+        self,
+        shard_group: AxisGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        note: Callable[[str, str], None],
+    ) -> None:
+        self.shard_group, self.dtype, self.device, self._note = shard_group, dtype, device, note
+        # unit index -> (its bucket, the bucket's (F * width,) output, handle); every
+        # unit of a bucket maps to the same entry
+        self._pending: dict[int, tuple[GradBucket, torch.Tensor, Any]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """Units whose all-gather is launched and not completed."""
+        return len(self._pending)
+
+    @torch.no_grad()
+    def launch(self, buckets: list[GradBucket]) -> None:
+        """Start every bucket's all-gather, in forward order (first unit first)."""
+        for b in sorted(buckets, key=lambda b: min(r.unit.index for r in b.units)):
+            if len(b.units) == 1:  # in place: the shard is this rank's chunk of full
+                u = b.units[0].unit
+                out, h = comm.all_gather(
+                    u.full[u.lo : u.hi], self.shard_group, async_op=True, out=u.full
+                )
+            else:  # the units' shards side by side, as the bucket's columns
+                send = torch.empty(b.width, dtype=self.dtype, device=self.device)
+                for r, col in zip(b.units, b.cols, strict=True):
+                    u = r.unit
+                    send[col : col + u.shard_numel].copy_(u.full[u.lo : u.hi])
+                out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
+            for r in b.units:
+                self._pending[r.unit.index] = (b, out, h)
+            self._note("gather", b.names)
+
+    @torch.no_grad()
+    def wait(self, unit: FlatUnit | None = None) -> None:
+        """Complete ``unit``'s bucket's all-gather (every one when None)."""
+        todo = list(self._pending) if unit is None else [unit.index]
+        me, f = self.shard_group.index, self.shard_group.size
+        for index in todo:
+            hit = self._pending.get(index)
+            if hit is None:
+                continue
+            b, out, h = hit
+            h.wait()
+            got = out.view(f, b.width)  # (F, width)
+            for r, col in zip(b.units, b.cols, strict=True):
+                u = r.unit
+                self._pending.pop(u.index, None)
+                if out.data_ptr() != u.full.data_ptr():  # not gathered in place
+                    full = u.full.view(f, u.shard_numel)
+                    part = got[:, col : col + u.shard_numel]
+                    full[:me].copy_(part[:me])
+                    full[me + 1 :].copy_(part[me + 1 :])
+                self._note("gathered", u.name)
