@@ -27,7 +27,7 @@ from plait.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainC
 from plait.model import Transformer
 from plait.train.checkpoint import restore_training_state, save_checkpoint
 from plait.train.data import BatchSampler, TokenDataset, load_tokens
-from plait.train.reshard import find_checkpoint, load_weights
+from plait.train.reshard import find_checkpoint
 from plait.train.state import TrainState
 
 
@@ -56,8 +56,6 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     )
     model = build_model(cfg.model).to(mesh.device)
     reader = find_checkpoint("latest", Path(args.ckpt), mesh.rank == 0) if args.resume else None
-    if reader is not None:  # weights go into the full model, before it is sharded
-        load_weights(model, reader.model_state(), str(reader.folder))
 
     pm = plait.parallelize(model, mesh, cfg)  # tp, then ZeRO over dp
     opt = plait.optim.Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=3e-3), max_norm=1.0)
@@ -65,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     data = TokenDataset(load_tokens(cfg.data), cfg.train.seq_len)
     sampler = BatchSampler(len(data), cfg.train.global_batch, mesh.index("dp"), mesh.size("dp"), 0)
     state = TrainState(pm, opt, sampler, mesh, cfg)  # what a checkpoint holds
+    # resume: each rank reads only its own pieces (weights, optimizer state), after sharding
     start = restore_training_state(state, reader) if reader is not None else 0
 
     losses: list[float] = []
