@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 def _graph(root: Node) -> tuple[list[Node], dict[int, list[Node]]]:
@@ -120,17 +120,23 @@ def _direct_form(node: Node, off: list[tuple[int, Node]], wanted: dict[int, torc
     return None
 
 
-def _direct_grad(node: Node, d: _Direct, gy: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of ``node`` for the kept output gradient ``gy``: the product
-    autograd's ``mm_mat2_backward`` computes (transposed back by ``TBackward0``), formed
-    directly in the weight's layout; ``mul_tensor_backward`` and the engine's reduction
-    to the input's shape."""
+def _add_direct(node: Node, d: _Direct, gy: torch.Tensor) -> None:
+    """Add the weight gradient of ``node`` for the kept output gradient ``gy`` into
+    ``d.param.grad``: the product autograd's ``mm_mat2_backward`` computes (transposed
+    back by ``TBackward0``), formed directly in the weight's layout -- into an existing
+    gradient as one ``addmm_`` (no temporary, no second pass over the gradient); or
+    ``mul_tensor_backward`` and the engine's reduction to the input's shape."""
+    p = d.param
     if d.kind == "mm_t":
         x = node._saved_self  # type: ignore[attr-defined]  # (tokens, in)
-        return gy.t().mm(x)  # (out, tokens) @ (tokens, in) -> (out, in), the weight's layout
+        if p.grad is not None:
+            p.grad.addmm_(gy.t(), x)  # (out, in) += (out, tokens) @ (tokens, in)
+        else:
+            _accumulate(p, gy.t().mm(x), True)  # (out, in), the weight's layout
+        return
     a = node._saved_self if d.kind == "mul_self" else node._saved_other  # type: ignore[attr-defined]
     g = gy * a
-    return g.sum_to_size(d.param.shape) if g.shape != d.param.shape else g
+    _accumulate(p, g.sum_to_size(p.shape) if g.shape != p.shape else g, True)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor, fresh: bool) -> None:
@@ -193,39 +199,54 @@ class BackwardSplit:
         self._rest = [p for p in self.params if id(p) not in covered]
 
     def input_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """``I``: the gradient with respect to the input (graph kept for ``W``)."""
+        """``I``: the gradient with respect to the input (graph kept for ``W``).
+
+        The gradient entering each closed-form consumer (one output: ``dL/dy``) is
+        captured by the engine itself, the consumer's ``GradientEdge`` being one more
+        differentiated input; the other consumers keep theirs with a pre-hook (all of
+        their outputs' gradients)."""
         self._grad_out = grad
+        direct = [node for node, _, d in self._consumers if d is not None]
         hooks = []
-        for node, _, _ in self._consumers:
+        for node, _, d in self._consumers:
+            if d is not None:
+                continue
 
             def keep(grads: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
                 self._grads[id(node)] = grads
 
             hooks.append(node.register_prehook(keep))
         try:
-            (g,) = torch.autograd.grad(self.out, [self.inp], grad, retain_graph=True)
+            g, *kept = torch.autograd.grad(
+                self.out, [get_gradient_edge(self.inp), *(GradientEdge(n, 0) for n in direct)],
+                grad,
+                retain_graph=True, allow_unused=True,
+            )
         finally:
             for h in hooks:
                 h.remove()
+        if g is None:
+            raise RuntimeError("zero-bubble split: the piece's output does not depend on its input")
+        for node, gy in zip(direct, kept, strict=True):
+            self._grads[id(node)] = (gy,)
         return g
 
     def weight_grads(self) -> None:
         """``W``: accumulate every parameter's gradient into ``.grad``."""
-        for node, own, direct in self._consumers:
-            grads = self._grads.pop(id(node), None)
-            if grads is None:  # pragma: no cover - every consumer runs in I
-                raise RuntimeError("zero-bubble split: a consumer node did not run in I")
-            if direct is not None:
-                if grads[0] is not None:
-                    with torch.no_grad():  # saved inputs require grad: build no graph
-                        g = _direct_grad(node, direct, grads[0])
-                    _accumulate(direct.param, g, True)
-                continue
-            edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
-            given = [g for g in grads if g is not None]
-            found = torch.autograd.grad(edges, own, given, retain_graph=True)
-            for p, g in zip(own, found, strict=True):
-                _accumulate(p, g, False)
+        with torch.no_grad():  # saved inputs require grad: build no graph
+            for node, own, direct in self._consumers:
+                grads = self._grads.pop(id(node), None)
+                if grads is None:  # pragma: no cover - every consumer runs in I
+                    raise RuntimeError("zero-bubble split: a consumer node did not run in I")
+                if direct is not None:
+                    if grads[0] is not None:
+                        _add_direct(node, direct, grads[0])
+                    continue
+                edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
+                given = [g for g in grads if g is not None]
+                found = torch.autograd.grad(edges, own, given, retain_graph=True)
+                for p, g in zip(own, found, strict=True):
+                    _accumulate(p, g, False)
         if self._rest:
             torch.autograd.backward(self.out, self._grad_out, inputs=self._rest)
         self.out = self.inp = self._grad_out = None  # type: ignore[assignment]
