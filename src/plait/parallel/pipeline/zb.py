@@ -44,22 +44,24 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _graph(root: Node) -> tuple[list[Node], dict[int, list[Node]]]:
-    """Every node under ``root`` and each node's parents (by id)."""
-    nodes: list[Node] = []
-    parents: dict[int, list[Node]] = {}
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        nodes.append(n)
+def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
+    """Every node under ``root`` and each node's parents. (A node's Python object is the
+    same for every reference to it while one is held, so nodes are their own keys.)"""
+    nodes: list[Node] = [root]
+    parents: dict[Node, list[Node]] = {root: []}
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        i += 1
         for c, _ in n.next_functions:
-            if c is not None:
-                parents.setdefault(id(c), []).append(n)
-                stack.append(c)
+            if c is None:
+                continue
+            ps = parents.get(c)
+            if ps is None:
+                parents[c] = [n]
+                nodes.append(c)
+            else:
+                ps.append(n)
     return nodes, parents
 
 
@@ -171,25 +173,23 @@ class BackwardSplit:
         if root is None:
             return
         nodes, parents = _graph(root)
-        start = [n for n in nodes if getattr(n, "variable", None) is inp]
-        start_ids = {id(n) for n in start}
-        on_path: set[int] = set()
-        stack = list(start)
+        start = get_gradient_edge(inp).node if inp.requires_grad else None  # its AccumulateGrad
+        on_path: set[Node] = set()
+        stack = [start] if start in parents else []
         while stack:  # every node from which the input is reachable
             n = stack.pop()
-            if id(n) in on_path:
-                continue
-            on_path.add(id(n))
-            stack.extend(parents.get(id(n), []))
+            if n not in on_path:
+                on_path.add(n)
+                stack.extend(parents[n])
         wanted = {id(p): p for p in self.params}
         covered: set[int] = set()
         for n in nodes:
-            if id(n) not in on_path or id(n) in start_ids:
+            if n not in on_path or n is start:
                 continue
             own: list[torch.Tensor] = []
             off: list[tuple[int, Node]] = []
             for j, (c, _) in enumerate(n.next_functions):
-                if c is not None and id(c) not in on_path:
+                if c is not None and c not in on_path:
                     off.append((j, c))
                     own += _leaves_under(c, wanted)
             if own:
