@@ -56,16 +56,20 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
-    """Every node under ``root`` and each node's parents. (A node's Python object is the
-    same for every reference to it while one is held, so nodes are their own keys.)"""
+def _graph(root: Node) -> tuple[list[Node], list[tuple], dict[Node, list[Node]]]:
+    """Every node under ``root``, each one's ``next_functions`` (read once: every read
+    builds the tuple anew) and each node's parents. (A node's Python object is the same
+    for every reference to it while one is held, so nodes are their own keys.)"""
     nodes: list[Node] = [root]
+    kids: list[tuple] = []
     parents: dict[Node, list[Node]] = {root: []}
     i = 0
     while i < len(nodes):
         n = nodes[i]
         i += 1
-        for c, _ in n.next_functions:
+        nf = n.next_functions
+        kids.append(nf)
+        for c, _ in nf:
             if c is None:
                 continue
             ps = parents.get(c)
@@ -74,7 +78,7 @@ def _graph(root: Node) -> tuple[list[Node], dict[Node, list[Node]]]:
                 nodes.append(c)
             else:
                 ps.append(n)
-    return nodes, parents
+    return nodes, kids, parents
 
 
 def _leaves_under(node: Node, wanted: dict[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -184,7 +188,7 @@ class BackwardSplit:
         root = out.grad_fn
         if root is None:
             return
-        nodes, parents = _graph(root)
+        nodes, kids, parents = _graph(root)
         start = get_gradient_edge(inp).node if inp.requires_grad else None  # its AccumulateGrad
         on_path: set[Node] = set()
         stack = [start] if start in parents else []
@@ -195,12 +199,12 @@ class BackwardSplit:
                 stack.extend(parents[n])
         wanted = {id(p): p for p in self.params}
         covered: set[int] = set()
-        for n in nodes:
+        for n, nf in zip(nodes, kids, strict=True):
             if n not in on_path or n is start:
                 continue
             own: list[torch.Tensor] = []
             off: list[tuple[int, Node]] = []
-            for j, (c, _) in enumerate(n.next_functions):
+            for j, (c, _) in enumerate(nf):
                 if c is not None and c not in on_path:
                     off.append((j, c))
                     own += _leaves_under(c, wanted)
