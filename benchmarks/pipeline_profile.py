@@ -11,7 +11,10 @@ For each schedule the runtime's own records (every action's start and end) of
 * **end** -- after the last action (waiting for the sends).
 
 The **replay** runs the schedule's dependencies with each action's *measured* duration
-and free communication: the makespan that the compute alone explains. ``measured -
+and free communication: the makespan that the compute alone explains. Each compute
+action's CPU time on the computing thread (``time.thread_time``: what the action costs,
+whatever else the machine runs) and its minor page faults are recorded too, so two
+schedules' F, B, I and W can be compared on a loaded machine. ``measured -
 replay`` is what the messages, their waits and the runtime's bookkeeping add. With
 ``--cprofile`` rank 0's hottest functions (by own time) over the measured steps are
 printed too.
