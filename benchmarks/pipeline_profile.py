@@ -102,7 +102,7 @@ def profile_body(
                 early_recv=late != "late",
             )
             prof = cProfile.Profile() if cprofile and ctx.rank == 0 else None
-            rt._compute = _thread_timed(rt._compute, cpu_ops, flt_ops)  # type: ignore[method-assign]
+            vars(rt)["_compute"] = _thread_timed(rt._compute, cpu_ops, flt_ops)  # per instance
             rts[label] = (rt, stages, prof, [])
         for i in range(warmup + steps):
             order = list(rts) if i % 2 == 0 else list(reversed(rts))
