@@ -11,7 +11,10 @@ For each schedule the runtime's own records (every action's start and end) of
 * **end** -- after the last action (waiting for the sends).
 
 The **replay** runs the schedule's dependencies with each action's *measured* duration
-and free communication: the makespan that the compute alone explains. ``measured -
+and free communication: the makespan that the compute alone explains. Each compute
+action's CPU time on the computing thread (``time.thread_time``: what the action costs,
+whatever else the machine runs) and its minor page faults are recorded too, so two
+schedules' F, B, I and W can be compared on a loaded machine. ``measured -
 replay`` is what the messages, their waits and the runtime's bookkeeping add. With
 ``--cprofile`` rank 0's hottest functions (by own time) over the measured steps are
 printed too.
@@ -27,6 +30,7 @@ schedules' steps alternate (one step of each in turn), so they meet the same loa
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -74,14 +78,16 @@ def profile_body(
         posts.append(time.perf_counter() - t0)
         return out
 
-    comm.batch_isend_irecv = timed_batch  # type: ignore[assignment]
+    comm.batch_isend_irecv = timed_batch
+    cpu_ops: list[tuple[str, float]] = []  # (op, thread CPU s) per compute action
+    flt_ops: list[tuple[str, int]] = []  # (op, minor page faults of the thread)
     mcfg = ModelConfig(**model_kwargs)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, mcfg.vocab_size, (m * micro, seq), generator=g)  # (batch, seq)
     y = torch.randint(0, mcfg.vocab_size, (m * micro, seq), generator=g)
     out: dict[str, Any] = {}
     try:
-        rts = {}
+        rts: dict[str, tuple[Any, Any, Any, list[dict[str, Any]]]] = {}
         for label, v in schedules:
             name, _, late = label.partition(":")
             mesh = ctx.mesh(dp=1, pp=ctx.world_size)
@@ -96,6 +102,7 @@ def profile_body(
                 early_recv=late != "late",
             )
             prof = cProfile.Profile() if cprofile and ctx.rank == 0 else None
+            vars(rt)["_compute"] = _thread_timed(rt._compute, cpu_ops, flt_ops)  # per instance
             rts[label] = (rt, stages, prof, [])
         for i in range(warmup + steps):
             order = list(rts) if i % 2 == 0 else list(reversed(rts))
@@ -103,6 +110,8 @@ def profile_body(
                 rt, stages, prof, runs = rts[label]
                 comm.barrier(ctx.mesh(dp=1, pp=ctx.world_size).axis("pp"))
                 posts.clear()
+                cpu_ops.clear()
+                flt_ops.clear()
                 if prof is not None and i >= warmup:
                     prof.enable()
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -115,7 +124,8 @@ def profile_body(
                     recs = [(r.action, rt.step_start + r.start, rt.step_start + r.end)
                             for r in rt.records]
                     runs.append({"wall": wall, "cpu": cpu, "t0": t0, "recs": recs,
-                                 "posts": list(posts)})
+                                 "posts": list(posts), "thread_cpu": list(cpu_ops),
+                                 "faults": list(flt_ops)})
         for label, (_rt, _stages, prof, runs) in rts.items():
             text = ""
             if prof is not None:
@@ -124,8 +134,24 @@ def profile_body(
                 text = buf.getvalue()
             out[label] = {"runs": runs, "cprofile": text}
     finally:
-        comm.batch_isend_irecv = real  # type: ignore[assignment]
+        comm.batch_isend_irecv = real
     return out
+
+
+def _thread_timed(compute: Any, into: list[tuple[str, float]], faults: list[tuple[str, int]]
+                  ) -> Any:
+    """``compute`` recording each action's op and its thread CPU time into ``into``
+    (CPU time of the computing thread only: what the action costs, whatever the load)."""
+
+    def timed(a: Any) -> None:
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        c0 = time.thread_time()
+        compute(a)
+        c1 = time.thread_time()
+        faults.append((a.op.value, resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0))
+        into.append((a.op.value, c1 - c0))
+
+    return timed
 
 
 def _replay(schedule: Any, durations: list[dict[Any, float]]) -> float:
@@ -210,6 +236,24 @@ def analyse(res: list[dict[str, Any]], name: str, p: int, m: int, v: int) -> str
                     ops.setdefault(f"{a.op.value}@rank{r}", []).append(e - s)
     lines.append("median action ms: " + ", ".join(
         f"{k} {statistics.median(v) * 1e3:.1f}" for k, v in sorted(ops.items())))
+    cpu: dict[str, list[float]] = {}
+    for k in range(n):
+        for r in range(p):
+            for op, c in res[r][name]["runs"][k]["thread_cpu"]:
+                cpu.setdefault(f"{op}@rank{r}", []).append(c)
+    lines.append("median action thread CPU ms: " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in sorted(cpu.items())))
+    flt: dict[str, list[float]] = {}
+    for k in range(n):
+        for r in range(p):
+            for op, c in res[r][name]["runs"][k]["faults"]:
+                flt.setdefault(f"{op}@rank{r}", []).append(c)
+    lines.append("median action minor page faults: " + ", ".join(
+        f"{k} {statistics.median(v):.0f}" for k, v in sorted(flt.items())))
+    per_step = [[sum(c for _, c in res[q][name]["runs"][k]["thread_cpu"]) for k in range(n)]
+                for q in range(p)]
+    lines.append("action thread CPU ms per step per rank (median): " + ", ".join(
+        f"{statistics.median(s) * 1e3:.1f}" for s in per_step))
     lines.append("CPU s per step per rank (median): " + ", ".join(
         f"{statistics.median(r[4][q] for r in rows) * 1e3:.0f} ms" for q in range(p)))
     ex = [r[0] - r[2] for r in rows]

@@ -107,3 +107,30 @@ def test_weight_grads_fall_back_to_autograd_for_other_consumers() -> None:
     split.weight_grads()
     for p, w in zip(params, want_p, strict=True):
         torch.testing.assert_close(p.grad, w, rtol=1e-12, atol=1e-14)
+
+
+def test_weight_grads_add_in_place_into_existing_gradients() -> None:
+    """W adds into a gradient that already exists (e.g. a view into a data-parallel
+    bucket) in place: the same memory, holding the old value plus the new gradient."""
+    stages = split_transformer(Transformer(model_config(), seed=3).double(), init_mesh(), 4)
+    piece = stages.chunks[1]
+    params = [p for p in piece.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, SEQ, 16, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, SEQ, 16, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(piece(x.clone().requires_grad_(True)), params, dy)
+    bucket = torch.randn(sum(p.numel() for p in params), generator=g, dtype=torch.float64)
+    old = bucket.clone()
+    views, at = [], 0
+    for p in params:  # p.grad = a view into the flat bucket
+        p.grad = bucket[at : at + p.numel()].view_as(p)
+        views.append((at, p.numel()))
+        at += p.numel()
+    inp = x.clone().requires_grad_(True)
+    split = BackwardSplit(piece(inp), inp, params)
+    split.input_grad(dy)
+    split.weight_grads()
+    for p, w, (at, n) in zip(params, want, views, strict=True):
+        assert p.grad is not None and p.grad.data_ptr() == bucket[at:].data_ptr()
+        torch.testing.assert_close(bucket[at : at + n].view_as(p), old[at : at + n].view_as(p) + w,
+                                   rtol=1e-12, atol=1e-14)

@@ -9,16 +9,22 @@ piece and one micro-batch:
    *consumer* is an input-path node with a child off that path that leads to parameters
    (a linear layer's matmul node: one child carries ``dL/dx`` on, the other leads to the
    weight through ``t()`` to its ``AccumulateGrad``).
-2. ``I``: ``autograd.grad(out, [input])`` with the graph retained; pre-hooks on the
-   consumers keep the gradients flowing into them (``dL/dy`` of each linear output).
+2. ``I``: ``autograd.grad(out, [input])`` with the graph retained, keeping the gradients
+   flowing into the consumers (``dL/dy`` of each linear output): the engine captures
+   them itself, each consumer's ``GradientEdge`` being one more differentiated input (a
+   Python pre-hook only on consumers without a closed form, which need all their
+   outputs' gradients).
 3. ``W``: per consumer, the weight gradient from the kept gradient. The two consumer
    kinds of a transformer have a closed form, computed directly from the node's saved
    tensors: a matrix product ``y = x @ w.t()`` (``MmBackward0`` -> ``TBackward0`` ->
    the weight) gets ``dL/dy.t() @ x`` (in the weight's own layout, so no copy), an
    element-wise product with a weight (``MulBackward0`` -> the weight, e.g. RMSNorm's
-   scale) gets ``dL/dy * x`` summed to the weight's shape, as autograd computes it.
-   The same products as the full backward's (bit-for-bit equal to it on the CPU
-   measured; in general up to summation order). Any other consumer runs
+   scale) gets ``dL/dy * x`` summed to the weight's shape, as autograd computes it;
+   into an existing ``.grad`` (micro-batches after the first, or a view into a
+   data-parallel bucket) a matrix product is added in place by one ``addmm_``, with no
+   temporary and no second pass over the gradient. The same products as the full
+   backward's (a first gradient bit-for-bit equal to it on the CPU measured; in
+   general, and when ``addmm_`` accumulates, up to summation order). Any other consumer runs
    ``autograd.grad`` from that node's outputs (``GradientEdge``) with the kept
    gradients, towards its own parameters only, so only the off-path part runs and
    nothing of the input path is recomputed or counted twice. The results are added
@@ -30,7 +36,13 @@ blocks, each setting up the engine and walking the graph under its node) and the
 transposed results copied into the weights' layout, ``I + W`` cost 7.5 ms more CPU time
 than the full backward (22 ms) of four dim-256 blocks on 2 x 64 tokens; with the closed
 forms 3.3 ms more (PyTorch's own split, ``torch.distributed.pipelining``'s
-``stage_backward_input`` / ``stage_backward_weight``: 5.6 ms more). Parameters no consumer
+``stage_backward_input`` / ``stage_backward_weight``: 5.6 ms more). The Python
+pre-hooks on every consumer, a temporary plus ``add_`` per accumulated weight gradient
+and a graph walk keyed by ``id()`` still cost 2.7 ms more than the full backward (21.4
+ms, gradients accumulating over micro-batches); with the engine capturing the kept
+gradients, ``addmm_`` and nodes as their own keys, 0.9 ms more (0.65 ms of it this
+setup's graph walk, which creates a Python object per node of the fresh graph).
+Parameters no consumer
 reaches (none in the built-in transformer; and the first piece, whose input is token ids
 and has no gradient) get theirs from ``backward(inputs=...)`` on the retained graph.
 """
@@ -41,26 +53,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
-def _graph(root: Node) -> tuple[list[Node], dict[int, list[Node]]]:
-    """Every node under ``root`` and each node's parents (by id)."""
-    nodes: list[Node] = []
-    parents: dict[int, list[Node]] = {}
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        nodes.append(n)
-        for c, _ in n.next_functions:
-            if c is not None:
-                parents.setdefault(id(c), []).append(n)
-                stack.append(c)
-    return nodes, parents
+def _graph(root: Node) -> tuple[list[Node], list[tuple], dict[Node, list[Node]]]:
+    """Every node under ``root``, each one's ``next_functions`` (read once: every read
+    builds the tuple anew) and each node's parents. (A node's Python object is the same
+    for every reference to it while one is held, so nodes are their own keys.)"""
+    nodes: list[Node] = [root]
+    kids: list[tuple] = []
+    parents: dict[Node, list[Node]] = {root: []}
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        i += 1
+        nf = n.next_functions
+        kids.append(nf)
+        for c, _ in nf:
+            if c is None:
+                continue
+            ps = parents.get(c)
+            if ps is None:
+                parents[c] = [n]
+                nodes.append(c)
+            else:
+                ps.append(n)
+    return nodes, kids, parents
 
 
 def _leaves_under(node: Node, wanted: dict[int, torch.Tensor]) -> list[torch.Tensor]:
@@ -120,17 +138,23 @@ def _direct_form(node: Node, off: list[tuple[int, Node]], wanted: dict[int, torc
     return None
 
 
-def _direct_grad(node: Node, d: _Direct, gy: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of ``node`` for the kept output gradient ``gy``: the product
-    autograd's ``mm_mat2_backward`` computes (transposed back by ``TBackward0``), formed
-    directly in the weight's layout; ``mul_tensor_backward`` and the engine's reduction
-    to the input's shape."""
+def _add_direct(node: Node, d: _Direct, gy: torch.Tensor) -> None:
+    """Add the weight gradient of ``node`` for the kept output gradient ``gy`` into
+    ``d.param.grad``: the product autograd's ``mm_mat2_backward`` computes (transposed
+    back by ``TBackward0``), formed directly in the weight's layout -- into an existing
+    gradient as one ``addmm_`` (no temporary, no second pass over the gradient); or
+    ``mul_tensor_backward`` and the engine's reduction to the input's shape."""
+    p = d.param
     if d.kind == "mm_t":
         x = node._saved_self  # type: ignore[attr-defined]  # (tokens, in)
-        return gy.t().mm(x)  # (out, tokens) @ (tokens, in) -> (out, in), the weight's layout
+        if p.grad is not None:
+            p.grad.addmm_(gy.t(), x)  # (out, in) += (out, tokens) @ (tokens, in)
+        else:
+            _accumulate(p, gy.t().mm(x), True)  # (out, in), the weight's layout
+        return
     a = node._saved_self if d.kind == "mul_self" else node._saved_other  # type: ignore[attr-defined]
     g = gy * a
-    return g.sum_to_size(d.param.shape) if g.shape != d.param.shape else g
+    _accumulate(p, g.sum_to_size(p.shape) if g.shape != p.shape else g, True)
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor, fresh: bool) -> None:
@@ -164,26 +188,24 @@ class BackwardSplit:
         root = out.grad_fn
         if root is None:
             return
-        nodes, parents = _graph(root)
-        start = [n for n in nodes if getattr(n, "variable", None) is inp]
-        start_ids = {id(n) for n in start}
-        on_path: set[int] = set()
-        stack = list(start)
+        nodes, kids, parents = _graph(root)
+        start = get_gradient_edge(inp).node if inp.requires_grad else None  # its AccumulateGrad
+        on_path: set[Node] = set()
+        stack = [start] if start in parents else []
         while stack:  # every node from which the input is reachable
             n = stack.pop()
-            if id(n) in on_path:
-                continue
-            on_path.add(id(n))
-            stack.extend(parents.get(id(n), []))
+            if n not in on_path:
+                on_path.add(n)
+                stack.extend(parents[n])
         wanted = {id(p): p for p in self.params}
         covered: set[int] = set()
-        for n in nodes:
-            if id(n) not in on_path or id(n) in start_ids:
+        for n, nf in zip(nodes, kids, strict=True):
+            if n not in on_path or n is start:
                 continue
             own: list[torch.Tensor] = []
             off: list[tuple[int, Node]] = []
-            for j, (c, _) in enumerate(n.next_functions):
-                if c is not None and id(c) not in on_path:
+            for j, (c, _) in enumerate(nf):
+                if c is not None and c not in on_path:
                     off.append((j, c))
                     own += _leaves_under(c, wanted)
             if own:
@@ -193,39 +215,54 @@ class BackwardSplit:
         self._rest = [p for p in self.params if id(p) not in covered]
 
     def input_grad(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """``I``: the gradient with respect to the input (graph kept for ``W``)."""
+        """``I``: the gradient with respect to the input (graph kept for ``W``).
+
+        The gradient entering each closed-form consumer (one output: ``dL/dy``) is
+        captured by the engine itself, the consumer's ``GradientEdge`` being one more
+        differentiated input; the other consumers keep theirs with a pre-hook (all of
+        their outputs' gradients)."""
         self._grad_out = grad
+        direct = [node for node, _, d in self._consumers if d is not None]
         hooks = []
-        for node, _, _ in self._consumers:
+        for node, _, d in self._consumers:
+            if d is not None:
+                continue
 
             def keep(grads: tuple[torch.Tensor | None, ...], node: Node = node) -> None:
                 self._grads[id(node)] = grads
 
             hooks.append(node.register_prehook(keep))
         try:
-            (g,) = torch.autograd.grad(self.out, [self.inp], grad, retain_graph=True)
+            g, *kept = torch.autograd.grad(
+                self.out, [get_gradient_edge(self.inp), *(GradientEdge(n, 0) for n in direct)],
+                grad,
+                retain_graph=True, allow_unused=True,
+            )
         finally:
             for h in hooks:
                 h.remove()
+        if g is None:
+            raise RuntimeError("zero-bubble split: the piece's output does not depend on its input")
+        for node, gy in zip(direct, kept, strict=True):
+            self._grads[id(node)] = (gy,)
         return g
 
     def weight_grads(self) -> None:
         """``W``: accumulate every parameter's gradient into ``.grad``."""
-        for node, own, direct in self._consumers:
-            grads = self._grads.pop(id(node), None)
-            if grads is None:  # pragma: no cover - every consumer runs in I
-                raise RuntimeError("zero-bubble split: a consumer node did not run in I")
-            if direct is not None:
-                if grads[0] is not None:
-                    with torch.no_grad():  # saved inputs require grad: build no graph
-                        g = _direct_grad(node, direct, grads[0])
-                    _accumulate(direct.param, g, True)
-                continue
-            edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
-            given = [g for g in grads if g is not None]
-            found = torch.autograd.grad(edges, own, given, retain_graph=True)
-            for p, g in zip(own, found, strict=True):
-                _accumulate(p, g, False)
+        with torch.no_grad():  # saved inputs require grad: build no graph
+            for node, own, direct in self._consumers:
+                grads = self._grads.pop(id(node), None)
+                if grads is None:  # pragma: no cover - every consumer runs in I
+                    raise RuntimeError("zero-bubble split: a consumer node did not run in I")
+                if direct is not None:
+                    if grads[0] is not None:
+                        _add_direct(node, direct, grads[0])
+                    continue
+                edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
+                given = [g for g in grads if g is not None]
+                found = torch.autograd.grad(edges, own, given, retain_graph=True)
+                for p, g in zip(own, found, strict=True):
+                    _accumulate(p, g, False)
         if self._rest:
             torch.autograd.backward(self.out, self._grad_out, inputs=self._rest)
         self.out = self.inp = self._grad_out = None  # type: ignore[assignment]
