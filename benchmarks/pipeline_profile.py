@@ -156,31 +156,10 @@ def _thread_timed(compute: Any, into: list[tuple[str, float]], faults: list[tupl
 
 def _replay(schedule: Any, durations: list[dict[Any, float]]) -> float:
     """Makespan of ``schedule`` with each compute action's measured duration and free,
-    never-blocking sends (a receive waits for its send's posting)."""
-    from plait.parallel.pipeline.schedules import comm_steps, peer
+    never-blocking sends (a receive waits for its send's posting): the simulator's replay."""
+    from plait.parallel.pipeline.simulate import simulate
 
-    p = schedule.stages
-    steps = [comm_steps(acts) for acts in schedule.actions]
-    at, now = [0] * p, [0.0] * p
-    posted: dict[tuple[int, Any], float] = {}
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while at[r] < len(steps[r]):
-                step = steps[r][at[r]]
-                if step[0].op.is_comm:
-                    for a in step:
-                        posted.setdefault((r, a), now[r])
-                    need = [peer(a, p) for a in step if a.op.name.startswith("RECV")]
-                    if any(k not in posted for k in need):
-                        break
-                    now[r] = max([now[r], *(posted[k] for k in need)])
-                else:
-                    now[r] += durations[r][step[0]]
-                at[r] += 1
-                moved = True
-    return max(now)
+    return float(simulate(schedule, durations=durations).makespan)
 
 
 def analyse(res: list[dict[str, Any]], name: str, p: int, m: int, v: int) -> str:

@@ -38,6 +38,7 @@ from plait.train.checkpoint_meta import (
     CorruptCheckpointError,
     global_flat_index,
     sha256_file,
+    verify_sizes,
 )
 
 READ_CHUNK = 1 << 20
@@ -154,20 +155,6 @@ def _itemsize(dt: torch.dtype) -> int:
 def _host_id() -> float:
     """This host, as a number all ranks can all-gather (crc32 of the host name)."""
     return float(zlib.crc32(socket.gethostname().encode()))
-
-
-def verify_sizes(folder: Path, meta: dict[str, Any]) -> None:
-    """Every file exists with the size the metadata records (a ``stat`` each)."""
-    for name, info in meta["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CorruptCheckpointError(f"checkpoint {folder}: shard file {name} is missing")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {folder}: shard file {name} has {size} bytes, the metadata "
-                f"says {info['bytes']} (truncated or overwritten)"
-            )
 
 
 def verify_collective(folder: Path, meta: dict[str, Any], mesh: Mesh) -> list[str]:

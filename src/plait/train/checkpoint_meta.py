@@ -228,8 +228,8 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def verify_files(folder: Path, meta: dict[str, Any]) -> None:
-    """Check every shard file's size and sha256 against the metadata."""
+def verify_sizes(folder: Path, meta: dict[str, Any]) -> None:
+    """Every file exists with the size the metadata records (a ``stat`` each)."""
     for name, info in meta["files"].items():
         path = folder / name
         if not path.is_file():
@@ -240,6 +240,13 @@ def verify_files(folder: Path, meta: dict[str, Any]) -> None:
                 f"checkpoint {folder}: shard file {name} has {size} bytes, the metadata "
                 f"says {info['bytes']} (truncated or overwritten)"
             )
+
+
+def verify_files(folder: Path, meta: dict[str, Any]) -> None:
+    """Check every shard file's size and sha256 against the metadata."""
+    verify_sizes(folder, meta)
+    for name, info in meta["files"].items():
+        path = folder / name
         digest = sha256_file(path)
         if digest != info["sha256"]:
             raise CorruptCheckpointError(

@@ -14,6 +14,7 @@ from fractions import Fraction
 import pytest
 
 from plait.errors import ConfigError
+from plait.parallel.pipeline.actions import Op
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.pipeline.simulate import Costs, simulate
 from plait.parallel.pipeline.validate import ScheduleError
@@ -129,3 +130,17 @@ def test_deadlock_and_bad_costs_are_reported() -> None:
         simulate(build_schedule("interleaved", 2, 4, 2), rendezvous=True)
     with pytest.raises(ConfigError, match="cost forward must be >= 0, got -1"):
         Costs(forward=-1)
+
+
+def test_measured_durations_replace_the_per_kind_costs() -> None:
+    """A replay with each action's own duration: equal to the per-kind costs when the
+    durations are those costs; one slow action on the last rank of 1F1B delays the step by
+    exactly its extra time (the last rank is on the critical path)."""
+    s = build_schedule("1f1b", 2, 4, 1)
+    costs = Costs()
+    same = [{a: float(costs.of(a.op, 1)) for a in acts if a.op.is_compute} for acts in s.actions]
+    assert simulate(s, durations=same).makespan == simulate(s, costs).makespan
+    slow = [dict(d) for d in same]
+    first_b = next(a for a in s.actions[1] if a.op is Op.BACKWARD)
+    slow[1][first_b] += 0.5
+    assert simulate(s, durations=slow).makespan == simulate(s, costs).makespan + Fraction(1, 2)

@@ -23,6 +23,7 @@ of the non-interleaved step (see :attr:`SimResult.idle`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import NamedTuple
@@ -103,10 +104,15 @@ class SimResult:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs | None = None, rendezvous: bool = False
+    schedule: Schedule,
+    costs: Costs | None = None,
+    rendezvous: bool = False,
+    durations: Sequence[Mapping[Action, float]] | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` with ``costs`` (default: F = 1, B = 2, I = W = 1, comm = 0);
-    raises ScheduleError if it deadlocks."""
+    raises ScheduleError if it deadlocks. ``durations`` (per rank, each compute action's
+    measured duration) replaces the per-kind compute costs: the replay of a measured step
+    with free communication (benchmarks/pipeline_profile.py)."""
     costs = costs or Costs()
     p, v = schedule.stages, schedule.chunks
     steps = [comm_steps(acts) for acts in schedule.actions]
@@ -130,7 +136,9 @@ def simulate(
                     end = max([start, *(t for t in peers if t is not None)]) + Fraction(costs.comm)
                     events[r] += [Event(r, a, start, end) for a in step]
                 else:
-                    end = start + costs.of(step[0].op, v)
+                    a = step[0]
+                    cost = costs.of(a.op, v) if durations is None else Fraction(durations[r][a])
+                    end = start + cost
                     events[r].append(Event(r, step[0], start, end))
                 now[r] = end
                 at[r] += 1
