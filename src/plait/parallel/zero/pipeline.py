@@ -53,13 +53,12 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from plait import comm
-from plait.comm import Handle
 from plait.errors import ConfigError
 from plait.parallel.data import UnusedParametersError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.zero.flat import FlatUnit
 from plait.parallel.zero.gather import GatherState
+from plait.parallel.zero.reduce import UnitReduction
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRuntime
@@ -131,7 +130,7 @@ class PipelineZero:
         forward = [a for a in compute if a.op is Op.FORWARD]  # an evaluation pass
         self._next = dict(itertools.pairwise(compute))  # the next compute action
         self._next_eval = dict(itertools.pairwise(forward))
-        self._pending: list[tuple[FlatUnit, torch.Tensor, torch.Tensor, Handle]] = []
+        self._pending: list[UnitReduction] = []  # launched, oldest first
         self.reductions = 0  # reduce-scatters launched (counted; tests read them)
         self.gathers = 0  # stage 3: all-gathers launched
         self.peak_grad_bytes = 0  # the most unsharded gradient bytes held after an action
@@ -259,17 +258,17 @@ class PipelineZero:
                 f"in this pipeline step: {', '.join(missing[:10])}. Pass "
                 "find_unused_parameters=True to reduce zeros for them."
             )
-        out, h = comm.reduce_scatter(buf, z.shard_group, op="avg", async_op=True)
-        self._pending.append((u, buf, out, h))
+        r = UnitReduction(u)  # the wrapper's reduction states, driven by the schedule
+        r.launch(buf, z.shard_group)  # ReduceScatter (average) over dp, asynchronous
+        self._pending.append(r)
         self.reductions += 1
         z._note_event("reduce", u.name)
         while len(self._pending) > self.MAX_REDUCES_IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        u, _buf, out, h = self._pending.pop(0)
-        h.wait()  # (shard_numel,) the dp average of this rank's shard
-        if self.zero.replicate_group.size > 1:
-            comm.all_reduce(out, self.zero.replicate_group, op="avg")
-        assert u.grad_shard is not None
-        u.grad_shard.add_(out)
+        r = self._pending.pop(0)
+        r.finish_scatter(self.zero.replicate_group)  # hybrid: AllReduce over replicas
+        shard = r.finish(keep=False)  # (shard_numel,) the average of this rank's shard
+        assert r.unit.grad_shard is not None
+        r.unit.grad_shard.add_(shard)
