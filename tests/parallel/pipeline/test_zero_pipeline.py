@@ -11,6 +11,8 @@ the last step (gathered under ``ZeroDataParallel.gathered``). Tolerance: float64
 rtol=1e-9 / atol=1e-11 (summation order only). The driver's counters check the chosen
 trade: one reduce-scatter per unit and step ('step') or one per backward action
 ('microbatch'); stage 3 gathers once per unit and step, or per action when resharding.
+The dp bus bytes of every step, from the comm counters, equal (N-1)/N of the padded
+units' bytes per reduce-scatter and all-gather, exactly.
 """
 
 from __future__ import annotations
@@ -91,15 +93,23 @@ def _body(
     opt = Optimizer(pm, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
     per = BATCH // 2
     r = mesh.index("dp")
-    losses, norms, counts = [], [], []
+    losses, norms, counts, traffic = [], [], [], []
     for x, y in batches():
         before = (driver.reductions, driver.gathers)
+        mesh.stats.reset()
         loss = pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
         counts.append((driver.reductions - before[0], driver.gathers - before[1]))
         assert pm.zero.gathered_bytes == 0  # stage 3: only shards between steps
         losses.append(float(loss))
-        norms.append(opt.step().grad_norm)
+        norms.append(opt.step().grad_norm)  # stage 2: launches the post-step all-gathers
         opt.zero_grad()
+        s = mesh.stats
+        traffic.append(
+            {
+                op: (s.get("dp", op).bytes, s.get("dp", op).calls)
+                for op in ("reduce_scatter", "all_gather")
+            }
+        )
     weights: dict[str, torch.Tensor] = {}
     with pm.zero.gathered():
         for piece in pm.stages.chunks:
@@ -110,6 +120,10 @@ def _body(
         s: [u for u in us if u.index not in driver.deferred] for s, us in driver.units_of.items()
     }
     per_action = sum(len(own[a.stage]) for a in actions if a.op.value in ("B", "W"))
+    padded = {u.index: u.padded for u in pm.zero.units}  # elements, padded to dp
+    per_action_numel = sum(
+        padded[u.index] for a in actions if a.op.value in ("B", "W") for u in own[a.stage]
+    ) + sum(padded[i] for i in driver.deferred)
     return {
         "losses": losses,
         "norms": norms,
@@ -118,6 +132,9 @@ def _body(
         "units": len(pm.zero.units),
         "deferred": len(driver.deferred),
         "per_action": per_action + len(driver.deferred),
+        "traffic": traffic,
+        "padded": sum(padded.values()),
+        "per_action_numel": per_action_numel,
     }
 
 
@@ -173,6 +190,21 @@ def test_zero_pipeline_matches_one_process(
                 assert gathers == units
             else:  # the schedule alternates the rank's pieces: re-gathered
                 assert gathers > units
+    # bus bytes on dp per step from the comm counters (float64, dp = 2: (N-1)/N = 1/2 of
+    # the padded bytes per ReduceScatter / AllGather, as SPEC's cost model)
+    f, item = 0.5, 8
+    for r in results:
+        s_pad = item * r["padded"]
+        rs_numel = r["padded"] if reduce == "step" else r["per_action_numel"]
+        for (reductions, gathers), t in zip(r["counts"], r["traffic"], strict=True):
+            rs_bytes, rs_calls = t["reduce_scatter"]
+            ag_bytes, ag_calls = t["all_gather"]
+            assert rs_calls == reductions
+            assert rs_bytes == pytest.approx(f * item * rs_numel, rel=1e-12)
+            if zero == 2 or not reshard or chunks == 1:  # every unit gathered once a step
+                assert ag_bytes == pytest.approx(f * s_pad, rel=1e-12)
+            else:
+                assert ag_calls == gathers and ag_bytes > f * s_pad
 
 
 def test_cli_pp2_dp2_tp2_zero3_matches_one_process(tmp_path: Path) -> None:
