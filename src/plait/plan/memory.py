@@ -220,7 +220,7 @@ def buffer_bytes(
 def pipeline_zero_buffer_bytes(
     sp: StageParams, spec: ModelSpec, layout: Layout, precision: Precision, stage: int
 ) -> float:
-    """ZeRO-2/3 under pipeline parallelism (:mod:`plait.parallel.zero.pipeline`): the
+    """ZeRO-2/3 under pipeline parallelism (:mod:`plait.parallel.pipeline.zero`): the
     unsharded gradients accumulated over a step's micro-batches, the gathered parameters
     (stage 3) and the reduce-scatter buffers in flight, at their peak on stage ``stage``.
 

@@ -1,6 +1,6 @@
 """ZeRO-2/3 under pipeline parallelism: the data-parallel traffic of one step.
 
-The runtime (:mod:`plait.parallel.zero.pipeline`) reduce-scatters each unit's gradients
+The runtime (:mod:`plait.parallel.pipeline.zero`) reduce-scatters each unit's gradients
 once per step or once per backward action (``Layout.pp_grad_reduce``) and, at stage 3,
 gathers each piece once per step or before each of its actions
 (``Layout.pp_reshard``); the memory side is
@@ -17,7 +17,7 @@ def pipeline_zero_comm(
     layout: Layout, shard: Group, ag_bytes: float, rs_bytes: float, cross: float
 ) -> tuple[float, float]:
     """(exposed, total) seconds of ZeRO-2/3 traffic under pp
-    (:mod:`plait.parallel.zero.pipeline`): reduce-scatters once per step
+    (:mod:`plait.parallel.pipeline.zero`): reduce-scatters once per step
     (``pp_grad_reduce = "step"``, overlapping the rest of the schedule except the last
     piece's) or once per micro-batch (exposed: the same share); stage 2 all-gathers the
     updated parameters once after the step; stage 3 gathers once per step, or each piece

@@ -4,7 +4,7 @@ Protocol as in test_engine.py: the built-in transformer (4 blocks, float64, one 
 the reference runs STEPS AdamW steps with global-norm clipping at CLIP (engaged) on the
 whole global batch in the pytest process. Each layout is prepared by ``parallelize``
 (pipeline split, then ``ZeroDataParallel`` stage 2 or 3 driven by the schedule:
-:class:`plait.parallel.zero.pipeline.PipelineZero`) and stepped by
+:class:`plait.parallel.pipeline.zero.PipelineZero`) and stepped by
 :class:`plait.optim.Optimizer`; each dp rank feeds its slice of the global batch.
 Compared: the dp-averaged loss and the clipping norm at every step, and every weight after
 the last step (gathered under ``ZeroDataParallel.gathered``). Tolerance: float64,

@@ -29,7 +29,7 @@ from plait.parallel.pipeline.split import (
     check_splittable,
     split_transformer,
 )
-from plait.parallel.zero.pipeline import GradReduce, PipelineZero
+from plait.parallel.pipeline.zero import GradReduce, PipelineZero
 from plait.parallel.zero.wrapper import ZeroDataParallel
 
 
@@ -92,7 +92,7 @@ class PipelineEngine:
             positions), else 1.
         zero_grad_reduce: ZeRO-2/3 (``model`` a stage-2/3 ``ZeroDataParallel``): reduce
             each unit's gradients once per step ("step") or after every backward action
-            ("microbatch"); see :mod:`plait.parallel.zero.pipeline`.
+            ("microbatch"); see :mod:`plait.parallel.pipeline.zero`.
         zero_reshard: ZeRO-3: free a piece's parameters after every action (re-gather
             per micro-batch) instead of keeping them gathered through the step.
 

@@ -142,7 +142,7 @@ class PipelineRuntime:
         self.records: list[ActionRecord] = []
         self.step_start = 0.0  # time.perf_counter() at the start of the last step
         # called before and after every compute action (ZeRO-2/3 under pp gathers and
-        # reduces there: plait.parallel.zero.pipeline.PipelineZero); None: nothing
+        # reduces there: plait.parallel.pipeline.zero.PipelineZero); None: nothing
         self.action_hooks: ActionHooks | None = None
         self._params = {
             s: [p for p in stages.piece(s).parameters() if p.requires_grad]

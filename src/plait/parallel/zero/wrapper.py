@@ -395,7 +395,7 @@ class ZeroDataParallel(nn.Module):
     def detach_hooks(self) -> None:
         """Remove the module and autograd hooks that gather and reduce on their own: the
         caller drives ``gatherer`` and the reductions instead (ZeRO-2/3 under pipeline
-        parallelism, :class:`plait.parallel.zero.pipeline.PipelineZero`)."""
+        parallelism, :class:`plait.parallel.pipeline.zero.PipelineZero`)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
