@@ -47,11 +47,14 @@ CLIP = 0.5
 RTOL, ATOL = 1e-9, 1e-11
 
 
-def reference(tied: bool) -> dict[str, object]:
-    model = Transformer(model_config(tied=tied), seed=3).double()
+def reference(
+    tied: bool, layers: int = 8, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> dict[str, object]:
+    """One process: AdamW steps with global-norm clipping at CLIP on the whole batches."""
+    model = Transformer(model_config(layers, tied=tied), seed=3).double()
     opt = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
     losses, norms = [], []
-    for x, y in batches():
+    for x, y in batches() if data is None else data:
         loss = loss64(model(x), y)
         loss.backward()
         norms.append(opt.step().grad_norm)

@@ -28,36 +28,22 @@ from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext, WorkerPool
-from tests.parallel.pipeline.test_runtime import BATCH, SEQ, VOCAB, loss64, model_config
+from tests.parallel.pipeline.test_engine import CLIP
+from tests.parallel.pipeline.test_engine import reference as engine_reference
+from tests.parallel.pipeline.test_runtime import BATCH, SEQ, model_config
+from tests.parallel.pipeline.test_runtime import batches as runtime_batches
 
 M = "tests.parallel.pipeline.test_zero_pipeline"
 STEPS, LAYERS, MICRO = 5, 4, 4
-CLIP = 0.5
 RTOL, ATOL = 1e-9, 1e-11
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(11)
-    return [
-        (
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-        )
-        for _ in range(STEPS)
-    ]
+    return runtime_batches(STEPS, seed=11)
 
 
 def reference(tied: bool) -> dict[str, object]:
-    model = Transformer(model_config(LAYERS, tied=tied), seed=3).double()
-    opt = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=CLIP)
-    losses, norms = [], []
-    for x, y in batches():
-        loss = loss64(model(x), y)
-        loss.backward()
-        norms.append(opt.step().grad_norm)
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "weights": dict(model.state_dict())}
+    return engine_reference(tied, LAYERS, batches())
 
 
 def _body(
