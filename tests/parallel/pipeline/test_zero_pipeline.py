@@ -96,10 +96,16 @@ def _body(
                 for op in ("reduce_scatter", "all_gather")
             }
         )
+    # a state_dict right after the step (stage 2's all-gathers still in flight) reads the
+    # updated parameters: it completes the gathers first
+    direct = {k: v.clone() for c in pm.stages.chunks for k, v in c.state_dict().items()}
     weights: dict[str, torch.Tensor] = {}
     with pm.zero.gathered():
         for piece in pm.stages.chunks:
             weights.update({k: v.detach().clone() for k, v in piece.state_dict().items()})
+    if zero == 2:
+        assert direct.keys() == weights.keys()
+        assert all(torch.equal(direct[k], weights[k]) for k in weights)
     actions = pm.pipeline.schedule.actions[mesh.index("pp")]
     # reduce-scatters per step if each backward action reduced its piece's own units
     own = {

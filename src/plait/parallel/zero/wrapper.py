@@ -176,20 +176,21 @@ class ZeroDataParallel(nn.Module):
                 begin_backward=self.reducer.begin_backward,
                 note=self._note_event,
             )
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # gather and reduce on their own (detach_hooks)
         # stages 1/2: the all-gathers launched by sync_params, completed before each
-        # unit's next forward (or any full read)
+        # unit's next forward (or any full read); kept under every driver
         self._param_sync = ParamSync(
             self.shard_group, self.param_dtype, self.device, self._note_event
         )
+        self._sync_hooks: list[Any] = []
         if stage in (1, 2) and self.shard_group.size > 1:
             for u in self.units:
                 for m in u.triggers or [module]:
                     hook = functools.partial(self._before_forward, u)
-                    self._hooks.append(m.register_forward_pre_hook(hook))
-            self._hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
+                    self._sync_hooks.append(m.register_forward_pre_hook(hook))
+            self._sync_hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
             for m in module.modules():  # a state_dict of any part reads full parameters
-                self._hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
+                self._sync_hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
             self._init_unit(u)
             for i, p in enumerate(u.params):
@@ -395,7 +396,8 @@ class ZeroDataParallel(nn.Module):
     def detach_hooks(self) -> None:
         """Remove the module and autograd hooks that gather and reduce on their own: the
         caller drives ``gatherer`` and the reductions instead (ZeRO-2/3 under pipeline
-        parallelism, :class:`plait.parallel.pipeline.zero.PipelineZero`)."""
+        parallelism, :class:`plait.parallel.pipeline.zero.PipelineZero`). The hooks that
+        complete stage 2's post-step all-gathers before a full read (``state_dict``) stay."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
