@@ -19,7 +19,6 @@ the data-parallel degree, so changing the layout never changes the math.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from functools import cache
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from plait.config_checks import (
@@ -78,19 +77,23 @@ ZERO_MEANING = (
 """What each of :data:`ZERO_STAGES` means, for the refusal of any other."""
 
 
-@cache
+_CHOICES: dict[type, tuple[tuple[str, tuple[Any, ...]], ...]] = {}
+
+
 def _choices(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
     """(field, allowed values) of each field of the dataclass ``cls`` annotated with a
-    ``Literal``."""
-    hints = get_type_hints(cls)
-    return tuple(
-        (f.name, get_args(hints[f.name]))
-        for f in fields(cls)
-        if get_origin(hints[f.name]) is Literal
-    )
+    ``Literal`` (worked out once per class)."""
+    if cls not in _CHOICES:
+        hints = get_type_hints(cls)
+        _CHOICES[cls] = tuple(
+            (f.name, get_args(hints[f.name]))
+            for f in fields(cls)
+            if get_origin(hints[f.name]) is Literal
+        )
+    return _CHOICES[cls]
 
 
-def check_choices(obj: Any, prefix: str) -> None:
+def check_choices(obj: object, prefix: str) -> None:
     """Each field of the dataclass ``obj`` annotated with a set of values (a ``Literal``)
     holds one of them; ``prefix`` names the owner in the message (``"parallel."``).
     The sections here and the planner's :class:`~plait.plan.layout.Layout` call it."""
