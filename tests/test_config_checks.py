@@ -128,7 +128,7 @@ def test_check_world_refusals(
         (
             _cfg(parallel={"zero": 2, "zero_shard_size": 3}),
             4,
-            r"zero_shard_size \(F = 3\) must divide the data-parallel degree dp = 4; "
+            r"zero_shard_size \(F = 3\) does not divide the data-parallel degree dp = 4; "
             r"choose one of \[1, 2, 4\]",
         ),
         (

@@ -183,7 +183,7 @@ def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
     if factor <= 0 or dp % factor:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ConfigError(
-            f"parallel.zero_shard_size (F = {factor}) must divide the data-parallel degree "
+            f"parallel.zero_shard_size (F = {factor}) does not divide the data-parallel degree "
             f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
         )
 
