@@ -183,7 +183,7 @@ def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
     if factor <= 0 or dp % factor:
         divisors = [d for d in range(1, dp + 1) if dp % d == 0]
         raise ConfigError(
-            f"parallel.zero_shard_size (F = {factor}) does not divide the data-parallel degree "
+            f"parallel.zero_shard_size (F = {factor}) must divide the data-parallel degree "
             f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
         )
 
@@ -192,14 +192,14 @@ def check_offload(offload: str, zero: int) -> None:
     """CPU offload steps on the shards ZeRO owns; parameter offload needs ZeRO-3."""
     if offload != "none" and zero == 0:
         raise ConfigError(
-            f"parallel.offload = {offload!r}: offload needs ZeRO stage >= 1 (parallel.zero "
-            ">= 1): the offloaded optimizer steps on the shards the ZeRO wrapper owns. Set "
+            f"parallel.offload = {offload!r} needs ZeRO (parallel.zero >= 1): the "
+            "offloaded optimizer steps on the shards the ZeRO wrapper owns. Set "
             "parallel.zero = 1, 2 or 3, or parallel.offload = 'none'."
         )
     if offload == "params" and zero != 3:
         raise ConfigError(
-            f"parallel.offload = 'params' needs ZeRO stage 3 (parallel.zero = 3, got {zero}): "
-            "only ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
+            f"parallel.offload = 'params' needs parallel.zero = 3 (got {zero}): only "
+            "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
             "stages 1 and 2."
         )
 
