@@ -68,6 +68,7 @@ OFFLOADS: tuple[Offload, ...] = get_args(Offload)
 CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
 PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
+NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
 ZERO_MEANING = (

@@ -163,3 +163,23 @@ def test_one_validation_in_a_one_process_run(
     assert main(["train", *tiny_args(), "--nproc", "1", "--steps", "1", "--metrics", str(out)]) == 0
     assert "step" in capsys.readouterr().out
     assert calls == [1]
+
+
+def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
+    """The sets plait.config declares are the ones the parallel constructors take."""
+    import typing
+
+    from plait import config
+    from plait.optim import Optimizer
+    from plait.parallel import compression
+    from plait.parallel.pipeline import schedules
+    from plait.parallel.pipeline import zero as pipeline_zero
+    from plait.parallel.recompute import apply_recompute
+    from plait.parallel.zero import wrapper
+
+    assert wrapper.Offload is config.Offload
+    assert pipeline_zero.GradReduce is config.PPGradReduce
+    assert typing.get_type_hints(apply_recompute)["mode"] is config.Recompute
+    assert typing.get_type_hints(Optimizer.__init__)["nonfinite"] is config.NonFinite
+    assert compression.METHODS is config.COMPRESSIONS
+    assert schedules.SCHEDULES is config.PIPELINE_SCHEDULES
