@@ -57,6 +57,9 @@ Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
+PresetStyle = Literal["llama", "gpt"]
+"""Block style of a model preset (:mod:`plait.presets`): ``llama`` (plait's built-in
+block) or ``gpt`` (GPT-2/3's block)."""
 PlannedSchedule = Literal["1f1b", "gpipe", "interleaved"]
 """The pipeline schedules the planner models (:class:`plait.plan.layout.Layout`); it
 counts a run's 'naive' and 'zb' as '1f1b' (a safe over-estimate of their memory)."""
@@ -69,6 +72,7 @@ CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
 PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
+PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
 ZERO_MEANING = (

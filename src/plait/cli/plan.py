@@ -19,6 +19,7 @@ from plait.config import (
     COMPRESSIONS,
     CP_ATTENTIONS,
     PLANNED_SCHEDULES,
+    PRESET_STYLES,
     RECOMPUTES,
     ZERO_STAGES,
 )
@@ -68,7 +69,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int, help="default: --heads")
     m.add_argument("--ffn", type=int, help="MLP width (default: 8h/3 llama, 4h gpt)")
     m.add_argument("--vocab", type=int)
-    m.add_argument("--style", choices=("llama", "gpt"), help="default: llama")
+    m.add_argument("--style", choices=PRESET_STYLES, help="default: llama")
     m.add_argument(
         "--seq-len",
         "--seq",
