@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from plait.config import ModelConfig, PresetStyle
+from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
+from plait.config_checks import check_choice
 from plait.errors import ConfigError
 from plait.presets import PRESETS, Preset
 
@@ -72,8 +73,7 @@ class ModelSpec:
             raise ConfigError(
                 f"model heads ({self.n_heads}) must be divisible by kv heads ({self.n_kv_heads})."
             )
-        if self.style not in ("llama", "gpt"):
-            raise ConfigError(f"model style must be 'llama' or 'gpt', got {self.style!r}.")
+        check_choice("model style", self.style, PRESET_STYLES)
 
     # ------------------------------------------------------------------ shape
 
