@@ -12,7 +12,7 @@ from torch import nn
 
 from plait import init_mesh
 from plait.comm import AxisGroup
-from plait.parallel.data import UnusedParametersError
+from plait.errors import UnusedParametersError
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import FlatUnit, plan_units
 from plait.parallel.zero.reduce import ReduceState, UnitReduction

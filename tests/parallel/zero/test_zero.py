@@ -518,7 +518,7 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
         opt.step()
         opt.zero_grad()
     assert zdp.gatherer is not None
-    order = [u.name for u in zdp.gatherer.order]
+    order = [u.name for u in zdp.driver.order]
     size = {u.name: u.padded * 4 for u in zdp.units}
     return {
         "order": order,

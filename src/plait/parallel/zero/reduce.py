@@ -26,12 +26,18 @@ reduce-scatter from the hook and waiting for them only at the end of backward; s
 the shard.
 
 :class:`GradientReducer` owns the units' reductions for one
-:class:`~plait.parallel.zero.ZeroDataParallel`: the hooks' entry point, the cap on
+:class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
+driver: what to reduce (:meth:`~GradientReducer.on_grad`, a parameter's gradient as
+autograd makes it; :meth:`~GradientReducer.reduce`, a unit's gradients accumulated in
+``.grad``), when (:meth:`~GradientReducer.finish_backward` / :meth:`~GradientReducer.finish`
+complete every reduction; :meth:`~GradientReducer.abandon` after a failure), the cap on
 reduce-scatters in flight (launching one more completes the oldest, freeing its
-transient buffer), the transient buffer bytes, and the callback queued on the autograd
-engine that finishes every reduction at the end of backward and refuses parameters that
-got no gradient (unless ``find_unused_parameters``). It talks to the wrapper only
-through the callbacks it is given (release a stage-3 unit, end of backward, events).
+transient buffer; written once, in ``_cap``), the transient buffer bytes, and the refusal
+of parameters that got no gradient (:class:`~plait.errors.UnusedParametersError`, unless
+``find_unused_parameters``). Two drivers call it: the autograd hooks
+(:class:`~plait.parallel.zero.driver.AutogradDriver`) and the pipeline schedule
+(:class:`~plait.parallel.pipeline.zero.PipelineZero`). It reports to its observers only:
+``note`` (events) and :attr:`~GradientReducer.on_launch`.
 With ``bucket_bytes`` (stages 1/2) a unit whose gradients are complete waits for the rest
 of its :class:`~plait.parallel.zero.bucket.GradBucket`; the bucket goes out in one call.
 """
@@ -45,7 +51,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup, Handle
-from plait.parallel.data import UnusedParametersError
+from plait.errors import UnusedParametersError
 from plait.parallel.zero.bucket import GradBucket, plan_buckets
 from plait.parallel.zero.flat import FlatUnit
 
@@ -172,9 +178,6 @@ class GradientReducer:
         reduce_dtype: the dtype gradients are reduced in.
         device: where the transient buffers live.
         find_unused_parameters: reduce zeros for parameters with no gradient.
-        release: called with a unit once its reduce-scatter is launched (stage 3 frees
-            its gathered parameters then).
-        on_finish: called at the end of every synchronising backward.
         note: records an event ``(kind, unit name)`` (tests read the order).
         bucket_bytes: stages 1/2: reduce-scatter consecutive units together in buckets of
             at least this many bytes (None: one reduce-scatter per unit).
@@ -194,8 +197,6 @@ class GradientReducer:
         reduce_dtype: torch.dtype,
         device: torch.device,
         find_unused_parameters: bool,
-        release: Callable[[FlatUnit], None],
-        on_finish: Callable[[], None],
         note: Callable[[str, str], None],
         bucket_bytes: int | None = None,
     ) -> None:
@@ -212,36 +213,46 @@ class GradientReducer:
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reduce_dtype, self.device = reduce_dtype, device
         self.find_unused_parameters = find_unused_parameters
-        self._release, self._on_finish, self._note = release, on_finish, note
+        self._note = note
+        self.on_launch: Callable[[FlatUnit], None] | None = None
+        """Called with a unit once its reduce-scatter is launched (the autograd driver
+        frees a stage-3 unit's gathered parameters then); None: nothing."""
         self.sync = True  # False inside no_sync (stages 0/1 accumulate locally)
         self.in_backward = False
         self.grad_buffer_bytes = 0  # stages 2/3: transient full-gradient buffers, and peak
         self.peak_grad_buffer_bytes = 0
         self._launched: list[UnitReduction] = []  # in launch order, this backward
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ what to reduce
 
-    def begin_backward(self) -> None:
-        """Note that a backward pass runs; queue :meth:`finish_backward` at its end."""
-        if not self.in_backward:
-            self.in_backward = True
-            self._note("backward", "")
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+    @property
+    def communicates(self) -> bool:
+        """Whether a gradient arriving now is reduced in this backward (stages 0/1 inside
+        ``no_sync`` accumulate locally instead)."""
+        return self.sync or self.stage >= 2
+
+    def begin_backward(self) -> bool:
+        """Note that a reducing backward pass runs; returns whether it is new (the caller
+        then arranges :meth:`finish_backward` at its end)."""
+        if self.in_backward:
+            return False
+        self.in_backward = True
+        self._note("backward", "")
+        return True
 
     def on_grad(self, u: FlatUnit, i: int, p: torch.Tensor) -> None:
-        """Parameter ``i`` of ``u`` has its accumulated gradient ``p.grad``."""
+        """Parameter ``i`` of ``u`` has its accumulated gradient ``p.grad`` (in a backward
+        begun by :meth:`begin_backward`); the unit is launched once all of its are in."""
         assert p.grad is not None
+        if not self.communicates:
+            return
         if self.stage <= 1:
-            if not self.sync:
-                return
-            self.begin_backward()
             assert u.grad_full is not None
             view = u.view(i, u.grad_full)
             if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced: adopt its value
                 view.copy_(p.grad)
                 p.grad = view
         else:
-            self.begin_backward()
             if u.grad_full is None:
                 self._alloc_buffer(u)
             assert u.grad_full is not None
@@ -299,24 +310,25 @@ class GradientReducer:
             self._launched.append(r)
             self._note("reduce", r.unit.name)
         b.done.clear()
-        if self.stage <= 1:
-            return
-        in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
-        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
-            self._finish_scatter(v)
+        self._cap()
 
     def _launch(self, r: UnitReduction) -> None:
-        """Reduce-scatter ``r``'s unit; at most ``MAX_REDUCES_IN_FLIGHT`` stay in flight
-        (launching one more completes the oldest, which frees its transient buffer)."""
+        """Reduce-scatter ``r``'s unit (from its ``(padded,)`` ``grad_full``)."""
         u = r.unit
         assert u.grad_full is not None
         buffer = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
         r.launch(buffer, self.shard_group)
         self._launched.append(r)
         self._note("reduce", u.name)
-        if self.stage == 3:
-            self._release(u)
-        if self.stage <= 1:  # persistent buffers: nothing to free early, nothing to wait
+        if self.on_launch is not None:
+            self.on_launch(u)
+        self._cap()
+
+    def _cap(self) -> None:
+        """Stages 2/3: at most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters stay in flight;
+        one more completes the oldest, which frees its transient buffer. Stages 0/1 reduce
+        from persistent buffers: nothing to free early, nothing to wait for."""
+        if self.stage <= 1:
             return
         in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
         for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
@@ -331,22 +343,74 @@ class GradientReducer:
             self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
             b.buffer = None
 
+    def _settle(self, r: UnitReduction) -> None:
+        """Complete ``r``'s reduction: stages 0/1 keep the averaged shard (REDUCED), 2/3
+        add it into the unit's ``grad_shard`` (IDLE again)."""
+        if r.state is ReduceState.SCATTERING:
+            self._finish_scatter(r)
+        out = r.finish(keep=self.stage <= 1)
+        if self.stage >= 2:
+            assert r.unit.grad_shard is not None
+            r.unit.grad_shard.add_(out)
+
+    def _refuse_unused(self, missing: list[str]) -> None:
+        """Parameters with no gradient: zeros are reduced for them with
+        ``find_unused_parameters``; otherwise the reductions are abandoned and refused."""
+        if missing and not self.find_unused_parameters:
+            self.abandon()
+            raise UnusedParametersError(missing)
+
+    # ------------------------------------------------------------------ when
+
+    @torch.no_grad()
+    def reduce(self, u: FlatUnit) -> None:
+        """Stages 2/3: reduce-scatter ``u``'s gradients accumulated in ``.grad`` now (a
+        driver that lets autograd accumulate over several backwards: the pipeline) and
+        drop them. A unit reduced again before :meth:`finish` adds its previous shard
+        first; a parameter with no gradient is refused as at the end of backward."""
+        assert self.stage >= 2
+        r = self.units[u.index]
+        if r.in_flight:
+            self._launched.remove(r)
+            self._settle(r)
+        self._refuse_unused([u.names[i] for i, p in enumerate(u.params) if p.grad is None])
+        self._alloc_buffer(u)
+        full = u.grad_full
+        assert full is not None
+        for i, p in enumerate(u.params):
+            if p.grad is None:
+                u.view(i, full).zero_()
+            else:
+                u.view(i, full).copy_(p.grad)
+                p.grad = None
+        self._launch(r)
+
+    def finish(self) -> None:
+        """Wait for every launched reduction (in launch order): stages 0/1 keep the
+        averaged shards, 2/3 add them into the units' ``grad_shard``."""
+        for r in self._launched:
+            if r.state is ReduceState.SCATTERING:
+                self._finish_scatter(r)
+        for r in self._launched:
+            self._settle(r)
+        self._launched = []
+
     def finish_backward(self) -> None:
-        """End of a synchronising backward: reduce what is left, wait, keep the shards."""
+        """End of a synchronising backward: reduce what is left (zeros for parameters
+        with no gradient, or refused), wait, keep the shards."""
         self.in_backward = False
+        missing = [
+            r.unit.names[i]
+            for r in self.units
+            if not r.in_flight
+            for i in range(len(r.unit.params))
+            if i not in r.ready
+        ]
+        self._refuse_unused(missing)
         for r in self.units:
             if r.in_flight:  # launched during backward
                 continue
             u = r.unit
-            missing = [u.names[i] for i in range(len(u.params)) if i not in r.ready]
-            if missing and not self.find_unused_parameters:
-                self.abandon()
-                raise UnusedParametersError(
-                    f"{len(missing)} parameter(s) received no gradient in this backward pass: "
-                    f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every "
-                    "rank must reduce the same units: pass find_unused_parameters=True to "
-                    "reduce zeros for them, or set requires_grad=False on them."
-                )
             if u.grad_full is None:
                 self._alloc_buffer(u)
             full = u.grad_full
@@ -356,20 +420,11 @@ class GradientReducer:
                     if i not in r.ready:
                         u.view(i, full).zero_()
             self._complete(r)
-        for r in self._launched:
-            if r.state is ReduceState.SCATTERING:
-                self._finish_scatter(r)
-        for r in self._launched:
-            out = r.finish(keep=self.stage <= 1)
-            if self.stage >= 2:
-                assert r.unit.grad_shard is not None
-                r.unit.grad_shard.add_(out)
-        self._launched = []
-        self._on_finish()
-        self._note("synced", "")
+        self.finish()
 
     def abandon(self) -> None:
-        """A failed backward: complete what is in flight, drop buffers and states."""
+        """A failed backward or step: complete what is in flight, drop buffers and states."""
+        self.in_backward = False
         for r in self._launched:
             if r.state is ReduceState.SCATTERING:
                 r.finish_scatter(self.replicate_group)
@@ -383,7 +438,6 @@ class GradientReducer:
             if b.buffer is not None:
                 self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
                 b.buffer = None
-        self._on_finish()
 
     def reduced(self, u: FlatUnit) -> torch.Tensor | None:
         """Stages 0/1: the averaged shard of ``u`` from the last synchronising backward."""
