@@ -14,7 +14,7 @@ closes) and is called by the pipeline runtime around every compute action instea
 (``before(action)`` / ``after(action)``), knowing the rank's whole action list. It only
 says *when*: the reductions (the in-flight cap, the refusal of parameters with no
 gradient, the events) are the wrapper's
-:class:`~plait.parallel.zero.reduce.GradientReducer`'s, the gathers its
+:class:`~plait.parallel.zero.reducer.GradientReducer`'s, the gathers its
 :class:`~plait.parallel.zero.gather.ParameterGatherer`'s:
 
 * **Gradients** (stages 2 and 3) accumulate in ``.grad`` over the micro-batches of one

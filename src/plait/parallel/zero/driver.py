@@ -1,7 +1,7 @@
 """The autograd driver: ZeRO's gathers and reductions sequenced by autograd hooks.
 
 A :class:`~plait.parallel.zero.ZeroDataParallel` holds two driver-neutral state machines:
-the gradient reductions (:class:`~plait.parallel.zero.reduce.GradientReducer`) and, at
+the gradient reductions (:class:`~plait.parallel.zero.reducer.GradientReducer`) and, at
 stage 3, the parameter gathers (:class:`~plait.parallel.zero.gather.ParameterGatherer`).
 Exactly one driver says when each moves. :class:`AutogradDriver`, the default, reacts to
 autograd:
@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from plait.parallel.zero.flat import ROOT, FlatUnit
 from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reduce import GradientReducer
+from plait.parallel.zero.reducer import GradientReducer
 
 
 def _tensor_leaves(obj: Any) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
 Units, flattening and padding: :mod:`plait.parallel.zero.flat`. The gradient path
 inside backward (reduce-scatter, hybrid all-reduce, one state machine per unit):
-:class:`plait.parallel.zero.reduce.GradientReducer`, which the wrapper owns. One driver
+:class:`plait.parallel.zero.reducer.GradientReducer`, which the wrapper owns. One driver
 at a time sequences the gathers and reductions: the autograd hooks
 (:class:`plait.parallel.zero.driver.AutogradDriver`, :attr:`ZeroDataParallel.driver`) or,
 under pipeline parallelism, the schedule (:meth:`ZeroDataParallel.drive_externally`). The
@@ -71,7 +71,7 @@ from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.driver import AutogradDriver
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reduce import GradientReducer
+from plait.parallel.zero.reducer import GradientReducer
 from plait.pieces import LocalPiece
 
 Offload = Literal["none", "optimizer", "params"]
