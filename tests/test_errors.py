@@ -36,6 +36,6 @@ def test_unused_parameters_error_lists_ten_names_at_most() -> None:
 
 def test_data_parallel_and_zero_raise_the_one_error() -> None:
     from plait.parallel import data
-    from plait.parallel.zero import reduce
+    from plait.parallel.zero import reducer
 
-    assert data.UnusedParametersError is reduce.UnusedParametersError is UnusedParametersError
+    assert data.UnusedParametersError is reducer.UnusedParametersError is UnusedParametersError

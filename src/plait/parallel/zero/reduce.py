@@ -21,6 +21,7 @@ parameters with no gradient: :class:`~plait.parallel.zero.reducer.GradientReduce
 from __future__ import annotations
 
 import enum
+
 import torch
 
 from plait import comm

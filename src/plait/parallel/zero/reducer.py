@@ -1,15 +1,15 @@
 """ZeRO's gradient path: each unit reduce-scattered as soon as its gradients are final.
 
 Under the autograd driver a post-accumulate-grad hook on every flattened parameter hands
-its gradient to :meth:`GradientReducer.on_grad`; when every parameter of a unit has one, the unit's flat ``(padded,)`` gradient is
-reduce-scattered asynchronously over the shard group (ReduceScatter, Rajbhandari et al.
-2020), the average landing in this rank's ``(shard_numel,)`` piece; with hybrid sharding
-the piece is then all-reduced over the replicate group (AllReduce). Stages 0/1 keep full
-gradient buffers (``.grad`` is a view into them) and communicate only in the
-synchronising backward (``no_sync`` accumulates locally), launching each unit's
-reduce-scatter from the hook and waiting for them only at the end of backward; stages
-2/3 copy the gradients into a transient buffer, reduce on every backward and keep only
-the shard.
+its gradient to :meth:`GradientReducer.on_grad`; when every parameter of a unit has one,
+the unit's flat ``(padded,)`` gradient is reduce-scattered asynchronously over the shard
+group (ReduceScatter, Rajbhandari et al. 2020), the average landing in this rank's
+``(shard_numel,)`` piece; with hybrid sharding the piece is then all-reduced over the
+replicate group (AllReduce). Stages 0/1 keep full gradient buffers (``.grad`` is a view
+into them) and communicate only in the synchronising backward (``no_sync`` accumulates
+locally), launching each unit's reduce-scatter from the hook and waiting for them only
+at the end of backward; stages 2/3 copy the gradients into a transient buffer, reduce on
+every backward and keep only the shard.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
