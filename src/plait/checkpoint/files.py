@@ -1,4 +1,5 @@
-"""Byte-range access to checkpoint files, and checksums verified once per file per host.
+"""The bytes of a checkpoint: safetensors read by byte range and written from memory,
+durable writes, and checksums verified once per file per host.
 
 A checkpoint's shard files are safetensors: an 8-byte header length, a JSON header
 (each tensor's dtype, shape and ``data_offsets``) and the raw little-endian data. That
@@ -6,13 +7,15 @@ layout is what makes rank-local loading possible: :class:`ShardFile` parses the 
 once and reads element ranges of a stored tensor with ``os.preadv`` straight into the
 destination tensor (no mmap of the whole file, no intermediate copy when the dtypes
 match), counting the bytes it read. A resume therefore touches only the byte ranges of
-the pieces the rank holds in its new layout.
+the pieces the rank holds in its new layout. :func:`write_safetensors` writes a rank's
+file straight from the tensors' memory, hashing it on a second thread.
 
 :func:`verify_collective` checks the sha256 of every file of a checkpoint *once per
 host*: the ranks of a host split the files between them (file ``i`` by the host's
 ``i mod n``-th rank), each streams its files through a bounded buffer, and an
 all-gather of one flag per rank tells every rank whether (and which) file is corrupt.
-Every rank checks every file's size (a ``stat``) itself.
+Every rank checks every file's size (a ``stat``) itself. :func:`verify_files` checks
+every file in one process.
 """
 
 from __future__ import annotations
@@ -31,19 +34,8 @@ from typing import Any
 import torch
 
 from plait import comm
+from plait.checkpoint.format import CheckpointError, CorruptCheckpointError
 from plait.mesh import Mesh
-from plait.pieces import TPSplit, same_split
-from plait.train.checkpoint_meta import (
-    CheckpointError,
-    CorruptCheckpointError,
-    global_flat_index,
-    sha256_file,
-    verify_sizes,
-)
-
-READ_CHUNK = 1 << 20
-"""Elements per read when a region cannot be read straight into its destination (another
-dtype, a device tensor, a change of tensor-parallel degree): the bounded read buffer."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -152,166 +144,8 @@ def _itemsize(dt: torch.dtype) -> int:
     return torch.empty((), dtype=dt).element_size()
 
 
-def _host_id() -> float:
-    """This host, as a number all ranks can all-gather (crc32 of the host name)."""
-    return float(zlib.crc32(socket.gethostname().encode()))
-
-
-def verify_collective(folder: Path, meta: dict[str, Any], mesh: Mesh) -> list[str]:
-    """Collective: check ``folder``'s files, each file's sha256 by one rank per host;
-    raises :class:`CorruptCheckpointError` on every rank naming a bad file. Returns the
-    files this rank hashed."""
-    verify_sizes(folder, meta)
-    files = sorted(meta["files"])
-    world = mesh.world_size
-    if world == 1:
-        mine = files
-        peers, pos = [0], 0
-    else:
-        ids = comm.all_gather(torch.tensor([_host_id()], dtype=torch.float64).to(mesh.device),
-                              mesh.world())
-        assert isinstance(ids, torch.Tensor)
-        hosts = ids.cpu().tolist()  # (world,) host id of every rank
-        peers = [r for r in range(world) if hosts[r] == hosts[mesh.rank]]
-        pos = peers.index(mesh.rank)
-        mine = [f for i, f in enumerate(files) if i % len(peers) == pos]
-    bad = -1.0
-    for name in mine:
-        if sha256_file(folder / name) != meta["files"][name]["sha256"]:
-            bad = float(files.index(name))
-            break
-    if world > 1:
-        out = comm.all_gather(torch.tensor([bad], dtype=torch.float64).to(mesh.device),
-                              mesh.world())
-        assert isinstance(out, torch.Tensor)
-        flags = out.cpu().tolist()  # (world,) first bad file index per rank, -1: none
-    else:
-        flags = [bad]
-    hits = [(int(f), r) for r, f in enumerate(flags) if f >= 0]
-    if hits:
-        i, r = min(hits)
-        raise CorruptCheckpointError(
-            f"checkpoint {folder}: shard file {files[i]} fails its checksum (sha256 checked "
-            f"by rank {r}): the file is corrupt"
-        )
-    return mine
-
-
-# ---------------------------------------------------------------------------- regions
-
-RUN_GAP = 4096
-"""Under a change of tensor-parallel degree, runs of wanted elements of a saved piece
-closer than this many elements are read as one range (fewer, larger reads)."""
-
-
-def _unravel(flat: torch.Tensor, shape: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
-    coords = []
-    rest = flat
-    for size in reversed(shape):
-        coords.append(rest % size)
-        rest = rest // size
-    coords.reverse()
-    return coords
-
-
-def local_flat_index(shape: list[int], tp: TPSplit | None, g: torch.Tensor) -> torch.Tensor:
-    """The flat position within tensor-parallel block ``tp`` of each global flat index
-    ``g`` (``(n,)`` int64, all valid), or -1 where the element is outside the block."""
-    if tp is None:
-        return g
-    coords = _unravel(g, shape)
-    along = coords[tp.dim] - (tp.index // tp.replicas) * tp.block
-    inside = (along >= 0) & (along < tp.block)
-    coords[tp.dim] = along.clamp(0, max(0, tp.block - 1))
-    flat = torch.zeros_like(g)
-    for c, size in zip(coords, tp.local_shape(tuple(shape)), strict=True):
-        flat = flat * size + c
-    flat[~inside] = -1
-    return flat
-
-
-def _copy_range(f: ShardFile, key: str, off: int, dst: torch.Tensor) -> None:
-    """Elements ``[off, off + dst.numel())`` of stored ``key`` into ``dst`` (1-D)."""
-    dt = f.info(key)[0]
-    if dst.dtype == dt and dst.device.type == "cpu" and dst.is_contiguous():
-        f.read_into(key, off, dst)  # straight into the destination
-        return
-    n = dst.numel()
-    buf = torch.empty(min(n, READ_CHUNK), dtype=dt)  # the bounded read buffer
-    for i in range(0, n, READ_CHUNK):
-        m = min(READ_CHUNK, n - i)
-        f.read_into(key, off + i, buf[:m])
-        dst[i : i + m].copy_(buf[:m])
-
-
-def read_region(
-    reader: Any, name: str, kind: str, tp: TPSplit | None, start: int, out: torch.Tensor
-) -> None:
-    """``out.numel()`` values of ``kind`` of parameter ``name`` at elements ``[start,
-    start + n)`` of block ``tp`` into ``out`` (:meth:`CheckpointReader.read_into`).
-
-    Saved pieces of the same block covering the range: only their overlapping byte
-    ranges are read. Otherwise (another tensor-parallel degree) each saved piece is
-    walked in chunks of :data:`READ_CHUNK` elements, the global position of each element
-    computed, and only the runs of elements that fall into the region are read."""
-    e = reader.entry(name)
-    n = out.numel()
-    end = start + n
-    pieces = []
-    seen_ranges: set[tuple[Any, int, int]] = set()
-    for p in e.pieces:
-        if kind not in p.keys:
-            raise CheckpointError(f"checkpoint {reader.folder}: {name} has no {kind!r} state")
-        block = None if p.tp is None else (*p.tp.to_json()[:5], p.tp.index // p.tp.replicas)
-        ident = (block, p.start, p.end)
-        if ident not in seen_ranges:  # a replica written twice is read once
-            seen_ranges.add(ident)
-            pieces.append(p)
-    same = [p for p in pieces if same_split(p.tp, tp) and p.start < end and p.end > start]
-    if sum(min(end, p.end) - max(start, p.start) for p in same) == n:
-        for p in same:
-            a, b = max(start, p.start), min(end, p.end)
-            _copy_range(reader._file(p.file), p.keys[kind], a - p.start, out[a - start : b - start])
-        return
-    shape = e.shape
-    out.zero_()  # tensor-parallel padding reads as zero
-    seen = torch.zeros(n, dtype=torch.bool)  # (n,) elements of the region filled
-    want = 0
-    for q0 in range(start, end, READ_CHUNK):
-        want += int((global_flat_index(shape, tp, q0, min(end, q0 + READ_CHUNK)) >= 0).sum())
-    for p in pieces:
-        f = reader._file(p.file)
-        key = p.keys[kind]
-        dt = f.info(key)[0]
-        for q0 in range(p.start, p.end, READ_CHUNK):
-            q1 = min(p.end, q0 + READ_CHUNK)
-            g = global_flat_index(shape, p.tp, q0, q1)  # (q1 - q0,) global positions
-            r = torch.full_like(g, -1)
-            valid = g >= 0
-            r[valid] = local_flat_index(shape, tp, g[valid])  # positions in the region's block
-            mask = (r >= start) & (r < end)
-            pos = mask.nonzero().squeeze(1)
-            if pos.numel() == 0:
-                continue
-            cut = ((pos[1:] - pos[:-1]) > RUN_GAP).nonzero().squeeze(1)
-            firsts = [int(pos[0]), *(int(x) for x in pos[cut + 1])]
-            lasts = [*(int(x) + 1 for x in pos[cut]), int(pos[-1]) + 1]
-            for ra, rb in zip(firsts, lasts, strict=True):
-                buf = torch.empty(rb - ra, dtype=dt)  # at most READ_CHUNK elements
-                f.read_into(key, q0 - p.start + ra, buf)
-                m = mask[ra:rb]
-                at = r[ra:rb][m] - start
-                out[at.to(out.device)] = buf[m].to(out.device, out.dtype)
-                seen[at] = True
-    got = int(seen.sum())
-    if got < want:
-        raise CheckpointError(
-            f"checkpoint {reader.folder}: tensor {name!r} ({kind}) is incomplete: "
-            f"{want - got} of the {want} elements this rank needs are in no shard file"
-        )
-
-
 # ---------------------------------------------------------------------------- writing
+
 
 _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
@@ -364,3 +198,117 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str
     finally:
         hasher.join()
     return digest.hexdigest(), sum(mv.nbytes for mv in parts)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new, renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the caller fsyncs the folder)."""
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_durable(path: Path, data: bytes) -> None:
+    """Atomically replace ``path`` by a file holding ``data`` (write, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------- checksums
+
+
+def verify_sizes(folder: Path, meta: dict[str, Any]) -> None:
+    """Every file exists with the size the metadata records (a ``stat`` each)."""
+    for name, info in meta["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint {folder}: shard file {name} is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {folder}: shard file {name} has {size} bytes, the metadata "
+                f"says {info['bytes']} (truncated or overwritten)"
+            )
+
+
+def verify_files(folder: Path, meta: dict[str, Any]) -> None:
+    """Check every shard file's size and sha256 against the metadata."""
+    verify_sizes(folder, meta)
+    for name, info in meta["files"].items():
+        path = folder / name
+        digest = sha256_file(path)
+        if digest != info["sha256"]:
+            raise CorruptCheckpointError(
+                f"checkpoint {folder}: shard file {name} fails its checksum (sha256 "
+                f"{digest[:16]}..., expected {info['sha256'][:16]}...): the file is corrupt"
+            )
+
+
+def _host_id() -> float:
+    """This host, as a number all ranks can all-gather (crc32 of the host name)."""
+    return float(zlib.crc32(socket.gethostname().encode()))
+
+
+def verify_collective(folder: Path, meta: dict[str, Any], mesh: Mesh) -> list[str]:
+    """Collective: check ``folder``'s files, each file's sha256 by one rank per host;
+    raises :class:`CorruptCheckpointError` on every rank naming a bad file. Returns the
+    files this rank hashed."""
+    verify_sizes(folder, meta)
+    files = sorted(meta["files"])
+    world = mesh.world_size
+    if world == 1:
+        mine = files
+        peers, pos = [0], 0
+    else:
+        ids = comm.all_gather(
+            torch.tensor([_host_id()], dtype=torch.float64).to(mesh.device), mesh.world()
+        )
+        assert isinstance(ids, torch.Tensor)
+        hosts = ids.cpu().tolist()  # (world,) host id of every rank
+        peers = [r for r in range(world) if hosts[r] == hosts[mesh.rank]]
+        pos = peers.index(mesh.rank)
+        mine = [f for i, f in enumerate(files) if i % len(peers) == pos]
+    bad = -1.0
+    for name in mine:
+        if sha256_file(folder / name) != meta["files"][name]["sha256"]:
+            bad = float(files.index(name))
+            break
+    if world > 1:
+        out = comm.all_gather(
+            torch.tensor([bad], dtype=torch.float64).to(mesh.device), mesh.world()
+        )
+        assert isinstance(out, torch.Tensor)
+        flags = out.cpu().tolist()  # (world,) first bad file index per rank, -1: none
+    else:
+        flags = [bad]
+    hits = [(int(f), r) for r, f in enumerate(flags) if f >= 0]
+    if hits:
+        i, r = min(hits)
+        raise CorruptCheckpointError(
+            f"checkpoint {folder}: shard file {files[i]} fails its checksum (sha256 checked "
+            f"by rank {r}): the file is corrupt"
+        )
+    return mine
