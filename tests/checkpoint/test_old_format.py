@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from plait.checkpoint import CheckpointReader, CorruptCheckpointError, find_checkpoint
 from plait.config_io import config_from_dict
 from plait.mesh import init_mesh
-from plait.train.checkpoint_meta import CorruptCheckpointError
-from plait.train.reshard import CheckpointReader, find_checkpoint
 from plait.train.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_format"
