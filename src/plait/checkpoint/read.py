@@ -46,7 +46,6 @@ READ_CHUNK = 1 << 20
 """Elements per read when a region cannot be read straight into its destination (another
 dtype, a device tensor, a change of tensor-parallel degree): the bounded read buffer."""
 
-
 RUN_GAP = 4096
 """Under a change of tensor-parallel degree, runs of wanted elements of a saved piece
 closer than this many elements are read as one range (fewer, larger reads)."""
