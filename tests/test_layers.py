@@ -2,8 +2,8 @@
 
 Layers, left to right (DESIGN.md, README):
 
-    errors → config → comm → collectives / mesh / pieces → model → parallel / optim
-           → train / ps / plan / bench / testing / viz → launch → cli
+    errors → config → comm → collectives / mesh / pieces → model → parallel / optim /
+           checkpoint → train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -20,8 +20,8 @@ Extra rules:
 * Only ``plait.comm`` imports ``torch.distributed``, besides the few modules in
   :data:`DISTRIBUTED_ALLOWED` that start or watch processes (each entry says why, and
   the test fails when an entry no longer needs the exception).
-* Checkpoint code (``plait.train.checkpoint*``, ``plait.train.reshard``,
-  ``plait.train.state``) imports nothing from ``plait.parallel``: it names no parallelism.
+* Checkpoint code (``plait.checkpoint``) imports nothing from ``plait.parallel``, though
+  it shares its layer: it names no parallelism (each wrapper describes its own pieces).
 * No two top-level sub-packages import each other.
 
 The checker is itself checked on synthetic sources, so it cannot pass vacuously.
@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
-    ("plait.parallel", "plait.optim"),
+    ("plait.parallel", "plait.optim", "plait.checkpoint"),
     # viz sits beside train, as DESIGN.md and the README draw it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
     ("plait.train", "plait.ps", "plait.plan", "plait.bench", "plait.testing", "plait.viz"),
@@ -72,7 +72,7 @@ PLAN = "plait.plan"
 PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1])
 """What the pure-arithmetic planner may import from plait: itself, errors and config."""
 
-CHECKPOINT = ("plait.train.checkpoint", "plait.train.reshard", "plait.train.state")
+CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
 
 
@@ -198,7 +198,7 @@ def violations(
                 f"{head}: plait.plan is pure arithmetic; of plait it imports only "
                 f"{', '.join(PLAN_MAY_IMPORT)}"
             )
-        if module.startswith(CHECKPOINT) and _is_under(target, "plait.parallel"):
+        if _is_under(module, CHECKPOINT) and _is_under(target, "plait.parallel"):
             bad.append(f"{head}: checkpoint code names no parallelism (use local_pieces())")
     return bad
 
@@ -253,8 +253,8 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("from plait.train.trainer import Trainer\n", "plait.parallel.data", "may not import"),
         ("def f():\n    from plait.parallel import zero\n", "plait.config", "may not import"),
         (
-            "if TYPE_CHECKING:\n    from plait.train.state import TrainState\n",
-            "plait.parallel.data",
+            "if TYPE_CHECKING:\n    from plait.checkpoint.state import TrainState\n",
+            "plait.model.transformer",
             "may not import",
         ),
         ("from ..train import trainer\n", "plait.parallel.data", "may not import"),
@@ -271,9 +271,12 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("import torch.distributed as dist\n", "plait.parallel.data", "torch.distributed"),
         ("from torch import distributed\n", "plait.train.trainer", "torch.distributed"),
         ("from torch.distributed import ReduceOp\n", "plait.mesh", "torch.distributed"),
-        ("from plait.parallel.tensor import layers\n", "plait.train.checkpoint", "parallelism"),
-        ("from plait.parallel import zero\n", "plait.train.checkpoint_meta", "parallelism"),
-        ("from plait.parallel.zero import flat\n", "plait.train.state", "parallelism"),
+        ("from plait.parallel.tensor import layers\n", "plait.checkpoint", "parallelism"),
+        ("from plait.parallel import zero\n", "plait.checkpoint.format", "parallelism"),
+        ("from plait.parallel.zero import flat\n", "plait.checkpoint.state", "parallelism"),
+        ("from ..parallel import data\n", "plait.checkpoint.load", "parallelism"),
+        ("from plait.train.faults import restart_count\n", "plait.checkpoint.manager", "may not"),
+        ("from plait.train.trainer import Trainer\n", "plait.checkpoint", "may not import"),
     ],
 )
 def test_the_checker_flags_what_it_should(source: str, module: str, why: str) -> None:
@@ -292,6 +295,7 @@ def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from .memory import x\n", "plait.plan.search")
     assert not violations("from plait.train import trainer\n", "plait.cli.train")
     assert not violations("from plait.train.trainer import Trainer\n", "plait")
+    assert not violations("from plait.pieces import TPSplit\n", "plait.checkpoint.files")
 
 
 def test_the_checker_names_file_line_target_and_both_layers() -> None:

@@ -6,7 +6,7 @@ it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided
 number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
 is the mean over the global batch whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
-keep only gradient shards). Checkpoints see a :class:`~plait.train.state.TrainState`.
+keep only gradient shards). Checkpoints see a :class:`~plait.checkpoint.TrainState`.
 
 The trainer uses only the public path a user's own loop uses: ``parallelize`` returns a
 :class:`~plait.parallel.parallelize.ParallelModel` whose ``step`` runs forward and
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.model.factory import build_model, describe_model, model_flops_per_token, model_params
@@ -40,7 +41,6 @@ from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
-from plait.train.checkpoint import Checkpointing
 from plait.train.data import (
     BatchSampler,
     TokenDataset,
@@ -50,11 +50,10 @@ from plait.train.data import (
     split_train_val,
     truncation_note,
 )
-from plait.train.faults import FaultMonitor, StepHealth
+from plait.train.faults import FaultMonitor, StepHealth, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
-from plait.train.state import TrainState
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -130,7 +129,8 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)
         self.model_note = describe_model(base, cfg.model)
         self.show_progress = show_progress
-        self.checkpoints = Checkpointing(cfg, mesh)  # folder lock, resume / init_from, saves
+        # folder lock, resume / init_from (an elastic restart resumes by itself), saves
+        self.checkpoints = Checkpointing(cfg, mesh, restart_count())
         try:
             self._build(cfg, mesh, base)
         except BaseException:
