@@ -34,15 +34,11 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
-from plait.errors import PlaitError
+from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, Finish
 from plait.parallel.tensor.layers import shard_info
 from plait.pieces import LocalPiece
-
-
-class UnusedParametersError(PlaitError, RuntimeError):
-    """Some parameters received no gradient in a synchronising backward pass."""
 
 
 @dataclass
@@ -132,7 +128,7 @@ class DataParallel(nn.Module):
         mesh: the device mesh.
         bucket_mb: bucket size in MiB (the unit of one asynchronous all-reduce).
         find_unused_parameters: reduce zeros for parameters that get no gradient
-            instead of raising :class:`UnusedParametersError` naming them.
+            instead of raising :class:`~plait.errors.UnusedParametersError` naming them.
         axes: the mesh axes gradients are averaged over.
         record_events: keep :attr:`events` (gradient arrivals, bucket launches and the
             end of backward, in order) for the last backward pass.
@@ -247,12 +243,7 @@ class DataParallel(nn.Module):
                 if b.pending is not None:
                     b.pending()
                     b.pending = None
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) received no gradient in this backward pass: "
-                f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every rank "
-                "must reduce the same buckets: pass find_unused_parameters=True to reduce "
-                "zeros for them, or set requires_grad=False on parameters that are never used."
-            )
+            raise UnusedParametersError(missing)
         for b in self.buckets:
             if b.pending is None:
                 for i, p in enumerate(b.params):
