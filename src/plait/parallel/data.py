@@ -37,6 +37,7 @@ from plait.comm import AxisGroup
 from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, Finish
+from plait.parallel.tensor.layers import shard_info
 from plait.pieces import LocalPiece
 
 
@@ -314,3 +315,22 @@ class DataParallel(nn.Module):
             (b.index, len(b.params), b.buffer.numel() * b.buffer.element_size())
             for b in self.buckets
         ]
+
+    # ------------------------------------------------------------------ optimizer
+    # What plait.optim.Optimizer reads (its OptimizerTarget protocol).
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over: the mesh's
+        tp axis when it has several ranks (the wrapped module is then tensor-parallel).
+        The replicas over ``axes`` hold equal gradients, so they are not summed."""
+        return [self.mesh.axis("tp")] if self.mesh.size("tp") > 1 else []
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
+        held identically by k tp ranks, else 1."""
+        info = shard_info(p)
+        return info.norm_weight if info is not None else 1.0
+
+    def zero_wrapper(self) -> None:
+        """No ZeRO shards: the parameters are their own (fp32) masters."""
+        return None

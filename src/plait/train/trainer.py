@@ -9,7 +9,7 @@ communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step becau
 keep only gradient shards). Checkpoints see a :class:`~plait.checkpoint.TrainState`.
 
 The trainer uses only the public path a user's own loop uses: ``parallelize`` returns a
-:class:`~plait.parallel.parallelize.ParallelModel` whose ``step`` runs forward and
+:class:`~plait.parallel.model.ParallelModel` whose ``step`` runs forward and
 backward (the pipeline schedule when pp > 1), and :class:`plait.optim.Optimizer` wraps
 AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradient
 norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not

@@ -63,10 +63,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from plait.comm import AxisGroup
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
+from plait.parallel.tensor.layers import shard_info
 from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.driver import AutogradDriver
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
@@ -399,3 +401,26 @@ class ZeroDataParallel(nn.Module):
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""
         return [(u.name, len(u.params), u.numel, u.padded) for u in self.units]
+
+    # ------------------------------------------------------------------ optimizer
+    # What plait.optim.Optimizer reads (its OptimizerTarget protocol).
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over: the shard
+        group (each element of a replica on exactly one rank) and the mesh's tp axis,
+        each when it has several ranks. Replicas of a shard hold equal gradients."""
+        groups = [self.shard_group] if self.shard_group.size > 1 else []
+        if self.mesh.size("tp") > 1:
+            groups.append(self.mesh.axis("tp"))
+        return groups
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
+        held identically by k tp ranks, else 1."""
+        info = shard_info(p)
+        return info.norm_weight if info is not None else 1.0
+
+    def zero_wrapper(self) -> ZeroDataParallel:
+        """This wrapper: the optimizer steps fp32 masters of its shards
+        (:class:`~plait.parallel.zero.optim.ShardedMasters`)."""
+        return self
