@@ -110,7 +110,7 @@ def test_straggler_lines() -> None:
         "to 4 ranks x 1 thread(s) on 2 cores: oversubscribed, so compute times vary)"
     )
     assert stragglers_line(3, {2: 1, 1: 2}) == (
-        'plait: stragglers on 3 steps (rank 1: 2, rank 2: 1); every step\'s are in the metrics '
+        "plait: stragglers on 3 steps (rank 1: 2, rank 2: 1); every step's are in the metrics "
         '("stragglers")'
     )
 
@@ -118,8 +118,7 @@ def test_straggler_lines() -> None:
 def test_summary_and_timeline_lines() -> None:
     s = RunSummary(2, [5.5, 5.4286], [(2, 5.25191)], 170.6, 41_120, wall_seconds=4.25)
     assert summary_line(s, []) == (
-        "plait: done: 2 steps in 4.2 s; final loss 5.4286; validation loss 5.2519; "
-        "171 tokens/s"
+        "plait: done: 2 steps in 4.2 s; final loss 5.4286; validation loss 5.2519; 171 tokens/s"
     )
     s = dataclasses.replace(s, val_losses=[], metrics="m.jsonl", checkpoint="ck/step_2")
     assert summary_line(s, ["wandb"]) == (
