@@ -236,8 +236,14 @@ class Trainer:
             for logger in self.loggers:
                 logger.close()
             return RunSummary(
-                t.steps, [], [], 0.0, self.params, self.optimizer.skipped,
-                last_step=self.start_step, already_complete=True,
+                t.steps,
+                [],
+                [],
+                0.0,
+                self.params,
+                self.optimizer.skipped,
+                last_step=self.start_step,
+                already_complete=True,
             )
         if self.is_main:
             self.progress.message(banner(cfg, self.mesh, self._facts()))
