@@ -1,6 +1,7 @@
 """Imports flow one way: every module imports only from its own layer or those to its left.
 
-Layers, left to right (DESIGN.md, README):
+Layers, left to right (docs/architecture.md draws them, with what each package owns; the
+test below checks that its table and :data:`LAYERS` say the same):
 
     errors → config → comm → collectives / mesh / pieces → model → parallel / optim /
            checkpoint → train / ps / plan / bench / testing / viz → launch → cli
@@ -23,6 +24,9 @@ Extra rules:
 * Checkpoint code (``plait.checkpoint``) imports nothing from ``plait.parallel``, though
   it shares its layer: it names no parallelism (each wrapper describes its own pieces).
 * No two top-level sub-packages import each other.
+* No module imports a private name (``from plait.x.y import _z``, or a private module
+  ``plait.x._y``) from outside its own package: what another package may use is public,
+  so a package can change its insides without breaking a caller it does not know of.
 
 The checker is itself checked on synthetic sources, so it cannot pass vacuously.
 """
@@ -171,12 +175,55 @@ def imports_of(source: str, module: str, is_package: bool, file: str = "<src>") 
     return out
 
 
+def package_of(module: str, is_package: bool) -> str:
+    """The package a module belongs to: itself for a package, else its parent."""
+    return module if is_package else module.rpartition(".")[0]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(source: str, module: str, is_package: bool, file: str = "<src>") -> list[str]:
+    """Each private name (or private module) a module imports from another package."""
+    here = package_of(module, is_package)
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[tuple[str, str]] = []  # (module imported from, name)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [(base, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [(a.name.rpartition(".")[0], a.name.rpartition(".")[2]) for a in node.names]
+        for base, name in names:
+            if not _is_under(base, ROOT):
+                continue
+            owner = package_of(base, _is_plait_package(base))
+            private_module = next((part for part in base.split(".") if _is_private(part)), None)
+            what = name if _is_private(name) else private_module
+            if what is not None and owner != here:
+                bad.append(
+                    f"{file}:{node.lineno}: {module} imports {what} from {base}: a private "
+                    f"name of package {owner} (make it public there, or keep it inside)"
+                )
+    return bad
+
+
+def _is_plait_package(name: str) -> bool:
+    """Whether ``plait.x.y`` names a package (a folder with ``__init__.py``)."""
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (SRC / rel / "__init__.py").is_file()
+
+
 def violations(
     source: str, module: str, is_package: bool = False, file: str = "<src>"
 ) -> list[str]:
     """Every rule a module's source breaks, one line each."""
     mine = layer_of(module)
-    bad: list[str] = []
+    bad: list[str] = private_imports(source, module, is_package, file)
     for imp in imports_of(source, module, is_package, file):
         target = imp.target
         head = f"{imp.where}: {module} imports {target}"
@@ -284,6 +331,30 @@ def test_the_checker_flags_what_it_should(source: str, module: str, why: str) ->
     assert found, f"{source!r} in {module} was not flagged"
     assert all(line.startswith("synthetic.py:") for line in found), found
     assert any(why in line for line in found), found
+
+
+@pytest.mark.parametrize(
+    ("source", "module"),
+    [
+        ("from plait.parallel.zero.reducer import _cap\n", "plait.parallel.pipeline.zero"),
+        ("from ..zero.reduce import _ALLOWED\n", "plait.parallel.pipeline.zero"),
+        ("def f():\n    from plait.ps.core import _x\n", "plait.cli.ps"),
+        ("from plait.comm import _private_module\n", "plait.parallel.data"),
+        ("import plait.comm._wire\n", "plait.mesh"),
+        ("from plait.parallel.zero import _helper\n", "plait.parallel"),  # parent -> child
+    ],
+)
+def test_the_checker_flags_private_names_taken_across_packages(source: str, module: str) -> None:
+    found = violations(source, module, file="synthetic.py")
+    assert any("a private name of package" in line for line in found), found
+
+
+def test_private_names_pass_inside_their_own_package() -> None:
+    inside = "from plait.parallel.zero.reduce import _ALLOWED\n"
+    assert not private_imports(inside, "plait.parallel.zero.reducer", False)
+    assert not private_imports("from .reduce import _ALLOWED\n", "plait.parallel.zero.x", False)
+    assert not private_imports("from . import _x\n", "plait.parallel.zero", True)
+    assert not private_imports("from plait.config import __all__\n", "plait.mesh", False)
 
 
 def test_the_checker_lets_allowed_imports_pass() -> None:
