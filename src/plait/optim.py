@@ -44,7 +44,7 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
-from plait.parallel.tensor.layers import shard_info
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
 from plait.pieces import LocalPiece
@@ -117,8 +117,7 @@ class PlainModule:
 
     def norm_weight(self, p: torch.Tensor) -> float:
         """1/k for a tensor held identically by k tp ranks, else 1."""
-        info = shard_info(p)
-        return info.norm_weight if info is not None else 1.0
+        return tp_norm_weight(p)
 
     def local_pieces(self) -> list[LocalPiece]:
         """Refused: a plain module does not know which rank writes what."""

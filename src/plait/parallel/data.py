@@ -37,7 +37,7 @@ from plait.comm import AxisGroup
 from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, Finish
-from plait.parallel.tensor.layers import shard_info
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.pieces import LocalPiece
 
 
@@ -328,8 +328,7 @@ class DataParallel(nn.Module):
     def norm_weight(self, p: torch.Tensor) -> float:
         """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
         held identically by k tp ranks, else 1."""
-        info = shard_info(p)
-        return info.norm_weight if info is not None else 1.0
+        return tp_norm_weight(p)
 
     def zero_wrapper(self) -> None:
         """No ZeRO shards: the parameters are their own (fp32) masters."""

@@ -68,7 +68,7 @@ from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
-from plait.parallel.tensor.layers import shard_info
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.driver import AutogradDriver
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
@@ -417,8 +417,7 @@ class ZeroDataParallel(nn.Module):
     def norm_weight(self, p: torch.Tensor) -> float:
         """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
         held identically by k tp ranks, else 1."""
-        info = shard_info(p)
-        return info.norm_weight if info is not None else 1.0
+        return tp_norm_weight(p)
 
     def zero_wrapper(self) -> ZeroDataParallel:
         """This wrapper: the optimizer steps fp32 masters of its shards
