@@ -423,3 +423,57 @@ def test_the_torch_distributed_exceptions_are_still_needed() -> None:
 def test_no_two_subpackages_import_each_other() -> None:
     cycles = package_cycles(_all_imports())
     assert not cycles, "sub-packages that import each other:\n" + "\n".join(cycles)
+
+
+# ------------------------------------------------------------------ the picture in the docs
+
+ARCHITECTURE = SRC.parent.parent / "docs" / "architecture.md"
+"""The page that draws the layers (docs/architecture.md, section "The picture")."""
+
+
+def picture_rows(text: str) -> list[tuple[int, set[str], str]]:
+    """(layer, packages, may-import text) for each row of the page's layer table."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            packages = {c.strip(" `") for c in cells[1].split(",")}
+            rows.append((int(cells[0]), packages, cells[3]))
+    return rows
+
+
+def picture_disagreements(rows: list[tuple[int, set[str], str]]) -> list[str]:
+    """Where the page's table and :data:`LAYERS` (and the extra rules) disagree."""
+    bad = []
+    if [r[0] for r in rows] != list(range(len(LAYERS))):
+        bad.append(f"layers {[r[0] for r in rows]}, expected 0..{len(LAYERS) - 1}")
+    for i, packages, may in rows:
+        if i >= len(LAYERS):
+            continue
+        expected = set(LAYERS[i]) - {ROOT, "plait.__main__"}
+        if packages != expected:
+            bad.append(f"layer {i}: page names {sorted(packages)}, LAYERS {sorted(expected)}")
+        scope = "nothing" if i == 0 else ("layer 0" if i == 1 else f"layers 0–{i - 1}")
+        if not may.startswith(scope):
+            bad.append(f"layer {i}: may import {may!r}, expected it to start with {scope!r}")
+    rules = " ".join(r[2] for r in rows)
+    for rule in (f"`{CHECKPOINT}` imports nothing from `plait.parallel`", "imports no torch"):
+        if rule not in rules:
+            bad.append(f"the page's table does not state the rule: {rule}")
+    return bad
+
+
+def test_the_architecture_page_draws_the_layers_the_test_enforces() -> None:
+    rows = picture_rows(ARCHITECTURE.read_text("utf-8"))
+    assert rows, f"no layer table found in {ARCHITECTURE}"
+    assert not picture_disagreements(rows), picture_disagreements(rows)
+
+
+def test_the_picture_check_finds_a_drifted_page() -> None:
+    rows = picture_rows(ARCHITECTURE.read_text("utf-8"))
+    moved = [(i, {"plait.train"} if i == 5 else p, m) for i, p, m in rows]
+    assert any("layer 5" in line for line in picture_disagreements(moved))
+    wrong_scope = [(i, p, "layers 0–7" if i == 2 else m) for i, p, m in rows]
+    assert any("layer 2: may import" in line for line in picture_disagreements(wrong_scope))
+    no_rule = [(i, p, m.replace("imports no torch", "")) for i, p, m in rows]
+    assert any("imports no torch" in line for line in picture_disagreements(no_rule))
