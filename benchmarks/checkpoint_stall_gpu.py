@@ -54,8 +54,7 @@ def _config(dim: int, layers: int, root: str | None = None, **train: object) -> 
 
 def stalls(dim: int, layers: int, saves: int) -> None:
     from plait import init_mesh
-    from plait.train.checkpoint_async import AsyncSaver
-    from plait.train.checkpoint_save import save_checkpoint
+    from plait.checkpoint import AsyncSaver, save_checkpoint
     from plait.train.trainer import Trainer
 
     mesh = init_mesh(device=DEVICE)
@@ -98,7 +97,7 @@ def stalls(dim: int, layers: int, saves: int) -> None:
 
 def resume_check() -> None:
     from plait import init_mesh
-    from plait.train.checkpoint_meta import step_dirname
+    from plait.checkpoint import step_dirname
     from plait.train.trainer import Trainer
 
     root = tempfile.mkdtemp(prefix="plait-async-")

@@ -79,6 +79,7 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
     from torch.distributed.fsdp import fully_shard
 
     from plait import comm
+    from plait.checkpoint import CheckpointReader, restore_training_state, save_checkpoint
     from plait.config import (
         Config,
         DataConfig,
@@ -88,13 +89,10 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
         TrainConfig,
     )
     from plait.model.transformer import Transformer, lm_loss
-    from plait.train.checkpoint import restore_training_state, save_checkpoint
-    from plait.train.reshard import CheckpointReader
     from plait.train.trainer import Trainer
 
     try:
-        from plait.train.checkpoint_async import AsyncSaver
-        from plait.train.checkpoint_io import verify_collective
+        from plait.checkpoint import AsyncSaver, verify_collective
     except ImportError:  # the code before issue 19 (for the "before" figures)
         AsyncSaver, verify_collective = None, None  # type: ignore[assignment,misc]
 

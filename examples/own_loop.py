@@ -23,12 +23,10 @@ import torch
 from torch import nn
 
 import plait
+from plait.checkpoint import TrainState, find_checkpoint, restore_training_state, save_checkpoint
 from plait.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from plait.model import Transformer
-from plait.train.checkpoint import restore_training_state, save_checkpoint
 from plait.train.data import BatchSampler, TokenDataset, load_tokens
-from plait.train.reshard import find_checkpoint
-from plait.train.state import TrainState
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

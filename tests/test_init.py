@@ -36,7 +36,8 @@ def test_every_public_name_resolves(name: str) -> None:
 
 def test_names_come_from_their_modules() -> None:
     from plait.config import Config
-    from plait.parallel.parallelize import ParallelModel, parallelize
+    from plait.parallel.model import ParallelModel
+    from plait.parallel.parallelize import parallelize
 
     assert plait.Config is Config
     assert plait.ParallelModel is ParallelModel and plait.parallelize is parallelize

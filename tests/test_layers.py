@@ -1,9 +1,10 @@
 """Imports flow one way: every module imports only from its own layer or those to its left.
 
-Layers, left to right (DESIGN.md, README):
+Layers, left to right (docs/architecture.md draws them, with what each package owns; the
+test below checks that its table and :data:`LAYERS` say the same):
 
-    errors → config → comm → collectives / mesh / pieces → model → parallel / optim
-           → train / ps / plan / bench / testing / viz → launch → cli
+    errors → config → comm → collectives / mesh / pieces → model → parallel / optim /
+           checkpoint → train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -20,9 +21,12 @@ Extra rules:
 * Only ``plait.comm`` imports ``torch.distributed``, besides the few modules in
   :data:`DISTRIBUTED_ALLOWED` that start or watch processes (each entry says why, and
   the test fails when an entry no longer needs the exception).
-* Checkpoint code (``plait.train.checkpoint*``, ``plait.train.reshard``,
-  ``plait.train.state``) imports nothing from ``plait.parallel``: it names no parallelism.
+* Checkpoint code (``plait.checkpoint``) imports nothing from ``plait.parallel``, though
+  it shares its layer: it names no parallelism (each wrapper describes its own pieces).
 * No two top-level sub-packages import each other.
+* No module imports a private name (``from plait.x.y import _z``, or a private module
+  ``plait.x._y``) from outside its own package: what another package may use is public,
+  so a package can change its insides without breaking a caller it does not know of.
 
 The checker is itself checked on synthetic sources, so it cannot pass vacuously.
 """
@@ -48,7 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
-    ("plait.parallel", "plait.optim"),
+    ("plait.parallel", "plait.optim", "plait.checkpoint"),
     # viz sits beside train, as DESIGN.md and the README draw it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
     ("plait.train", "plait.ps", "plait.plan", "plait.bench", "plait.testing", "plait.viz"),
@@ -72,7 +76,7 @@ PLAN = "plait.plan"
 PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1])
 """What the pure-arithmetic planner may import from plait: itself, errors and config."""
 
-CHECKPOINT = ("plait.train.checkpoint", "plait.train.reshard", "plait.train.state")
+CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
 
 
@@ -171,12 +175,55 @@ def imports_of(source: str, module: str, is_package: bool, file: str = "<src>") 
     return out
 
 
+def package_of(module: str, is_package: bool) -> str:
+    """The package a module belongs to: itself for a package, else its parent."""
+    return module if is_package else module.rpartition(".")[0]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(source: str, module: str, is_package: bool, file: str = "<src>") -> list[str]:
+    """Each private name (or private module) a module imports from another package."""
+    here = package_of(module, is_package)
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[tuple[str, str]] = []  # (module imported from, name)
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [(base, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [(a.name.rpartition(".")[0], a.name.rpartition(".")[2]) for a in node.names]
+        for base, name in names:
+            if not _is_under(base, ROOT):
+                continue
+            owner = package_of(base, _is_plait_package(base))
+            private_module = next((part for part in base.split(".") if _is_private(part)), None)
+            what = name if _is_private(name) else private_module
+            if what is not None and owner != here:
+                bad.append(
+                    f"{file}:{node.lineno}: {module} imports {what} from {base}: a private "
+                    f"name of package {owner} (make it public there, or keep it inside)"
+                )
+    return bad
+
+
+def _is_plait_package(name: str) -> bool:
+    """Whether ``plait.x.y`` names a package (a folder with ``__init__.py``)."""
+    rel = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (SRC / rel / "__init__.py").is_file()
+
+
 def violations(
     source: str, module: str, is_package: bool = False, file: str = "<src>"
 ) -> list[str]:
     """Every rule a module's source breaks, one line each."""
     mine = layer_of(module)
-    bad: list[str] = []
+    bad: list[str] = private_imports(source, module, is_package, file)
     for imp in imports_of(source, module, is_package, file):
         target = imp.target
         head = f"{imp.where}: {module} imports {target}"
@@ -198,7 +245,7 @@ def violations(
                 f"{head}: plait.plan is pure arithmetic; of plait it imports only "
                 f"{', '.join(PLAN_MAY_IMPORT)}"
             )
-        if module.startswith(CHECKPOINT) and _is_under(target, "plait.parallel"):
+        if _is_under(module, CHECKPOINT) and _is_under(target, "plait.parallel"):
             bad.append(f"{head}: checkpoint code names no parallelism (use local_pieces())")
     return bad
 
@@ -253,8 +300,8 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("from plait.train.trainer import Trainer\n", "plait.parallel.data", "may not import"),
         ("def f():\n    from plait.parallel import zero\n", "plait.config", "may not import"),
         (
-            "if TYPE_CHECKING:\n    from plait.train.state import TrainState\n",
-            "plait.parallel.data",
+            "if TYPE_CHECKING:\n    from plait.checkpoint.state import TrainState\n",
+            "plait.model.transformer",
             "may not import",
         ),
         ("from ..train import trainer\n", "plait.parallel.data", "may not import"),
@@ -271,9 +318,12 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("import torch.distributed as dist\n", "plait.parallel.data", "torch.distributed"),
         ("from torch import distributed\n", "plait.train.trainer", "torch.distributed"),
         ("from torch.distributed import ReduceOp\n", "plait.mesh", "torch.distributed"),
-        ("from plait.parallel.tensor import layers\n", "plait.train.checkpoint", "parallelism"),
-        ("from plait.parallel import zero\n", "plait.train.checkpoint_meta", "parallelism"),
-        ("from plait.parallel.zero import flat\n", "plait.train.state", "parallelism"),
+        ("from plait.parallel.tensor import layers\n", "plait.checkpoint", "parallelism"),
+        ("from plait.parallel import zero\n", "plait.checkpoint.format", "parallelism"),
+        ("from plait.parallel.zero import flat\n", "plait.checkpoint.state", "parallelism"),
+        ("from ..parallel import data\n", "plait.checkpoint.load", "parallelism"),
+        ("from plait.train.faults import restart_count\n", "plait.checkpoint.manager", "may not"),
+        ("from plait.train.trainer import Trainer\n", "plait.checkpoint", "may not import"),
     ],
 )
 def test_the_checker_flags_what_it_should(source: str, module: str, why: str) -> None:
@@ -281,6 +331,30 @@ def test_the_checker_flags_what_it_should(source: str, module: str, why: str) ->
     assert found, f"{source!r} in {module} was not flagged"
     assert all(line.startswith("synthetic.py:") for line in found), found
     assert any(why in line for line in found), found
+
+
+@pytest.mark.parametrize(
+    ("source", "module"),
+    [
+        ("from plait.parallel.zero.reducer import _cap\n", "plait.parallel.pipeline.zero"),
+        ("from ..zero.reduce import _ALLOWED\n", "plait.parallel.pipeline.zero"),
+        ("def f():\n    from plait.ps.core import _x\n", "plait.cli.ps"),
+        ("from plait.comm import _private_module\n", "plait.parallel.data"),
+        ("import plait.comm._wire\n", "plait.mesh"),
+        ("from plait.parallel.zero import _helper\n", "plait.parallel"),  # parent -> child
+    ],
+)
+def test_the_checker_flags_private_names_taken_across_packages(source: str, module: str) -> None:
+    found = violations(source, module, file="synthetic.py")
+    assert any("a private name of package" in line for line in found), found
+
+
+def test_private_names_pass_inside_their_own_package() -> None:
+    inside = "from plait.parallel.zero.reduce import _ALLOWED\n"
+    assert not private_imports(inside, "plait.parallel.zero.reducer", False)
+    assert not private_imports("from .reduce import _ALLOWED\n", "plait.parallel.zero.x", False)
+    assert not private_imports("from . import _x\n", "plait.parallel.zero", True)
+    assert not private_imports("from plait.config import __all__\n", "plait.mesh", False)
 
 
 def test_the_checker_lets_allowed_imports_pass() -> None:
@@ -292,6 +366,7 @@ def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from .memory import x\n", "plait.plan.search")
     assert not violations("from plait.train import trainer\n", "plait.cli.train")
     assert not violations("from plait.train.trainer import Trainer\n", "plait")
+    assert not violations("from plait.pieces import TPSplit\n", "plait.checkpoint.files")
 
 
 def test_the_checker_names_file_line_target_and_both_layers() -> None:
@@ -348,3 +423,57 @@ def test_the_torch_distributed_exceptions_are_still_needed() -> None:
 def test_no_two_subpackages_import_each_other() -> None:
     cycles = package_cycles(_all_imports())
     assert not cycles, "sub-packages that import each other:\n" + "\n".join(cycles)
+
+
+# ------------------------------------------------------------------ the picture in the docs
+
+ARCHITECTURE = SRC.parent.parent / "docs" / "architecture.md"
+"""The page that draws the layers (docs/architecture.md, section "The picture")."""
+
+
+def picture_rows(text: str) -> list[tuple[int, set[str], str]]:
+    """(layer, packages, may-import text) for each row of the page's layer table."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            packages = {c.strip(" `") for c in cells[1].split(",")}
+            rows.append((int(cells[0]), packages, cells[3]))
+    return rows
+
+
+def picture_disagreements(rows: list[tuple[int, set[str], str]]) -> list[str]:
+    """Where the page's table and :data:`LAYERS` (and the extra rules) disagree."""
+    bad = []
+    if [r[0] for r in rows] != list(range(len(LAYERS))):
+        bad.append(f"layers {[r[0] for r in rows]}, expected 0..{len(LAYERS) - 1}")
+    for i, packages, may in rows:
+        if i >= len(LAYERS):
+            continue
+        expected = set(LAYERS[i]) - {ROOT, "plait.__main__"}
+        if packages != expected:
+            bad.append(f"layer {i}: page names {sorted(packages)}, LAYERS {sorted(expected)}")
+        scope = "nothing" if i == 0 else ("layer 0" if i == 1 else f"layers 0–{i - 1}")
+        if not may.startswith(scope):
+            bad.append(f"layer {i}: may import {may!r}, expected it to start with {scope!r}")
+    rules = " ".join(r[2] for r in rows)
+    for rule in (f"`{CHECKPOINT}` imports nothing from `plait.parallel`", "imports no torch"):
+        if rule not in rules:
+            bad.append(f"the page's table does not state the rule: {rule}")
+    return bad
+
+
+def test_the_architecture_page_draws_the_layers_the_test_enforces() -> None:
+    rows = picture_rows(ARCHITECTURE.read_text("utf-8"))
+    assert rows, f"no layer table found in {ARCHITECTURE}"
+    assert not picture_disagreements(rows), picture_disagreements(rows)
+
+
+def test_the_picture_check_finds_a_drifted_page() -> None:
+    rows = picture_rows(ARCHITECTURE.read_text("utf-8"))
+    moved = [(i, {"plait.train"} if i == 5 else p, m) for i, p, m in rows]
+    assert any("layer 5" in line for line in picture_disagreements(moved))
+    wrong_scope = [(i, p, "layers 0–7" if i == 2 else m) for i, p, m in rows]
+    assert any("layer 2: may import" in line for line in picture_disagreements(wrong_scope))
+    no_rule = [(i, p, m.replace("imports no torch", "")) for i, p, m in rows]
+    assert any("imports no torch" in line for line in picture_disagreements(no_rule))

@@ -40,7 +40,7 @@ _LAZY: dict[str, str] = {
     "init_mesh": "plait.mesh",
     "Transformer": "plait.model",
     "DataParallel": "plait.parallel.data",
-    "ParallelModel": "plait.parallel.parallelize",
+    "ParallelModel": "plait.parallel.model",
     "parallelize": "plait.parallel.parallelize",
     "Trainer": "plait.train.trainer",
 }
@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from plait.mesh import AXES, Mesh, MeshLayout, init_mesh
     from plait.model import Transformer
     from plait.parallel.data import DataParallel
-    from plait.parallel.parallelize import ParallelModel, parallelize
+    from plait.parallel.model import ParallelModel
+    from plait.parallel.parallelize import parallelize
     from plait.train.trainer import Trainer
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class PlaitError(Exception):
     """Base class of plait's own errors."""
@@ -34,6 +36,22 @@ class CommTimeoutError(PlaitError, TimeoutError):
 
 class CommError(PlaitError, RuntimeError):
     """A collective failed for a reason other than a timeout (e.g. a peer exited)."""
+
+
+class UnusedParametersError(PlaitError, RuntimeError):
+    """Parameters that received no gradient where every rank must reduce every gradient
+    (data parallelism, ZeRO, ZeRO under pipeline parallelism); exit code 1, as every
+    :class:`PlaitError` that is not bad input. ``names`` are the parameters, in order."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        shown = ", ".join(self.names[:10]) + (" ..." if len(self.names) > 10 else "")
+        super().__init__(
+            f"{len(self.names)} parameter(s) received no gradient in this backward pass: "
+            f"{shown}. Every data-parallel rank must reduce the same gradients: make every "
+            "parameter take part in the loss (set requires_grad=False on parameters that "
+            "are never used), or pass find_unused_parameters=True to reduce zeros for them."
+        )
 
 
 def install_hint(extra: str, package: str) -> str:

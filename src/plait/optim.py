@@ -1,17 +1,21 @@
 """One optimizer wrapper for every layout: global-norm clipping, loss scaling, skipping.
 
 :class:`Optimizer` wraps any element-wise ``torch.optim`` optimizer (AdamW, Adam, SGD
-with momentum, ...) around a :class:`~plait.parallel.parallelize.ParallelModel` (or a
-bare :class:`~plait.parallel.data.DataParallel` / :class:`~plait.parallel.zero.
-ZeroDataParallel` / plain module). It takes what depends on the layout from the model:
+with momentum, ...) around a model that describes its layout through one small
+protocol, :class:`OptimizerTarget`: a :class:`~plait.parallel.model.ParallelModel`, a
+bare :class:`~plait.parallel.data.DataParallel` or :class:`~plait.parallel.zero.
+ZeroDataParallel` wrapper, or (through :class:`PlainModule`) a plain module whose
+gradients are complete on every rank. It takes what depends on the layout from there:
 
-* under ZeRO (stages 0-3), the optimizer is rebuilt over this rank's fp32 master
-  *shards* (:class:`~plait.parallel.zero.optim.ShardedMasters`); otherwise the
-  parameters are their own masters and must be fp32 or fp64;
-* the groups the global gradient norm is summed over (ZeRO shard group, tp, pp: from
-  the mesh via :meth:`ParallelModel.norm_groups`) and each tensor's weight in it (1/k
-  for a tensor held identically by k tp ranks, 0 for the last stage's copy of a tied
-  matrix: :meth:`ParallelModel.norm_weight`), so every element counts exactly once.
+* under ZeRO (stages 0-3: :meth:`OptimizerTarget.zero_wrapper`), the optimizer is
+  rebuilt over this rank's fp32 master *shards*
+  (:class:`~plait.parallel.zero.optim.ShardedMasters`); otherwise the parameters are
+  their own masters and must be fp32 or fp64;
+* the groups the global gradient norm is summed over (ZeRO shard group, tp, pp:
+  :meth:`OptimizerTarget.norm_groups`) and each tensor's weight in it (1/k for a
+  tensor held identically by k tp ranks, 0 for the last stage's copy of a tied matrix:
+  :meth:`OptimizerTarget.norm_weight`), so every element counts exactly once;
+* the pieces a checkpoint saves (:meth:`OptimizerTarget.local_pieces`).
 
 One :meth:`Optimizer.step`:
 
@@ -30,9 +34,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -41,10 +45,8 @@ from plait import comm
 from plait.comm import AxisGroup
 from plait.config import NONFINITES, NonFinite
 from plait.config_checks import check_choice
-from plait.mesh import Mesh
-from plait.parallel.parallelize import ParallelModel
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
-from plait.parallel.tensor.layers import shard_info
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
 from plait.pieces import LocalPiece
@@ -62,32 +64,82 @@ class StepReport:
     reason: str = ""
 
 
-def _tp_weight(p: torch.Tensor) -> float:
-    info = shard_info(p)
-    return info.norm_weight if info is not None else 1.0
+@runtime_checkable
+class OptimizerTarget(Protocol):
+    """What :class:`Optimizer` needs from a model: its parameters and its layout.
+
+    :class:`~plait.parallel.model.ParallelModel`,
+    :class:`~plait.parallel.data.DataParallel` and
+    :class:`~plait.parallel.zero.ZeroDataParallel` implement it (a ``ParallelModel``
+    composes its data wrapper's answers with the pipeline's); :class:`PlainModule`
+    adapts a plain module.
+    """
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The model's parameters (those with ``requires_grad`` are trained)."""
+        ...
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups the local squared gradient norm is summed over, in order, so every
+        element of the model counts on exactly one rank (replicas are not summed)."""
+        ...
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """The weight of parameter ``p``'s local squared gradient norm (1/k for a tensor
+        held identically by k ranks of a norm group, 0 for a copy counted elsewhere)."""
+        ...
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """The parameter pieces this rank holds, in one-device names (checkpoints)."""
+        ...
+
+    def zero_wrapper(self) -> ZeroDataParallel | None:
+        """The ZeRO wrapper whose flat shards the optimizer steps as fp32 masters
+        (:class:`~plait.parallel.zero.optim.ShardedMasters`), or None: the trainable
+        parameters are their own masters."""
+        ...
 
 
-def _norm_layout(
-    model: nn.Module, zero: ZeroDataParallel | None
-) -> tuple[list[AxisGroup], Callable[[torch.Tensor], float]]:
-    """(groups the squared norm is summed over, weight of each tensor) for ``model``."""
-    if isinstance(model, ParallelModel):
-        return model.norm_groups(), model.norm_weight
-    groups: list[AxisGroup] = []  # a bare wrapper: its ZeRO shards and the mesh's tp axis
-    if zero is not None and zero.shard_group.size > 1:
-        groups.append(zero.shard_group)
-    mesh = getattr(model, "mesh", None)
-    if isinstance(mesh, Mesh) and mesh.size("tp") > 1:
-        groups.append(mesh.axis("tp"))
-    return groups, _tp_weight
+class PlainModule:
+    """:class:`OptimizerTarget` of a plain module whose gradients are complete on every
+    rank (one process, or reduced by the caller): no norm groups; a tensor-parallel
+    parameter still weighs 1/k (its replicas on other ranks are not summed); no ZeRO
+    shards. It cannot describe its pieces to a checkpoint."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters."""
+        return self.module.parameters(recurse)
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """None: the local norm is the global one."""
+        return []
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """1/k for a tensor held identically by k tp ranks, else 1."""
+        return tp_norm_weight(p)
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """Refused: a plain module does not know which rank writes what."""
+        raise TypeError(
+            f"{type(self.module).__name__} does not describe its pieces; wrap it "
+            "with plait.parallelize"
+        )
+
+    def zero_wrapper(self) -> None:
+        """No ZeRO shards."""
+        return None
 
 
 class Optimizer:
     """Wrap ``optimizer`` for ``model`` (see the module docstring).
 
     Args:
-        model: a :class:`ParallelModel` (or a bare data-parallel / ZeRO wrapper, or a
-            plain module whose gradients are complete on every rank).
+        model: an :class:`OptimizerTarget` (a ``ParallelModel`` or a bare
+            data-parallel / ZeRO wrapper), or a plain module whose gradients are
+            complete on every rank (adapted by :class:`PlainModule`).
         optimizer: a ``torch.optim`` optimizer built over the model's parameters (its
             param groups and defaults are copied under ZeRO; it must not have stepped
             yet), or a factory ``groups -> optimizer``.
@@ -99,7 +151,7 @@ class Optimizer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: OptimizerTarget | nn.Module,
         optimizer: torch.optim.Optimizer | OptimizerFactory,
         *,
         max_norm: float = 0.0,
@@ -123,16 +175,18 @@ class Optimizer:
         self.nonfinite = nonfinite
         self.steps = 0
         self.skipped = 0
-        inner_model = model.module if isinstance(model, ParallelModel) else model
-        self.zero = inner_model if isinstance(inner_model, ZeroDataParallel) else None
-        self._groups, self._weight = _norm_layout(model, self.zero)
+        self.target: OptimizerTarget = (
+            model if isinstance(model, OptimizerTarget) else PlainModule(model)
+        )
+        self.zero = self.target.zero_wrapper()
+        self._groups = self.target.norm_groups()
         self.sharded: ShardedMasters | None = None
         self._params: list[torch.Tensor] = []
         if self.zero is not None:
             self.sharded = ShardedMasters(self.zero, optimizer)
             self.inner = self.sharded.inner
             return
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [p for p in self.target.parameters() if p.requires_grad]
         if any(is_low_precision(p.dtype) for p in params):
             raise TypeError(
                 "16-bit parameters need fp32 master weights: parallelize with "
@@ -226,19 +280,10 @@ class Optimizer:
         self.sharded.zero.sync_params()
 
     def local_pieces(self) -> list[LocalPiece]:
-        """The model's pieces (:meth:`ParallelModel.local_pieces`) that this optimizer
+        """The model's pieces (:meth:`OptimizerTarget.local_pieces`) that this optimizer
         steps, each with its master values (``value``) and the key of its optimizer
         state (``key``): what a checkpoint saves and restores."""
-        if isinstance(self.model, ParallelModel):
-            pieces = self.model.local_pieces()
-        else:
-            local_pieces = getattr(self.model, "local_pieces", None)
-            if local_pieces is None:
-                raise TypeError(
-                    f"{type(self.model).__name__} does not describe its pieces; wrap it "
-                    "with plait.parallelize"
-                )
-            pieces = local_pieces()
+        pieces = self.target.local_pieces()
         if self.sharded is not None:
             described = [self.sharded.describe(p) for p in pieces]
             return [p for p in described if p is not None]
@@ -263,11 +308,11 @@ class Optimizer:
             else next((p.device for p in self._params), torch.device("cpu"))
         )
         if self.sharded is not None:
-            pieces, weights = self.sharded.norm_pieces(grads, self._weight)
+            pieces, weights = self.sharded.norm_pieces(grads, self.target.norm_weight)
         else:
             held = [p for p in self._params if p.grad is not None]
             pieces = [p.grad for p in held if p.grad is not None]
-            weights = [self._weight(p) for p in held]
+            weights = [self.target.norm_weight(p) for p in held]
         if pieces:
             norms = torch._foreach_norm(pieces)  # per-tensor norms
             sq64 = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)

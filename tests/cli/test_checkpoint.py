@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from plait.checkpoint import CheckpointReader
 from plait.cli import main
-from plait.train.reshard import CheckpointReader
 from tests.tiny import tiny_args
 
 TINY = [*tiny_args(max_bytes=100_000), "--nproc", "1"]
@@ -94,16 +94,16 @@ def test_consolidate_verifies_each_file_once(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CLI opens (and checksums) the checkpoint once and hands that reader on."""
-    from plait.train import checkpoint_meta
+    from plait.checkpoint import files
 
     seen: list[str] = []
-    real = checkpoint_meta.sha256_file
+    real = files.sha256_file
 
     def counted(path: Path) -> str:
         seen.append(path.name)
         return real(path)
 
-    monkeypatch.setattr(checkpoint_meta, "sha256_file", counted)
+    monkeypatch.setattr(files, "sha256_file", counted)
     out = tmp_path / "model.safetensors"
     assert main(["checkpoint", "consolidate", str(root / "step_00000002"), "-o", str(out)]) == 0
     assert seen and len(seen) == len(set(seen)), seen

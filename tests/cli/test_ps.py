@@ -16,7 +16,7 @@ import pytest
 
 from plait.cli import main
 from plait.cli.ps import _parser, run_on_group
-from plait.ps.server import PSConfig
+from plait.ps.core import PSConfig
 from plait.testing import WorkerContext, WorkerPool
 
 Pools = Callable[[int], WorkerPool]

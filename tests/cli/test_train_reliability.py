@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plait.checkpoint import FolderLock, step_dirname
+from plait.checkpoint.folder import LOCK_NAME
+from plait.checkpoint.format import list_steps
 from plait.cli import main
-from plait.train.checkpoint_lock import LOCK_NAME, FolderLock
-from plait.train.checkpoint_meta import list_steps, step_dirname
 from tests.tiny import run_plait, tiny_args
 
 TINY = tiny_args()

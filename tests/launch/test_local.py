@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.train.checkpoint_lock import LOCK_NAME
-from plait.train.checkpoint_meta import read_latest
-from plait.train.reshard import CheckpointReader
+from plait.checkpoint import CheckpointReader, read_latest
+from plait.checkpoint.folder import LOCK_NAME
 from tests.tiny import tiny_args
 
 TINY = [*tiny_args(), "--log.log_every", "1"]

@@ -66,7 +66,7 @@ def _reference(pools: Callable[[int], WorkerPool], layout: str, steps: int) -> l
 
 
 def test_restart_resumes_only_from_a_checkpoint_written_since_the_launch(tmp_path: Path) -> None:
-    from plait.train.checkpoint_meta import read_latest
+    from plait.checkpoint import read_latest
 
     ck = tmp_path / "ck"
     cfg = Config()

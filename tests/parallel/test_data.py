@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from plait import init_mesh
+from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
-from plait.parallel.data import DataParallel, UnusedParametersError
+from plait.parallel.data import DataParallel
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 

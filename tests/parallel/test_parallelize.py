@@ -156,7 +156,7 @@ def assemble(pieces: list[Piece]) -> dict[str, torch.Tensor]:
     ``tp.index // tp.replicas`` along ``tp.dim`` of the tensor zero-padded to
     ``tp.shards * tp.block``. Asserts that every element of every held tensor (padding
     included) is written exactly once and that every tp block of a tensor is present.
-    This index math is independent of ``plait.train.checkpoint_meta``.
+    This index math is independent of ``plait.checkpoint.format``.
     """
     shapes: dict[str, list[int]] = {}
     blocks: dict[tuple[str, int], tuple[TPSplit | None, torch.Tensor, torch.Tensor]] = {}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from plait.ps.server import PSConfig
+from plait.ps.core import PSConfig
 from plait.testing import WorkerPool
 from tests.ps.test_server import STEPS, _adamw, _dp_reference, _loss, _model, _weights
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.parallel.data import DataParallel
-from plait.ps.server import PSConfig, train_parameter_server
+from plait.ps.core import PSConfig
+from plait.ps.server import train_parameter_server
 from plait.testing import WorkerContext, WorkerPool
 
 M = "tests.ps.test_server"

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
+from plait.checkpoint import step_dirname
 from plait.config import Config, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint_meta import step_dirname
+from tests.checkpoint.test_checkpoint import _assert_same_weights, _merged, _train
 from tests.tiny import tiny_config
-from tests.train.test_checkpoint import _assert_same_weights, _merged, _train
 
 pytest.importorskip("transformers")
 

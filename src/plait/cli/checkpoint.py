@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from plait.cli.common import check_output_path
 
 if TYPE_CHECKING:
-    from plait.train.reshard import CheckpointReader
+    from plait.checkpoint import CheckpointReader
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _open(path: str) -> CheckpointReader:
-    from plait.train.reshard import find_checkpoint
+    from plait.checkpoint import find_checkpoint
 
     reader = find_checkpoint(path, None)
     assert reader is not None  # an explicit path never yields "no checkpoint"
@@ -47,13 +47,11 @@ def _open(path: str) -> CheckpointReader:
 
 def describe(reader: CheckpointReader) -> str:
     """What a checkpoint holds, for ``plait checkpoint info``."""
-    from plait.train.checkpoint_meta import FORMAT
-
     m = reader.meta
     lay = m["layout"]
     numel = sum(e.numel for e in reader.params.values())
     lines = [
-        f"checkpoint {reader.folder} ({FORMAT} v{m['version']}): step {m['step']} "
+        f"checkpoint {reader.folder} ({m['format']} v{m['version']}): step {m['step']} "
         f"(schedule step {m['sched_step']}, {m['optimizer']['skipped']} skipped)",
         f"layout: world {lay['world_size']} = dp {lay['dp']} x tp {lay['tp']} x pp "
         f"{lay['pp']} x cp {lay['cp']}; zero {lay['zero']}; dtype {lay['dtype']}",
@@ -77,7 +75,7 @@ def describe(reader: CheckpointReader) -> str:
 
 def checkpoint_main(argv: Sequence[str]) -> int:
     """``plait checkpoint``; returns the exit code."""
-    from plait.train.reshard import consolidate
+    from plait.checkpoint import consolidate
 
     args = _parser().parse_args(list(argv))
     if args.action == "info":

@@ -2,7 +2,7 @@
 
 Starts ``--nproc`` local ranks (or joins torchrun's world): ranks 0..k-1 are servers
 holding shards of the weights and AdamW, the others workers (see
-:mod:`plait.ps.server`). Each worker takes its slice of every step's global
+:mod:`plait.ps.core`). Each worker takes its slice of every step's global
 batch (``--batch`` sequences per worker) from the built-in corpus. ``--slow-worker I
 --slow-work K`` makes worker I run K extra 128x128 matrix products before each step,
 to watch the consistency models deal with a straggler. Rank 0 prints the run's
@@ -31,11 +31,11 @@ from plait.errors import ConfigError
 if TYPE_CHECKING:
     from plait.comm.group import AxisGroup
     from plait.config import ModelConfig
-    from plait.ps.server import PSConfig, PSResult
+    from plait.ps.core import PSConfig, PSResult
 
 
 def _parser() -> argparse.ArgumentParser:
-    from plait.ps.server import MODES
+    from plait.ps.core import MODES
 
     p = argparse.ArgumentParser(prog="plait ps-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=3, help="ranks (servers + workers; default 3)")
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 def ps_train_main(argv: Sequence[str]) -> int:
     """``plait ps-train``; returns the exit code."""
     from plait.launch.local import launch_local, torchrun_env
-    from plait.ps.server import PSConfig
+    from plait.ps.core import PSConfig
 
     args = _parser().parse_args(argv)
     env = torchrun_env()

@@ -100,7 +100,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     from plait.parallel.checks import validate_run
 
     validate_run(cfg, world)
-    from plait.train.checkpoint_start import check_start, finished_step
+    from plait.checkpoint import check_start, finished_step
 
     # sources exist; the folder is free, writable and roomy; a resume keeps seed and batch
     check_start(cfg, probe_lock=env is None or env.rank == 0)

@@ -85,7 +85,7 @@ def _failure_text(failure: Any) -> str:
 
 def _bad_input_names() -> set[str]:
     """Class names of every ConfigError (bad input: exit 2) known to this process."""
-    import plait.train.checkpoint  # noqa: F401  (registers the checkpoint errors)
+    import plait.checkpoint  # noqa: F401  (registers the checkpoint errors)
     from plait.errors import ConfigError
 
     seen: set[str] = set()
@@ -116,7 +116,7 @@ def launch_failure(failures: dict[int, str]) -> PlaitError:
 def _latest(checkpoint_dir: str | None) -> str | None:
     if not checkpoint_dir:
         return None
-    from plait.train.checkpoint_meta import read_latest
+    from plait.checkpoint import read_latest
 
     try:
         p = read_latest(Path(checkpoint_dir))

@@ -49,7 +49,7 @@ def latest_checkpoint(cfg: Config) -> str | None:
     """What ``train.checkpoint_dir``'s ``latest`` names now (None: no checkpoint)."""
     if not cfg.train.checkpoint_dir:
         return None
-    from plait.train.checkpoint_meta import read_latest
+    from plait.checkpoint import read_latest
 
     try:
         p = read_latest(Path(cfg.train.checkpoint_dir))

@@ -34,14 +34,11 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
-from plait.errors import PlaitError
+from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, Finish
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.pieces import LocalPiece
-
-
-class UnusedParametersError(PlaitError, RuntimeError):
-    """Some parameters received no gradient in a synchronising backward pass."""
 
 
 @dataclass
@@ -131,7 +128,7 @@ class DataParallel(nn.Module):
         mesh: the device mesh.
         bucket_mb: bucket size in MiB (the unit of one asynchronous all-reduce).
         find_unused_parameters: reduce zeros for parameters that get no gradient
-            instead of raising :class:`UnusedParametersError` naming them.
+            instead of raising :class:`~plait.errors.UnusedParametersError` naming them.
         axes: the mesh axes gradients are averaged over.
         record_events: keep :attr:`events` (gradient arrivals, bucket launches and the
             end of backward, in order) for the last backward pass.
@@ -246,12 +243,7 @@ class DataParallel(nn.Module):
                 if b.pending is not None:
                     b.pending()
                     b.pending = None
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) received no gradient in this backward pass: "
-                f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}. Every rank "
-                "must reduce the same buckets: pass find_unused_parameters=True to reduce "
-                "zeros for them, or set requires_grad=False on parameters that are never used."
-            )
+            raise UnusedParametersError(missing)
         for b in self.buckets:
             if b.pending is None:
                 for i, p in enumerate(b.params):
@@ -323,3 +315,21 @@ class DataParallel(nn.Module):
             (b.index, len(b.params), b.buffer.numel() * b.buffer.element_size())
             for b in self.buckets
         ]
+
+    # ------------------------------------------------------------------ optimizer
+    # What plait.optim.Optimizer reads (its OptimizerTarget protocol).
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over: the mesh's
+        tp axis when it has several ranks (the wrapped module is then tensor-parallel).
+        The replicas over ``axes`` hold equal gradients, so they are not summed."""
+        return [self.mesh.axis("tp")] if self.mesh.size("tp") > 1 else []
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
+        held identically by k tp ranks, else 1."""
+        return tp_norm_weight(p)
+
+    def zero_wrapper(self) -> None:
+        """No ZeRO shards: the parameters are their own (fp32) masters."""
+        return None

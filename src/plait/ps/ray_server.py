@@ -1,7 +1,8 @@
 """The parameter server on Ray: servers and workers as actors, weights by object reference.
 
-The same protocol, consistency models and records as :mod:`plait.ps.server` (read its
-docstring for the semantics), with Ray's object store as the transport:
+The same protocol, consistency models and records as :mod:`plait.ps.server`, decided by
+the same transport-free :class:`~plait.ps.core.ServerCore` (read :mod:`plait.ps.core` for
+the semantics), with Ray's object store as the transport:
 
 - server s is an asyncio actor holding shard s of the flattened parameters and an
   optimizer over it. Each time its version changes (an optimizer step) it ``ray.put``\\ s
@@ -17,7 +18,7 @@ docstring for the semantics), with Ray's object store as the transport:
   ``bounded`` with staleness s: a push of step c is answered once steps ``<= c-s`` are
   applied. ``async``: each gradient is one optimizer step the moment it arrives; server
   0 grants each worker one more step per reply until ``steps x workers`` gradients.
-  Every applied gradient is an :class:`~plait.ps.server.Applied` record.
+  Every applied gradient is an :class:`~plait.ps.core.Applied` record.
 
 A worker's waits are bounded by ``timeout_s``; a server or worker that dies makes the
 run fail with its role and index named.
@@ -36,14 +37,16 @@ import torch
 from torch import nn
 
 from plait.errors import CommTimeoutError, PlaitError
-from plait.ps.server import (
-    Applied,
+from plait.ps.core import (
     LossFn,
+    MakeOptimizer,
     PSConfig,
     PSResult,
-    _bounds,
-    _flat_params,
-    _load,
+    ServerCore,
+    flat_grad,
+    flat_params,
+    load_shard,
+    shard_bounds,
 )
 
 
@@ -52,9 +55,6 @@ def _tensor(arr: Any) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
         return torch.as_tensor(arr)
-
-
-MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass
@@ -70,7 +70,7 @@ class RayPSRun:
 
 
 class ShardServer:
-    """Server s: one shard, its optimizer, the version and its published reference."""
+    """Server s: a :class:`~plait.ps.core.ServerCore` and its published reference."""
 
     def __init__(
         self,
@@ -80,87 +80,42 @@ class ShardServer:
         cfg: PSConfig,
         workers: int,
     ) -> None:
-        self.index, self.cfg, self.workers = index, cfg, workers
-        self.w = nn.Parameter(shard.clone())  # (shard,)
-        self.opt = make_optimizer([self.w])
-        self.version = 0
-        self.granted = workers  # async: every worker may compute one gradient
-        self.res = PSResult("server", index, 0)
-        self.res.worker_steps = [0] * workers
-        self.res.blocked = [0] * workers
-        self.pending: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.puts: dict[int, int] = {}
         self.ref: Any = None
+        self.core = ServerCore(index, shard, make_optimizer, cfg, workers, self._publish)
         self._publish()
-        self._cond: asyncio.Condition | None = None
+        self._withheld: dict[int, asyncio.Future[None]] = {}
 
     def _publish(self) -> None:
         """``ray.put`` the current shard once for this version."""
         import ray
 
-        self.puts[self.version] = self.puts.get(self.version, 0) + 1
-        self.ref = ray.put(self.w.detach().numpy().copy())
-
-    def _apply(self, grads: list[torch.Tensor], records: list[Applied]) -> None:
-        acc = grads[0].clone()
-        for g in grads[1:]:
-            acc += g
-        if len(grads) > 1:
-            acc /= len(grads)
-        self.w.grad = acc
-        self.opt.step()
-        self.w.grad = None
-        self.res.records.extend(records)
-        self.version += 1
-        self._publish()
-
-    def _go_on(self, next_step: int) -> bool:
-        if self.cfg.mode != "async":
-            return next_step < self.cfg.steps
-        if self.granted < self.cfg.steps * self.workers:
-            self.granted += 1
-            return True
-        return False
+        version = self.core.version
+        self.puts[version] = self.puts.get(version, 0) + 1
+        self.ref = ray.put(self.core.w.detach().numpy().copy())
 
     async def weights(self) -> tuple[int, list[Any]]:
         """(version, [reference to the shard of that version])."""
-        return self.version, [self.ref]
+        return self.core.version, [self.ref]
 
     async def push(
         self, worker: int, step: int, read: int, grad: Any
     ) -> tuple[int, list[Any], bool]:
         """Worker ``worker``'s gradient shard of its step ``step`` (computed on version
         ``read``); returns when answered: (version, [reference], whether to go on)."""
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        g = _tensor(grad)  # (shard,)
-        self.res.worker_steps[worker] += 1
-        if self.cfg.mode == "async":
-            self._apply([g], [Applied(worker, step, read, self.version)])
-            return self.version, [self.ref], self._go_on(step + 1)
-        self.pending.setdefault(step, {})[worker] = (g.clone(), read)
-        applied = False
-        while len(self.pending.get(self.version, {})) == self.workers:  # a complete step
-            got = self.pending.pop(self.version)
-            order = sorted(got)  # sum in worker order: deterministic
-            recs = [Applied(w, self.version, got[w][1], self.version) for w in order]
-            self._apply([got[w][0] for w in order], recs)
-            applied = True
-        async with self._cond:
-            if applied:
-                self._cond.notify_all()
-            if step + 1 >= self.cfg.steps:
-                return self.version, [self.ref], False
-            need = step + 1 - self.cfg.staleness
-            if self.version < need:
-                self.res.blocked[worker] += 1
-                await self._cond.wait_for(lambda: self.version >= need)
-            return self.version, [self.ref], True
+        go = self.core.push(worker, step, read, _tensor(grad))  # (shard,)
+        for w in self.core.release():
+            self._withheld.pop(w).set_result(None)
+        if go is None:  # too far ahead: answered when a later push releases it
+            answered = asyncio.get_running_loop().create_future()
+            self._withheld[worker] = answered
+            await answered
+            go = True
+        return self.core.version, [self.ref], go
 
     async def result(self) -> tuple[PSResult, dict[int, int], Any]:
         """(records, puts per version, the final shard)."""
-        self.res.steps = self.version
-        return self.res, dict(self.puts), self.w.detach().clone()
+        return self.core.finish(), dict(self.puts), self.core.w.detach().clone()
 
 
 class PSWorker:
@@ -197,7 +152,7 @@ class PSWorker:
 
     def run(self) -> PSResult:
         """Train until server 0 says stop; this worker's losses and waits."""
-        params = _flat_params(self.model)
+        params = flat_params(self.model)
         res = PSResult("worker", self.index, 0)
         t0 = time.perf_counter()
         replies = [
@@ -209,17 +164,12 @@ class PSWorker:
         while go:
             shards = self._get([r[1][0] for r in replies], "a weights fetch")
             for (lo, hi), arr in zip(self.bounds, shards, strict=True):
-                _load(params, _tensor(arr), lo, hi)
+                load_shard(params, _tensor(arr), lo, hi)
             read = [int(r[0]) for r in replies]  # versions of the weights read
             self.model.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.model, self.index, step)
             loss.backward()
-            grad = torch.cat(  # (numel,)
-                [
-                    p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
-                    for p in params
-                ]
-            )
+            grad = flat_grad(params)  # (numel,)
             res.losses.append(float(loss.detach()))
             t0 = time.perf_counter()
             replies = self._get(
@@ -259,9 +209,9 @@ def train_parameter_server_ray(
     from ray.exceptions import RayActorError, RayTaskError
 
     config.validate(config.servers + workers)
-    params = _flat_params(model)
+    params = flat_params(model)
     flat = torch.cat([p.detach().reshape(-1) for p in params])  # (numel,)
-    bounds = _bounds(flat.numel(), config.servers)
+    bounds = shard_bounds(flat.numel(), config.servers)
     server_cls: Any = ray.remote(ShardServer).options(num_cpus=cpus_per_actor)
     worker_cls: Any = ray.remote(PSWorker).options(num_cpus=cpus_per_actor)
     servers: list[Any] = [
@@ -287,5 +237,5 @@ def train_parameter_server_ray(
         for a in [*actors, *servers]:
             ray.kill(a, no_restart=True)
     for (lo, hi), (_, _, shard) in zip(bounds, outs, strict=True):
-        _load(params, shard, lo, hi)
+        load_shard(params, shard, lo, hi)
     return RayPSRun([o[0] for o in outs], done, [o[1] for o in outs])

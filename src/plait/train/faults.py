@@ -7,7 +7,7 @@
   naming rank, mesh axis and operation, instead of hanging. Under ``torchrun
   --max-restarts K`` the elastic agent then restarts every rank, and a restarted job
   (``TORCHELASTIC_RESTART_COUNT`` > 0, set by the agent) resumes from the latest
-  checkpoint by itself (:class:`~plait.train.checkpoint.Checkpointing`).
+  checkpoint by itself (:class:`~plait.checkpoint.Checkpointing`).
 * **Stop requests**: SIGTERM or SIGINT sets a flag (:class:`StopSignals`); at the next
   step boundary the ranks agree on it (a rank that got the signal tells the others),
   save a final checkpoint and leave the loop cleanly.

@@ -118,13 +118,13 @@ def _optimizer_tensors(optimizer: object) -> tuple[list[torch.Tensor], list[torc
 def memory_report(model: nn.Module, optimizer: object | None = None, rank: int = 0) -> MemoryReport:
     """Exact per-rank bytes of ``model``'s training state (and ``optimizer``'s, if given).
 
-    ``model`` may be a :class:`~plait.parallel.parallelize.ParallelModel` (its wrapper is
+    ``model`` may be a :class:`~plait.parallel.model.ParallelModel` (its wrapper is
     counted), a :class:`~plait.parallel.zero.ZeroDataParallel`, a
     :class:`~plait.parallel.data.DataParallel` (its bucket buffers count as gradients:
     ``.grad`` are views into them, so each storage is counted once) or any module; ``optimizer`` a
     :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
     """
-    from plait.parallel.parallelize import ParallelModel
+    from plait.parallel.model import ParallelModel
     from plait.parallel.zero import ZeroDataParallel
 
     if isinstance(model, ParallelModel):

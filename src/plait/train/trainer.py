@@ -6,10 +6,10 @@ it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided
 number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
 is the mean over the global batch whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
-keep only gradient shards). Checkpoints see a :class:`~plait.train.state.TrainState`.
+keep only gradient shards). Checkpoints see a :class:`~plait.checkpoint.TrainState`.
 
 The trainer uses only the public path a user's own loop uses: ``parallelize`` returns a
-:class:`~plait.parallel.parallelize.ParallelModel` whose ``step`` runs forward and
+:class:`~plait.parallel.model.ParallelModel` whose ``step`` runs forward and
 backward (the pipeline schedule when pp > 1), and :class:`plait.optim.Optimizer` wraps
 AdamW: under ZeRO it holds fp32 master shards; it clips by the true global gradient
 norm, applies the fp16 loss scaler, and skips a step whose loss or gradients are not
@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import signal
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.model.factory import build_model, describe_model, model_flops_per_token, model_params
@@ -40,7 +38,6 @@ from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
-from plait.train.checkpoint import Checkpointing
 from plait.train.data import (
     BatchSampler,
     TokenDataset,
@@ -48,13 +45,21 @@ from plait.train.data import (
     check_vocab,
     load_tokens,
     split_train_val,
-    truncation_note,
 )
-from plait.train.faults import FaultMonitor, StepHealth
+from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
-from plait.train.state import TrainState
+from plait.train.report import (
+    RunFacts,
+    RunSummary,
+    banner,
+    stop_line,
+    straggler_note,
+    stragglers_line,
+    summary_line,
+    timeline_line,
+)
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -85,30 +90,6 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
     )
 
 
-@dataclass
-class RunSummary:
-    """What a finished run reports."""
-
-    steps: int
-    losses: list[float]
-    val_losses: list[tuple[int, float]]
-    tokens_per_s: float
-    params: int
-    skipped_steps: int = 0
-    wall_seconds: float = 0.0
-    """From the start of the loop to its end (evaluation and checkpoints included)."""
-    metrics: str | None = None
-    """The metrics JSONL written, if any."""
-    checkpoint: str | None = None
-    """The last checkpoint saved, if any."""
-    last_step: int = 0
-    """Optimizer steps done when the run ended (``steps`` unless it stopped early)."""
-    stopped_early: bool = False
-    """A stop request (SIGTERM/SIGINT) ended the run before ``steps``."""
-    already_complete: bool = False
-    """The run resumed from a checkpoint at or beyond ``steps``: nothing was trained."""
-
-
 class Trainer:
     """Builds model, data and optimizer for ``cfg`` on ``mesh`` and runs the loop."""
 
@@ -130,7 +111,8 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)
         self.model_note = describe_model(base, cfg.model)
         self.show_progress = show_progress
-        self.checkpoints = Checkpointing(cfg, mesh)  # folder lock, resume / init_from, saves
+        # folder lock, resume / init_from (an elastic restart resumes by itself), saves
+        self.checkpoints = Checkpointing(cfg, mesh, restart_count())
         try:
             self._build(cfg, mesh, base)
         except BaseException:
@@ -254,11 +236,17 @@ class Trainer:
             for logger in self.loggers:
                 logger.close()
             return RunSummary(
-                t.steps, [], [], 0.0, self.params, self.optimizer.skipped,
-                last_step=self.start_step, already_complete=True,
+                t.steps,
+                [],
+                [],
+                0.0,
+                self.params,
+                self.optimizer.skipped,
+                last_step=self.start_step,
+                already_complete=True,
             )
         if self.is_main:
-            self.progress.message(self._banner())
+            self.progress.message(banner(cfg, self.mesh, self._facts()))
         t_start = time.perf_counter()
         straggler_steps = 0
         tokens_per_step = t.global_batch * t.seq_len
@@ -316,7 +304,8 @@ class Trainer:
             if health.stragglers:
                 straggler_steps += 1
                 if straggler_steps == 1 and self.is_main:  # once; the metrics keep them all
-                    self.progress.message(self._straggler_note(n, health))
+                    text = self.faults.describe(n, health)
+                    self.progress.message(straggler_note(text, self.mesh.world_size))
             saved = self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
             checkpoint = str(saved) if saved is not None else checkpoint
             last = n
@@ -340,62 +329,16 @@ class Trainer:
         )
         if self.is_main:
             if stopped:
-                self.progress.message(self._stop_line(last, checkpoint))
+                sig = self.faults.signals.requested
+                self.progress.message(stop_line(last, t.steps, sig, checkpoint))
             if straggler_steps > 1:
-                seen = sorted(self.faults.reported.items())
-                counts = ", ".join(f"rank {r}: {k}" for r, k in seen)
-                self.progress.message(
-                    f"plait: stragglers on {straggler_steps} steps ({counts}); every step's "
-                    'are in the metrics ("stragglers")'
-                )
-            self.progress.message(self._summary_line(summary))
+                self.progress.message(stragglers_line(straggler_steps, self.faults.reported))
+            self.progress.message(summary_line(summary, [lg.name for lg in self.loggers]))
         self.progress.close()
         self.metrics.close()
         for logger in self.loggers:
             logger.close()
         return summary
-
-    def _stop_line(self, step: int, checkpoint: str | None) -> str:
-        """The one line a run stopped by request prints (rank 0)."""
-        sig = self.faults.signals.requested
-        why = f"{signal.Signals(sig).name} on rank 0" if sig else "a stop signal to another rank"
-        where = (
-            f"checkpoint {checkpoint}" if checkpoint
-            else "no checkpoint (train.checkpoint_dir is not set)"
-        )
-        return (
-            f"plait: stopped early at step {step} of {self.cfg.train.steps} ({why}); {where}"
-        )
-
-    def _straggler_note(self, step: int, health: StepHealth) -> str:
-        """The one console report of stragglers (later ones go to the metrics only)."""
-        text = self.faults.describe(step, health) + "; later straggler steps are only counted"
-        ranks_here = self.mesh.world_size  # ranks on this host (at most)
-        cores = os.cpu_count() or 1
-        threads = torch.get_num_threads()
-        if ranks_here * threads > cores:
-            text += (
-                f" (this machine runs up to {ranks_here} ranks x {threads} thread(s) on "
-                f"{cores} cores: oversubscribed, so compute times vary)"
-            )
-        return text
-
-    def _summary_line(self, s: RunSummary) -> str:
-        """The end-of-run line: losses, wall time, throughput, where the outputs are."""
-        done = len(s.losses)
-        parts = [f"plait: done: {done} steps in {s.wall_seconds:.1f} s"]
-        if s.losses:
-            parts.append(f"final loss {s.losses[-1]:.4f}")
-        if s.val_losses:
-            parts.append(f"validation loss {s.val_losses[-1][1]:.4f}")
-        parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
-        outputs = [f"metrics {s.metrics}"] if s.metrics else []
-        if s.checkpoint:
-            outputs.append(f"checkpoint {s.checkpoint}")
-        outputs += [logger.name for logger in self.loggers]
-        if outputs:
-            parts.append("; ".join(outputs))
-        return "; ".join(parts)
 
     def _draw_timeline(self, path: str) -> None:
         """Write the last step's measured pipeline timeline to ``path`` (rank 0 draws)."""
@@ -414,49 +357,18 @@ class Trainer:
                 chunks=s.chunks,
                 unit="s",
             )
-            self.progress.message(f"plait: wrote {path} (measured bubble {bubble:.1%})")
+            self.progress.message(timeline_line(path, bubble))
 
-    def _banner(self) -> str:
-        cfg, t = self.cfg, self.cfg.train
-        lr_note = (
-            f"lr {t.effective_lr():.2e} (linear scaling rule: {t.lr:.2e} x "
-            f"{t.global_batch}/{t.base_batch})"
-            if t.scale_lr
-            else f"lr {t.lr:.2e}"
+    def _facts(self) -> RunFacts:
+        """What the start banner says about this built run (see :mod:`plait.train.report`)."""
+        return RunFacts(
+            layout=self.model.describe(),
+            params=self.params,
+            model_note=self.model_note,
+            train_sequences=len(self.train_set),
+            val_sequences=len(self.val_set),
+            micro_batch=self.micro_batch,
+            accumulation=self.accum,
+            peak_source=self.peak_source,
+            loggers=[lg.name for lg in self.loggers],
         )
-        zero_note = self.model.describe()
-        if cfg.parallel.sequence_parallel and self.mesh.size("tp") > 1:
-            zero_note += "; sequence parallel"
-        prec = cfg.precision
-        prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
-            prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype
-        )
-        if prec.dtype != "fp32":
-            prec_note += ", fp32 master weights"
-        if prec.dtype == "fp16":
-            prec_note += f", dynamic loss scale {prec.loss_scale:g} (K={prec.loss_scale_window})"
-        return (
-            f"plait: {self.mesh.describe()}\n"
-            f"plait: {zero_note}; {prec_note}; recompute {t.recompute}\n"
-            f"plait: model {self.params / 1e6:.2f} M parameters ({self.model_note}); "
-            f"{len(self.train_set):,} training / {len(self.val_set):,} validation sequences "
-            f"of {t.seq_len} tokens\n"
-            f"plait: global batch {t.global_batch} = dp {self.mesh.size('dp')} x micro-batch "
-            f"{self.micro_batch} x "
-            f"{'pipeline micro-batches' if self.mesh.size('pp') > 1 else 'accumulation'} "
-            f"{self.accum}; {lr_note}; "
-            f"{t.steps} steps on {self.device.type}\n"
-            f"plait: MFU peak {self.peak_source}" + self._outputs_note()
-        )
-
-    def _outputs_note(self) -> str:
-        """Where this run writes (metrics, checkpoints, loggers) and data notes."""
-        cfg, t = self.cfg, self.cfg.train
-        outs = [f"metrics {cfg.log.metrics}"] if cfg.log.metrics else []
-        if t.checkpoint_dir:
-            every = f"every {t.checkpoint_every} steps and " if t.checkpoint_every else ""
-            outs.append(f"checkpoints {every}at the end into {t.checkpoint_dir}")
-        outs += [logger.name for logger in self.loggers]
-        text = f"\nplait: writes {'; '.join(outs)}" if outs else ""
-        note = truncation_note(cfg.data)
-        return text + (f"\nplait: {note}" if note else "")

@@ -1,7 +1,7 @@
 """Compression in whole training runs: bit-exact resume with the compressor's state,
 convergence on the built-in corpus, and bad values refused through the CLI.
 
-Resume: the protocol of ``tests/train/test_checkpoint.py`` (6 steps, a checkpoint at
+Resume: the protocol of ``tests/checkpoint/test_checkpoint.py`` (6 steps, a checkpoint at
 step 3, a second run resumes from it): with PowerSGD and top-k (error-feedback buffers
 and PowerSGD's warm-start Q saved per rank) the resumed run's losses and final weights
 equal the uninterrupted run's bit for bit. Without restoring that state they would not
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from plait.checkpoint import step_dirname
 from plait.cli import main
-from plait.train.checkpoint_meta import step_dirname
-from tests.train.test_checkpoint import SAVE_AT, _assert_same_weights, _pool_run, config
+from tests.checkpoint.test_checkpoint import SAVE_AT, _assert_same_weights, _pool_run, config
 
 Pools = Any
 
@@ -63,7 +63,7 @@ def _reverify(folder: str) -> str:
     """Re-record the checksums of a checkpoint whose shards a test edited."""
     import json
 
-    from plait.train.checkpoint_meta import sha256_bytes
+    from plait.checkpoint.files import sha256_bytes
 
     meta_path = Path(folder) / "metadata.json"
     meta = json.loads(meta_path.read_text())

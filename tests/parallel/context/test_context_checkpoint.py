@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from plait.checkpoint import step_dirname
 from plait.config import Config
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint_meta import step_dirname
 from plait.train.trainer import Trainer
-from tests.train.test_checkpoint import SAVE_AT, _merged, config, full_weights
+from tests.checkpoint.test_checkpoint import SAVE_AT, _merged, config, full_weights
 
 Pools = Callable[[int], WorkerPool]
 

@@ -3,8 +3,8 @@
 :class:`plait.optim.Optimizer` sums the squared gradient norm over the tp axis, counting
 a tensor held identically by k tp ranks 1/k on each rank, whether it wraps the
 ``ParallelModel`` that ``parallelize`` returns (norm groups from the mesh: what the
-trainer and a user's loop use) or a bare ``DataParallel`` / ZeRO wrapper (whose mesh it
-reads).
+trainer and a user's loop use) or a bare ``DataParallel`` / ZeRO wrapper (each
+answering from its own mesh: the ``OptimizerTarget`` protocol).
 
 Protocol: the model of ``test_tensor_model`` (vocab 37 padded, 4 heads, 2 KV heads: at
 tp 4 each KV head is replicated on two ranks; tied embeddings at tp 4) in float64. The
@@ -33,6 +33,7 @@ from plait.parallel.tensor.plan import (
     apply_tensor_parallel,
     gather_full_state,
 )
+from plait.parallel.zero import ZeroDataParallel
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.tensor.test_model import FP32_ROPE, GLOBAL_BATCH, IGN, V, _batches, _cfg
 
@@ -71,13 +72,19 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
             opt.zero_grad(set_to_none=True)
         return {"norms": norms, "weights": gather_full_state(model, mesh)}
     apply_tensor_parallel(model, mesh)
-    wrapped = DataParallel(model, mesh)
+    wrapped: DataParallel | ZeroDataParallel
+    if kind == "zero":
+        wrapped = ZeroDataParallel(model, mesh, stage=2)
+    else:
+        wrapped = DataParallel(model, mesh)
     opt = Optimizer(wrapped, _adamw(model.parameters()), max_norm=MAX_NORM)
     loss_fn = vocab_parallel_loss(mesh, V, IGN)
     for x, y in _batches():
         loss_fn(wrapped(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
         norms.append(opt.step().grad_norm)
         opt.zero_grad(set_to_none=True)
+    if isinstance(wrapped, ZeroDataParallel):
+        wrapped.wait_params()  # the updated shards' all-gathers, launched by the step
     return {"norms": norms, "weights": gather_full_state(model, mesh)}
 
 
@@ -88,13 +95,16 @@ def _body(ctx: WorkerContext, dp: int, tp: int, tie: bool, kind: str) -> dict[st
         pytest.param(1, 4, True, "wrapper", id="tp4-kv-replicated-tied-wrapper"),
         pytest.param(2, 2, False, "parallelize", id="dp2xtp2-parallelize"),
         pytest.param(2, 2, False, "wrapper", id="dp2xtp2-wrapper"),
+        pytest.param(2, 2, False, "zero", id="dp2xtp2-zero2-wrapper"),
     ],
 )
 def test_clipping_norm_matches_one_process(
     pools: Pools, dp: int, tp: int, tie: bool, kind: str
 ) -> None:
     """ "parallelize": Optimizer on the ParallelModel; "wrapper": on a DataParallel
-    wrapper around the TP model (ZeRO stages on TP shards: tests/parallel/zero)."""
+    wrapper around the TP model; "zero": on a bare ZeRO-2 wrapper around it (its shard
+    group and tp are both summed). Every path reads the same OptimizerTarget protocol
+    (one process, every path at once: tests/test_optim.py)."""
     want_norms, want_weights = _reference(tie)
     assert min(want_norms) > MAX_NORM  # every step clips
     replicated_kv = _cfg(tie).kv_heads < tp

@@ -76,7 +76,7 @@ def test_stage3_gathers_each_unit_for_forward_and_backward_and_frees_it() -> Non
     assert all(g.state is GatherState.FREE for g in gatherer.gathers)
     assert all(p.numel() == 0 for p in model.parameters())
     zdp(torch.randn(5, 4)).sum().backward()
-    assert [u.name for u in gatherer.order] == ["0", "2"]
+    assert [u.name for u in zdp.driver.order] == ["0", "2"]
     assert all(g.state is GatherState.FREE for g in gatherer.gathers)
     assert zdp.gathered_bytes == 0 and zdp.peak_gathered_bytes > 0
     assert all(p.numel() == 0 for p in model.parameters())

@@ -12,7 +12,7 @@ from torch import nn
 
 from plait import init_mesh
 from plait.comm import AxisGroup
-from plait.parallel.data import UnusedParametersError
+from plait.errors import UnusedParametersError
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import FlatUnit, plan_units
 from plait.parallel.zero.reduce import ReduceState, UnitReduction
@@ -131,3 +131,49 @@ def test_a_parameter_without_gradient_is_refused_and_the_units_reset() -> None:
         first(torch.randn(5, 4)).sum().backward()  # the last Linear gets no gradient
     assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
     assert zdp.grad_buffer_bytes == 0 and not zdp.reducer.in_backward
+
+
+# ----------------------------------------------------------------------------- other drivers
+
+
+def test_an_external_driver_reduces_accumulated_gradients_through_the_reducer() -> None:
+    """The pipeline's entry (``reduce`` on ``.grad`` accumulated over two backwards, a unit
+    reduced twice before ``finish``): after ``drive_externally`` autograd reduces nothing;
+    each reduction's shard is added into ``grad_shard`` and the units end IDLE."""
+    model = _model()
+    zdp = ZeroDataParallel(model, init_mesh(), 2, wrap=_units_wrap(), record_events=True)
+    zdp.drive_externally()
+    assert zdp.driver is None
+    x = torch.randn(5, 4)
+    zdp(x).sum().backward()
+    zdp(x).sum().backward()  # accumulates in .grad: no hook reduces it
+    assert not zdp.events and zdp.reducer.on_launch is None
+    want = {u.index: torch.cat([p.grad.flatten() for p in u.params]) for u in zdp.units}
+    last = zdp.units[1]
+    zdp.reducer.reduce(last)
+    last.params[0].grad = torch.ones_like(last.params[0])  # a second round of one unit
+    last.params[1].grad = torch.ones_like(last.params[1])
+    zdp.reducer.reduce(last)
+    zdp.reducer.reduce(zdp.units[0])
+    assert all(p.grad is None for p in model.parameters())
+    zdp.reducer.finish()
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
+    assert zdp.grad_buffer_bytes == 0 < zdp.peak_grad_buffer_bytes
+    torch.testing.assert_close(zdp.reduced_grad(zdp.units[0])[: zdp.units[0].numel], want[0])
+    got = zdp.reduced_grad(last)[: last.numel]
+    torch.testing.assert_close(got, want[1] + 1)
+    assert [k for k, _ in zdp.events].count("reduce") == 3
+
+
+def test_an_external_driver_is_refused_parameters_without_gradient() -> None:
+    model = _model()
+    zdp = ZeroDataParallel(model, init_mesh(), 3, wrap=_units_wrap())
+    zdp.drive_externally()
+    with zdp.gathered():
+        model[0](torch.randn(5, 4)).sum().backward()  # the last Linear gets no gradient
+    zdp.reducer.reduce(zdp.units[0])
+    with pytest.raises(UnusedParametersError, match="find_unused_parameters") as e:
+        zdp.reducer.reduce(zdp.units[1])
+    assert e.value.names == ["2.weight", "2.bias"]
+    assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
+    assert zdp.grad_buffer_bytes == 0

@@ -35,7 +35,7 @@ from plait.parallel.parallelize import parallelize
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import ROOT
-from plait.parallel.zero.reduce import GradientReducer
+from plait.parallel.zero.reducer import GradientReducer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 from tests.parallel.test_data import VOCAB
@@ -518,7 +518,7 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
         opt.step()
         opt.zero_grad()
     assert zdp.gatherer is not None
-    order = [u.name for u in zdp.gatherer.order]
+    order = [u.name for u in zdp.driver.order]
     size = {u.name: u.padded * 4 for u in zdp.units}
     return {
         "order": order,

@@ -4,10 +4,11 @@ the zigzag layout of ring-flash-attn and torchtitan).
 
 Each cp rank keeps its queries; the key/value blocks travel around the ring
 (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``). At step ``t`` a rank computes
-its queries against the block of rank ``r - t`` with :func:`.blockwise_attention.block_forward`
-while the block for step ``t + 1`` is already in flight (two buffers: the one computed
-on is sent on, the other receives), and merges the partial results exactly by their
-log-sum-exp. After ``cp - 1`` transfers every rank has seen every block.
+its queries against the block of rank ``r - t`` with
+:func:`plait.model.blockwise_attention.block_forward` while the block for step ``t + 1``
+is already in flight (two buffers: the one computed on is sent on, the other
+receives), and merges the partial results exactly by their log-sum-exp. After ``cp - 1``
+transfers every rank has seen every block.
 
 Backward recomputes from the saved output and log-sum-exp. The K/V blocks go around
 the ring once more and a dK/dV accumulator travels with each block: rank ``r`` visits

@@ -7,7 +7,7 @@ inside the (data-parallel / ZeRO) wrapper. :class:`PipelineEngine` builds the na
 schedule and a :class:`~plait.parallel.pipeline.runtime.PipelineRuntime`, and runs one
 training step (:func:`~plait.parallel.pipeline.runtime.pipeline_step`) or one
 evaluation pass, returning the mean loss on every rank of the pipeline; it is the
-driver behind :meth:`plait.parallel.parallelize.ParallelModel.step` when pp > 1.
+driver behind :meth:`plait.parallel.model.ParallelModel.step` when pp > 1.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,11 +58,11 @@ from torch import nn
 from plait import comm
 from plait.comm import P2P, AxisGroup, Handle
 from plait.errors import ConfigError
+from plait.parallel.loss import LossFn
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.pipeline.zb import BackwardSplit
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _ACT, _GRAD = 0, 1
 
 

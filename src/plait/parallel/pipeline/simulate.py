@@ -1,12 +1,20 @@
 """Simulate a pipeline schedule: per-rank timelines, makespan, bubble, in-flight memory.
 
-:func:`simulate` runs a :class:`~plait.parallel.pipeline.actions.Schedule` on a model
-machine with the validator's (and the runtime's) semantics (see ``validate.py``): each
-rank runs its actions in order; a compute action takes its cost; a batch of adjacent
-communication actions is posted when the rank reaches it and ends ``comm`` after the
-later of its own posting and the posting of the matching sends of its receives (sends
-never block; with ``rendezvous=True`` the matching receives of its sends count too).
-Every rank starts at 0.
+:func:`simulate` is the one replay of a
+:class:`~plait.parallel.pipeline.actions.Schedule` under the blocking semantics of the
+runtime (``runtime.py``); the validator (``validate.py``) finds deadlocks with it.
+Each rank runs its actions in order; a compute action always completes, taking its
+cost; a maximal run of adjacent communication actions on a rank
+(:func:`~plait.parallel.pipeline.schedules.comm_steps`) is one batch -- one batched
+isend/irecv -- posted when the rank reaches it, and it completes, letting the rank go
+on, once the matching send of each of its *receives* has been posted by the peer (the
+peer has reached the batch holding it): it ends ``comm`` after the later of its own
+posting and those. Sends never block: they complete in the background (waited for at
+the end of the step). With ``rendezvous=True`` sends block too: a batch then also waits
+until the matching receive of each of its sends has been posted (unbuffered sends; the
+stricter model). The schedule deadlocks if some rank can never finish:
+:class:`ScheduleError` then names each blocked rank's batch and the matches never
+posted. Every rank starts at 0.
 
 All times are exact :class:`fractions.Fraction` (costs given as floats are converted
 exactly), so textbook formulas can be checked with ``==``.
@@ -31,9 +39,22 @@ from typing import NamedTuple
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.schedules import comm_steps, peer
-from plait.parallel.pipeline.validate import ScheduleError, deadlock, waits_for
 
 Time = Fraction
+
+MAX_REPORTED = 8
+"""Violations listed in one ScheduleError."""
+
+
+class ScheduleError(ConfigError):
+    """A pipeline schedule that is not sound; the message lists the first violations."""
+
+    def __init__(self, name: str, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        shown = "; ".join(self.problems[:MAX_REPORTED])
+        more = len(self.problems) - MAX_REPORTED
+        tail = f"; and {more} more" if more > 0 else ""
+        super().__init__(f"pipeline schedule {name!r} is not sound: {shown}{tail}")
 
 
 @dataclass(frozen=True)
@@ -60,9 +81,12 @@ class Costs:
 
     def of(self, op: Op, chunks: int) -> Time:
         """Exact cost of one compute action of kind ``op`` with ``chunks`` per rank."""
-        raw = {Op.FORWARD: self.forward, Op.BACKWARD: self.backward,
-               Op.BACKWARD_INPUT: self.backward_input,
-               Op.BACKWARD_WEIGHT: self.backward_weight}[op]
+        raw = {
+            Op.FORWARD: self.forward,
+            Op.BACKWARD: self.backward,
+            Op.BACKWARD_INPUT: self.backward_input,
+            Op.BACKWARD_WEIGHT: self.backward_weight,
+        }[op]
         c = Fraction(raw)
         return c / chunks if self.per_chunk else c
 
@@ -110,9 +134,10 @@ def simulate(
     durations: Sequence[Mapping[Action, float]] | None = None,
 ) -> SimResult:
     """Simulate ``schedule`` with ``costs`` (default: F = 1, B = 2, I = W = 1, comm = 0);
-    raises ScheduleError if it deadlocks. ``durations`` (per rank, each compute action's
-    measured duration) replaces the per-kind compute costs: the replay of a measured step
-    with free communication (benchmarks/pipeline_profile.py)."""
+    raises :class:`ScheduleError` if it deadlocks, one line per blocked rank.
+    ``durations`` (per rank, each compute action's measured duration) replaces the
+    per-kind compute costs: the replay of a measured step with free communication
+    (benchmarks/pipeline_profile.py)."""
     costs = costs or Costs()
     p, v = schedule.stages, schedule.chunks
     steps = [comm_steps(acts) for acts in schedule.actions]
@@ -143,16 +168,47 @@ def simulate(
                 now[r] = end
                 at[r] += 1
                 moved = True
-    if any(at[r] < len(steps[r]) for r in range(p)):
-        raise ScheduleError(schedule.name, deadlock(schedule, rendezvous))
-    busy = tuple(sum((e.end - e.start for e in evs if e.action.op.is_compute), Fraction(0))
-                 for evs in events)
+    stuck = [
+        _stuck_line(r, steps[r][at[r]], posted, p, rendezvous)
+        for r in range(p)
+        if at[r] < len(steps[r])
+    ]
+    if stuck:
+        raise ScheduleError(schedule.name, stuck)
+    busy = tuple(
+        sum((e.end - e.start for e in evs if e.action.op.is_compute), Fraction(0)) for evs in events
+    )
     return SimResult(
         schedule=schedule,
         timeline=tuple(e for evs in events for e in evs),
         makespan=max(now) if p else Fraction(0),
         busy=busy,
         peak_inflight=tuple(peak_inflight(acts) for acts in schedule.actions),
+    )
+
+
+def waits_for(step: Sequence[Action], rendezvous: bool = False) -> list[Action]:
+    """The actions of a communication batch whose matches must be posted before it
+    completes: its receives (and its sends too under ``rendezvous``)."""
+    recv = (Op.RECV_ACT, Op.RECV_GRAD)
+    return [a for a in step if rendezvous or a.op in recv]
+
+
+def _stuck_line(
+    r: int,
+    step: tuple[Action, ...],
+    posted: Mapping[tuple[int, Action], Time],
+    p: int,
+    rendezvous: bool,
+) -> str:
+    """The report of rank ``r`` blocked in ``step``: the batch and the matches missing."""
+    missing = [
+        f"{m} on rank {q}"
+        for q, m in (peer(a, p) for a in waits_for(step, rendezvous))
+        if (q, m) not in posted
+    ]
+    return (
+        f"deadlock: rank {r} waits in batch [{' '.join(map(str, step))}] for {', '.join(missing)}"
     )
 
 

@@ -19,46 +19,26 @@
 5. **Channel order** (``ordered_channels=True``, the default): on every (sender,
    receiver) pair the receives are posted in the order of the sends, so messages can be
    matched without tags.
-6. **No deadlock**, by simulating these blocking semantics (those of ``runtime.py``):
-   a rank runs its actions in order; a compute action always completes; a maximal run
-   of adjacent communication actions on a rank
-   (:func:`~plait.parallel.pipeline.schedules.comm_steps`) is one batch -- one batched
-   isend/irecv -- posted when the rank reaches it, and it completes, letting the rank go
-   on, once the matching send of each of its *receives* has been posted by the peer (the
-   peer has reached the batch holding it). Sends never block: they complete in the
-   background (waited for at the end of the step). With ``rendezvous=True`` sends block
-   too: a batch then also waits until the matching receive of each of its sends has been
-   posted (unbuffered sends; the stricter model). The schedule deadlocks if some rank can
-   never finish; the error names each blocked rank's batch and the missing matches.
+6. **No deadlock**: :func:`~plait.parallel.pipeline.simulate.simulate` replays the
+   schedule under the runtime's blocking semantics (read its module doc): a rank runs
+   its actions in order, a batch of adjacent communication actions completes once the
+   matching sends of its receives are posted (sends never block; with
+   ``rendezvous=True`` they do, the stricter model). The schedule deadlocks if some rank
+   can never finish; the error names each blocked rank's batch and the missing matches.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
 
-from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
-from plait.parallel.pipeline.schedules import comm_steps, peer
+from plait.parallel.pipeline.schedules import peer
+from plait.parallel.pipeline.simulate import ScheduleError, simulate
 
-MAX_REPORTED = 8
-"""Violations listed in one ScheduleError."""
-
-
-class ScheduleError(ConfigError):
-    """A pipeline schedule that is not sound; the message lists the first violations."""
-
-    def __init__(self, name: str, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        shown = "; ".join(self.problems[:MAX_REPORTED])
-        more = len(self.problems) - MAX_REPORTED
-        tail = f"; and {more} more" if more > 0 else ""
-        super().__init__(f"pipeline schedule {name!r} is not sound: {shown}{tail}")
+__all__ = ["ScheduleError", "deadlock", "validate"]
 
 
-def validate(
-    schedule: Schedule, ordered_channels: bool = True, rendezvous: bool = False
-) -> None:
+def validate(schedule: Schedule, ordered_channels: bool = True, rendezvous: bool = False) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` is sound (see module doc)."""
     problems = _shape(schedule)
     if not problems:
@@ -117,8 +97,9 @@ def _coverage_and_order(sch: Schedule) -> list[str]:
         for s in range(r, last + 1, p):
             for i in range(sch.microbatches):
                 f = Action(Op.FORWARD, i, s)
-                b, ig, w = (Action(o, i, s) for o in (Op.BACKWARD, Op.BACKWARD_INPUT,
-                                                      Op.BACKWARD_WEIGHT))
+                b, ig, w = (
+                    Action(o, i, s) for o in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+                )
                 if f not in where:
                     out.append(f"rank {r}: no forward {f}")
                 split = ig in where or w in where
@@ -130,8 +111,10 @@ def _coverage_and_order(sch: Schedule) -> list[str]:
                     out.append(f"rank {r}: no backward {b}")
                 back = ig if split else b
                 if f in where and back in where and where[back][0] < where[f][0]:
-                    out.append(f"rank {r}: backward {back} (position {where[back][0]}) "
-                               f"before its forward {f} (position {where[f][0]})")
+                    out.append(
+                        f"rank {r}: backward {back} (position {where[back][0]}) "
+                        f"before its forward {f} (position {where[f][0]})"
+                    )
                 if split and ig in where and w in where and where[w][0] < where[ig][0]:
                     out.append(f"rank {r}: {w} (position {where[w][0]}) before {ig}")
                 for c in (f, back):
@@ -170,44 +153,20 @@ def _channel_order(sch: Schedule) -> list[str]:
         rs = recvs.get((src, dst), [])
         for k, (s, rm) in enumerate(zip(ss, rs, strict=False)):
             if s != rm:
-                out.append(f"rank {src} -> rank {dst}: send #{k} is {s} but receive #{k} on "
-                           f"rank {dst} expects {rm}")
+                out.append(
+                    f"rank {src} -> rank {dst}: send #{k} is {s} but receive #{k} on "
+                    f"rank {dst} expects {rm}"
+                )
                 break
     return out
 
 
-def waits_for(step: Sequence[Action], rendezvous: bool = False) -> list[Action]:
-    """The actions of a communication batch whose matches must be posted before it
-    completes: its receives (and its sends too under ``rendezvous``)."""
-    recv = (Op.RECV_ACT, Op.RECV_GRAD)
-    return [a for a in step if rendezvous or a.op in recv]
-
-
 def deadlock(sch: Schedule, rendezvous: bool = False) -> list[str]:
-    """Simulate the blocking semantics of the module doc; ``[]`` when every rank finishes,
-    else one line per blocked rank naming its batch and the matches never posted."""
-    p = sch.stages
-    steps = [comm_steps(acts) for acts in sch.actions]
-    at = [0] * p
-    posted: set[tuple[int, Action]] = set()
-    moved = True
-    while moved:
-        moved = False
-        for r in range(p):
-            while at[r] < len(steps[r]):
-                step = steps[r][at[r]]
-                if step[0].op.is_comm:
-                    posted.update((r, a) for a in step)
-                    if not all(peer(a, p) in posted for a in waits_for(step, rendezvous)):
-                        break
-                at[r] += 1
-                moved = True
-    out = []
-    for r in range(p):
-        if at[r] < len(steps[r]):
-            step = steps[r][at[r]]
-            missing = [f"{m} on rank {q}" for q, m in
-                       (peer(a, p) for a in waits_for(step, rendezvous)) if (q, m) not in posted]
-            out.append(f"deadlock: rank {r} waits in batch [{' '.join(map(str, step))}] "
-                       f"for {', '.join(missing)}")
-    return out
+    """Replay ``sch`` (:func:`~plait.parallel.pipeline.simulate.simulate`); ``[]`` when
+    every rank finishes, else one line per blocked rank naming its batch and the matches
+    never posted."""
+    try:
+        simulate(sch, rendezvous=rendezvous)
+    except ScheduleError as e:
+        return e.problems
+    return []

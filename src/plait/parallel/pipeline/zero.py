@@ -8,9 +8,14 @@ one step is many forwards and backwards of several pieces (interleaved: several 
 rank; zero-bubble: backward split into ``I`` and ``W``, whose weight gradients are written
 into ``.grad`` directly), so those hooks would fire per micro-batch and per piece and the
 end-of-backward callback would see other pieces' units without gradients.
-:class:`PipelineZero` removes the wrapper's hooks and is called by the pipeline runtime
-around every compute action instead (``before(action)`` / ``after(action)``), knowing the
-rank's whole action list:
+:class:`PipelineZero` takes over as the wrapper's one driver
+(:meth:`~plait.parallel.zero.ZeroDataParallel.drive_externally`: the autograd driver
+closes) and is called by the pipeline runtime around every compute action instead
+(``before(action)`` / ``after(action)``), knowing the rank's whole action list. It only
+says *when*: the reductions (the in-flight cap, the refusal of parameters with no
+gradient, the events) are the wrapper's
+:class:`~plait.parallel.zero.reducer.GradientReducer`'s, the gathers its
+:class:`~plait.parallel.zero.gather.ParameterGatherer`'s:
 
 * **Gradients** (stages 2 and 3) accumulate in ``.grad`` over the micro-batches of one
   step. With ``grad_reduce = "step"`` (the default, as torchtitan/FSDP2 do under PP) each
@@ -56,11 +61,8 @@ import torch
 from plait.config import PP_GRAD_REDUCES, PPGradReduce
 from plait.config_checks import check_choice
 from plait.errors import ConfigError
-from plait.parallel.data import UnusedParametersError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.zero.flat import FlatUnit
-from plait.parallel.zero.gather import GatherState
-from plait.parallel.zero.reduce import UnitReduction
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRuntime
@@ -75,8 +77,8 @@ class PipelineZero:
     """Drive ``zero``'s (stage 2 or 3) gathers and reductions from the pipeline schedule.
 
     Args:
-        zero: the ZeRO wrapper around this rank's ``stages`` (stage 2 or 3); its hooks
-            are removed.
+        zero: the ZeRO wrapper around this rank's ``stages`` (stage 2 or 3); this
+            driver replaces its autograd driver.
         stages: this rank's pipeline pieces.
         schedule: the schedule the runtime executes.
         rank: this rank's index on the pp axis.
@@ -84,9 +86,6 @@ class PipelineZero:
         reshard: stage 3: free a piece's parameters after every action (True) or keep
             them from the piece's first to its last action of the step (False).
     """
-
-    MAX_REDUCES_IN_FLIGHT = 2
-    """Reduce-scatters in flight before the oldest is waited for (its buffer freed)."""
 
     def __init__(
         self,
@@ -101,7 +100,7 @@ class PipelineZero:
         if zero.stage not in (2, 3):
             raise ConfigError(f"PipelineZero drives ZeRO stages 2 and 3, not {zero.stage}")
         check_choice("grad_reduce", grad_reduce, PP_GRAD_REDUCES)
-        zero.detach_hooks()  # the schedule, not autograd, says when to gather and reduce
+        zero.drive_externally()  # the schedule, not autograd, says when to gather and reduce
         self.zero, self.stages, self.schedule = zero, stages, schedule
         self.grad_reduce: GradReduce = grad_reduce
         self.reshard = reshard
@@ -131,7 +130,6 @@ class PipelineZero:
         forward = [a for a in compute if a.op is Op.FORWARD]  # an evaluation pass
         self._next = dict(itertools.pairwise(compute))  # the next compute action
         self._next_eval = dict(itertools.pairwise(forward))
-        self._pending: list[UnitReduction] = []  # launched, oldest first
         self.reductions = 0  # reduce-scatters launched (counted; tests read them)
         self.gathers = 0  # stage 3: all-gathers launched
         self.peak_grad_bytes = 0  # the most unsharded gradient bytes held after an action
@@ -165,9 +163,7 @@ class PipelineZero:
             first = {u.index for u in units}
             units = [*units, *(u for u in self.zero.units if u.index not in first)]
         for u in units:
-            if g.gathers[u.index].state is GatherState.FREE:
-                self.gathers += 1
-            g.start(u)
+            self.gathers += int(g.start(u))  # launched unless gathered or gathering
         for u in self.units_of.get(a.stage, []):
             g.ensure(u)
 
@@ -216,8 +212,7 @@ class PipelineZero:
             for u in self.zero.units:
                 if u.index in self.deferred:
                     self._reduce(u)
-            while self._pending:
-                self._finish_oldest()
+            self.zero.reducer.finish()  # every reduction waited for, shards added
         except BaseException:
             self._abandon()
             raise
@@ -226,9 +221,10 @@ class PipelineZero:
         return runtime.loss_to_all(loss)
 
     def _abandon(self) -> None:
-        """A failed step: forget the reductions in flight and the accumulated gradients,
-        so the next step starts clean (the reduced shards are the optimizer's to zero)."""
-        self._pending = []
+        """A failed step: complete the reductions in flight and drop them, and the
+        accumulated gradients, so the next step starts clean (the reduced shards are the
+        optimizer's to zero)."""
+        self.zero.reducer.abandon()
         for u in self.zero.units:
             for p in u.params:
                 p.grad = None
@@ -241,35 +237,7 @@ class PipelineZero:
 
     # ------------------------------------------------------------------ reductions
 
-    @torch.no_grad()
     def _reduce(self, u: FlatUnit) -> None:
-        """Reduce-scatter ``u``'s accumulated ``.grad`` (asynchronously) and drop it."""
-        z = self.zero
-        buf = torch.zeros(u.padded, dtype=z.reduce_dtype, device=z.device)  # (padded,)
-        missing = []
-        for i, p in enumerate(u.params):
-            if p.grad is None:
-                missing.append(u.names[i])
-                continue
-            u.view(i, buf).copy_(p.grad)
-            p.grad = None
-        if missing and not z.find_unused_parameters:
-            raise UnusedParametersError(
-                f"{len(missing)} parameter(s) of ZeRO unit {u.name!r} received no gradient "
-                f"in this pipeline step: {', '.join(missing[:10])}. Pass "
-                "find_unused_parameters=True to reduce zeros for them."
-            )
-        r = UnitReduction(u)  # the wrapper's reduction states, driven by the schedule
-        r.launch(buf, z.shard_group)  # ReduceScatter (average) over dp, asynchronous
-        self._pending.append(r)
+        """Reduce-scatter ``u``'s accumulated ``.grad`` now (asynchronously) and drop it."""
+        self.zero.reducer.reduce(u)
         self.reductions += 1
-        z._note_event("reduce", u.name)
-        while len(self._pending) > self.MAX_REDUCES_IN_FLIGHT:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        r = self._pending.pop(0)
-        r.finish_scatter(self.zero.replicate_group)  # hybrid: AllReduce over replicas
-        shard = r.finish(keep=False)  # (shard_numel,) the average of this rank's shard
-        assert r.unit.grad_shard is not None
-        r.unit.grad_shard.add_(shard)

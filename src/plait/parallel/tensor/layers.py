@@ -104,6 +104,13 @@ def shard_info(p: torch.Tensor) -> TPShard | None:
     return getattr(p, _ATTR, None)
 
 
+def tp_norm_weight(p: torch.Tensor) -> float:
+    """Weight of ``p``'s squared gradient norm in a global norm summed over tp: 1/k for a
+    tensor held identically by k tp ranks, else 1 (also for a tensor tp did not place)."""
+    info = shard_info(p)
+    return info.norm_weight if info is not None else 1.0
+
+
 def tensor_parallel_piece(piece: LocalPiece, tp_index: int) -> LocalPiece:
     """``piece`` of a (possibly) tensor-parallel parameter in one-device terms: the
     global shape and the block this tp rank holds; only one tp rank writes a tensor held

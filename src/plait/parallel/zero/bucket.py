@@ -3,7 +3,7 @@
 Stages 1 and 2 hold full parameters, so nothing forces a collective per unit: with
 ``bucket_mb`` (DataParallel's bucket size) consecutive units, in backward order, form a
 :class:`GradBucket` whose gradients go out in one reduce-scatter (launched by
-:class:`~plait.parallel.zero.reduce.GradientReducer` when the bucket's last unit is
+:class:`~plait.parallel.zero.reducer.GradientReducer` when the bucket's last unit is
 complete) and whose updated shards come back in one all-gather after the step
 (:class:`ParamSync`). Without ``bucket_mb`` every unit is a bucket of its own. The bytes
 on the wire are the same either way; only the number of calls changes.

@@ -38,8 +38,11 @@ unit-by-unit gather/free schedule of stage 3. :class:`ZeroDataParallel` implemen
 Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp ranks and
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
 Units, flattening and padding: :mod:`plait.parallel.zero.flat`. The gradient path
-inside backward (hooks, reduce-scatter, hybrid all-reduce, one state machine per unit):
-:class:`plait.parallel.zero.reduce.GradientReducer`, which the wrapper owns. The
+inside backward (reduce-scatter, hybrid all-reduce, one state machine per unit):
+:class:`plait.parallel.zero.reducer.GradientReducer`, which the wrapper owns. One driver
+at a time sequences the gathers and reductions: the autograd hooks
+(:class:`plait.parallel.zero.driver.AutogradDriver`, :attr:`ZeroDataParallel.driver`) or,
+under pipeline parallelism, the schedule (:meth:`ZeroDataParallel.drive_externally`). The
 optimizer side (sharded fp32 masters, offload):
 :class:`plait.parallel.zero.optim.ShardedMasters`, stepped by :class:`plait.optim.Optimizer`
 (global-norm clipping, loss scaling).
@@ -60,15 +63,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.comm import AxisGroup
 from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
+from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
+from plait.parallel.zero.driver import AutogradDriver
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reduce import GradientReducer
+from plait.parallel.zero.reducer import GradientReducer
 from plait.pieces import LocalPiece
 
 
@@ -151,24 +157,15 @@ class ZeroDataParallel(nn.Module):
             self.reduce_dtype,
             self.device,
             find_unused_parameters,
-            release=self._release,
-            on_finish=self._after_backward,
             note=self._note_event,
             bucket_bytes=int(bucket_mb * 2**20) if bucket_mb is not None else None,
         )
         self.gatherer: ParameterGatherer | None = None  # stage 3 only
         if stage == 3:
+            shard_device = torch.device("cpu") if offload == "params" else self.device
             self.gatherer = ParameterGatherer(
-                module,
-                self.shard_group,
-                self.device,
-                torch.device("cpu") if offload == "params" else self.device,
-                reshard_after_forward,
-                prefetch,
-                begin_backward=self.reducer.begin_backward,
-                note=self._note_event,
+                self.shard_group, self.device, shard_device, note=self._note_event
             )
-        self._hooks: list[Any] = []  # gather and reduce on their own (detach_hooks)
         # stages 1/2: the all-gathers launched by sync_params, completed before each
         # unit's next forward (or any full read); kept under every driver
         self._param_sync = ParamSync(
@@ -185,9 +182,17 @@ class ZeroDataParallel(nn.Module):
                 self._sync_hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
             self._init_unit(u)
-            for i, p in enumerate(u.params):
-                hook = functools.partial(self.reducer.on_grad, u, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        # the one driver of the gathers and reductions: autograd's hooks, until another
+        # takes over (drive_externally)
+        self.driver: AutogradDriver | None = AutogradDriver(
+            module,
+            self.units,
+            self.reducer,
+            self.gatherer,
+            reshard_after_forward,
+            prefetch,
+            note=self._note_event,
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -199,8 +204,8 @@ class ZeroDataParallel(nn.Module):
         if self.param_dtype in (torch.bfloat16, torch.float16):
             u.fp32_init = flat[u.lo : u.hi].float()  # (shard,) initial fp32 masters (a copy)
         u.full = flat.to(self.param_dtype) if self.param_dtype != wide else flat
-        if self.gatherer is not None:  # keeps the shard, frees the rest, hooks the unit
-            self._hooks.extend(self.gatherer.adopt(u))
+        if self.gatherer is not None:  # keeps the shard, frees the rest
+            self.gatherer.adopt(u)
         else:
             for i, p in enumerate(u.params):
                 p.data = u.view(i, u.full)
@@ -224,17 +229,6 @@ class ZeroDataParallel(nn.Module):
 
     def _before_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self.wait_params()
-
-    def _release(self, u: FlatUnit) -> None:
-        """``u``'s reduce-scatter is launched (the reducer's callback): stage 3 frees it."""
-        if self.gatherer is not None:
-            self.gatherer.free(u)
-
-    def _after_backward(self) -> None:
-        """End of a synchronising backward (the reducer's callback): stage 3 frees every
-        unit; the next backward gathers again."""
-        if self.gatherer is not None:
-            self.gatherer.after_backward()
 
     # ------------------------------------------------------------------ counters
 
@@ -275,11 +269,11 @@ class ZeroDataParallel(nn.Module):
         """Run the wrapped module (stage 3 gathers units on demand)."""
         if self.record_events and not self.reducer.in_backward:
             self.events = []
-        if self.gatherer is not None:
-            self.gatherer.begin_forward()
+        if self.driver is not None:
+            self.driver.begin_forward()
         out = self.module(*args, **kwargs)
-        if self.gatherer is not None:
-            self.gatherer.end_forward(out)
+        if self.driver is not None:
+            self.driver.end_forward(out)
         return out
 
     @contextlib.contextmanager
@@ -385,15 +379,39 @@ class ZeroDataParallel(nn.Module):
                 )
         return out
 
-    def detach_hooks(self) -> None:
-        """Remove the module and autograd hooks that gather and reduce on their own: the
-        caller drives ``gatherer`` and the reductions instead (ZeRO-2/3 under pipeline
-        parallelism, :class:`plait.parallel.pipeline.zero.PipelineZero`). The hooks that
-        complete stage 2's post-step all-gathers before a full read (``state_dict``) stay."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+    def drive_externally(self) -> None:
+        """Hand the gathers and reductions to another driver (ZeRO-2/3 under pipeline
+        parallelism: :class:`plait.parallel.pipeline.zero.PipelineZero`): the autograd
+        driver closes (its hooks are removed) and the caller sequences :attr:`gatherer`
+        and :attr:`reducer` through their public methods. The hooks that complete stage
+        2's post-step all-gathers before a full read (``state_dict``) belong to no driver
+        and stay."""
+        if self.driver is not None:
+            self.driver.close()
+            self.driver = None
 
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""
         return [(u.name, len(u.params), u.numel, u.padded) for u in self.units]
+
+    # ------------------------------------------------------------------ optimizer
+    # What plait.optim.Optimizer reads (its OptimizerTarget protocol).
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over: the shard
+        group (each element of a replica on exactly one rank) and the mesh's tp axis,
+        each when it has several ranks. Replicas of a shard hold equal gradients."""
+        groups = [self.shard_group] if self.shard_group.size > 1 else []
+        if self.mesh.size("tp") > 1:
+            groups.append(self.mesh.axis("tp"))
+        return groups
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
+        held identically by k tp ranks, else 1."""
+        return tp_norm_weight(p)
+
+    def zero_wrapper(self) -> ZeroDataParallel:
+        """This wrapper: the optimizer steps fp32 masters of its shards
+        (:class:`~plait.parallel.zero.optim.ShardedMasters`)."""
+        return self

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from plait import init_mesh
-from plait.train.checkpoint_meta import read_latest, step_dirname
-from plait.train.checkpoint_retention import prune
-from plait.train.reshard import CheckpointReader
+from plait.checkpoint import CheckpointReader, read_latest, step_dirname
+from plait.checkpoint.folder import prune
 from plait.train.trainer import Trainer
-from tests.train.test_checkpoint import config
+from tests.checkpoint.test_checkpoint import config
 
 
 @pytest.fixture(scope="module")

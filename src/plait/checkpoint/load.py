@@ -5,7 +5,7 @@ the optimizer exists, so every rank knows what it holds: the model's pieces
 (``model.local_pieces()``: one-device name, global shape, tensor-parallel block, flat
 element range, the model's own storage) and the optimizer's (the same pieces with their
 fp32 master and the key of their optimizer state). For each piece the rank reads the
-byte ranges of the saved pieces that cover it (:func:`~plait.train.checkpoint_io.
+byte ranges of the saved pieces that cover it (:func:`~plait.checkpoint.read.
 read_region`) straight into the master (or the parameter) and copies that into the
 model's storage, then reads the piece's optimizer state into freshly allocated state
 tensors. Nothing else is read: no rank ever holds the full model of a checkpoint, only
@@ -13,18 +13,28 @@ its own shard plus one bounded read buffer. The code names no parallelism: whate
 layout (dp, ZeRO flat segments, tp blocks, pipeline stages, their combinations) the
 pieces describe is what is read. Finally the optimizer makes replicas whole
 (``publish_masters``: under ZeRO-1/2 the all-gather every step ends with).
+
+Also here: :func:`restore_training_state` (the pieces, then the counters, loss scaler,
+sampler position and this rank's RNG states), :func:`open_weights` (``train.init_from``)
+and :func:`check_model` (refusing a checkpoint whose tensors do not match the model, by
+name, before the model is sharded).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from plait.checkpoint.files import verify_collective
+from plait.checkpoint.format import CheckpointError, dtype_from_name
+from plait.checkpoint.rank_state import restore_rank_state, restore_rng
+from plait.checkpoint.read import CheckpointReader
+from plait.checkpoint.state import TrainState
+from plait.mesh import Mesh
 from plait.pieces import LocalPiece
-from plait.train.checkpoint_meta import CheckpointError, dtype_from_name
-from plait.train.reshard import CheckpointReader
-from plait.train.state import TrainState
 
 
 def _ident(lp: LocalPiece) -> tuple[Any, ...]:
@@ -93,8 +103,11 @@ def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> Non
             continue
         t = have.get(kind)
         fits = (
-            isinstance(t, torch.Tensor) and t.shape == lp.key.shape and t.dtype == dtype
-            and t.device == lp.key.device and t.is_contiguous()
+            isinstance(t, torch.Tensor)
+            and t.shape == lp.key.shape
+            and t.dtype == dtype
+            and t.device == lp.key.device
+            and t.is_contiguous()
         )
         if not fits:
             t = torch.empty(lp.key.shape, dtype=dtype, device=lp.key.device)
@@ -107,3 +120,56 @@ def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> Non
             state[s] = v
     if state:
         ts.optimizer.inner.state[lp.key] = state
+
+
+@torch.no_grad()
+def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
+    """This rank's pieces (weights and optimizer state, :func:`load_pieces`),
+    counters, scaler, sampler, RNG; returns the step to continue from."""
+    meta = reader.meta
+    opt = ts.optimizer
+    load_pieces(ts, reader)
+    o = meta["optimizer"]
+    opt.steps, opt.skipped = int(o["steps"]), int(o["skipped"])
+    if opt.scaler is not None and o.get("scaler"):
+        opt.scaler.load_state_dict(o["scaler"])
+    ts.sched_step = int(meta["sched_step"])
+    ts.sampler.load_state_dict(meta["sampler"])
+    restore_rng(reader, ts.mesh.rank, ts.device)
+    restore_rank_state(ts.rank_state, meta, ts.mesh.rank, reader.tensor)
+    return reader.step
+
+
+def open_weights(path: str, mesh: Mesh) -> CheckpointReader:
+    """``train.init_from``: a checkpoint folder (its files verified once per host) or a
+    consolidated safetensors file, opened for rank-local reads."""
+    p = Path(path)
+    if p.is_dir():
+        reader = CheckpointReader(p, verify=False)
+        verify_collective(p, reader.meta, mesh)
+        return reader
+    if not p.is_file():
+        raise CheckpointError(f"no checkpoint or weights file at {p}")
+    return CheckpointReader.from_weights_file(p)
+
+
+def check_model(reader_params: dict[str, list[int]], model: nn.Module, source: str) -> None:
+    """Refuse a checkpoint whose tensors do not match ``model``'s, naming the tensor."""
+    have = {n: list(p.shape) for n, p in model.named_parameters()}
+    for name, shape in have.items():
+        if name not in reader_params:
+            raise CheckpointError(
+                f"{source} does not match the model: it has no tensor {name!r} (shape "
+                f"{shape}); was it written for another model configuration?"
+            )
+        if reader_params[name] != shape:
+            raise CheckpointError(
+                f"{source} does not match the model: tensor {name!r} has shape "
+                f"{reader_params[name]} in the checkpoint but {shape} in the model"
+            )
+    extra = [n for n in reader_params if n not in have]
+    if extra:
+        raise CheckpointError(
+            f"{source} does not match the model: it holds tensor {extra[0]!r}"
+            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} the model does not have"
+        )

@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from plait import init_mesh
+from plait.checkpoint import CheckpointReader, TrainState, step_dirname
+from plait.checkpoint.format import rank_filename
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint_meta import rank_filename, step_dirname
-from plait.train.reshard import CheckpointReader
-from plait.train.state import TrainState
 from plait.train.trainer import Trainer
-from tests.train.test_checkpoint import config
+from tests.checkpoint.test_checkpoint import config
 
-M = "tests.train.test_checkpoint_rng"
+M = "tests.checkpoint.test_rng"
 
 
 def _states() -> dict[str, Any]:
@@ -85,8 +84,10 @@ def _assert_round_trip(r: dict[str, Any]) -> None:
     assert got["numpy"][0] == cap["numpy"][0] and got["numpy"][2:] == cap["numpy"][2:]
     assert np.array_equal(got["numpy"][1], cap["numpy"][1])
     assert r["start"] == 2
-    assert r["sampler_saved"] == {"step": 2, **{k: r["sampler_saved"][k]
-                                                for k in ("seed", "num_samples", "global_batch")}}
+    assert r["sampler_saved"] == {
+        "step": 2,
+        **{k: r["sampler_saved"][k] for k in ("seed", "num_samples", "global_batch")},
+    }
     assert r["sampler_restored"] == r["sampler_saved"]
 
 
@@ -98,9 +99,7 @@ def _body(ctx: WorkerContext, root: str) -> dict[str, Any]:
     return _check(root, ctx.rank, lambda: ctx.mesh(dp=ctx.world_size))
 
 
-def test_each_rank_gets_its_own_rng_back(
-    pools: Any, tmp_path: Path
-) -> None:
+def test_each_rank_gets_its_own_rng_back(pools: Any, tmp_path: Path) -> None:
     pool: WorkerPool = pools(2)
     results = pool.run(f"{M}:_body", str(tmp_path / "ck"))
     for r in results:

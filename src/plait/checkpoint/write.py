@@ -12,7 +12,7 @@
 
 :func:`save_checkpoint` runs them in order with an agreement (one all-gather of a flag)
 after each, so a failure on any rank removes the temporary folder and raises
-:class:`CheckpointSaveError` everywhere. :mod:`plait.train.checkpoint_async` runs phase 1
+:class:`CheckpointSaveError` everywhere. :mod:`plait.checkpoint.write_async` runs phase 1
 on the training thread and phases 2-3 on a writer thread.
 """
 
@@ -29,10 +29,9 @@ from typing import Any
 import torch
 
 from plait import comm
-from plait.errors import PlaitError
-from plait.mesh import Mesh
-from plait.train.checkpoint_io import write_safetensors
-from plait.train.checkpoint_meta import (
+from plait.checkpoint.files import fsync_dir, replace_durable, write_durable, write_safetensors
+from plait.checkpoint.folder import prune
+from plait.checkpoint.format import (
     FORMAT,
     LATEST,
     METADATA,
@@ -41,17 +40,16 @@ from plait.train.checkpoint_meta import (
     ParamEntry,
     Piece,
     dtype_to_name,
-    fsync_dir,
+    folders,
+    index_name,
     json_bytes,
     rank_filename,
-    replace_durable,
-    rng_payload,
     step_dirname,
-    write_durable,
 )
-from plait.train.checkpoint_retention import prune
-from plait.train.rank_state import rank_state_tensors
-from plait.train.state import TrainState
+from plait.checkpoint.rank_state import rank_state_tensors, rng_payload
+from plait.checkpoint.state import TrainState
+from plait.errors import PlaitError
+from plait.mesh import Mesh
 
 SaveHook = Callable[[str], None]
 """Called after each durable stage of a save ("shard", "index", "metadata", "renamed",
@@ -125,9 +123,7 @@ def snapshot(
                 tensors[f"{k}/{tag}"] = host(f"{k}/{tag}", v.reshape(-1))
         entry = params.setdefault(
             lp.name,
-            ParamEntry(
-                lp.shape, dtype_to_name(lp.value.dtype), dtype_to_name(lp.dtype)
-            ).to_json(),
+            ParamEntry(lp.shape, dtype_to_name(lp.value.dtype), dtype_to_name(lp.dtype)).to_json(),
         )
         entry["pieces"].append(piece.to_json())
     if cuda:
@@ -193,16 +189,6 @@ def merge(snap: Snapshot, indexes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def index_name(rank: int) -> str:
-    return f"rank{rank:05d}.json"
-
-
-def folders(root: Path, step: int) -> tuple[Path, Path]:
-    """``(final, temporary)`` folder of the checkpoint of ``step``."""
-    final = root / step_dirname(step)
-    return final, root / f".tmp-{final.name}"
-
-
 def open_folder(root: Path, tmp: Path) -> None:
     """Rank 0: a fresh temporary folder."""
     root.mkdir(parents=True, exist_ok=True)
@@ -223,8 +209,12 @@ def write_rank(tmp: Path, snap: Snapshot, stage: SaveHook) -> None:
 
 
 def commit(
-    root: Path, snap: Snapshot, keep: int, stage: SaveHook,
-    protect: tuple[str, ...] = (), trusted: set[str] | None = None,
+    root: Path,
+    snap: Snapshot,
+    keep: int,
+    stage: SaveHook,
+    protect: tuple[str, ...] = (),
+    trusted: set[str] | None = None,
 ) -> Path:
     """Phase 3 (rank 0): check every rank's file is complete, merge the metadata, rename
     the folder into place, replace ``latest``, prune."""
@@ -285,14 +275,20 @@ def os_error(e: BaseException, root: Path) -> str:
 
 
 def save_checkpoint(
-    ts: TrainState, root: str | Path, step: int, keep: int, on_stage: SaveHook | None = None,
-    *, protect: tuple[str, ...] = (), trusted: set[str] | None = None,
+    ts: TrainState,
+    root: str | Path,
+    step: int,
+    keep: int,
+    on_stage: SaveHook | None = None,
+    *,
+    protect: tuple[str, ...] = (),
+    trusted: set[str] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` (optimizer steps done) under ``root`` on every
     rank (collective, synchronous); returns its folder. A failure on any rank (a full
     disk) removes the temporary folder and raises :class:`CheckpointSaveError` on every
     rank; the previous checkpoint stays. ``protect`` and ``trusted``: see
-    :func:`~plait.train.checkpoint_retention.prune`."""
+    :func:`~plait.checkpoint.folder.prune`."""
     mesh = ts.mesh
     root = Path(root)
     final, tmp = folders(root, step)

@@ -1,17 +1,31 @@
-"""One job per checkpoint folder: an advisory lock file, and the folder's start checks.
+"""The checkpoint folder: one job at a time, room to write, and which checkpoints stay.
 
-Rank 0 of a run that saves checkpoints takes ``<checkpoint_dir>/.lock`` before training
-starts and holds it until it exits. The file names its holder (host, pid, job id, start
-time, as JSON); the lock itself is an exclusive ``flock`` on the open file, which the
-kernel drops when the holder dies however it dies (kill -9 included). So:
+**The lock.** Rank 0 of a run that saves checkpoints takes ``<checkpoint_dir>/.lock``
+before training starts and holds it until it exits. The file names its holder (host,
+pid, job id, start time, as JSON); the lock itself is an exclusive ``flock`` on the open
+file, which the kernel drops when the holder dies however it dies (kill -9 included). So:
 
 * a second job finds the lock taken and is refused before it trains, naming the holder;
 * a lock file left by a dead process is *stale*: its ``flock`` is free, so it is taken
   over with a warning naming the dead holder.
 
-Also here: :func:`check_folder`, which proves before training that the folder is
-writable and has room for one checkpoint plus a margin, and :func:`remove_temporaries`,
-which removes the temporary folders of abandoned saves.
+:func:`check_folder` proves before training that the folder is writable and has room for
+one checkpoint plus a margin, and :func:`remove_temporaries` removes the temporary
+folders of abandoned saves.
+
+**Retention.** After every save rank 0 prunes the checkpoint folder
+(``train.keep_checkpoints``, :func:`prune`):
+
+* only **verified** checkpoints count towards the limit: a folder whose metadata and
+  every shard's sha256 check out (checked once per run; the ones this run wrote and the
+  one it resumed from are known good);
+* the newest ``keep`` verified checkpoints stay, and so do, whatever ``keep`` says, the
+  **newest verified** one and every folder in ``protect`` (the one the run resumed from,
+  the one just written);
+* a corrupt checkpoint older than the newest verified one is deleted (a resume would
+  never pick it); one newer than that is left for a person to look at; a folder of
+  another format version is neither counted nor deleted;
+* temporary folders of interrupted saves (``.tmp-*``, ``.old-*``) are deleted.
 """
 
 from __future__ import annotations
@@ -24,15 +38,26 @@ import socket
 import tempfile
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from plait.train.checkpoint_meta import CheckpointError
+from plait.checkpoint.files import verify_files
+from plait.checkpoint.format import (
+    CheckpointError,
+    CorruptCheckpointError,
+    list_steps,
+    read_metadata,
+)
 
 LOCK_NAME = ".lock"
 """The lock file inside a checkpoint folder."""
+
+
 MARGIN_BYTES = 64 << 20
 """Free space asked for beyond one checkpoint (plus 10 % of its size)."""
+
+
 _TEMP_PATTERNS = (".tmp-*", ".old-*")
 
 
@@ -112,8 +137,12 @@ class FolderLock:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(),
-                "since": time.time()}
+        mine = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": job_id(),
+            "since": time.time(),
+        }
         data = json.dumps(mine).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -206,3 +235,51 @@ def check_folder(root: str | Path, checkpoint_bytes: int) -> None:
             f"{checkpoint_bytes:,} bytes ({need:,} with the margin); free some space or give "
             "another folder"
         )
+
+
+# ---------------------------------------------------------------------------- retention
+
+
+def is_verified(folder: Path, trusted: set[str] | None = None) -> bool | None:
+    """True: the checkpoint checks out (its name is added to ``trusted``); False: it is
+    corrupt (missing or altered files); None: not a checkpoint this plait can read."""
+    if trusted is not None and folder.name in trusted:
+        return True
+    try:
+        verify_files(folder, read_metadata(folder))
+    except CorruptCheckpointError:
+        return False
+    except CheckpointError:
+        return None
+    if trusted is not None:
+        trusted.add(folder.name)
+    return True
+
+
+def prune(
+    root: Path, keep: int, protect: Iterable[str] = (), trusted: set[str] | None = None
+) -> list[Path]:
+    """Apply the retention rules of the module docstring under ``root``; returns what was
+    deleted. ``protect``: folder names never deleted; ``trusted``: names known verified
+    (grown with the ones verified here, so each is hashed once per run)."""
+    root = Path(root)
+    kept = set(protect)
+    good: list[Path] = []
+    bad: list[tuple[int, Path]] = []
+    for step, folder in list_steps(root):
+        ok = is_verified(folder, trusted)
+        if ok:
+            good.append(folder)
+        elif ok is False:
+            bad.append((step, folder))
+    doomed: list[Path] = []
+    if good:
+        kept |= {p.name for p in good[-max(1, keep) :]}
+        doomed += [p for p in good if p.name not in kept]
+        newest = int(good[-1].name.split("_")[-1])
+        doomed += [p for step, p in bad if step < newest and p.name not in kept]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+        if trusted is not None:
+            trusted.discard(p.name)
+    return doomed + remove_temporaries(root)

@@ -17,13 +17,19 @@ from typing import Any
 
 import pytest
 
+from plait.checkpoint import step_dirname
+from plait.checkpoint.files import ShardFile
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint_io import ShardFile
-from plait.train.checkpoint_meta import step_dirname
 from plait.train.trainer import Trainer
-from tests.train.test_checkpoint import SAVE_AT, _assert_same_weights, _run_on, config, full_weights
+from tests.checkpoint.test_checkpoint import (
+    SAVE_AT,
+    _assert_same_weights,
+    _run_on,
+    config,
+    full_weights,
+)
 
-M = "tests.train.test_checkpoint_local"
+M = "tests.checkpoint.test_load_local"
 
 
 def _expected_bytes(tr: Trainer, folder: Path) -> int:
@@ -96,8 +102,8 @@ def test_checkpoint_written_by_the_safetensors_library_still_loads(tmp_path: Pat
 
     from safetensors.torch import load_file, save_file
 
-    from plait.train.checkpoint_meta import sha256_file
-    from tests.train.test_checkpoint import _train
+    from plait.checkpoint.files import sha256_file
+    from tests.checkpoint.test_checkpoint import _train
 
     root = tmp_path / "ck"
     full = _train(None, config(str(root)))
@@ -131,7 +137,7 @@ def _init_body(ctx: WorkerContext, weights: str) -> Any:
 def test_init_from_a_consolidated_file_reads_only_own_pieces(
     pools: Callable[[int], WorkerPool], zero3_dp4: Any, tmp_path: Path
 ) -> None:
-    from plait.train.reshard import consolidate
+    from plait.checkpoint import consolidate
 
     folder, src = zero3_dp4
     out = tmp_path / "model.safetensors"

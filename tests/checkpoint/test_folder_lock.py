@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plait.train.checkpoint_lock import (
-    LOCK_NAME,
-    CheckpointLockedError,
-    FolderLock,
-    check_folder,
-    lock_holder,
-    remove_temporaries,
-)
-from plait.train.checkpoint_meta import CheckpointError
+from plait.checkpoint import CheckpointError, CheckpointLockedError, FolderLock
+from plait.checkpoint.folder import LOCK_NAME, check_folder, lock_holder, remove_temporaries
 
 
 def test_second_holder_is_refused_naming_the_first(tmp_path: Path) -> None:

@@ -3,18 +3,18 @@
 At a save the training thread only (1) waits for the previous save, if one is still in
 flight, and learns collectively whether it succeeded (at most one save in flight), (2)
 has rank 0 create the temporary folder (one agreement), and (3) copies this rank's state
-to host memory (:func:`~plait.train.checkpoint_save.snapshot`). Training then
+to host memory (:func:`~plait.checkpoint.write.snapshot`). Training then
 continues while a writer thread on every rank writes its file and index
-(:func:`~plait.train.checkpoint_save.write_rank`); rank 0's writer waits until every
+(:func:`~plait.checkpoint.write.write_rank`); rank 0's writer waits until every
 rank's index is in the folder (the index is renamed into place after its file is
-fsynced: complete), then commits (:func:`~plait.train.checkpoint_save.commit`): the
+fsynced: complete), then commits (:func:`~plait.checkpoint.write.commit`): the
 metadata, the rename of the folder, and only then ``latest``.
 
 The writer threads run no collectives (the training thread owns the process groups):
 they coordinate through the checkpoint folder, which every rank already shares. A
 writer that fails leaves ``rank<r>.error`` in the temporary folder; rank 0 then gives
 the save up and removes the folder, and the next save (or the end of the run) raises
-:class:`~plait.train.checkpoint_save.CheckpointSaveError` on every rank. A process
+:class:`~plait.checkpoint.write.CheckpointSaveError` on every rank. A process
 killed during the background write never reaches the rename: ``latest`` still names the
 previous checkpoint, and the abandoned temporary folder is removed when the next run
 takes the folder.
@@ -30,22 +30,20 @@ from pathlib import Path
 
 import torch
 
-from plait.mesh import Mesh
-from plait.train.checkpoint_meta import CheckpointError
-from plait.train.checkpoint_save import (
+from plait.checkpoint.format import CheckpointError, folders, index_name
+from plait.checkpoint.state import TrainState
+from plait.checkpoint.write import (
     SaveHook,
     Snapshot,
     agree,
     commit,
-    folders,
-    index_name,
     open_folder,
     os_error,
     save_error,
     snapshot,
     write_rank,
 )
-from plait.train.state import TrainState
+from plait.mesh import Mesh
 
 POLL_S = 0.002
 """Rank 0's writer looks for the other ranks' indexes this often."""
@@ -69,8 +67,12 @@ class AsyncSaver:
         "failed"; tests read it to see training steps run while a writer works."""
 
     def save(
-        self, ts: TrainState, step: int, on_stage: SaveHook | None,
-        protect: tuple[str, ...], trusted: set[str] | None,
+        self,
+        ts: TrainState,
+        step: int,
+        on_stage: SaveHook | None,
+        protect: tuple[str, ...],
+        trusted: set[str] | None,
     ) -> Path:
         """Collective, on the training thread: wait for the previous save, then copy
         the state to host memory and start writing it in the background."""
@@ -99,8 +101,12 @@ class AsyncSaver:
         return final
 
     def _write(
-        self, snap: Snapshot, tmp: Path, stage: SaveHook,
-        protect: tuple[str, ...], trusted: set[str] | None,
+        self,
+        snap: Snapshot,
+        tmp: Path,
+        stage: SaveHook,
+        protect: tuple[str, ...],
+        trusted: set[str] | None,
     ) -> None:
         try:
             write_rank(tmp, snap, stage)

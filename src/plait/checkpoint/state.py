@@ -5,7 +5,7 @@ protocol (:mod:`plait.pieces`), so it names no parallelism and no built-in modul
 model describes which parameter pieces this rank holds in one-device names, the
 optimizer adds where each piece's master values and state live, and the rest is plain
 data (the sampler's position, the schedule's clock, the loss scaler, the RNG states,
-which :mod:`plait.train.checkpoint_meta` captures per rank).
+which :mod:`plait.checkpoint.rank_state` captures per rank).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
+from plait.checkpoint.rank_state import HoldsRankState
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.pieces import LocalPiece
-from plait.train.rank_state import HoldsRankState
 
 
 class DescribesPieces(Protocol):

@@ -1,4 +1,4 @@
-"""What a checkpoint is on disk: the layout-independent tensor index, files, checksums.
+"""What a checkpoint is on disk: its folder and file names, and the tensor index.
 
 A checkpoint is one folder::
 
@@ -16,33 +16,43 @@ flat-shard segment; the whole block without ZeRO). A pipeline stage simply has p
 its own layers only. The optimizer state of a piece (AdamW's ``exp_avg``,
 ``exp_avg_sq``; its scalar ``step``) is stored under the same piece, so it lives in the
 same global index space and any other layout can cut out what it needs
-(:mod:`plait.train.reshard`). Replicas (data-parallel copies, replicated tensor-parallel
+(:mod:`plait.checkpoint.read`). Replicas (data-parallel copies, replicated tensor-parallel
 tensors) are written once.
 
-Files are safetensors (no pickled code can run on load) whose sha256 is recorded in
-``metadata.json``; a truncated or altered file is refused with its name.
+While a save is in flight the folder is ``.tmp-step_00000010`` and each rank adds its
+index ``rank<r>.json`` (its pieces, its file's sha256 and size) once its file is written;
+rank 0 merges the indexes into ``metadata.json`` and renames the folder into place. The
+``latest`` file of the checkpoint root names the newest complete checkpoint.
+
+Files are safetensors (no pickled code can run on load, :mod:`plait.checkpoint.files`)
+whose sha256 is recorded in ``metadata.json``; a truncated or altered file is refused
+with its name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from plait.errors import ConfigError
 from plait.pieces import TPSplit
 
 FORMAT = "plait-checkpoint"
+
+
 VERSION = 1
+
+
 METADATA = "metadata.json"
+
+
 LATEST = "latest"
+
+
 STEP_PREFIX = "step_"
 
 
@@ -62,6 +72,16 @@ def step_dirname(step: int) -> str:
 def rank_filename(rank: int) -> str:
     """``rank00003.safetensors`` for rank 3."""
     return f"rank{rank:05d}.safetensors"
+
+
+def index_name(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def folders(root: Path, step: int) -> tuple[Path, Path]:
+    """``(final, temporary)`` folder of the checkpoint of ``step``."""
+    final = root / step_dirname(step)
+    return final, root / f".tmp-{final.name}"
 
 
 @dataclass
@@ -164,46 +184,6 @@ def global_flat_index(shape: list[int], tp: TPSplit | None, start: int, end: int
     return flat
 
 
-# ---------------------------------------------------------------------------- files
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new, renamed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the caller fsyncs the folder)."""
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_durable(path: Path, data: bytes) -> None:
-    """Atomically replace ``path`` by a file holding ``data`` (write, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode("utf-8")
 
@@ -226,33 +206,6 @@ def read_metadata(folder: Path) -> dict[str, Any]:
             f"reads version {VERSION}"
         )
     return meta
-
-
-def verify_sizes(folder: Path, meta: dict[str, Any]) -> None:
-    """Every file exists with the size the metadata records (a ``stat`` each)."""
-    for name, info in meta["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CorruptCheckpointError(f"checkpoint {folder}: shard file {name} is missing")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {folder}: shard file {name} has {size} bytes, the metadata "
-                f"says {info['bytes']} (truncated or overwritten)"
-            )
-
-
-def verify_files(folder: Path, meta: dict[str, Any]) -> None:
-    """Check every shard file's size and sha256 against the metadata."""
-    verify_sizes(folder, meta)
-    for name, info in meta["files"].items():
-        path = folder / name
-        digest = sha256_file(path)
-        if digest != info["sha256"]:
-            raise CorruptCheckpointError(
-                f"checkpoint {folder}: shard file {name} fails its checksum (sha256 "
-                f"{digest[:16]}..., expected {info['sha256'][:16]}...): the file is corrupt"
-            )
 
 
 def params_of(meta: dict[str, Any]) -> dict[str, ParamEntry]:
@@ -278,19 +231,3 @@ def read_latest(root: Path) -> Path | None:
         return None
     name = ptr.read_text("utf-8").strip()
     return root / name if name else None
-
-
-def rng_payload(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This process's RNG states: tensors for the shard file, scalars for the index."""
-    tensors = {"rng/torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(device)
-    version, py_state, gauss = random.getstate()
-    tensors["rng/python"] = torch.tensor(py_state, dtype=torch.int64)
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    tensors["rng/numpy"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
-    info = {
-        "python": [version, gauss],
-        "numpy": [np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
-    }
-    return tensors, info

@@ -2,68 +2,63 @@
 
 A rank of the new layout asks for a *region* of a parameter (or of one of its optimizer
 states): its tensor-parallel block (or the whole tensor) and an element range of it,
-exactly the description :mod:`plait.train.checkpoint_meta` stores for every saved
+exactly the description :mod:`plait.checkpoint.format` stores for every saved
 piece. :meth:`CheckpointReader.read_into` answers it with byte-range reads of the shard
-files (:mod:`plait.train.checkpoint_io`), never more than the region needs:
+files (:class:`~plait.checkpoint.files.ShardFile`), never more than the region needs:
 
 * directly, when saved pieces of the very same block cover the range: only the
   overlapping byte ranges of those pieces are read, straight into the destination —
   same tp layout, any dp degree, ZeRO stage or pipeline split;
 * otherwise (a change of tensor-parallel degree) each saved piece is walked in bounded
   chunks, each element's global position computed
-  (:func:`~plait.train.checkpoint_meta.global_flat_index`, padding dropped), and only
+  (:func:`~plait.checkpoint.format.global_flat_index`, padding dropped), and only
   the runs of elements that fall into the region are read.
 
 Every element of the region must be covered by a saved piece, or the read is refused
-naming the tensor. Also here: :func:`find_checkpoint` (which checkpoint a resume reads,
-with the fallback past a corrupt one), :func:`check_model` (refusing a checkpoint whose
-tensors do not match the model, by name), :func:`restore_rng`, and :func:`consolidate`,
-which writes the whole model into one safetensors file with one-device names (what
-``plait checkpoint consolidate`` does: the one place the whole model is assembled).
+naming the tensor. Also here: :func:`consolidate`, which writes the whole model into one
+safetensors file with one-device names (what ``plait checkpoint consolidate`` does: the
+one place the whole model is assembled).
 """
 
 from __future__ import annotations
 
 import json
-import random
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import save as st_save
-from torch import nn
 
-from plait.pieces import TPSplit
-from plait.train.checkpoint_io import ShardFile, read_region
-from plait.train.checkpoint_meta import (
-    LATEST,
-    METADATA,
+from plait.checkpoint.files import ShardFile, verify_files, write_durable
+from plait.checkpoint.format import (
     CheckpointError,
     ParamEntry,
     Piece,
     dtype_from_name,
     dtype_to_name,
     global_flat_index,
-    list_steps,
     params_of,
-    read_latest,
     read_metadata,
-    verify_files,
-    write_durable,
 )
+from plait.pieces import TPSplit, same_split
+
+READ_CHUNK = 1 << 20
+"""Elements per read when a region cannot be read straight into its destination (another
+dtype, a device tensor, a change of tensor-parallel degree): the bounded read buffer."""
+
+RUN_GAP = 4096
+"""Under a change of tensor-parallel degree, runs of wanted elements of a saved piece
+closer than this many elements are read as one range (fewer, larger reads)."""
 
 
 class CheckpointReader:
     """Random access to the pieces of one checkpoint folder (or, through
     :meth:`from_weights_file`, of a consolidated weights file).
 
-    Reads are byte ranges of the shard files (:class:`~plait.train.checkpoint_io.
+    Reads are byte ranges of the shard files (:class:`~plait.checkpoint.files.
     ShardFile`); :attr:`bytes_read` counts the tensor data read. ``verify`` checks every
     file's sha256 first (:class:`CorruptCheckpointError`); a resume verifies collectively
-    instead (:func:`~plait.train.checkpoint_io.verify_collective`: once per file per host).
+    instead (:func:`~plait.checkpoint.files.verify_collective`: once per file per host).
     """
 
     def __init__(self, folder: str | Path, verify: bool = True) -> None:
@@ -148,6 +143,7 @@ class CheckpointReader:
         only the byte ranges that hold the region are read, straight into ``out`` when
         it is a CPU tensor of the stored dtype, else through a bounded buffer."""
         read_region(self, name, kind, tp, start, out)
+
     def read_global(self, name: str, kind: str = "param") -> torch.Tensor:
         """The whole global tensor (``shape``) of ``kind`` of ``name``, from every piece."""
         key = (name, kind)
@@ -193,6 +189,119 @@ class CheckpointReader:
         return {name: self.read_global(name) for name in self.params}
 
 
+# ---------------------------------------------------------------------------- regions
+
+
+def _unravel(flat: torch.Tensor, shape: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
+    coords = []
+    rest = flat
+    for size in reversed(shape):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.reverse()
+    return coords
+
+
+def local_flat_index(shape: list[int], tp: TPSplit | None, g: torch.Tensor) -> torch.Tensor:
+    """The flat position within tensor-parallel block ``tp`` of each global flat index
+    ``g`` (``(n,)`` int64, all valid), or -1 where the element is outside the block."""
+    if tp is None:
+        return g
+    coords = _unravel(g, shape)
+    along = coords[tp.dim] - (tp.index // tp.replicas) * tp.block
+    inside = (along >= 0) & (along < tp.block)
+    coords[tp.dim] = along.clamp(0, max(0, tp.block - 1))
+    flat = torch.zeros_like(g)
+    for c, size in zip(coords, tp.local_shape(tuple(shape)), strict=True):
+        flat = flat * size + c
+    flat[~inside] = -1
+    return flat
+
+
+def _copy_range(f: ShardFile, key: str, off: int, dst: torch.Tensor) -> None:
+    """Elements ``[off, off + dst.numel())`` of stored ``key`` into ``dst`` (1-D)."""
+    dt = f.info(key)[0]
+    if dst.dtype == dt and dst.device.type == "cpu" and dst.is_contiguous():
+        f.read_into(key, off, dst)  # straight into the destination
+        return
+    n = dst.numel()
+    buf = torch.empty(min(n, READ_CHUNK), dtype=dt)  # the bounded read buffer
+    for i in range(0, n, READ_CHUNK):
+        m = min(READ_CHUNK, n - i)
+        f.read_into(key, off + i, buf[:m])
+        dst[i : i + m].copy_(buf[:m])
+
+
+def read_region(
+    reader: Any, name: str, kind: str, tp: TPSplit | None, start: int, out: torch.Tensor
+) -> None:
+    """``out.numel()`` values of ``kind`` of parameter ``name`` at elements ``[start,
+    start + n)`` of block ``tp`` into ``out`` (:meth:`CheckpointReader.read_into`).
+
+    Saved pieces of the same block covering the range: only their overlapping byte
+    ranges are read. Otherwise (another tensor-parallel degree) each saved piece is
+    walked in chunks of :data:`READ_CHUNK` elements, the global position of each element
+    computed, and only the runs of elements that fall into the region are read."""
+    e = reader.entry(name)
+    n = out.numel()
+    end = start + n
+    pieces = []
+    seen_ranges: set[tuple[Any, int, int]] = set()
+    for p in e.pieces:
+        if kind not in p.keys:
+            raise CheckpointError(f"checkpoint {reader.folder}: {name} has no {kind!r} state")
+        block = None if p.tp is None else (*p.tp.to_json()[:5], p.tp.index // p.tp.replicas)
+        ident = (block, p.start, p.end)
+        if ident not in seen_ranges:  # a replica written twice is read once
+            seen_ranges.add(ident)
+            pieces.append(p)
+    same = [p for p in pieces if same_split(p.tp, tp) and p.start < end and p.end > start]
+    if sum(min(end, p.end) - max(start, p.start) for p in same) == n:
+        for p in same:
+            a, b = max(start, p.start), min(end, p.end)
+            _copy_range(reader._file(p.file), p.keys[kind], a - p.start, out[a - start : b - start])
+        return
+    shape = e.shape
+    out.zero_()  # tensor-parallel padding reads as zero
+    seen = torch.zeros(n, dtype=torch.bool)  # (n,) elements of the region filled
+    want = 0
+    for q0 in range(start, end, READ_CHUNK):
+        want += int((global_flat_index(shape, tp, q0, min(end, q0 + READ_CHUNK)) >= 0).sum())
+    for p in pieces:
+        f = reader._file(p.file)
+        key = p.keys[kind]
+        dt = f.info(key)[0]
+        for q0 in range(p.start, p.end, READ_CHUNK):
+            q1 = min(p.end, q0 + READ_CHUNK)
+            g = global_flat_index(shape, p.tp, q0, q1)  # (q1 - q0,) global positions
+            r = torch.full_like(g, -1)
+            valid = g >= 0
+            r[valid] = local_flat_index(shape, tp, g[valid])  # positions in the region's block
+            mask = (r >= start) & (r < end)
+            pos = mask.nonzero().squeeze(1)
+            if pos.numel() == 0:
+                continue
+            cut = ((pos[1:] - pos[:-1]) > RUN_GAP).nonzero().squeeze(1)
+            firsts = [int(pos[0]), *(int(x) for x in pos[cut + 1])]
+            lasts = [*(int(x) + 1 for x in pos[cut]), int(pos[-1]) + 1]
+            for ra, rb in zip(firsts, lasts, strict=True):
+                buf = torch.empty(rb - ra, dtype=dt)  # at most READ_CHUNK elements
+                f.read_into(key, q0 - p.start + ra, buf)
+                m = mask[ra:rb]
+                at = r[ra:rb][m] - start
+                out[at.to(out.device)] = buf[m].to(out.device, out.dtype)
+                seen[at] = True
+    got = int(seen.sum())
+    if got < want:
+        raise CheckpointError(
+            f"checkpoint {reader.folder}: tensor {name!r} ({kind}) is incomplete: "
+            f"{want - got} of the {want} elements this rank needs are in no shard file"
+        )
+
+
+# ---------------------------------------------------------------------------- the whole model
+
+
 def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[str, Any]:
     """Write the whole model of checkpoint ``source`` (a folder, or a reader already
     opened and verified) into the safetensors file ``out`` (one-device names, the stored
@@ -223,102 +332,3 @@ def consolidate(source: str | Path | CheckpointReader, out: str | Path) -> dict[
         "parameters": sum(t.numel() for t in state.values()),
         "bytes": len(data),
     }
-
-
-def find_checkpoint(
-    spec: str,
-    root: Path | None,
-    announce: bool = True,
-    verify: Callable[[Path, dict[str, Any]], Any] | None = None,
-) -> CheckpointReader | None:
-    """The checkpoint to resume from, verified.
-
-    ``spec`` is "latest" (what ``root/latest`` names; if that one is missing or corrupt,
-    the newest usable older one, with a warning), "auto" (the same, but None when
-    ``root`` holds no checkpoint at all), or a path: a checkpoint folder (no fallback)
-    or a checkpoint root (as "latest"). ``announce``: issue the fallback warning here.
-    ``verify(folder, meta)``: how to check a candidate's files (default: every file's
-    sha256 here; a resume passes the collective check, once per file per host).
-    """
-
-    def _open(folder: Path) -> CheckpointReader:
-        if verify is None:
-            return CheckpointReader(folder)
-        reader = CheckpointReader(folder, verify=False)
-        verify(folder, reader.meta)
-        return reader
-
-    if spec not in ("latest", "auto"):
-        p = Path(spec)
-        if p.is_dir() and not (p / METADATA).exists() and (read_latest(p) or list_steps(p)):
-            return find_checkpoint("latest", p, announce, verify)
-        if not p.exists():
-            raise CheckpointError(f"no checkpoint at {p}")
-        return _open(p)
-    if root is None:
-        raise CheckpointError(f"resume = {spec!r} needs train.checkpoint_dir")
-    pointed = read_latest(root)
-    candidates = [pointed] if pointed is not None else []
-    candidates += [p for _, p in reversed(list_steps(root)) if p != pointed]
-    if not candidates:
-        if spec == "auto":
-            return None
-        raise CheckpointError(
-            f"there is no checkpoint in {root} to resume from; start without --resume (or "
-            "with train.resume = 'auto', which starts fresh when there is none)"
-        )
-    problems: list[str] = []
-    for folder in candidates:
-        try:
-            reader = _open(folder)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if announce and (problems or pointed is None):
-            why = "; ".join(problems) if problems else f"{root}/{LATEST} is missing"
-            warnings.warn(
-                f"resuming from {folder.name} instead of the latest checkpoint: {why}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return reader
-    raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(problems))
-
-
-def check_model(reader_params: dict[str, list[int]], model: nn.Module, source: str) -> None:
-    """Refuse a checkpoint whose tensors do not match ``model``'s, naming the tensor."""
-    have = {n: list(p.shape) for n, p in model.named_parameters()}
-    for name, shape in have.items():
-        if name not in reader_params:
-            raise CheckpointError(
-                f"{source} does not match the model: it has no tensor {name!r} (shape "
-                f"{shape}); was it written for another model configuration?"
-            )
-        if reader_params[name] != shape:
-            raise CheckpointError(
-                f"{source} does not match the model: tensor {name!r} has shape "
-                f"{reader_params[name]} in the checkpoint but {shape} in the model"
-            )
-    extra = [n for n in reader_params if n not in have]
-    if extra:
-        raise CheckpointError(
-            f"{source} does not match the model: it holds tensor {extra[0]!r}"
-            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} the model does not have"
-        )
-
-
-def restore_rng(reader: CheckpointReader, rank: int, device: torch.device) -> None:
-    """Set this rank's RNG states from the checkpoint (rank r of another world size
-    takes saved rank r mod the old world size)."""
-    ranks = reader.meta["ranks"]
-    r = ranks[rank % len(ranks)]  # another world size: reuse the states cyclically
-    f = r["file"]
-    torch.set_rng_state(reader.tensor(f, "rng/torch"))
-    if device.type == "cuda" and "rng/cuda" in r.get("keys", []):
-        torch.cuda.set_rng_state(reader.tensor(f, "rng/cuda"), device)
-    version, gauss = r["rng"]["python"]
-    py_state = tuple(int(x) for x in reader.tensor(f, "rng/python").tolist())
-    random.setstate((version, py_state, gauss))
-    name, pos, has_gauss, cached = r["rng"]["numpy"]
-    keys = reader.tensor(f, "rng/numpy").numpy().astype(np.uint32)
-    np.random.set_state((name, keys, pos, has_gauss, cached))

@@ -1,34 +1,12 @@
-"""Sharded, atomic, resumable checkpoints of a :class:`~plait.train.state.TrainState`.
+"""The trainer's checkpoint hooks: what a run starts from, and when it saves.
 
-Checkpoint code names no parallelism: it sees the model and optimizer only through the
-local-pieces protocol (:mod:`plait.pieces`, :mod:`plait.train.state`).
-
-**Save** (every rank, at a step boundary; :mod:`plait.train.checkpoint_save`): each
-rank takes the pieces it holds from the optimizer (``local_pieces()``: one-device names,
-global shapes, the tensor-parallel block, the flat element range, which rank writes)
-and writes the ones it is the writer of with their optimizer state and its own RNG
-states into ``rank<r>.safetensors`` inside a temporary folder, fsynced, plus a small
-index; rank 0 then merges the indexes into ``metadata.json`` (global shapes, pieces,
-sha256 of every file, config, layout, step, schedule, loss scaler, sampler), fsyncs,
-renames the folder into place and only then atomically replaces the ``latest`` pointer,
-and applies the retention rules (:mod:`plait.train.checkpoint_retention`: only verified
-checkpoints count, the one the run resumed from and the newest verified one are never
-deleted). A save killed at any point leaves the previous checkpoint and ``latest``
-untouched (at worst a stale temporary folder, removed when the next run takes the
-folder); a save that fails on any rank removes its temporary folder and raises
-:class:`CheckpointSaveError` on every rank. With ``train.async_checkpoint`` the state
-is copied to host memory and the files are written and committed by a background
-writer (:mod:`plait.train.checkpoint_async`). Rank 0 holds the folder's lock for the
-whole run (:mod:`plait.train.checkpoint_lock`).
-
-**Restore** (:mod:`plait.train.checkpoint_load`): before parallelize only the tensor
-names and shapes are checked against the model; once the model is sharded and the
-optimizer exists, each rank reads exactly the byte ranges of the pieces it holds (its
-weights into the masters and the model's storage, and their optimizer state), whatever
-layout wrote them, after the files' checksums were verified once per file per host
-(:mod:`plait.train.checkpoint_io`). Then the step counters, loss scaler, sampler
-position and this rank's RNG states. ``train.init_from`` (a checkpoint folder or a
-consolidated file) is read the same way, weights only.
+:class:`Checkpointing` ties the package together for the training loop: rank 0 takes the
+folder (:mod:`plait.checkpoint.folder`), the run finds what it resumes from
+(:mod:`plait.checkpoint.resume`) or the ``init_from`` weights, checks them against the
+model before it is sharded and loads each rank's pieces after
+(:mod:`plait.checkpoint.load`), and saves when due, synchronously
+(:mod:`plait.checkpoint.write`) or in the background
+(:mod:`plait.checkpoint.write_async`).
 """
 
 from __future__ import annotations
@@ -37,81 +15,42 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
+from plait.checkpoint.files import verify_collective
+from plait.checkpoint.folder import FolderLock, remove_temporaries
+from plait.checkpoint.format import CheckpointError
+from plait.checkpoint.load import check_model, load_pieces, open_weights, restore_training_state
+from plait.checkpoint.read import CheckpointReader
+from plait.checkpoint.resume import find_checkpoint
+from plait.checkpoint.state import TrainState
+from plait.checkpoint.write import SaveHook, agree, save_checkpoint
+from plait.checkpoint.write_async import AsyncSaver
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.train.checkpoint_async import AsyncSaver
-from plait.train.checkpoint_io import verify_collective
-from plait.train.checkpoint_load import load_pieces
-from plait.train.checkpoint_lock import FolderLock, remove_temporaries
-from plait.train.checkpoint_meta import CheckpointError
-from plait.train.checkpoint_save import CheckpointSaveError as CheckpointSaveError
-from plait.train.checkpoint_save import SaveHook, agree, save_checkpoint
-from plait.train.checkpoint_start import check_start as check_start
-from plait.train.faults import restart_count
-from plait.train.rank_state import restore_rank_state
-from plait.train.reshard import (
-    CheckpointReader,
-    check_model,
-    find_checkpoint,
-    restore_rng,
-)
-from plait.train.state import TrainState
-
-# ---------------------------------------------------------------------------- restore
-
-
-@torch.no_grad()
-def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
-    """This rank's pieces (weights and optimizer state, :mod:`plait.train.checkpoint_load`),
-    counters, scaler, sampler, RNG; returns the step to continue from."""
-    meta = reader.meta
-    opt = ts.optimizer
-    load_pieces(ts, reader)
-    o = meta["optimizer"]
-    opt.steps, opt.skipped = int(o["steps"]), int(o["skipped"])
-    if opt.scaler is not None and o.get("scaler"):
-        opt.scaler.load_state_dict(o["scaler"])
-    ts.sched_step = int(meta["sched_step"])
-    ts.sampler.load_state_dict(meta["sampler"])
-    restore_rng(reader, ts.mesh.rank, ts.device)
-    restore_rank_state(ts.rank_state, meta, ts.mesh.rank, reader.tensor)
-    return reader.step
-
-
-def open_weights(path: str, mesh: Mesh) -> CheckpointReader:
-    """``train.init_from``: a checkpoint folder (its files verified once per host) or a
-    consolidated safetensors file, opened for rank-local reads."""
-    p = Path(path)
-    if p.is_dir():
-        reader = CheckpointReader(p, verify=False)
-        verify_collective(p, reader.meta, mesh)
-        return reader
-    if not p.is_file():
-        raise CheckpointError(f"no checkpoint or weights file at {p}")
-    return CheckpointReader.from_weights_file(p)
 
 
 class Checkpointing:
     """The trainer's checkpoint hooks: what to start from, and when to save.
 
-    Resumes per ``train.resume`` (a job restarted by torchrun's elastic agent resumes as
-    "auto" by itself) or starts from ``train.init_from`` weights; saves every
-    ``train.checkpoint_every`` steps, at the end of the run and when asked to stop.
+    Resumes per ``train.resume`` (a job restarted by torchrun's elastic agent,
+    ``restarts`` > 0, resumes as "auto" by itself) or starts from ``train.init_from``
+    weights; saves every ``train.checkpoint_every`` steps, at the end of the run and when
+    asked to stop. ``restarts``: how many times the job was restarted (the trainer passes
+    :func:`plait.train.faults.restart_count`).
     """
 
-    def __init__(self, cfg: Config, mesh: Mesh) -> None:
+    def __init__(self, cfg: Config, mesh: Mesh, restarts: int = 0) -> None:
         t = cfg.train
         self.root = Path(t.checkpoint_dir) if t.checkpoint_dir else None
         self.every, self.keep = t.checkpoint_every, t.keep_checkpoints
         self.mesh = mesh
+        self.restarts = restarts
         self.lock: FolderLock | None = None
         if self.root is not None:
             self._take_folder(self.root)
         mode = t.resume
-        if mode is None and self.root is not None and restart_count() > 0:
+        if mode is None and self.root is not None and restarts > 0:
             mode = "auto"
         self.load_report: dict[str, Any] = {"hashed": [], "bytes_read": 0}
         """What this rank read to start: the files it checksummed (once per file per
@@ -213,7 +152,7 @@ class Checkpointing:
             return 0
         step = restore_training_state(ts, self.reader)
         if say is not None:
-            how = f" (elastic restart {restart_count()})" if restart_count() else ""
+            how = f" (elastic restart {self.restarts})" if self.restarts else ""
             say(f"plait: resumed from {self.reader.folder} at step {step}{how}")
             before = self.reader.meta.get("config", {}).get("train", {}).get("steps")
             if isinstance(before, int) and before != self.steps:

@@ -2,7 +2,7 @@
 
 Each pipeline rank's ZeroDataParallel writes its own stage's flat-shard pieces
 (``local_pieces``, named as in the one-device model). Protocol of
-tests/train/test_checkpoint.py (its helpers): the Trainer runs STEPS steps saving after
+tests/checkpoint/test_checkpoint.py (its helpers): the Trainer runs STEPS steps saving after
 SAVE_AT; resuming under the same layout is bit-exact (losses and final weights); resuming
 under another layout (ZeRO-1 over dp2) loads exactly the weights the source held after
 SAVE_AT and continues with the same losses (rel 1e-5)."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from plait.checkpoint import step_dirname
 from plait.testing import WorkerPool
-from plait.train.checkpoint_meta import step_dirname
-from tests.train.test_checkpoint import (
+from tests.checkpoint.test_checkpoint import (
     SAVE_AT,
     _assert_same_weights,
     _pool_run,

@@ -28,6 +28,17 @@ import pytest
 import torch
 
 from plait import init_mesh
+from plait.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    TrainState,
+    consolidate,
+    find_checkpoint,
+    read_latest,
+    step_dirname,
+)
 from plait.config import (
     Config,
     DataConfig,
@@ -39,18 +50,9 @@ from plait.config import (
 )
 from plait.parallel.tensor.plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint import CheckpointSaveError
-from plait.train.checkpoint_meta import (
-    CheckpointError,
-    CorruptCheckpointError,
-    read_latest,
-    step_dirname,
-)
-from plait.train.reshard import CheckpointReader, consolidate, find_checkpoint
-from plait.train.state import TrainState
 from plait.train.trainer import Trainer
 
-M = "tests.train.test_checkpoint"
+M = "tests.checkpoint.test_checkpoint"
 STEPS, SAVE_AT = 6, 3
 
 

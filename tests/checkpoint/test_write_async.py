@@ -29,17 +29,21 @@ import pytest
 import torch
 
 from plait import init_mesh
+from plait.checkpoint import (
+    CheckpointReader,
+    CheckpointSaveError,
+    find_checkpoint,
+    read_latest,
+    step_dirname,
+)
 from plait.cli import main
 from plait.config import Config
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.checkpoint import CheckpointSaveError
-from plait.train.checkpoint_meta import read_latest, step_dirname
-from plait.train.reshard import CheckpointReader, find_checkpoint
 from plait.train.trainer import Trainer
+from tests.checkpoint.test_checkpoint import SAVE_AT, _assert_same_weights, _train, config
 from tests.tiny import tiny_args
-from tests.train.test_checkpoint import SAVE_AT, _assert_same_weights, _train, config
 
-M = "tests.train.test_checkpoint_async"
+M = "tests.checkpoint.test_write_async"
 
 
 def async_config(root: str | None, **kw: Any) -> Config:
@@ -162,8 +166,18 @@ def test_async_to_an_unwritable_folder_fails_at_start(
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    args = ["train", *tiny_args(), "--steps", "2", "--train.async_checkpoint", "true",
-            "--train.checkpoint_dir", str(blocker / "ck"), "--train.checkpoint_every", "1"]
+    args = [
+        "train",
+        *tiny_args(),
+        "--steps",
+        "2",
+        "--train.async_checkpoint",
+        "true",
+        "--train.checkpoint_dir",
+        str(blocker / "ck"),
+        "--train.checkpoint_every",
+        "1",
+    ]
     capsys.readouterr()
     code = main(args)
     out, err = capsys.readouterr()

@@ -1,31 +1,40 @@
-"""What is checked about checkpoints before any process trains.
+"""Which checkpoint a run starts from, and what is checked before any process trains.
 
 :func:`check_start` runs in the ``plait train`` process before it starts ranks (and on
 each rank under torchrun): the resume / init-from sources exist, the checkpoint folder
 is not held by another job, it is writable and has room for one checkpoint plus a margin,
 and a resume would not change the data order (seed, global batch). :func:`finished_step`
 tells a re-submitted finished run that there is nothing left to do.
+
+:func:`find_checkpoint` opens the checkpoint a resume reads, verified: what ``latest``
+names, or, when that one is missing or corrupt, the newest usable older one (with a
+warning).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plait.config import Config
-from plait.model import param_count
-from plait.train.checkpoint_lock import (
+from plait.checkpoint.folder import (
     CheckpointLockedError,
     check_folder,
     describe_holder,
     lock_holder,
 )
-from plait.train.checkpoint_meta import (
+from plait.checkpoint.format import (
+    LATEST,
+    METADATA,
     CheckpointError,
     list_steps,
     read_latest,
     read_metadata,
 )
+from plait.checkpoint.read import CheckpointReader
+from plait.config import Config
+from plait.model import param_count
 
 BYTES_PER_PARAM = 12
 """Bytes a checkpoint stores per parameter: fp32 values (masters where they exist) and
@@ -115,3 +124,63 @@ def check_start(cfg: Config, probe_lock: bool = True) -> None:
                     "run another train.checkpoint_dir"
                 )
         check_folder(t.checkpoint_dir, checkpoint_bytes(cfg))
+
+
+def find_checkpoint(
+    spec: str,
+    root: Path | None,
+    announce: bool = True,
+    verify: Callable[[Path, dict[str, Any]], Any] | None = None,
+) -> CheckpointReader | None:
+    """The checkpoint to resume from, verified.
+
+    ``spec`` is "latest" (what ``root/latest`` names; if that one is missing or corrupt,
+    the newest usable older one, with a warning), "auto" (the same, but None when
+    ``root`` holds no checkpoint at all), or a path: a checkpoint folder (no fallback)
+    or a checkpoint root (as "latest"). ``announce``: issue the fallback warning here.
+    ``verify(folder, meta)``: how to check a candidate's files (default: every file's
+    sha256 here; a resume passes the collective check, once per file per host).
+    """
+
+    def _open(folder: Path) -> CheckpointReader:
+        if verify is None:
+            return CheckpointReader(folder)
+        reader = CheckpointReader(folder, verify=False)
+        verify(folder, reader.meta)
+        return reader
+
+    if spec not in ("latest", "auto"):
+        p = Path(spec)
+        if p.is_dir() and not (p / METADATA).exists() and (read_latest(p) or list_steps(p)):
+            return find_checkpoint("latest", p, announce, verify)
+        if not p.exists():
+            raise CheckpointError(f"no checkpoint at {p}")
+        return _open(p)
+    if root is None:
+        raise CheckpointError(f"resume = {spec!r} needs train.checkpoint_dir")
+    pointed = read_latest(root)
+    candidates = [pointed] if pointed is not None else []
+    candidates += [p for _, p in reversed(list_steps(root)) if p != pointed]
+    if not candidates:
+        if spec == "auto":
+            return None
+        raise CheckpointError(
+            f"there is no checkpoint in {root} to resume from; start without --resume (or "
+            "with train.resume = 'auto', which starts fresh when there is none)"
+        )
+    problems: list[str] = []
+    for folder in candidates:
+        try:
+            reader = _open(folder)
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if announce and (problems or pointed is None):
+            why = "; ".join(problems) if problems else f"{root}/{LATEST} is missing"
+            warnings.warn(
+                f"resuming from {folder.name} instead of the latest checkpoint: {why}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return reader
+    raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(problems))

@@ -1,0 +1,256 @@
+"""ParallelModel: a model prepared for a mesh, with the loss that fits and its step driver.
+
+:func:`~plait.parallel.parallelize.parallelize` builds it; this module holds what a
+training step does with it:
+
+* :meth:`ParallelModel.step` / :meth:`~ParallelModel.evaluate` — forward and backward
+  (or forward only) of this rank's batch, the same call with or without a pipeline
+  (micro-batches under ``no_sync``, or the pipeline schedule), sharding sequences for
+  context parallelism, returning the global batch's mean loss;
+* the layout as the optimizer and checkpoints see it, composed from the data wrapper's
+  own answers refined by tensor and pipeline parallelism: :meth:`~ParallelModel.norm_groups`,
+  :meth:`~ParallelModel.norm_weight`, :meth:`~ParallelModel.zero_wrapper` (the
+  :class:`~plait.optim.OptimizerTarget` protocol) and :meth:`~ParallelModel.local_pieces`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm import AxisGroup
+from plait.mesh import Mesh
+from plait.model.factory import logits_of
+from plait.parallel.compression import Compressor
+from plait.parallel.context.context_parallel import ContextLayout
+from plait.parallel.data import DataParallel
+from plait.parallel.loss import LossFn
+from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32
+from plait.parallel.pipeline.split import PipelineStages
+from plait.parallel.tensor.layers import tensor_parallel_piece
+from plait.parallel.zero import ZeroDataParallel
+from plait.pieces import LocalPiece
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes whose ranks hold the same parameters and average their gradients:
+    dp, and cp when it has several ranks."""
+    return ("dp", "cp") if mesh.size("cp") > 1 else ("dp",)
+
+
+class ParallelModel(nn.Module):
+    """A model prepared for a mesh: the wrapped module, its loss and its step driver.
+
+    Built by :func:`~plait.parallel.parallelize.parallelize` (whose docstring gives the
+    order the wrappers are applied in). Attributes:
+
+    * ``module`` — the outermost wrapper (:class:`DataParallel` or
+      :class:`ZeroDataParallel`) around the (tensor-parallel) model or, when pp > 1,
+      around this rank's :class:`PipelineStages`;
+    * ``loss_fn`` — ``(logits, targets) -> mean loss`` that fits the layout;
+    * ``pipeline`` — the :class:`PipelineEngine` when pp > 1, else None;
+    * ``mesh`` — the mesh it was built for.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: Mesh,
+        loss_fn: LossFn,
+        pipeline: PipelineEngine | None,
+        names: dict[int, str],
+        param_names: list[str],
+        context: ContextLayout | None = None,
+    ) -> None:
+        super().__init__()
+        self.context = context
+        """The cp sequence layout (None when cp = 1): :meth:`step` shards by it."""
+        self.module = module
+        self.mesh = mesh
+        self.loss_fn = loss_fn
+        self.pipeline = pipeline
+        self._names = names
+        self.param_names = param_names
+        """Every parameter's one-device name, in the one-device model's order."""
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def zero(self) -> ZeroDataParallel | None:
+        """The ZeRO wrapper (None under plain data parallelism)."""
+        return self.module if isinstance(self.module, ZeroDataParallel) else None
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """The gradient compressor of plain data parallelism (None: plain all-reduce).
+        Its per-rank state (error feedback, PowerSGD's Q) is saved with checkpoints."""
+        return self.module.compressor if isinstance(self.module, DataParallel) else None
+
+    @property
+    def stages(self) -> PipelineStages | None:
+        """This rank's pipeline pieces (None when pp = 1)."""
+        return self.pipeline.stages if self.pipeline is not None else None
+
+    @property
+    def data_wrapper(self) -> DataParallel | ZeroDataParallel:
+        """The outermost wrapper, :class:`DataParallel` or :class:`ZeroDataParallel`."""
+        inner = self.module
+        assert isinstance(inner, DataParallel | ZeroDataParallel)
+        return inner
+
+    # ------------------------------------------------------------------ optimizer
+
+    def norm_groups(self) -> list[AxisGroup]:
+        """The groups a global gradient norm's local square is summed over, in order:
+        the data wrapper's (the ZeRO shard group, each element of a replica on exactly
+        one rank; tp, the tensor-parallel pieces), then pp (the stages) when it has
+        several ranks. Replicas (dp outside the shard group, cp) are not summed: they
+        are equal."""
+        groups = self.data_wrapper.norm_groups()
+        if self.mesh.size("pp") > 1:
+            groups.append(self.mesh.axis("pp"))
+        return groups
+
+    def norm_weight(self, p: torch.Tensor) -> float:
+        """Weight of ``p``'s squared gradient norm in the global norm: 0 for the last
+        stage's copy of a tied matrix (the first stage counts it), else the data
+        wrapper's (1/k for a tensor held identically by k tp ranks, else 1)."""
+        stages = self.stages
+        if stages is not None and p is stages.tied and stages.pp_index > 0:
+            return 0.0
+        return self.data_wrapper.norm_weight(p)
+
+    def zero_wrapper(self) -> ZeroDataParallel | None:
+        """The ZeRO wrapper whose shards the optimizer steps (None under plain data
+        parallelism: the parameters are their own masters)."""
+        return self.zero
+
+    def local_pieces(self) -> list[LocalPiece]:
+        """The parameter pieces this rank holds, in one-device names and shapes, each
+        written by exactly one rank: the data wrapper's pieces (whole tensors, or ZeRO
+        shard segments) refined by tensor parallelism (the block held) and the pipeline
+        (the tied copy is written by the first stage); the data wrapper spans dp x cp,
+        so cp replicas are covered by its own write flags."""
+        own = self.data_wrapper.local_pieces()  # each wrapper describes its own pieces
+        tp_index = self.mesh.index("tp")
+        stages = self.stages
+        skip = stages.tied if stages is not None and stages.pp_index > 0 else None
+        out = []
+        for piece in own:
+            piece = tensor_parallel_piece(piece, tp_index)
+            write = piece.write and piece.key is not skip
+            out.append(piece.but(name=self._names[id(piece.key)], write=write))
+        return out
+
+    # ------------------------------------------------------------------ step
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without communicating."""
+        no_sync = getattr(self.module, "no_sync", None)
+        with no_sync() if no_sync is not None else contextlib.nullcontext():
+            yield
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward (not available when pp > 1: use :meth:`step`).
+        Under context parallelism it takes this rank's tokens (``self.context.shard(x)``);
+        :meth:`step` and :meth:`evaluate` shard whole sequences themselves."""
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "a pipeline-parallel model runs through ParallelModel.step / evaluate "
+                "(the schedule drives every stage), not forward()"
+            )
+        return self.module(*args, **kwargs)
+
+    def _dp_mean(self, value: torch.Tensor | float) -> torch.Tensor:
+        """``value`` averaged over the data-parallel ranks (and the cp ranks, whose
+        token shards are equal in size: the mean over all tokens; float64, detached);
+        reduced on the mesh's device (NCCL cannot all-reduce CPU tensors)."""
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=torch.float64)
+        v = value.detach().to(self.mesh.device, torch.float64).reshape(1).clone()
+        comm.all_reduce(v, self.mesh.axis(*data_axes(self.mesh)), op="avg")
+        return v.reshape(())
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        micro_batches: int = 1,
+        loss_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """Forward and backward of this rank's batch; returns the mean loss of the global
+        batch (averaged over dp; float64, detached).
+
+        Without a pipeline the batch is cut into ``micro_batches`` equal micro-batches;
+        all but the last accumulate without communicating (``no_sync``) and each loss
+        is divided by their number, so the gradient is the batch mean whatever the
+        split. With a pipeline the schedule cuts it into its own ``m`` micro-batches
+        (``micro_batches`` must then be 1 or m). ``loss_scale`` multiplies the loss
+        before backward (the fp16 loss scaler: :attr:`plait.optim.Optimizer.loss_scale`).
+        After the call every gradient is reduced and ready for the optimizer. Under
+        context parallelism every cp rank passes the same whole sequences and keeps its
+        own tokens of each.
+        """
+        if self.context is not None:
+            inputs, targets = self.context.shard(inputs), self.context.shard(targets)
+        if self.pipeline is not None:
+            m = self.pipeline.schedule.microbatches
+            if micro_batches not in (1, m):
+                raise ValueError(
+                    f"the pipeline cuts each batch into its {m} micro-batches; pass "
+                    f"micro_batches=1 or {m}, not {micro_batches}"
+                )
+            return self._dp_mean(self.pipeline.train(inputs, targets, loss_scale))
+        if inputs.shape[0] % micro_batches:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} does not split into {micro_batches} "
+                "equal micro-batches"
+            )
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
+        pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
+        for k, (x, y) in enumerate(pairs):
+            last = k == len(pairs) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                micro_loss = self.loss_fn(at_least_fp32(logits_of(self.module(x))), y)
+                (micro_loss * (loss_scale / micro_batches)).backward()
+            total += micro_loss.detach().double() / micro_batches
+        return self._dp_mean(total)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch without backward (averaged over dp; float64)."""
+        if self.context is not None:
+            inputs, targets = self.context.shard(inputs), self.context.shard(targets)
+        if self.pipeline is not None:
+            return self._dp_mean(self.pipeline.evaluate(inputs, targets))
+        return self._dp_mean(self.loss_fn(at_least_fp32(logits_of(self.module(inputs))), targets))
+
+    def describe(self) -> str:
+        """One line: the wrappers applied, outermost last."""
+        zero = self.zero
+        if zero is not None:
+            note = (
+                f"ZeRO stage {zero.stage} over dp: shard groups of {zero.shard_group.size}, "
+                f"replicated x{zero.replicate_group.size}, {len(zero.units)} units"
+                + (f", offload {zero.offload}" if zero.offload != "none" else "")
+            )
+        else:
+            note = "plain data parallel (bucketed all-reduce)"
+            if self.compressor is not None:
+                note += f", {self.compressor.describe()}"
+        tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
+        if cp > 1 and self.context is not None:
+            kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
+            note = f"context parallel cp {cp} ({kind}); {note}"
+        if tp > 1:
+            note = f"tensor parallel tp {tp} (vocabulary-parallel loss); {note}"
+        if self.pipeline is not None:
+            note = f"{self.pipeline.describe()}; {note}"
+        return note

@@ -1,0 +1,333 @@
+"""ZeRO's gradient path: each unit reduce-scattered as soon as its gradients are final.
+
+Under the autograd driver a post-accumulate-grad hook on every flattened parameter hands
+its gradient to :meth:`GradientReducer.on_grad`; when every parameter of a unit has one,
+the unit's flat ``(padded,)`` gradient is reduce-scattered asynchronously over the shard
+group (ReduceScatter, Rajbhandari et al. 2020), the average landing in this rank's
+``(shard_numel,)`` piece; with hybrid sharding the piece is then all-reduced over the
+replicate group (AllReduce). Stages 0/1 keep full gradient buffers (``.grad`` is a view
+into them) and communicate only in the synchronising backward (``no_sync`` accumulates
+locally), launching each unit's reduce-scatter from the hook and waiting for them only
+at the end of backward; stages 2/3 copy the gradients into a transient buffer, reduce on
+every backward and keep only the shard.
+
+:class:`GradientReducer` owns the units' reductions for one
+:class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
+driver: what to reduce (:meth:`~GradientReducer.on_grad`, a parameter's gradient as
+autograd makes it; :meth:`~GradientReducer.reduce`, a unit's gradients accumulated in
+``.grad``), when (:meth:`~GradientReducer.finish_backward` / :meth:`~GradientReducer.finish`
+complete every reduction; :meth:`~GradientReducer.abandon` after a failure), the cap on
+reduce-scatters in flight (launching one more completes the oldest, freeing its
+transient buffer; written once, in ``_cap``), the transient buffer bytes, and the refusal
+of parameters that got no gradient (:class:`~plait.errors.UnusedParametersError`, unless
+``find_unused_parameters``). Two drivers call it: the autograd hooks
+(:class:`~plait.parallel.zero.driver.AutogradDriver`) and the pipeline schedule
+(:class:`~plait.parallel.pipeline.zero.PipelineZero`). It reports to its observers only:
+``note`` (events) and :attr:`~GradientReducer.on_launch`.
+
+With ``bucket_bytes`` (stages 1/2) a unit whose gradients are complete waits for the rest
+of its :class:`~plait.parallel.zero.bucket.GradBucket`; the bucket goes out in one call.
+Each unit's reduction is a :class:`~plait.parallel.zero.reduce.UnitReduction` (its
+states and transitions are listed there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from plait import comm
+from plait.comm import AxisGroup
+from plait.errors import UnusedParametersError
+from plait.parallel.zero.bucket import GradBucket, plan_buckets
+from plait.parallel.zero.flat import FlatUnit
+from plait.parallel.zero.reduce import ReduceState, UnitReduction
+
+
+class GradientReducer:
+    """The backward-time gradient path of one ZeRO-wrapped module.
+
+    Args:
+        units: the wrapper's flat units.
+        stage: the ZeRO stage (0/1 keep full gradient buffers, 2/3 transient ones).
+        shard_group, replicate_group: the hybrid-sharding groups of the dp axis.
+        reduce_dtype: the dtype gradients are reduced in.
+        device: where the transient buffers live.
+        find_unused_parameters: reduce zeros for parameters with no gradient.
+        note: records an event ``(kind, unit name)`` (tests read the order).
+        bucket_bytes: stages 1/2: reduce-scatter consecutive units together in buckets of
+            at least this many bytes (None: one reduce-scatter per unit).
+    """
+
+    MAX_REDUCES_IN_FLIGHT = 2
+    """Stages 2/3: reduce-scatters allowed in flight before the oldest is completed (its
+    transient full gradient buffer is freed then). Stages 0/1 reduce from the persistent
+    gradient buffers and wait for nothing before the end of backward."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        stage: int,
+        shard_group: AxisGroup,
+        replicate_group: AxisGroup,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        find_unused_parameters: bool,
+        note: Callable[[str, str], None],
+        bucket_bytes: int | None = None,
+    ) -> None:
+        self.units = [UnitReduction(u) for u in units]
+        fuse = bucket_bytes is not None and stage in (1, 2) and shard_group.size > 1
+        size = torch.empty((), dtype=reduce_dtype).element_size()
+        self.buckets = (
+            plan_buckets(self.units, bucket_bytes, size)  # type: ignore[arg-type]
+            if fuse
+            else [GradBucket([r]) for r in reversed(self.units)]
+        )
+        self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
+        self.stage = stage
+        self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.reduce_dtype, self.device = reduce_dtype, device
+        self.find_unused_parameters = find_unused_parameters
+        self._note = note
+        self.on_launch: Callable[[FlatUnit], None] | None = None
+        """Called with a unit once its reduce-scatter is launched (the autograd driver
+        frees a stage-3 unit's gathered parameters then); None: nothing."""
+        self.sync = True  # False inside no_sync (stages 0/1 accumulate locally)
+        self.in_backward = False
+        self.grad_buffer_bytes = 0  # stages 2/3: transient full-gradient buffers, and peak
+        self.peak_grad_buffer_bytes = 0
+        self._launched: list[UnitReduction] = []  # in launch order, this backward
+
+    # ------------------------------------------------------------------ what to reduce
+
+    @property
+    def communicates(self) -> bool:
+        """Whether a gradient arriving now is reduced in this backward (stages 0/1 inside
+        ``no_sync`` accumulate locally instead)."""
+        return self.sync or self.stage >= 2
+
+    def begin_backward(self) -> bool:
+        """Note that a reducing backward pass runs; returns whether it is new (the caller
+        then arranges :meth:`finish_backward` at its end)."""
+        if self.in_backward:
+            return False
+        self.in_backward = True
+        self._note("backward", "")
+        return True
+
+    def on_grad(self, u: FlatUnit, i: int, p: torch.Tensor) -> None:
+        """Parameter ``i`` of ``u`` has its accumulated gradient ``p.grad`` (in a backward
+        begun by :meth:`begin_backward`); the unit is launched once all of its are in."""
+        assert p.grad is not None
+        if not self.communicates:
+            return
+        if self.stage <= 1:
+            assert u.grad_full is not None
+            view = u.view(i, u.grad_full)
+            if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced: adopt its value
+                view.copy_(p.grad)
+                p.grad = view
+        else:
+            if u.grad_full is None:
+                self._alloc_buffer(u)
+            assert u.grad_full is not None
+            u.view(i, u.grad_full).copy_(p.grad)
+            p.grad = None
+        r = self.units[u.index]
+        if r.mark_ready(i):
+            self._note("grad", u.name)  # the unit's first gradient arrived
+        if r.complete:
+            self._complete(r)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _alloc_buffer(self, u: FlatUnit) -> None:
+        """Stages 2/3: a transient ``(padded,)`` buffer for ``u``'s full gradients (every
+        parameter's run is written by its hook or zeroed at the end of backward; only
+        the padding is zeroed here)."""
+        u.grad_full = torch.empty(u.padded, dtype=self.reduce_dtype, device=self.device)
+        u.grad_full[u.numel :].zero_()
+        self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+
+    def _drop_buffer(self, u: FlatUnit) -> None:
+        if self.stage >= 2 and u.grad_full is not None:
+            self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
+            u.grad_full = None
+
+    def _complete(self, r: UnitReduction) -> None:
+        """``r``'s gradients are final: reduce-scatter its bucket once every unit of the
+        bucket is (a bucket of one unit goes at once)."""
+        b = self._bucket_of[r.unit.index]
+        if len(b.units) == 1:
+            self._launch(r)
+            return
+        b.done.add(r.unit.index)
+        if len(b.done) == len(b.units):
+            self._launch_bucket(b)
+
+    def _launch_bucket(self, b: GradBucket) -> None:
+        """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`)."""
+        f = self.shard_group.size
+        buf = torch.empty(f * b.width, dtype=self.reduce_dtype, device=self.device)
+        grid = buf.view(f, b.width)  # (F, width): row r = chunk r of every unit
+        for r, col in zip(b.units, b.cols, strict=True):
+            u = r.unit
+            assert u.grad_full is not None
+            grid[:, col : col + u.shard_numel].copy_(u.grad_full.view(f, u.shard_numel))
+            self._drop_buffer(u)  # stage 2: copied into the bucket, freed now
+        b.buffer = buf
+        self.grad_buffer_bytes += buf.numel() * buf.element_size()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
+        for r, col in zip(b.units, b.cols, strict=True):
+            r.joined(out[col : col + r.unit.shard_numel], h, buf)
+            self._launched.append(r)
+            self._note("reduce", r.unit.name)
+        b.done.clear()
+        self._cap()
+
+    def _launch(self, r: UnitReduction) -> None:
+        """Reduce-scatter ``r``'s unit (from its ``(padded,)`` ``grad_full``)."""
+        u = r.unit
+        assert u.grad_full is not None
+        buffer = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
+        r.launch(buffer, self.shard_group)
+        self._launched.append(r)
+        self._note("reduce", u.name)
+        if self.on_launch is not None:
+            self.on_launch(u)
+        self._cap()
+
+    def _cap(self) -> None:
+        """Stages 2/3: at most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters stay in flight;
+        one more completes the oldest, which frees its transient buffer. Stages 0/1 reduce
+        from persistent buffers: nothing to free early, nothing to wait for."""
+        if self.stage <= 1:
+            return
+        in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
+        for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
+            self._finish_scatter(v)
+
+    def _finish_scatter(self, r: UnitReduction) -> None:
+        r.finish_scatter(self.replicate_group)
+        self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
+        self._drop_buffer(r.unit)
+        b = self._bucket_of[r.unit.index]
+        if b.buffer is not None:  # the bucket's input is no longer needed
+            self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+            b.buffer = None
+
+    def _settle(self, r: UnitReduction) -> None:
+        """Complete ``r``'s reduction: stages 0/1 keep the averaged shard (REDUCED), 2/3
+        add it into the unit's ``grad_shard`` (IDLE again)."""
+        if r.state is ReduceState.SCATTERING:
+            self._finish_scatter(r)
+        out = r.finish(keep=self.stage <= 1)
+        if self.stage >= 2:
+            assert r.unit.grad_shard is not None
+            r.unit.grad_shard.add_(out)
+
+    def _refuse_unused(self, missing: list[str]) -> None:
+        """Parameters with no gradient: zeros are reduced for them with
+        ``find_unused_parameters``; otherwise the reductions are abandoned and refused."""
+        if missing and not self.find_unused_parameters:
+            self.abandon()
+            raise UnusedParametersError(missing)
+
+    # ------------------------------------------------------------------ when
+
+    @torch.no_grad()
+    def reduce(self, u: FlatUnit) -> None:
+        """Stages 2/3: reduce-scatter ``u``'s gradients accumulated in ``.grad`` now (a
+        driver that lets autograd accumulate over several backwards: the pipeline) and
+        drop them. A unit reduced again before :meth:`finish` adds its previous shard
+        first; a parameter with no gradient is refused as at the end of backward."""
+        assert self.stage >= 2
+        r = self.units[u.index]
+        if r.in_flight:
+            self._launched.remove(r)
+            self._settle(r)
+        self._refuse_unused([u.names[i] for i, p in enumerate(u.params) if p.grad is None])
+        self._alloc_buffer(u)
+        full = u.grad_full
+        assert full is not None
+        for i, p in enumerate(u.params):
+            if p.grad is None:
+                u.view(i, full).zero_()
+            else:
+                u.view(i, full).copy_(p.grad)
+                p.grad = None
+        self._launch(r)
+
+    def finish(self) -> None:
+        """Wait for every launched reduction (in launch order): stages 0/1 keep the
+        averaged shards, 2/3 add them into the units' ``grad_shard``."""
+        for r in self._launched:
+            if r.state is ReduceState.SCATTERING:
+                self._finish_scatter(r)
+        for r in self._launched:
+            self._settle(r)
+        self._launched = []
+
+    def finish_backward(self) -> None:
+        """End of a synchronising backward: reduce what is left (zeros for parameters
+        with no gradient, or refused), wait, keep the shards."""
+        self.in_backward = False
+        missing = [
+            r.unit.names[i]
+            for r in self.units
+            if not r.in_flight
+            for i in range(len(r.unit.params))
+            if i not in r.ready
+        ]
+        self._refuse_unused(missing)
+        for r in self.units:
+            if r.in_flight:  # launched during backward
+                continue
+            u = r.unit
+            if u.grad_full is None:
+                self._alloc_buffer(u)
+            full = u.grad_full
+            assert full is not None
+            if self.stage >= 2:  # a fresh buffer: the missing gradients count as zeros
+                for i in range(len(u.params)):
+                    if i not in r.ready:
+                        u.view(i, full).zero_()
+            self._complete(r)
+        self.finish()
+
+    def abandon(self) -> None:
+        """A failed backward or step: complete what is in flight, drop buffers and states."""
+        self.in_backward = False
+        for r in self._launched:
+            if r.state is ReduceState.SCATTERING:
+                r.finish_scatter(self.replicate_group)
+            r.finish(keep=False)
+        self._launched = []
+        for r in self.units:
+            r.reset()
+            self._drop_buffer(r.unit)
+        for b in self.buckets:
+            b.done.clear()
+            if b.buffer is not None:
+                self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+                b.buffer = None
+
+    def reduced(self, u: FlatUnit) -> torch.Tensor | None:
+        """Stages 0/1: the averaged shard of ``u`` from the last synchronising backward."""
+        r = self.units[u.index]
+        return r.shard if r.state is ReduceState.REDUCED else None
+
+    def reset_peak(self) -> None:
+        """Restart the peak of transient gradient-buffer bytes from what is alive now."""
+        self.peak_grad_buffer_bytes = self.grad_buffer_bytes
+
+    def reset(self) -> None:
+        """``zero_grad``: every unit back to IDLE."""
+        for r in self.units:
+            r.reset()
+        for b in self.buckets:
+            b.done.clear()

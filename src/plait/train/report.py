@@ -1,0 +1,177 @@
+"""What a training run tells its console (rank 0), and the summary it returns.
+
+The trainer (:mod:`plait.train.trainer`) only calls these: :func:`banner` at the start
+(mesh, layout, precision, model, data, batch, learning rate, outputs), the notes of the
+loop (:func:`straggler_note`, :func:`timeline_line`) and the end (:func:`stop_line`,
+:func:`stragglers_line`, :func:`summary_line`). The per-rank memory report is
+:meth:`plait.train.memory.MemoryReport.format`. Every function returns text; none prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from plait.config import Config
+from plait.mesh import Mesh
+from plait.train.data import truncation_note
+
+
+@dataclass
+class RunSummary:
+    """What a finished run reports."""
+
+    steps: int
+    losses: list[float]
+    val_losses: list[tuple[int, float]]
+    tokens_per_s: float
+    params: int
+    skipped_steps: int = 0
+    wall_seconds: float = 0.0
+    """From the start of the loop to its end (evaluation and checkpoints included)."""
+    metrics: str | None = None
+    """The metrics JSONL written, if any."""
+    checkpoint: str | None = None
+    """The last checkpoint saved, if any."""
+    last_step: int = 0
+    """Optimizer steps done when the run ended (``steps`` unless it stopped early)."""
+    stopped_early: bool = False
+    """A stop request (SIGTERM/SIGINT) ended the run before ``steps``."""
+    already_complete: bool = False
+    """The run resumed from a checkpoint at or beyond ``steps``: nothing was trained."""
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the start banner says about a built run besides its config and mesh."""
+
+    layout: str
+    """The parallel layout (:meth:`~plait.parallel.model.ParallelModel.describe`)."""
+    params: int
+    """Parameters of the one-device model."""
+    model_note: str
+    """The model's description (:func:`~plait.model.factory.describe_model`)."""
+    train_sequences: int
+    val_sequences: int
+    micro_batch: int
+    accumulation: int
+    """Micro-batches per step (pipeline micro-batches when pp > 1)."""
+    peak_source: str
+    """Where the MFU peak comes from."""
+    loggers: Sequence[str]
+    """The names of rank 0's loggers."""
+
+
+def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
+    """The lines printed before the first step."""
+    t = cfg.train
+    lr_note = (
+        f"lr {t.effective_lr():.2e} (linear scaling rule: {t.lr:.2e} x "
+        f"{t.global_batch}/{t.base_batch})"
+        if t.scale_lr
+        else f"lr {t.lr:.2e}"
+    )
+    zero_note = run.layout
+    if cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
+        zero_note += "; sequence parallel"
+    prec = cfg.precision
+    prec_note = f"params/compute {prec.dtype}, gradient reduction " + (
+        prec.dtype if prec.reduce_dtype == "auto" else prec.reduce_dtype
+    )
+    if prec.dtype != "fp32":
+        prec_note += ", fp32 master weights"
+    if prec.dtype == "fp16":
+        prec_note += f", dynamic loss scale {prec.loss_scale:g} (K={prec.loss_scale_window})"
+    return (
+        f"plait: {mesh.describe()}\n"
+        f"plait: {zero_note}; {prec_note}; recompute {t.recompute}\n"
+        f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
+        f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
+        f"of {t.seq_len} tokens\n"
+        f"plait: global batch {t.global_batch} = dp {mesh.size('dp')} x micro-batch "
+        f"{run.micro_batch} x "
+        f"{'pipeline micro-batches' if mesh.size('pp') > 1 else 'accumulation'} "
+        f"{run.accumulation}; {lr_note}; "
+        f"{t.steps} steps on {mesh.device.type}\n"
+        f"plait: MFU peak {run.peak_source}" + outputs_note(cfg, run.loggers)
+    )
+
+
+def outputs_note(cfg: Config, loggers: Sequence[str]) -> str:
+    """The banner's tail: where this run writes (metrics, checkpoints, loggers) and data
+    notes, each on its own line (empty when there is nothing to say)."""
+    t = cfg.train
+    outs = [f"metrics {cfg.log.metrics}"] if cfg.log.metrics else []
+    if t.checkpoint_dir:
+        every = f"every {t.checkpoint_every} steps and " if t.checkpoint_every else ""
+        outs.append(f"checkpoints {every}at the end into {t.checkpoint_dir}")
+    outs += list(loggers)
+    text = f"\nplait: writes {'; '.join(outs)}" if outs else ""
+    note = truncation_note(cfg.data)
+    return text + (f"\nplait: {note}" if note else "")
+
+
+def straggler_note(
+    description: str, ranks_here: int, cores: int | None = None, threads: int | None = None
+) -> str:
+    """The one console report of stragglers (later ones go to the metrics only):
+    ``description`` of the step, and a note when this machine is oversubscribed (up to
+    ``ranks_here`` ranks x ``threads`` threads on ``cores`` cores; default: this
+    machine's cores and torch's threads)."""
+    text = description + "; later straggler steps are only counted"
+    cores = cores if cores is not None else os.cpu_count() or 1
+    threads = threads if threads is not None else torch.get_num_threads()
+    if ranks_here * threads > cores:
+        text += (
+            f" (this machine runs up to {ranks_here} ranks x {threads} thread(s) on "
+            f"{cores} cores: oversubscribed, so compute times vary)"
+        )
+    return text
+
+
+def stragglers_line(steps: int, reported: Mapping[int, int]) -> str:
+    """The end-of-run count of straggler steps, with steps flagged per rank."""
+    counts = ", ".join(f"rank {r}: {k}" for r, k in sorted(reported.items()))
+    return (
+        f"plait: stragglers on {steps} steps ({counts}); every step's "
+        'are in the metrics ("stragglers")'
+    )
+
+
+def timeline_line(path: str, bubble: float) -> str:
+    """The line after the measured pipeline timeline is drawn."""
+    return f"plait: wrote {path} (measured bubble {bubble:.1%})"
+
+
+def stop_line(step: int, steps: int, sig: int | None, checkpoint: str | None) -> str:
+    """The one line a run stopped by request prints: at ``step`` of ``steps``, by
+    signal ``sig`` on rank 0 (None: a stop signal to another rank)."""
+    why = f"{signal.Signals(sig).name} on rank 0" if sig else "a stop signal to another rank"
+    where = (
+        f"checkpoint {checkpoint}"
+        if checkpoint
+        else "no checkpoint (train.checkpoint_dir is not set)"
+    )
+    return f"plait: stopped early at step {step} of {steps} ({why}); {where}"
+
+
+def summary_line(s: RunSummary, loggers: Sequence[str]) -> str:
+    """The end-of-run line: losses, wall time, throughput, where the outputs are."""
+    done = len(s.losses)
+    parts = [f"plait: done: {done} steps in {s.wall_seconds:.1f} s"]
+    if s.losses:
+        parts.append(f"final loss {s.losses[-1]:.4f}")
+    if s.val_losses:
+        parts.append(f"validation loss {s.val_losses[-1][1]:.4f}")
+    parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
+    outputs = [f"metrics {s.metrics}"] if s.metrics else []
+    if s.checkpoint:
+        outputs.append(f"checkpoint {s.checkpoint}")
+    outputs += list(loggers)
+    if outputs:
+        parts.append("; ".join(outputs))
+    return "; ".join(parts)
