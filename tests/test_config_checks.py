@@ -138,7 +138,16 @@ def test_check_world_refusals(
                 model={"n_layers": 8},
             ),
             4,
-            r"2 micro-batches \(parallel.microbatches\) < pp 4; use a multiple of 4",
+            r"got 2 micro-batches for 4 stages; use 4 micro-batches",
+        ),
+        (
+            _cfg(
+                parallel={"pp": 2, "pipeline_schedule": "interleaved", "chunks": 2},
+                train={"global_batch": 24, "micro_batch": 8},
+            ),
+            2,
+            r"the interleaved schedule needs the micro-batches per step to be a multiple of "
+            r"the pipeline stages .* got 3 micro-batches for 2 stages; use 2 or 4 micro-batches",
         ),
         (
             _cfg(parallel={"pp": 2, "microbatches": 3}),

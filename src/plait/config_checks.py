@@ -223,6 +223,26 @@ def check_chunks(schedule: str, chunks: int) -> None:
         )
 
 
+def check_interleaved(stages: int, microbatches: int, chunks: int) -> None:
+    """The interleaved schedule: several chunks need two pipeline ranks, and the
+    micro-batches per step are a multiple of the stages (as in Megatron-LM)."""
+    p, m, v = stages, microbatches, chunks
+    if v > 1 and p < 2:
+        raise ConfigError(
+            f"interleaved schedule with {v} chunks needs at least 2 pipeline ranks, "
+            f"got {p}; use chunks=1 with one rank"
+        )
+    if m % p != 0:
+        lo, hi = (m // p) * p, (m // p + 1) * p
+        near = f"{lo} or {hi}" if lo > 0 else f"{hi}"
+        raise ConfigError(
+            f"the interleaved schedule needs the micro-batches per step to be a "
+            f"multiple of the pipeline stages (as in Megatron-LM), got {m} "
+            f"micro-batches for {p} stages; use {near} micro-batches, or the '1f1b' "
+            "schedule"
+        )
+
+
 def check_pipeline(
     n_layers: int,
     pp: int,
@@ -242,12 +262,8 @@ def check_pipeline(
             f"chunks {chunks} = {pieces} pipeline pieces need at least one block each; use "
             f"model.n_layers >= {pieces} or fewer stages/chunks."
         )
-    if schedule == "interleaved" and m < pp:
-        raise ConfigError(
-            f"the interleaved schedule needs at least as many micro-batches as pipeline "
-            f"stages: {m} micro-batches (parallel.microbatches) < pp {pp}; use a multiple "
-            f"of {pp} such as {pp} or {2 * pp}."
-        )
+    if schedule == "interleaved":
+        check_interleaved(pp, m, chunks)
     per_rank = global_batch // dp
     divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
     if global_batch % dp or per_rank % m:

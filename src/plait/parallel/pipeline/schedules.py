@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from plait.config import PIPELINE_SCHEDULES
-from plait.config_checks import check_chunks
+from plait.config_checks import check_chunks, check_interleaved
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 
@@ -67,20 +67,7 @@ def _check(name: str, p: int, m: int, v: int) -> None:
         raise ConfigError(f"model chunks per rank must be >= 1, got {v}")
     check_chunks(name, v)
     if name == "interleaved":
-        if v > 1 and p < 2:
-            raise ConfigError(
-                f"interleaved schedule with {v} chunks needs at least 2 pipeline ranks, "
-                f"got {p}; use chunks=1 with one rank"
-            )
-        if m % p != 0:
-            lo, hi = (m // p) * p, (m // p + 1) * p
-            near = f"{lo} or {hi}" if lo > 0 else f"{hi}"
-            raise ConfigError(
-                f"the interleaved schedule needs the micro-batches per step to be a "
-                f"multiple of the pipeline stages (as in Megatron-LM), got {m} "
-                f"micro-batches for {p} stages; use {near} micro-batches, or the '1f1b' "
-                "schedule"
-            )
+        check_interleaved(p, m, v)
 
 
 # ------------------------------------------------------------------- communication
