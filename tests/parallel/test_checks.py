@@ -162,7 +162,7 @@ def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
 
     from plait import config
     from plait.optim import Optimizer
-    from plait.parallel import compression
+    from plait.parallel import compression, precision
     from plait.parallel.pipeline import schedules
     from plait.parallel.pipeline import zero as pipeline_zero
     from plait.parallel.recompute import apply_recompute
@@ -174,3 +174,4 @@ def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
     assert typing.get_type_hints(Optimizer.__init__)["nonfinite"] is config.NonFinite
     assert compression.METHODS is config.COMPRESSIONS
     assert schedules.SCHEDULES is config.PIPELINE_SCHEDULES
+    assert tuple(precision.DTYPES) == typing.get_args(config.DType)  # names -> torch dtypes
