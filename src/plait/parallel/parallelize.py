@@ -48,7 +48,7 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import Config, ParallelConfig, PrecisionConfig, Recompute
+from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, make_compressor
@@ -82,7 +82,7 @@ def parallelize(
     zero_shard_size: int | None = None,
     tp_plan: Plan | None = None,
     sequence_parallel: bool | None = None,
-    cp_attention: str | None = None,
+    cp_attention: CPAttention | None = None,
     recompute: Recompute | None = None,
     precision: PrecisionConfig | str | None = None,
     loss_fn: LossFn | None = None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.config import CP_ATTENTIONS
+from plait.config import CP_ATTENTIONS, CPAttention
 from plait.config_checks import check_choice, check_cp_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
@@ -67,7 +67,9 @@ class ContextLayout:
         return shard_sequence(x, self.layout, self.cp, self.index, dim=1)
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, attention: str = "ring") -> ContextLayout:
+def apply_context_parallel(
+    model: nn.Module, mesh: Mesh, attention: CPAttention = "ring"
+) -> ContextLayout:
     """Replace ``model``'s attention cores and positions for the cp axis (in place)."""
     cp, index = mesh.size("cp"), mesh.index("cp")
     check_choice("parallel.cp_attention", attention, CP_ATTENTIONS)
