@@ -1,7 +1,9 @@
-"""The checks across configuration sections (:meth:`Config.validate`, in
-:mod:`plait.config_checks`): the layout against the world size, pipeline blocks and
-micro-batches, ZeRO options, the global batch. They need no torch; the checks the
-parallel layer owns are in ``tests/parallel/test_checks.py``."""
+"""The rules of :mod:`plait.config_checks` on plain values, the checks across
+configuration sections (:meth:`Config.validate`, which calls them): the layout against
+the world size, pipeline blocks and micro-batches, ZeRO options, the global batch. They
+need no torch; that each allowed-value set is declared once is in
+``test_config_values.py``, the checks the parallel layer owns are in
+``tests/parallel/test_checks.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +11,26 @@ from typing import Any
 
 import pytest
 
+from plait import config
 from plait.config import Config
-from plait.config_checks import check_world
+from plait.config_checks import (
+    check_batch,
+    check_choice,
+    check_chunks,
+    check_compression,
+    check_cp_sequence,
+    check_offload,
+    check_pipeline,
+    check_positive,
+    check_pp_reshard,
+    check_seq_len,
+    check_shard_size,
+    check_sp_under_cp,
+    check_tokenizer_vocab,
+    check_ulysses_heads,
+    check_world,
+    choice_error,
+)
 from plait.config_io import config_from_dict
 from plait.errors import ConfigError
 
@@ -112,7 +132,16 @@ def test_check_world_refusals(
                 model={"n_layers": 8},
             ),
             4,
-            r"2 micro-batches \(parallel.microbatches\) < pp 4; use a multiple of 4",
+            r"got 2 micro-batches for 4 stages; use 4 micro-batches",
+        ),
+        (
+            _cfg(
+                parallel={"pp": 2, "pipeline_schedule": "interleaved", "chunks": 2},
+                train={"global_batch": 24, "micro_batch": 8},
+            ),
+            2,
+            r"the interleaved schedule needs the micro-batches per step to be a multiple of "
+            r"the pipeline stages .* got 3 micro-batches for 2 stages; use 2 or 4 micro-batches",
         ),
         (
             _cfg(parallel={"pp": 2, "microbatches": 3}),
@@ -189,3 +218,106 @@ def test_validate_passes() -> None:
         _cfg(parallel={"pp": 2, "zero": stage, "pp_grad_reduce": "microbatch"}).validate(4)
     _cfg(parallel={"pp": 2, "zero": 3, "pp_reshard": True}).validate(4)
     _cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}).validate(4)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def test_check_choice() -> None:
+    check_choice("x", "b", ("a", "b"))
+    with pytest.raises(ConfigError, match=r"^parallel\.offload must be none, optimizer or "):
+        check_choice("parallel.offload", "disk", config.OFFLOADS)
+    with pytest.raises(ConfigError, match=r"^x must be a, got 'b'\.$"):
+        check_choice("x", "b", ("a",))
+    with pytest.raises(ConfigError, match=r"^ZeRO stage must be 0, 1, 2 or 3, got 4: 0 = plain"):
+        check_choice("ZeRO stage", 4, config.ZERO_STAGES, config.ZERO_MEANING)
+    with pytest.raises(ConfigError, match=r"got True"):  # its own type: True is not 1
+        check_choice("parallel.zero", True, config.ZERO_STAGES)
+    assert str(choice_error("k", "v", ("a", "b"))) == "k must be a or b, got 'v'."
+
+
+def test_check_positive() -> None:
+    check_positive("train.", steps=1, micro_batch=None)
+    with pytest.raises(ConfigError, match=r"^train\.steps must be positive, got 0\.$"):
+        check_positive("train.", steps=0)
+    with pytest.raises(ConfigError, match=r"^layout dp must be positive, got -1\.$"):
+        check_positive("layout ", tp=1, dp=-1)
+
+
+def test_check_shard_size() -> None:
+    for factor, zero, dp in [(None, 0, 4), (1, 0, 4), (2, 1, 4), (4, 3, 4), (None, 3, 3)]:
+        check_shard_size(factor, zero, dp)
+    with pytest.raises(ConfigError, match=r"zero_shard_size = 2 needs parallel\.zero >= 1"):
+        check_shard_size(2, 0, 4)
+    with pytest.raises(ConfigError, match=r"\(F = 3\) must divide .* dp = 4; .* \[1, 2, 4\]"):
+        check_shard_size(3, 2, 4)
+    with pytest.raises(ConfigError, match=r"\(F = 0\) must divide"):
+        check_shard_size(0, 2, 4)
+
+
+def test_check_offload() -> None:
+    for offload, zero in [("none", 0), ("optimizer", 1), ("optimizer", 2), ("params", 3)]:
+        check_offload(offload, zero)
+    with pytest.raises(ConfigError, match=r"offload = 'optimizer' needs ZeRO \(parallel\.zero"):
+        check_offload("optimizer", 0)
+    with pytest.raises(ConfigError, match=r"offload = 'params' needs parallel\.zero = 3 \(got 1\)"):
+        check_offload("params", 1)
+
+
+def test_check_compression() -> None:
+    check_compression("none", 3, "bf16", "bf16")
+    check_compression("topk", 0, "fp32", "auto")
+    check_compression("powersgd", 0)  # the planner knows no precision
+    with pytest.raises(ConfigError, match=r"plain data parallelism \(zero 0\) only, not with"):
+        check_compression("topk", 1)
+    with pytest.raises(ConfigError, match=r"needs plain data parallelism with fp32 .*'bf16'"):
+        check_compression("fp16", 0, "bf16", "auto")
+    with pytest.raises(ConfigError, match=r"reduce_dtype = 'fp16'"):
+        check_compression("fp16", 0, "fp32", "fp16")
+
+
+def test_check_pp_reshard_and_chunks() -> None:
+    check_pp_reshard(False, 0, 1)
+    check_pp_reshard(True, 3, 2)
+    for zero, pp in [(2, 2), (3, 1)]:
+        with pytest.raises(ConfigError, match=rf"\(got zero {zero}, pp {pp}\)"):
+            check_pp_reshard(True, zero, pp)
+    check_chunks("interleaved", 3)
+    check_chunks("1f1b", 1)
+    with pytest.raises(ConfigError, match=r"schedule 'gpipe' runs one model chunk per rank"):
+        check_chunks("gpipe", 2)
+
+
+def test_check_context_rules() -> None:
+    check_cp_sequence(32, 4, "ring")
+    check_cp_sequence(12, 4, "ulysses")
+    with pytest.raises(ConfigError, match=r"seq_len \(12\) must be divisible by 2 x cp = 8"):
+        check_cp_sequence(12, 4, "ring")
+    with pytest.raises(ConfigError, match=r"Ulysses .*seq_len \(10\) must be divisible by 4"):
+        check_cp_sequence(10, 4, "ulysses")
+    check_ulysses_heads(8, 2, 4)
+    check_ulysses_heads(8, 3, 4)  # tp does not divide the heads: they are not split by it
+    with pytest.raises(ConfigError, match=r"6 query heads \(model\.n_heads 6\) are not"):
+        check_ulysses_heads(6, 1, 4)
+    check_sp_under_cp(32, 2, 4, "ring")
+    check_sp_under_cp(30, 2, 1, "ring")  # tp 1: no sequence parallelism
+    with pytest.raises(ConfigError, match=r"divisible by cp x tp = 8\.$"):
+        check_sp_under_cp(36, 2, 4, "ulysses")
+
+
+def test_check_pipeline_and_batch() -> None:
+    check_pipeline(4, 2, 1, "1f1b", 4, 16, 2, None)
+    check_pipeline(8, 2, 2, "interleaved", 4, 16, 1, 4)
+    with pytest.raises(ConfigError, match=r"pp 2 x chunks 2 = 4 pipeline pieces"):
+        check_pipeline(3, 2, 2, "interleaved", 4, 16, 1, None)
+    with pytest.raises(ConfigError, match=r"not divisible by 3"):
+        check_pipeline(4, 2, 1, "1f1b", 3, 16, 1, None)
+    check_batch(16, 2, 4)
+    with pytest.raises(ConfigError, match=r"for example use global_batch 12"):
+        check_batch(16, 2, 3)
+    check_seq_len(256, 256)
+    with pytest.raises(ConfigError, match=r"seq_len \(257\) exceeds model\.max_seq_len \(256\)"):
+        check_seq_len(257, 256)
+    check_tokenizer_vocab("tiktoken:x", 100)
+    with pytest.raises(ConfigError, match=r"vocab_size >= 256, got 255"):
+        check_tokenizer_vocab("byte", 255)

@@ -202,9 +202,9 @@ def test_none_is_a_plain_value_for_non_optional_fields() -> None:
 def test_literal_parsing() -> None:
     cfg = load_config(None, ["launch.device=cuda", "parallel.backend=gloo"])
     assert cfg.launch.device == "cuda" and cfg.parallel.backend == "gloo"
-    with pytest.raises(ConfigError, match=r"launch\.device.*one of.*'tpu'"):
+    with pytest.raises(ConfigError, match=r"^launch\.device must be auto, cpu or cuda, got 'tpu'"):
         load_config(None, ["launch.device=tpu"])
-    with pytest.raises(ConfigError, match=r"data\.token_dtype.*one of"):
+    with pytest.raises(ConfigError, match=r"data\.token_dtype must be uint16 or uint32, got"):
         config_from_dict({"data": {"token_dtype": "int8"}})
 
 

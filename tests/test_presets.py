@@ -52,5 +52,5 @@ def test_model_preset_refuses_unknown_and_gpt_style_names() -> None:
 
 
 def test_preset_style_is_checked() -> None:
-    with pytest.raises(ConfigError, match="preset style must be one of"):
+    with pytest.raises(ConfigError, match="preset style must be llama or gpt, got 'bert'"):
         Preset(ModelConfig(), "bert")  # type: ignore[arg-type]

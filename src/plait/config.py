@@ -3,8 +3,13 @@
 Every field has a docstring (the string literal under it); `plait train --help-config`
 prints them. Each dataclass validates its own fields in ``__post_init__``; checks that
 need several sections (the layout against the world size, the global batch against
-the layout) run in :meth:`Config.validate` (written in :mod:`plait.config_checks`),
-before any process starts.
+the layout) run in :meth:`Config.validate`, before any process starts. The rules
+themselves are written once, as functions on plain values, in :mod:`plait.config_checks`
+(which imports nothing from here); the constructors that need a rule call the same one.
+
+Each set of allowed values (pipeline schedules, recompute policies, offload kinds, ...)
+is declared here once, as a ``Literal`` type; the tuple of its values is derived from it
+(``typing.get_args``) and every other module imports both from here.
 
 The **global batch** (``train.global_batch``, in sequences) is the invariant of a run:
 the per-rank micro-batch and the number of accumulation steps are derived from it and
@@ -13,10 +18,25 @@ the data-parallel degree, so changing the layout never changes the math.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from plait.config_checks import check_run
+from plait.config_checks import (
+    check_batch,
+    check_choice,
+    check_compression,
+    check_cp_sequence,
+    check_offload,
+    check_pipeline,
+    check_positive,
+    check_pp_reshard,
+    check_seq_len,
+    check_shard_size,
+    check_sp_under_cp,
+    check_tokenizer_vocab,
+    check_ulysses_heads,
+    check_world,
+)
 from plait.errors import ConfigError
 
 Backend = Literal["auto", "gloo", "nccl"]
@@ -36,12 +56,54 @@ CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
+TokenDType = Literal["uint16", "uint32"]
+PresetStyle = Literal["llama", "gpt"]
+"""Block style of a model preset (:mod:`plait.presets`): ``llama`` (plait's built-in
+block) or ``gpt`` (GPT-2/3's block)."""
+PlannedSchedule = Literal["1f1b", "gpipe", "interleaved"]
+"""The pipeline schedules the planner models (:class:`plait.plan.layout.Layout`); it
+counts a run's 'naive' and 'zb' as '1f1b' (a safe over-estimate of their memory)."""
+
+RECOMPUTES: tuple[Recompute, ...] = get_args(Recompute)
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = get_args(PipelineSchedule)
+PLANNED_SCHEDULES: tuple[PlannedSchedule, ...] = get_args(PlannedSchedule)
+OFFLOADS: tuple[Offload, ...] = get_args(Offload)
+CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
+PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
+COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
+NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
+PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
+ZERO_MEANING = (
+    "0 = plain data parallel, 1 = optimizer state sharded, 2 = also gradients, "
+    "3 = also parameters (fully sharded)"
+)
+"""What each of :data:`ZERO_STAGES` means, for the refusal of any other."""
 
 
-def _positive(section: str, **values: float | int | None) -> None:
-    for name, value in values.items():
-        if value is not None and value <= 0:
-            raise ConfigError(f"{section}.{name} must be positive, got {value}.")
+_CHOICES: dict[type, tuple[tuple[str, tuple[Any, ...]], ...]] = {}
+
+
+def _choices(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """(field, allowed values) of each field of the dataclass ``cls`` annotated with a
+    ``Literal`` (worked out once per class)."""
+    if cls not in _CHOICES:
+        hints = get_type_hints(cls)
+        _CHOICES[cls] = tuple(
+            (f.name, get_args(hints[f.name]))
+            for f in fields(cls)
+            if get_origin(hints[f.name]) is Literal
+        )
+    return _CHOICES[cls]
+
+
+def check_choices(obj: object, prefix: str) -> None:
+    """Each field of the dataclass ``obj`` annotated with a set of values (a ``Literal``)
+    holds one of them; ``prefix`` names the owner in the message (``"parallel."``).
+    The sections here and the planner's :class:`~plait.plan.layout.Layout` call it."""
+    for name, allowed in _choices(type(obj)):
+        check_choice(f"{prefix}{name}", getattr(obj, name), allowed)
 
 
 @dataclass
@@ -89,8 +151,9 @@ class ModelConfig:
     importable (installed, on PYTHONPATH or in the current folder). Overrides family."""
 
     def __post_init__(self) -> None:
-        _positive(
-            "model",
+        check_choices(self, "model.")
+        check_positive(
+            "model.",
             vocab_size=self.vocab_size,
             dim=self.dim,
             n_layers=self.n_layers,
@@ -117,12 +180,6 @@ class ModelConfig:
                 f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "
                 f"({self.kv_heads}) for grouped-query attention."
             )
-        if self.attention not in ("sdpa", "blockwise"):
-            raise ConfigError(
-                f"model.attention must be sdpa or blockwise, got {self.attention!r}."
-            )
-        if self.family not in ("plait", "hf-llama"):
-            raise ConfigError(f"model.family must be plait or hf-llama, got {self.family!r}.")
         if self.factory is not None:
             module, sep, attr = self.factory.partition(":")
             if not (sep and module.strip() and attr.strip()):
@@ -245,8 +302,9 @@ class ParallelConfig:
     """Every collective raises an error naming rank, axis and operation after this long."""
 
     def __post_init__(self) -> None:
-        _positive(
-            "parallel",
+        check_choices(self, "parallel.")
+        check_positive(
+            "parallel.",
             dp=self.dp,
             tp=self.tp,
             pp=self.pp,
@@ -254,46 +312,14 @@ class ParallelConfig:
             bucket_mb=self.bucket_mb,
             timeout_s=self.timeout_s,
         )
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(
-                f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}: 0 = plain data "
-                "parallel, 1 = optimizer state sharded, 2 = also gradients, 3 = also "
-                "parameters (fully sharded)."
-            )
-        _positive("parallel", microbatches=self.microbatches, chunks=self.chunks)
-        if self.pipeline_schedule not in ("naive", "gpipe", "1f1b", "interleaved", "zb"):
-            raise ConfigError(
-                "parallel.pipeline_schedule must be naive, gpipe, 1f1b, interleaved or zb, "
-                f"got {self.pipeline_schedule!r}."
-            )
-        if self.balance not in ("equal", "measured"):
-            raise ConfigError(f"parallel.balance must be equal or measured, got {self.balance!r}.")
-        _positive("parallel", zero_shard_size=self.zero_shard_size)
-        if self.pp_grad_reduce not in ("step", "microbatch"):
-            raise ConfigError(
-                f"parallel.pp_grad_reduce must be step or microbatch, got {self.pp_grad_reduce!r}."
-            )
-        if self.pp_reshard and (self.zero != 3 or self.pp == 1):
-            raise ConfigError(
-                "parallel.pp_reshard re-gathers ZeRO-3 parameters per "
-                "micro-batch under pipeline parallelism; it needs parallel.zero = 3 and "
-                f"parallel.pp > 1 (got zero {self.zero}, pp {self.pp})."
-            )
-        if self.offload not in ("none", "optimizer", "params"):
-            raise ConfigError(
-                f"parallel.offload must be none, optimizer or params, got {self.offload!r}."
-            )
-        if self.cp_attention not in ("ring", "ulysses"):
-            raise ConfigError(
-                f"parallel.cp_attention must be ring or ulysses, got {self.cp_attention!r}."
-            )
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"parallel.backend must be auto, gloo or nccl, got {self.backend!r}.")
-        if self.compression not in ("none", "fp16", "bf16", "topk", "powersgd"):
-            raise ConfigError(
-                "parallel.compression must be none, fp16, bf16, topk or powersgd, got "
-                f"{self.compression!r}."
-            )
+        check_choice("parallel.zero", self.zero, ZERO_STAGES, ZERO_MEANING)
+        check_positive(
+            "parallel.",
+            microbatches=self.microbatches,
+            chunks=self.chunks,
+            zero_shard_size=self.zero_shard_size,
+        )
+        check_pp_reshard(self.pp_reshard, self.zero, self.pp)
         if not 0.0 < self.compression_ratio <= 1.0:
             raise ConfigError(
                 f"parallel.compression_ratio must be in (0, 1], got {self.compression_ratio} "
@@ -381,8 +407,9 @@ class TrainConfig:
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
 
     def __post_init__(self) -> None:
-        _positive(
-            "train",
+        check_choices(self, "train.")
+        check_positive(
+            "train.",
             steps=self.steps,
             global_batch=self.global_batch,
             micro_batch=self.micro_batch,
@@ -400,10 +427,6 @@ class TrainConfig:
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0.0 <= beta < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
-        if self.recompute not in ("none", "selective", "full"):
-            raise ConfigError(
-                f"train.recompute must be none, selective or full, got {self.recompute!r}."
-            )
         if self.checkpoint_every < 0:
             raise ConfigError(
                 f"train.checkpoint_every must not be negative, got {self.checkpoint_every}."
@@ -452,16 +475,10 @@ class PrecisionConfig:
     and schedule untouched). fp16 overflows are always skipped by the loss scaler."""
 
     def __post_init__(self) -> None:
-        _positive("precision", loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window)
-        if self.dtype not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"precision.dtype must be fp32, bf16 or fp16, got {self.dtype!r}.")
-        if self.reduce_dtype not in ("auto", "fp32", "bf16", "fp16"):
-            raise ConfigError(
-                "precision.reduce_dtype must be auto, fp32, bf16 or fp16, "
-                f"got {self.reduce_dtype!r}."
-            )
-        if self.nonfinite not in ("error", "skip"):
-            raise ConfigError(f"precision.nonfinite must be error or skip, got {self.nonfinite!r}.")
+        check_choices(self, "precision.")
+        check_positive(
+            "precision.", loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window
+        )
 
 
 @dataclass
@@ -473,7 +490,7 @@ class DataConfig:
     a text file, a folder of text files, or a pre-tokenized .bin/.npy token file."""
     tokenizer: str = "byte"
     """'byte' (built in, 256 symbols) or 'tiktoken:<encoding>' (needs tiktoken)."""
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    token_dtype: TokenDType = "uint16"
     """Element type of a raw pre-tokenized .bin file."""
     max_bytes: int = 8_000_000
     """Read at most this many bytes of text (0: no limit)."""
@@ -481,15 +498,12 @@ class DataConfig:
     """Fraction of the tokens held out (at the end) for the validation loss."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "data.")
         if not self.source:
             raise ConfigError("data.source must not be empty.")
         if self.tokenizer != "byte" and not self.tokenizer.startswith("tiktoken:"):
             raise ConfigError(
                 f"data.tokenizer must be 'byte' or 'tiktoken:<encoding>', got {self.tokenizer!r}."
-            )
-        if self.token_dtype not in ("uint16", "uint32"):
-            raise ConfigError(
-                f"data.token_dtype must be uint16 or uint32, got {self.token_dtype!r}."
             )
         if self.max_bytes < 0:
             raise ConfigError(f"data.max_bytes must not be negative, got {self.max_bytes}.")
@@ -532,17 +546,12 @@ class LogConfig:
     this PNG file, the picture `plait pipeline draw` makes of a simulated schedule."""
 
     def __post_init__(self) -> None:
-        _positive("log", log_every=self.log_every, peak_tflops=self.peak_tflops)
+        check_choices(self, "log.")
+        check_positive("log.", log_every=self.log_every, peak_tflops=self.peak_tflops)
         if self.timeline is not None and not self.timeline.lower().endswith(".png"):
             raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")
-        if self.wandb not in ("off", "offline", "online"):
-            raise ConfigError(f"log.wandb must be off, offline or online, got {self.wandb!r}.")
         if not self.dir:
             raise ConfigError("log.dir must name a folder (the run's output folder).")
-        if self.progress not in ("auto", "bar", "lines", "none"):
-            raise ConfigError(
-                f"log.progress must be auto, bar, lines or none, got {self.progress!r}."
-            )
 
 
 @dataclass
@@ -575,13 +584,8 @@ class LaunchConfig:
     (Under torchrun use its own --max-restarts.)"""
 
     def __post_init__(self) -> None:
-        _positive("launch", nproc=self.nproc, threads=self.threads)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"launch.device must be auto, cpu or cuda, got {self.device!r}.")
-        if self.backend not in ("local", "torchrun", "ray"):
-            raise ConfigError(
-                f"launch.backend must be local, torchrun or ray, got {self.backend!r}."
-            )
+        check_choices(self, "launch.")
+        check_positive("launch.", nproc=self.nproc, threads=self.threads)
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must not be negative, got {self.max_restarts}.")
         if self.ray_address is not None and self.backend != "ray":
@@ -614,12 +618,40 @@ class Config:
         """Check the sections against each other for a world of ``world_size`` ranks.
 
         Raises :class:`ConfigError` with one paragraph saying what is wrong and what
-        would work. Runs before any process starts and needs no torch; the checks live
-        in :mod:`plait.config_checks`. A run also needs the parallel layer's checks
-        (tensor-parallel divisibility, the pipeline schedule, the device's dtypes):
-        :func:`plait.parallel.checks.validate_run` runs this and then those.
+        would work. Runs before any process starts and needs no torch; each rule is a
+        function of :mod:`plait.config_checks`. A run also needs the parallel layer's
+        checks (tensor-parallel divisibility, the pipeline schedule, the device's
+        dtypes): :func:`plait.parallel.checks.validate_run` runs this and then those,
+        once per process.
         """
-        check_run(self, world_size)
+        p, t, m = self.parallel, self.train, self.model
+        dp = p.resolved_dp(world_size)
+        check_world(dp, p.tp, p.pp, p.cp, world_size)
+        if p.cp > 1:
+            check_cp_sequence(t.seq_len, p.cp, p.cp_attention)
+            if p.cp_attention == "ulysses":
+                check_ulysses_heads(m.n_heads, p.tp, p.cp)
+            if p.sequence_parallel:
+                check_sp_under_cp(t.seq_len, p.cp, p.tp, p.cp_attention)
+        if p.pp > 1:
+            m_pp = self.pipeline_microbatches(world_size)
+            check_pipeline(
+                m.n_layers,
+                p.pp,
+                p.chunks,
+                p.pipeline_schedule,
+                m_pp,
+                t.global_batch,
+                dp,
+                t.micro_batch,
+            )
+        # ZeRO shards over dp x cp (the ranks that hold the same parameters)
+        check_shard_size(p.zero_shard_size, p.zero, dp * p.cp)
+        check_offload(p.offload, p.zero)
+        check_compression(p.compression, p.zero, self.precision.dtype, self.precision.reduce_dtype)
+        check_batch(t.global_batch, dp, self.micro_batch(world_size))
+        check_seq_len(t.seq_len, m.max_seq_len)
+        check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

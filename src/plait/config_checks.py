@@ -1,22 +1,50 @@
-"""Checks that need several config sections at once (``Config.validate`` runs them).
+"""Every rule of a run's configuration, once, as small functions on plain values.
 
-Each section validates its own fields in ``__post_init__`` (:mod:`plait.config`); what
-is here compares sections with each other and with the world size: the layout's product,
-ZeRO/offload, the pipeline's blocks and micro-batches, and the global batch. Every
-failure is one :class:`ConfigError` paragraph naming the numbers and what would work; all
-of it runs before any process starts and needs no torch. The checks owned by the layers
-above (tensor-parallel divisibility, the pipeline schedule, the device's dtypes) are in
-:func:`plait.parallel.checks.validate_run`, which runs these first.
+Each function takes ints, strings and tuples (never a config object: this module
+imports nothing of :mod:`plait.config`, which calls it) and raises one
+:class:`ConfigError` paragraph naming the numbers and what would work, in one wording
+wherever the rule applies: the config's sections and :meth:`plait.config.Config.validate`
+call these, and so do the constructors that need the same rule (the mesh, the planner's
+layout, ``parallelize``, the ZeRO wrapper, context parallelism). None needs torch. The
+checks owned by the layers above (tensor-parallel divisibility, the pipeline schedule,
+the device's dtypes) are in :func:`plait.parallel.checks.validate_run`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from plait.errors import ConfigError
 
-if TYPE_CHECKING:
-    from plait.config import Config
+
+def _listed(values: Sequence[object]) -> str:
+    """``a, b or c``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def choice_error(
+    name: str, value: object, allowed: Sequence[object], meaning: str = ""
+) -> ConfigError:
+    """The refusal of ``value`` for ``name``, which takes one of ``allowed``."""
+    tail = f": {meaning}." if meaning else "."
+    return ConfigError(f"{name} must be {_listed(allowed)}, got {value!r}{tail}")
+
+
+def check_choice(name: str, value: object, allowed: Sequence[object], meaning: str = "") -> None:
+    """The rule of a field with a fixed set of values (declared once, in
+    :mod:`plait.config`): ``value`` must be one of ``allowed``, with its own type (True
+    is not 1). ``meaning`` says what the values mean, for the message."""
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise choice_error(name, value, allowed, meaning)
+
+
+def check_positive(prefix: str, **values: float | int | None) -> None:
+    """Each of ``values`` (None: unset) must be positive; ``prefix`` names their owner
+    (``"train."``, ``"layout "``)."""
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{prefix}{name} must be positive, got {value}.")
 
 
 def check_world(
@@ -53,157 +81,201 @@ def check_world(
     return dp
 
 
-def check_run(cfg: Config, world_size: int) -> None:
-    """Check ``cfg``'s sections against each other for a world of ``world_size`` ranks.
-
-    Raises :class:`ConfigError` with one paragraph saying what is wrong and what
-    would work. Runs before any process starts.
-    """
-    p, t = cfg.parallel, cfg.train
-    dp = p.resolved_dp(world_size)
-    check_world(dp, p.tp, p.pp, p.cp, world_size)
-    if p.cp > 1:
-        check_context(cfg)
-    if p.pp > 1:
-        check_pipeline(cfg, dp)
-    check_zero(cfg, dp * p.cp)  # ZeRO shards over dp x cp (replicas of the parameters)
-    check_compression(cfg)
-    micro = cfg.micro_batch(world_size)
-    if t.global_batch % (dp * micro):
+def check_batch(global_batch: int, dp: int, micro_batch: int) -> None:
+    """The global batch splits into dp replicas of whole micro-batches."""
+    if global_batch % (dp * micro_batch):
+        good = dp * micro_batch * max(1, global_batch // (dp * micro_batch))
         raise ConfigError(
-            f"train.global_batch ({t.global_batch}) must be divisible by dp x micro_batch "
-            f"= {dp} x {micro} = {dp * micro}; for example use global_batch "
-            f"{dp * micro * max(1, t.global_batch // (dp * micro))}."
-        )
-    if t.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len "
-            f"({cfg.model.max_seq_len}); raise model.max_seq_len or shorten train.seq_len."
-        )
-    if cfg.data.tokenizer == "byte" and cfg.model.vocab_size < 256:
-        raise ConfigError(
-            f"the byte tokenizer needs model.vocab_size >= 256, got {cfg.model.vocab_size}."
+            f"train.global_batch ({global_batch}) must be divisible by dp x micro_batch "
+            f"= {dp} x {micro_batch} = {dp * micro_batch}; for example use global_batch {good}."
         )
 
 
-def check_context(cfg: Config) -> None:
-    """cp > 1: the sequence splits into the cp attention's shards, and (Ulysses) the
-    heads into cp head shards."""
-    p, m, seq = cfg.parallel, cfg.model, cfg.train.seq_len
-    cp, tp = p.cp, p.tp
-    if p.cp_attention == "ring" and seq % (2 * cp):
+def check_seq_len(seq_len: int, max_seq_len: int) -> None:
+    """Training sequences fit the model's rotary tables."""
+    if seq_len > max_seq_len:
+        raise ConfigError(
+            f"train.seq_len ({seq_len}) exceeds model.max_seq_len ({max_seq_len}); raise "
+            "model.max_seq_len or shorten train.seq_len."
+        )
+
+
+def check_tokenizer_vocab(tokenizer: str, vocab_size: int) -> None:
+    """The byte tokenizer's 256 symbols fit the vocabulary."""
+    if tokenizer == "byte" and vocab_size < 256:
+        raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, got {vocab_size}.")
+
+
+def check_cp_sequence(seq_len: int, cp: int, attention: str) -> None:
+    """A sequence splits into the cp attention's shards: two per cp rank for ring
+    attention (the zigzag load balance), one for Ulysses."""
+    if attention == "ring" and seq_len % (2 * cp):
         raise ConfigError(
             f"ring attention holds two chunks of the sequence per cp rank (the zigzag "
-            f"load balance): train.seq_len ({seq}) must be divisible by 2 x cp = {2 * cp}; "
-            f"use e.g. seq_len {2 * cp * max(1, seq // (2 * cp))}."
+            f"load balance): train.seq_len ({seq_len}) must be divisible by 2 x cp = "
+            f"{2 * cp}; use e.g. seq_len {2 * cp * max(1, seq_len // (2 * cp))}."
         )
-    if p.cp_attention == "ulysses":
-        if seq % cp:
-            raise ConfigError(
-                f"Ulysses attention splits the sequence into cp = {cp} shards: "
-                f"train.seq_len ({seq}) must be divisible by {cp}; use e.g. seq_len "
-                f"{cp * max(1, seq // cp)}."
-            )
-        heads = m.n_heads // tp if m.n_heads % tp == 0 else m.n_heads
-        if heads % cp:
-            raise ConfigError(
-                f"Ulysses attention splits the heads into cp = {cp} shards: {heads} query "
-                f"heads{' per tp rank' if tp > 1 else ''} (model.n_heads {m.n_heads}"
-                f"{f' / tp {tp}' if tp > 1 else ''}) are not divisible by {cp}; use "
-                "parallel.cp_attention = 'ring' or a cp that divides the heads."
-            )
-    if p.sequence_parallel and tp > 1 and (seq // cp) % tp:
+    if attention == "ulysses" and seq_len % cp:
         raise ConfigError(
-            f"sequence parallelism splits each cp shard of seq_len / cp = {seq // cp} "
-            f"tokens over tp = {tp} ranks; train.seq_len must be divisible by cp x tp = "
-            f"{cp * tp}{' x 2 (ring)' if p.cp_attention == 'ring' else ''}."
+            f"Ulysses attention splits the sequence into cp = {cp} shards: train.seq_len "
+            f"({seq_len}) must be divisible by {cp}; use e.g. seq_len {cp * max(1, seq_len // cp)}."
         )
 
 
-def check_compression(cfg: Config) -> None:
+def check_ulysses_heads(n_heads: int, tp: int, cp: int) -> None:
+    """Ulysses attention splits each tp rank's query heads into cp head shards."""
+    heads = n_heads // tp if n_heads % tp == 0 else n_heads
+    if heads % cp:
+        raise ConfigError(
+            f"Ulysses attention splits the heads into cp = {cp} shards: {heads} query "
+            f"heads{' per tp rank' if tp > 1 else ''} (model.n_heads {n_heads}"
+            f"{f' / tp {tp}' if tp > 1 else ''}) are not divisible by {cp}; use "
+            "parallel.cp_attention = 'ring' or a cp that divides the heads."
+        )
+
+
+def check_sp_under_cp(seq_len: int, cp: int, tp: int, attention: str) -> None:
+    """Sequence parallelism splits each cp shard of the sequence over the tp ranks."""
+    if tp > 1 and (seq_len // cp) % tp:
+        raise ConfigError(
+            f"sequence parallelism splits each cp shard of seq_len / cp = {seq_len // cp} "
+            f"tokens over tp = {tp} ranks; train.seq_len must be divisible by cp x tp = "
+            f"{cp * tp}{' x 2 (ring)' if attention == 'ring' else ''}."
+        )
+
+
+def check_compression(
+    method: str, zero: int, dtype: str | None = None, reduce_dtype: str | None = None
+) -> None:
     """Gradient compression needs plain data parallelism: the ZeRO wrapper (stages 1-3,
     and stage 0 under mixed precision) reduce-scatters flat shards to their owners, which
-    a top-k or low-rank message cannot feed."""
-    p = cfg.parallel
-    if p.compression == "none":
+    a top-k or low-rank message cannot feed. ``dtype``/``reduce_dtype`` None: not known
+    (the planner's layout has no precision)."""
+    if method == "none":
         return
-    if p.zero > 0:
+    if zero > 0:
         raise ConfigError(
-            f"parallel.compression = {p.compression!r} works with plain data parallelism "
-            f"only, not with parallel.zero = {p.zero}: ZeRO reduce-scatters each gradient "
+            f"parallel.compression = {method!r} works with plain data parallelism (zero 0) "
+            f"only, not with parallel.zero = {zero}: ZeRO reduce-scatters each gradient "
             "shard to its owner, which a compressed all-reduce cannot feed. Use "
             "parallel.zero = 0, or parallel.compression = 'none'."
         )
-    if cfg.precision.dtype != "fp32" or cfg.precision.reduce_dtype not in ("auto", "fp32"):
+    if dtype not in (None, "fp32") or reduce_dtype not in (None, "auto", "fp32"):
         raise ConfigError(
-            f"parallel.compression = {p.compression!r} needs fp32 parameters and reduction "
-            f"(precision.dtype = {cfg.precision.dtype!r}, reduce_dtype = "
-            f"{cfg.precision.reduce_dtype!r}): mixed precision reduces through the ZeRO "
-            "wrapper. For half-precision gradients on the wire use parallel.compression = "
-            "'bf16' with precision.dtype = 'fp32'."
+            f"parallel.compression = {method!r} needs plain data parallelism with fp32 "
+            f"parameters and reduction (precision.dtype = {dtype!r}, reduce_dtype = "
+            f"{reduce_dtype!r}): mixed precision reduces through the ZeRO wrapper. For "
+            "half-precision gradients on the wire use parallel.compression = 'bf16' with "
+            "precision.dtype = 'fp32'."
         )
 
 
-def check_zero(cfg: Config, dp: int) -> None:
-    """ZeRO and offload checks (whether the device computes in the dtype is checked by
-    :func:`plait.parallel.checks.validate_run`, which needs torch)."""
-    p = cfg.parallel
-    f = p.zero_shard_size
-    if f is not None:
-        if p.zero == 0 and f != 1:
-            raise ConfigError(
-                f"parallel.zero_shard_size = {f} needs parallel.zero >= 1 (it is the "
-                "hybrid sharding factor of ZeRO); leave it unset for plain data parallelism."
-            )
-        if dp % f:
-            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
-            raise ConfigError(
-                f"parallel.zero_shard_size (F = {f}) must divide the data-parallel degree "
-                f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
-            )
-    if p.offload != "none" and p.zero == 0:
+def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
+    """The hybrid sharding factor F (None: dp) of ZeRO divides the data-parallel degree
+    ``dp``; stage 0 replicates everything (F = 1)."""
+    if factor is None:
+        return
+    if zero == 0 and factor != 1:
         raise ConfigError(
-            f"parallel.offload = {p.offload!r} needs ZeRO (parallel.zero >= 1): the "
+            f"parallel.zero_shard_size = {factor} needs parallel.zero >= 1 (it is the "
+            "hybrid sharding factor of ZeRO); leave it unset for plain data parallelism."
+        )
+    if factor <= 0 or dp % factor:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(
+            f"parallel.zero_shard_size (F = {factor}) must divide the data-parallel degree "
+            f"dp = {dp}; choose one of {divisors} (1 = plain DP, {dp} = full sharding)."
+        )
+
+
+def check_offload(offload: str, zero: int) -> None:
+    """CPU offload steps on the shards ZeRO owns; parameter offload needs ZeRO-3."""
+    if offload != "none" and zero == 0:
+        raise ConfigError(
+            f"parallel.offload = {offload!r} needs ZeRO (parallel.zero >= 1): the "
             "offloaded optimizer steps on the shards the ZeRO wrapper owns. Set "
             "parallel.zero = 1, 2 or 3, or parallel.offload = 'none'."
         )
-    if p.offload == "params" and p.zero != 3:
+    if offload == "params" and zero != 3:
         raise ConfigError(
-            f"parallel.offload = 'params' needs parallel.zero = 3 (got {p.zero}): only "
+            f"parallel.offload = 'params' needs parallel.zero = 3 (got {zero}): only "
             "ZeRO-3 shards the parameters; use parallel.offload = 'optimizer' with "
             "stages 1 and 2."
         )
 
 
-def check_pipeline(cfg: Config, dp: int) -> None:
-    """pp > 1: blocks per piece, micro-batches, schedule and ZeRO stage."""
-    p, t = cfg.parallel, cfg.train
-    pieces = p.pp * p.chunks
-    if cfg.model.n_layers < pieces:
+def check_pp_reshard(pp_reshard: bool, zero: int, pp: int) -> None:
+    """Re-gathering per micro-batch is a ZeRO-3 choice under pipeline parallelism."""
+    if pp_reshard and (zero != 3 or pp == 1):
         raise ConfigError(
-            f"the model has {cfg.model.n_layers} transformer blocks (model.n_layers) but "
-            f"pp {p.pp} x chunks {p.chunks} = {pieces} pipeline pieces need at least one "
-            f"block each; use model.n_layers >= {pieces} or fewer stages/chunks."
+            "parallel.pp_reshard re-gathers ZeRO-3 parameters per micro-batch under "
+            "pipeline parallelism; it needs parallel.zero = 3 and parallel.pp > 1 (got "
+            f"zero {zero}, pp {pp})."
         )
-    m = cfg.pipeline_microbatches(dp * p.tp * p.pp * p.cp)
-    if p.pipeline_schedule == "interleaved" and m < p.pp:
+
+
+def check_chunks(schedule: str, chunks: int) -> None:
+    """Several model chunks per pipeline rank only with the interleaved schedule."""
+    if schedule != "interleaved" and chunks != 1:
         raise ConfigError(
-            f"the interleaved schedule needs at least as many micro-batches as pipeline "
-            f"stages: {m} micro-batches (parallel.microbatches) < pp {p.pp}; use a multiple "
-            f"of {p.pp} such as {p.pp} or {2 * p.pp}."
+            f"schedule {schedule!r} runs one model chunk per rank, got chunks={chunks}; "
+            "use chunks=1, or the 'interleaved' schedule for chunks > 1"
         )
-    per_rank = t.global_batch // dp
+
+
+def check_interleaved(stages: int, microbatches: int, chunks: int) -> None:
+    """The interleaved schedule: several chunks need two pipeline ranks, and the
+    micro-batches per step are a multiple of the stages (as in Megatron-LM)."""
+    p, m, v = stages, microbatches, chunks
+    if v > 1 and p < 2:
+        raise ConfigError(
+            f"interleaved schedule with {v} chunks needs at least 2 pipeline ranks, "
+            f"got {p}; use chunks=1 with one rank"
+        )
+    if m % p != 0:
+        lo, hi = (m // p) * p, (m // p + 1) * p
+        near = f"{lo} or {hi}" if lo > 0 else f"{hi}"
+        raise ConfigError(
+            f"the interleaved schedule needs the micro-batches per step to be a "
+            f"multiple of the pipeline stages (as in Megatron-LM), got {m} "
+            f"micro-batches for {p} stages; use {near} micro-batches, or the '1f1b' "
+            "schedule"
+        )
+
+
+def check_pipeline(
+    n_layers: int,
+    pp: int,
+    chunks: int,
+    schedule: str,
+    microbatches: int,
+    global_batch: int,
+    dp: int,
+    micro_batch: int | None,
+) -> None:
+    """pp > 1: a block per pipeline piece, and the batch split into ``microbatches``
+    equal pipeline micro-batches per dp rank (``micro_batch``: the one set, if any)."""
+    pieces, m = pp * chunks, microbatches
+    if n_layers < pieces:
+        raise ConfigError(
+            f"the model has {n_layers} transformer blocks (model.n_layers) but pp {pp} x "
+            f"chunks {chunks} = {pieces} pipeline pieces need at least one block each; use "
+            f"model.n_layers >= {pieces} or fewer stages/chunks."
+        )
+    if schedule == "interleaved":
+        check_interleaved(pp, m, chunks)
+    per_rank = global_batch // dp
     divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-    if t.global_batch % dp or per_rank % m:
+    if global_batch % dp or per_rank % m:
         raise ConfigError(
-            f"train.global_batch ({t.global_batch}) must split into dp {dp} x {m} pipeline "
-            f"micro-batches (parallel.microbatches) of equal size: {t.global_batch} / {dp} "
-            f"= {t.global_batch / dp:g} sequences per rank is not divisible by {m}; use a "
+            f"train.global_batch ({global_batch}) must split into dp {dp} x {m} pipeline "
+            f"micro-batches (parallel.microbatches) of equal size: {global_batch} / {dp} "
+            f"= {global_batch / dp:g} sequences per rank is not divisible by {m}; use a "
             f"global_batch multiple of {dp * m} (e.g. {dp * m * max(1, per_rank // m)}) "
             f"or parallel.microbatches among {divisors}."
         )
-    if t.micro_batch is not None and t.micro_batch * m != per_rank:
+    if micro_batch is not None and micro_batch * m != per_rank:
         raise ConfigError(
-            f"train.micro_batch ({t.micro_batch}) x parallel.microbatches ({m}) must equal "
+            f"train.micro_batch ({micro_batch}) x parallel.microbatches ({m}) must equal "
             f"the per-rank batch global_batch / dp = {per_rank}; leave one of them unset."
         )

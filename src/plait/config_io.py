@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 
 from plait import config as _config_module
 from plait.config import Config
+from plait.config_checks import choice_error
 from plait.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -153,18 +154,15 @@ def _check_key(key: str) -> tuple[str, str]:
 
 
 def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """Check ``value`` against annotation ``tp`` (ints widen to float)."""
+    """Check ``value`` against annotation ``tp`` (ints widen to float; a value of a
+    ``Literal`` field is checked by its section, in one wording)."""
     inner, optional = _split_optional(tp)
     if value is None:
         if optional:
             return None
         raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got None.")
     if typing.get_origin(inner) is Literal:
-        for choice in typing.get_args(inner):
-            if type(value) is type(choice) and value == choice:
-                return value
-        choices = ", ".join(repr(c) for c in typing.get_args(inner))
-        raise ConfigError(f"config key '{key}' must be one of {choices}, got {value!r}.")
+        return value  # the section's own check refuses any other (config.check_choices)
     accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(inner, ())
     ok = isinstance(value, accepted) and (inner is bool or not isinstance(value, bool))
     if ok:
@@ -261,8 +259,7 @@ def _parse_value(key: str, tp: Any, text: str) -> Any:
         for choice in typing.get_args(inner):
             if str(choice) == text.strip():
                 return choice
-        choices = ", ".join(str(c) for c in typing.get_args(inner))
-        raise ConfigError(f"config key '{key}' must be one of {choices}, got {text!r}.")
+        raise choice_error(key, text, typing.get_args(inner))
     try:
         if inner is bool:
             if lowered in _TRUE:

@@ -36,13 +36,15 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
+from plait.config import NONFINITES, NonFinite
+from plait.config_checks import check_choice
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel
@@ -154,12 +156,11 @@ class Optimizer:
         *,
         max_norm: float = 0.0,
         scaler: DynamicLossScaler | None = None,
-        nonfinite: Literal["error", "skip"] = "error",
+        nonfinite: NonFinite = "error",
     ) -> None:
         if max_norm < 0:
             raise ValueError(f"max_norm must not be negative, got {max_norm}")
-        if nonfinite not in ("error", "skip"):
-            raise ValueError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        check_choice("nonfinite", nonfinite, NONFINITES)
         if isinstance(optimizer, torch.optim.Optimizer):
             if type(optimizer).__name__ in _NOT_ELEMENTWISE:
                 raise TypeError(

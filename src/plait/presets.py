@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
-from plait.config import ModelConfig
+from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
+from plait.config_checks import check_choice
 from plait.errors import ConfigError
-
-Style = Literal["llama", "gpt"]
-"""Block style: ``llama`` (plait's built-in block) or ``gpt`` (GPT-2/3's block)."""
-
-STYLES: tuple[Style, ...] = ("llama", "gpt")
 
 
 @dataclass(frozen=True)
@@ -36,12 +31,11 @@ class Preset:
 
     config: ModelConfig
     """Sizes: layers, width, heads, KV heads, MLP width, vocabulary, context, tying."""
-    style: Style = "llama"
+    style: PresetStyle = "llama"
     """Block style; only ``llama`` shapes can be built by :class:`plait.model.Transformer`."""
 
     def __post_init__(self) -> None:
-        if self.style not in STYLES:
-            raise ConfigError(f"preset style must be one of {STYLES}, got {self.style!r}.")
+        check_choice("preset style", self.style, PRESET_STYLES)
 
 
 def _gpt(layers: int, dim: int, heads: int, context: int, tied: bool) -> Preset:

@@ -80,5 +80,6 @@ def test_bad_context_inputs_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     err = _bad(["--nproc", "2", "--cp", "2", *ulysses, "--model.n_heads", "1"], capsys)
     assert "1 query heads (model.n_heads 1) are not divisible by 2" in err
     err = _bad(["--nproc", "2", "--cp", "2", "--parallel.cp_attention", "stripes"], capsys)
-    assert "parallel.cp_attention' must be one of ring, ulysses" in err
-    assert "one of sdpa, blockwise" in _bad(["--model.attention", "flash"], capsys)
+    assert "parallel.cp_attention must be ring or ulysses, got 'stripes'" in err
+    err = _bad(["--model.attention", "flash"], capsys)
+    assert "model.attention must be sdpa or blockwise, got 'flash'" in err

@@ -4,6 +4,9 @@ config's own checks (``tests/test_config_checks.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 from plait.config import Config
 from plait.config_io import config_from_dict
 from plait.errors import ConfigError
-from plait.parallel.checks import validate_run
+from plait.parallel.checks import carry_validation, is_validated, validate_run
 
 
 def _cfg(**sections: dict[str, Any]) -> Config:
@@ -40,15 +43,6 @@ PARALLEL_OWNED: list[tuple[Config, int, str]] = [
         _cfg(parallel={"tp": 4, "sequence_parallel": True}, train={"seq_len": 30}),
         4,
         r"sequence length 30 is not divisible by 4; use a multiple of 4 \(e\.g\. 28 or 32\)",
-    ),
-    (
-        _cfg(
-            parallel={"pp": 2, "pipeline_schedule": "interleaved", "chunks": 2, "microbatches": 3},
-            train={"global_batch": 24},
-        ),
-        2,
-        r"the interleaved schedule needs the micro-batches per step to be a multiple of the "
-        r"pipeline stages .* got 3 micro-batches for 2 stages; use 2 or 4 micro-batches",
     ),
 ]
 """Runs the config layer accepts and the parallel layer refuses, with the refusal."""
@@ -90,3 +84,94 @@ def test_validate_run_passes() -> None:
     validate_run(_cfg(parallel={"tp": 2, "sequence_parallel": True, "zero": 3}), 4)  # dp2 x tp2
     validate_run(_cfg(parallel={"tp": 4}, model={"vocab_size": 257, "n_kv_heads": 2}), 4)  # padded
     validate_run(_cfg(parallel={"pp": 2, "pipeline_schedule": "interleaved", "chunks": 2}), 2)
+
+
+# ----------------------------------------------------------------------------- once per process
+
+
+def _count_validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The world sizes of every :meth:`Config.validate` call from now on."""
+    calls: list[int] = []
+    real = Config.validate
+
+    def counted(self: Config, world_size: int) -> None:
+        calls.append(world_size)
+        real(self, world_size)
+
+    monkeypatch.setattr(Config, "validate", counted)
+    return calls
+
+
+def test_validate_run_checks_a_config_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_validations(monkeypatch)
+    cfg = _cfg(parallel={"dp": 2})
+    assert not is_validated(cfg, 2)
+    validate_run(cfg, 2)
+    validate_run(cfg, 2)  # the trainer's call after the launcher's: nothing again
+    assert calls == [2] and is_validated(cfg, 2)
+    received = pickle.loads(pickle.dumps(cfg))  # how a Ray rank receives it
+    validate_run(received, 2)
+    assert calls == [2] and is_validated(received, 2)
+    assert not is_validated(cfg, 4)  # for another world it is not validated
+    assert not is_validated(_cfg(parallel={"dp": 2}), 2)  # an equal config was not checked
+    cfg.train.steps = 7  # a changed value voids the mark
+    assert not is_validated(cfg, 2)
+    validate_run(cfg, 2)
+    assert calls == [2, 2]
+
+
+def test_a_refused_config_is_not_marked() -> None:
+    cfg = _cfg(parallel={"dp": 3})
+    for _ in range(2):  # refused every time, not only the first
+        with pytest.raises(ConfigError, match="does not match"):
+            validate_run(cfg, 2)
+    assert not is_validated(cfg, 2)
+
+
+def test_the_ray_drivers_copies_keep_the_mark(tmp_path: Path) -> None:
+    from plait.launch.ray_backend import absolute_paths
+
+    cfg = _cfg(train={"checkpoint_dir": "ck"})
+    assert not is_validated(absolute_paths(cfg, tmp_path), 1)  # nothing to keep yet
+    validate_run(cfg, 1)
+    fixed = absolute_paths(cfg, tmp_path)
+    assert fixed.train.checkpoint_dir == str(tmp_path / "ck") and is_validated(fixed, 1)
+    resumed = carry_validation(cfg, dataclasses.replace(cfg, train=fixed.train))
+    assert is_validated(resumed, 1)
+    cfg.parallel.zero = 1  # a config changed after validation passes no mark on
+    assert not is_validated(carry_validation(cfg, dataclasses.replace(cfg)), 1)
+
+
+def test_one_validation_in_a_one_process_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plait train` validates, then the trainer asks again: the config is checked once."""
+    from plait.cli import main
+    from tests.tiny import tiny_args
+
+    calls = _count_validations(monkeypatch)
+    out = tmp_path / "m.jsonl"
+    assert main(["train", *tiny_args(), "--nproc", "1", "--steps", "1", "--metrics", str(out)]) == 0
+    assert "step" in capsys.readouterr().out
+    assert calls == [1]
+
+
+def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
+    """The sets plait.config declares are the ones the parallel constructors take."""
+    import typing
+
+    from plait import config
+    from plait.optim import Optimizer
+    from plait.parallel import compression, precision
+    from plait.parallel.pipeline import schedules
+    from plait.parallel.pipeline import zero as pipeline_zero
+    from plait.parallel.recompute import apply_recompute
+    from plait.parallel.zero import wrapper
+
+    assert wrapper.Offload is config.Offload
+    assert pipeline_zero.GradReduce is config.PPGradReduce
+    assert typing.get_type_hints(apply_recompute)["mode"] is config.Recompute
+    assert typing.get_type_hints(Optimizer.__init__)["nonfinite"] is config.NonFinite
+    assert compression.METHODS is config.COMPRESSIONS
+    assert schedules.SCHEDULES is config.PIPELINE_SCHEDULES
+    assert tuple(precision.DTYPES) == typing.get_args(config.DType)  # names -> torch dtypes

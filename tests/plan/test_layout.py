@@ -78,8 +78,8 @@ def test_from_config_refuses_the_wrong_world_size() -> None:
         ({"dp": 0}, r"layout dp must be positive, got 0"),
         ({"microbatches": 0}, r"layout microbatches must be positive"),
         ({"zero": 4}, r"layout zero must be 0, 1, 2 or 3, got 4"),
-        ({"dp": 4, "zero": 1, "zero_shard_size": 3}, r"hybrid sharding factor F=3 must divide"),
-        ({"chunks": 2}, r"chunks > 1 needs the interleaved schedule"),
+        ({"dp": 4, "zero": 1, "zero_shard_size": 3}, r"\(F = 3\) must divide the data"),
+        ({"chunks": 2}, r"schedule '1f1b' runs one model chunk per rank, got chunks=2"),
         ({"sequence_parallel": True}, r"sequence parallelism needs tp > 1"),
     ],
 )

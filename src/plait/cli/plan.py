@@ -15,15 +15,21 @@ import re
 from collections.abc import Sequence
 
 from plait.cli.common import ConfigErrorParser
+from plait.config import (
+    COMPRESSIONS,
+    CP_ATTENTIONS,
+    PLANNED_SCHEDULES,
+    PRESET_STYLES,
+    RECOMPUTES,
+    ZERO_STAGES,
+)
 from plait.config_checks import check_world
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
 from plait.plan.hardware import load_hardware
 from plait.plan.layout import (
     PRECISIONS,
-    RECOMPUTE,
     RUNTIMES,
-    SCHEDULES,
     Layout,
     precision_preset,
     runtime_preset,
@@ -63,7 +69,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-heads", type=int, help="default: --heads")
     m.add_argument("--ffn", type=int, help="MLP width (default: 8h/3 llama, 4h gpt)")
     m.add_argument("--vocab", type=int)
-    m.add_argument("--style", choices=("llama", "gpt"), help="default: llama")
+    m.add_argument("--style", choices=PRESET_STYLES, help="default: llama")
     m.add_argument(
         "--seq-len",
         "--seq",
@@ -89,7 +95,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     for axis in ("dp", "tp", "pp", "cp"):
         lay.add_argument(f"--{axis}", f"--parallel.{axis}", dest=axis, type=int)
     lay.add_argument(
-        "--zero", "--parallel.zero", dest="zero", type=int, default=0, choices=(0, 1, 2, 3)
+        "--zero", "--parallel.zero", dest="zero", type=int, default=0, choices=ZERO_STAGES
     )
     lay.add_argument(
         "--zero-shard-size",
@@ -116,13 +122,13 @@ def _plan_parser() -> argparse.ArgumentParser:
         help="pipeline micro-batches per step (default: global/(dp·mb))",
     )
     lay.add_argument(
-        "--recompute", "--train.recompute", dest="recompute", choices=RECOMPUTE, default="none"
+        "--recompute", "--train.recompute", dest="recompute", choices=RECOMPUTES, default="none"
     )
     lay.add_argument(
         "--schedule",
         "--parallel.pipeline_schedule",
         dest="schedule",
-        choices=SCHEDULES,
+        choices=PLANNED_SCHEDULES,
         default="1f1b",
     )
     lay.add_argument(
@@ -135,13 +141,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument(
-        "--cp-attention", choices=("ring", "ulysses"), default="ring", help="attention over cp"
+        "--cp-attention", choices=CP_ATTENTIONS, default="ring", help="attention over cp"
     )
     lay.add_argument(
         "--compression",
         "--parallel.compression",
         dest="compression",
-        choices=("none", "fp16", "bf16", "topk", "powersgd"),
+        choices=COMPRESSIONS,
         default="none",
         help="data-parallel gradient compression (zero 0)",
     )

@@ -40,6 +40,7 @@ from plait.config import Config
 from plait.errors import ConfigError
 from plait.launch.local import LaunchError, RankEnv
 from plait.launch.ray_session import ray_session
+from plait.parallel.checks import carry_validation
 
 Say = Callable[[str], None]
 
@@ -65,7 +66,7 @@ def restart_config(cfg: Config, before: str | None) -> Config:
     if now is None or (now == before and cfg.train.resume is None):
         return cfg
     train = dataclasses.replace(cfg.train, resume="latest", init_from=None)
-    return dataclasses.replace(cfg, train=train)
+    return carry_validation(cfg, dataclasses.replace(cfg, train=train))
 
 
 def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
@@ -90,9 +91,10 @@ def absolute_paths(cfg: Config, cwd: Path | None = None) -> Config:
     source = data.source
     if source != "stdlib" and (base / source).exists():
         source = str(base / source)
-    return dataclasses.replace(
+    fixed = dataclasses.replace(
         cfg, train=train, log=log, data=dataclasses.replace(data, source=source)
     )
+    return carry_validation(cfg, fixed)  # the ranks need not validate it again
 
 
 class RankActor:

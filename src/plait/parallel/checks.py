@@ -9,9 +9,19 @@ width and (sequence parallelism) the sequence length; the pipeline schedule (bui
 validated as data); and whether the device computes in the requested dtype. Every
 failure is one :class:`~plait.errors.ConfigError` paragraph naming the numbers and what
 would work.
+
+A run's configuration is validated once per process: :func:`validate_run` marks the
+config it passed with the world size and every value, and does nothing for a config so
+marked. So the trainer's own call is free after ``plait train`` validated the config in
+the same process, and a Ray rank that received the driver's validated config (pickled:
+the mark travels with it) checks nothing again; a changed value voids the mark.
+:func:`carry_validation` passes the mark on to a copy that differs only in what no check
+reads (the paths a Ray driver makes absolute, the resume of a restarted attempt).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from plait.config import Config
 from plait.errors import ConfigError
@@ -20,10 +30,17 @@ from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.precision import check_device_supports
 from plait.parallel.tensor.plan import check_tensor_parallel
 
+_MARK = "_plait_validated_for"
+"""The attribute of a config :func:`validate_run` passed: (world size, its values)."""
+
 
 def validate_run(cfg: Config, world_size: int) -> None:
     """Every check of ``cfg`` for a world of ``world_size`` ranks (the config's own, then
-    the parallel layer's); raises :class:`~plait.errors.ConfigError`."""
+    the parallel layer's); raises :class:`~plait.errors.ConfigError`. Nothing is checked
+    again for a config already validated for this world and unchanged since
+    (:func:`is_validated`)."""
+    if is_validated(cfg, world_size):
+        return
     cfg.validate(world_size)
     p, t = cfg.parallel, cfg.train
     check_model(cfg.model)  # the factory imports; transformers is there for hf-llama
@@ -36,6 +53,23 @@ def validate_run(cfg: Config, world_size: int) -> None:
         m = cfg.pipeline_microbatches(world_size)
         build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers
     check_device_supports(cfg.precision.dtype, cfg.launch.device)
+    setattr(cfg, _MARK, (world_size, dataclasses.astuple(cfg)))
+
+
+def is_validated(cfg: Config, world_size: int) -> bool:
+    """Whether :func:`validate_run` passed ``cfg`` (or the config it was pickled or
+    copied from) for ``world_size`` ranks, and no value changed since."""
+    return getattr(cfg, _MARK, None) == (world_size, dataclasses.astuple(cfg))
+
+
+def carry_validation(validated: Config, derived: Config) -> Config:
+    """``derived`` (returned), marked as validated when ``validated`` is, for the same
+    world: for a copy that differs only in values no check reads (the paths a Ray
+    driver makes absolute, ``train.resume`` of a restarted attempt)."""
+    mark = getattr(validated, _MARK, None)
+    if mark is not None and is_validated(validated, mark[0]):
+        setattr(derived, _MARK, (mark[0], dataclasses.astuple(derived)))
+    return derived
 
 
 def check_hf_llama(cfg: Config) -> None:

@@ -48,8 +48,8 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import Config, ParallelConfig, PrecisionConfig
-from plait.errors import ConfigError
+from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
+from plait.config_checks import check_compression
 from plait.mesh import Mesh
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
@@ -59,7 +59,7 @@ from plait.parallel.model import ParallelModel
 from plait.parallel.pipeline.engine import PipelineEngine, split_for_pipeline
 from plait.parallel.pipeline.split import check_splittable
 from plait.parallel.precision import PrecisionPolicy
-from plait.parallel.recompute import RecomputeMode, apply_recompute
+from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor.loss import IGNORE_INDEX, vocab_parallel_loss
 from plait.parallel.tensor.plan import Plan, apply_tensor_parallel, vocab_size_of
 from plait.parallel.zero import ZeroDataParallel
@@ -82,8 +82,8 @@ def parallelize(
     zero_shard_size: int | None = None,
     tp_plan: Plan | None = None,
     sequence_parallel: bool | None = None,
-    cp_attention: str | None = None,
-    recompute: RecomputeMode | None = None,
+    cp_attention: CPAttention | None = None,
+    recompute: Recompute | None = None,
     precision: PrecisionConfig | str | None = None,
     loss_fn: LossFn | None = None,
     ignore_index: int = IGNORE_INDEX,
@@ -176,11 +176,8 @@ def parallelize(
             rank=p.compression_rank,
             start=p.compression_start,
         )
-    if compressor is not None and not plain:
-        raise ConfigError(
-            f"{compressor.name} gradient compression needs plain data parallelism (zero 0, "
-            f"fp32 parameters and reduction); got zero {p.zero}, precision {precision.dtype}"
-        )
+    if compressor is not None:  # the plain path only (same rule as the config's)
+        check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)
     wrapped: nn.Module
     if plain:
         wrapped = DataParallel(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from plait.config import RECOMPUTES, Recompute
+from plait.config_checks import check_choice
 from plait.parallel.zero.flat import default_block_classes
-
-RecomputeMode = Literal["none", "selective", "full"]
 
 _ATTENTION_CORE: tuple[Callable[..., Any], ...] = (
     F.scaled_dot_product_attention,
@@ -100,7 +100,7 @@ def _selective_forward(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> A
 
 def apply_recompute(
     model: nn.Module,
-    mode: RecomputeMode,
+    mode: Recompute,
     block_classes: Sequence[type[nn.Module]] | None = None,
 ) -> list[str]:
     """Make every block of ``model`` recompute in backward according to ``mode``.
@@ -110,8 +110,7 @@ def apply_recompute(
     ``_no_split_modules``). Returns the qualified names of the blocks changed.
     ``mode="none"`` restores the original forwards.
     """
-    if mode not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
+    check_choice("recompute", mode, RECOMPUTES)
     classes = tuple(block_classes) if block_classes is not None else default_block_classes(model)
     names = []
     for name, m in model.named_modules():

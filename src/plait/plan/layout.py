@@ -14,14 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from plait.config import Config
-from plait.config_checks import check_world
+from plait.config import (
+    ZERO_MEANING,
+    ZERO_STAGES,
+    Compression,
+    Config,
+    CPAttention,
+    PlannedSchedule,
+    PPGradReduce,
+    Recompute,
+    check_choices,
+)
+from plait.config_checks import (
+    check_choice,
+    check_chunks,
+    check_compression,
+    check_positive,
+    check_shard_size,
+    check_world,
+)
 from plait.errors import ConfigError
-
-Recompute = Literal["none", "selective", "full"]
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
-RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
-SCHEDULES: tuple[Schedule, ...] = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -48,23 +60,23 @@ class Layout:
     the pipeline's m)."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (core attention) or full (per block)."""
-    schedule: Schedule = "1f1b"
-    """Pipeline schedule (ignored when pp = 1)."""
+    schedule: PlannedSchedule = "1f1b"
+    """Pipeline schedule (ignored when pp = 1); one of those the planner models."""
     chunks: int = 1
     """v: model chunks per pipeline rank for the interleaved schedule."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism in the norm/dropout regions (needs tp > 1)."""
-    cp_attention: Literal["ring", "ulysses"] = "ring"
+    cp_attention: CPAttention = "ring"
     """How attention spans the cp ranks: 'ring' (K/V blocks around the ring, overlapped
     with the blocks' compute) or 'ulysses' (four all-to-alls per layer and pass)."""
-    compression: str = "none"
+    compression: Compression = "none"
     """Data-parallel gradient compression: none, fp16, bf16, topk or powersgd
     (:mod:`plait.plan.compression`)."""
     compression_ratio: float = 0.01
     """topk: the fraction of gradient entries sent."""
     compression_rank: int = 4
     """powersgd: the approximation rank."""
-    pp_grad_reduce: Literal["step", "microbatch"] = "step"
+    pp_grad_reduce: PPGradReduce = "step"
     """ZeRO-2/3 with pp > 1: gradients reduce-scattered once per step (the pieces' full
     gradients held through the step) or after every backward action (one piece's)."""
     pp_reshard: bool = False
@@ -73,37 +85,15 @@ class Layout:
     every local piece gathered through the step (one all-gather per step)."""
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"layout {key} must be positive, got {getattr(self, key)}.")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"layout zero must be 0, 1, 2 or 3, got {self.zero}.")
-        if self.compression not in ("none", "fp16", "bf16", "topk", "powersgd"):
-            raise ConfigError(
-                "layout compression must be none, fp16, bf16, topk or powersgd, got "
-                f"{self.compression!r}."
-            )
-        if self.compression != "none" and self.zero:
-            raise ConfigError("gradient compression needs zero 0 (plain data parallelism).")
-        f = self.zero_shard_size
-        if f is not None and (f <= 0 or self.dp % f):
-            raise ConfigError(
-                f"the hybrid sharding factor F={self.zero_shard_size} must divide dp={self.dp}."
-            )
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}.")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
-        if self.pp_grad_reduce not in ("step", "microbatch"):
-            raise ConfigError(
-                f"layout pp_grad_reduce must be step or microbatch, got {self.pp_grad_reduce!r}."
-            )
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise ConfigError("chunks > 1 needs the interleaved schedule.")
+        degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
+        check_positive("layout ", **{key: getattr(self, key) for key in degrees})
+        check_choice("layout zero", self.zero, ZERO_STAGES, ZERO_MEANING)
+        check_choices(self, "layout ")
+        check_compression(self.compression, self.zero)
+        check_shard_size(self.zero_shard_size, self.zero, self.dp)
+        check_chunks(self.schedule, self.chunks)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence parallelism needs tp > 1.")
-        if self.cp_attention not in ("ring", "ulysses"):
-            raise ConfigError(f"cp_attention must be ring or ulysses, got {self.cp_attention!r}.")
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -117,7 +107,7 @@ class Layout:
         check_world(dp, p.tp, p.pp, p.cp, world_size)
         micro = cfg.micro_batch(world_size)
         m = max(1, t.global_batch // (dp * micro))
-        schedule: Schedule = "1f1b"
+        schedule: PlannedSchedule = "1f1b"
         chunks = 1
         if p.pp > 1:
             m = cfg.pipeline_microbatches(world_size)
@@ -273,10 +263,7 @@ class Runtime:
     and also saves silu(gate)."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("flash", "math"):
-            raise ConfigError(f"runtime attention must be flash or math, got {self.attention!r}.")
-        if self.grad_buckets not in ("copy", "view"):
-            raise ConfigError("runtime grad_buckets must be copy or view.")
+        check_choices(self, "runtime ")
         if self.bucket_mb <= 0 or self.prefetch_units < 0 or self.step_collectives < 0:
             raise ConfigError("runtime bucket_mb must be positive and counts not negative.")
 

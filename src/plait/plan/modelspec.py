@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from plait.config import ModelConfig
+from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
+from plait.config_checks import check_choice
 from plait.errors import ConfigError
-from plait.presets import PRESETS, Preset, Style
+from plait.presets import PRESETS, Preset
 
 MAX_PARAMS = 1e15
 """Largest ``--params`` the planner models (bounds its time and memory)."""
@@ -45,7 +46,7 @@ class ModelSpec:
     """f: width of the MLP's hidden layer (SwiGLU: of each of the gate and up branches)."""
     vocab: int
     """V: vocabulary size (the embedding and output head have V rows)."""
-    style: Style = "llama"
+    style: PresetStyle = "llama"
     """Block style: ``llama`` (RMSNorm, RoPE, SwiGLU, no bias) or ``gpt`` (LayerNorm,
     learned positions, GELU, biases)."""
     max_positions: int = 2048
@@ -72,8 +73,7 @@ class ModelSpec:
             raise ConfigError(
                 f"model heads ({self.n_heads}) must be divisible by kv heads ({self.n_kv_heads})."
             )
-        if self.style not in ("llama", "gpt"):
-            raise ConfigError(f"model style must be 'llama' or 'gpt', got {self.style!r}.")
+        check_choice("model style", self.style, PRESET_STYLES)
 
     # ------------------------------------------------------------------ shape
 

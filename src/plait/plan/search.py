@@ -26,11 +26,12 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from plait.config import PP_GRAD_REDUCES, RECOMPUTES, ZERO_STAGES, PlannedSchedule, Recompute
 from plait.config_checks import check_world
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware
-from plait.plan.layout import RECOMPUTE, Layout, Precision, Recompute, Runtime, Schedule
+from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
 
@@ -85,13 +86,13 @@ class Space:
     """Pipeline degrees."""
     cp: tuple[int, ...] | None = None
     """Context-parallel degrees."""
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_STAGES
     """ZeRO stages."""
     hybrid: bool = True
     """Try hybrid sharding factors F between 1 and dp (node-sized and smaller)."""
     micro_batch: tuple[int, ...] = (1, 2, 4, 8)
     """Micro-batch sizes."""
-    recompute: tuple[Recompute, ...] = RECOMPUTE
+    recompute: tuple[Recompute, ...] = RECOMPUTES
     """Recomputation policies."""
     chunks: tuple[int, ...] = (2, 4)
     """v values tried for the interleaved schedule."""
@@ -169,7 +170,9 @@ def mesh_problem(q: Query, tp: int, pp: int, cp: int) -> tuple[str, str] | None:
     return None
 
 
-def _schedules(q: Query, space: Space, pp: int, m: int) -> Iterator[tuple[Schedule, int, str]]:
+def _schedules(
+    q: Query, space: Space, pp: int, m: int
+) -> Iterator[tuple[PlannedSchedule, int, str]]:
     """(schedule, v, problem) for a pipeline of ``pp`` stages and ``m`` micro-batches."""
     if pp == 1:
         yield "1f1b", 1, ""
@@ -202,7 +205,7 @@ def _pp_zero_choices(pp: int, v: int, zero: int) -> list[tuple[str, bool]]:
     if pp == 1 or zero < 2:
         return [("step", False)]
     reshard = [False, True] if zero == 3 and v > 1 else [False]
-    return [(g, r) for g in ("step", "microbatch") for r in reshard]
+    return [(g, r) for g in PP_GRAD_REDUCES for r in reshard]
 
 
 def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]]:

@@ -834,11 +834,11 @@ def test_bad_arguments() -> None:
 
     with pytest.raises(ConfigError, match="stage must be 0, 1, 2 or 3"):
         ZeroDataParallel(_builtin(), mesh, 4)
-    with pytest.raises(ConfigError, match="offload needs ZeRO stage >= 1"):
+    with pytest.raises(ConfigError, match=r"needs ZeRO \(parallel\.zero >= 1\)"):
         ZeroDataParallel(_builtin(), mesh, 0, offload="optimizer")
-    with pytest.raises(ConfigError, match="needs ZeRO stage 3"):
+    with pytest.raises(ConfigError, match=r"needs parallel\.zero = 3 \(got 2\)"):
         ZeroDataParallel(_builtin(), mesh, 2, offload="params")
-    with pytest.raises(ConfigError, match="does not divide"):
+    with pytest.raises(ConfigError, match=r"\(F = 2\) must divide the data-parallel degree dp = 1"):
         ZeroDataParallel(_builtin(), mesh, 2, zero_shard_size=2)
     with pytest.raises(TypeError, match="fp32 master weights"):
         Optimizer(_builtin().to(torch.bfloat16), torch.optim.SGD(_builtin().parameters()))

@@ -18,12 +18,13 @@ both are refused with compression (see :func:`plait.config_checks.check_compress
 
 from __future__ import annotations
 
+from plait.config import COMPRESSIONS
 from plait.parallel.compression.cast import CAST_DTYPES, CastCompressor
 from plait.parallel.compression.compressor import Compressor, Finish
 from plait.parallel.compression.powersgd import PowerSGDCompressor
 from plait.parallel.compression.topk import TopKCompressor
 
-METHODS = ("none", "fp16", "bf16", "topk", "powersgd")
+METHODS = COMPRESSIONS  # declared once, in plait.config
 
 
 def make_compressor(

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.config import CP_ATTENTIONS, CPAttention
+from plait.config_checks import check_choice, check_cp_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.context.layout import SeqLayout, local_positions, shard_sequence
@@ -58,25 +60,19 @@ class ContextLayout:
         """This rank's tokens of ``x`` ``(batch, seq, ...)`` -> ``(batch, seq/cp, ...)``."""
         if self.cp == 1:
             return x
+        attention = "ulysses" if self.layout == "contiguous" else "ring"
+        check_cp_sequence(x.shape[1], self.cp, attention)
         if self.layout == "contiguous":
-            if x.shape[1] % self.cp:
-                raise ConfigError(
-                    f"sequence length {x.shape[1]} is not divisible by cp = {self.cp}"
-                )
             return x.chunk(self.cp, dim=1)[self.index]
-        if x.shape[1] % (2 * self.cp):
-            raise ConfigError(
-                f"ring attention: sequence length {x.shape[1]} is not divisible by "
-                f"2 x cp = {2 * self.cp}"
-            )
         return shard_sequence(x, self.layout, self.cp, self.index, dim=1)
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, attention: str = "ring") -> ContextLayout:
+def apply_context_parallel(
+    model: nn.Module, mesh: Mesh, attention: CPAttention = "ring"
+) -> ContextLayout:
     """Replace ``model``'s attention cores and positions for the cp axis (in place)."""
     cp, index = mesh.size("cp"), mesh.index("cp")
-    if attention not in ("ring", "ulysses"):
-        raise ConfigError(f"parallel.cp_attention must be ring or ulysses, got {attention!r}.")
+    check_choice("parallel.cp_attention", attention, CP_ATTENTIONS)
     layout: SeqLayout = "zigzag" if attention == "ring" else "contiguous"
     owners = [m for m in model.modules() if isinstance(getattr(m, "core", None), nn.Module)]
     if not owners or not isinstance(getattr(model, "positions", None), nn.Module):

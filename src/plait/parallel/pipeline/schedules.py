@@ -40,11 +40,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from plait.config import PIPELINE_SCHEDULES
+from plait.config_checks import check_chunks, check_interleaved
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb")
-"""Names accepted by :func:`build_schedule`."""
+SCHEDULES = PIPELINE_SCHEDULES
+"""Names accepted by :func:`build_schedule` (declared once, in :mod:`plait.config`)."""
 PLACEMENTS = ("adjacent", "lockstep")
 """Ways to place the communication actions (see the module doc)."""
 
@@ -63,26 +65,9 @@ def _check(name: str, p: int, m: int, v: int) -> None:
         raise ConfigError(f"micro-batches per step must be >= 1, got {m}")
     if v < 1:
         raise ConfigError(f"model chunks per rank must be >= 1, got {v}")
-    if name != "interleaved" and v != 1:
-        raise ConfigError(
-            f"schedule {name!r} runs one model chunk per rank, got chunks={v}; "
-            "use chunks=1, or the 'interleaved' schedule for chunks > 1"
-        )
+    check_chunks(name, v)
     if name == "interleaved":
-        if v > 1 and p < 2:
-            raise ConfigError(
-                f"interleaved schedule with {v} chunks needs at least 2 pipeline ranks, "
-                f"got {p}; use chunks=1 with one rank"
-            )
-        if m % p != 0:
-            lo, hi = (m // p) * p, (m // p + 1) * p
-            near = f"{lo} or {hi}" if lo > 0 else f"{hi}"
-            raise ConfigError(
-                f"the interleaved schedule needs the micro-batches per step to be a "
-                f"multiple of the pipeline stages (as in Megatron-LM), got {m} "
-                f"micro-batches for {p} stages; use {near} micro-batches, or the '1f1b' "
-                "schedule"
-            )
+        check_interleaved(p, m, v)
 
 
 # ------------------------------------------------------------------- communication

@@ -54,10 +54,12 @@ state; stage 2: full parameters, gradient and optimizer-state shards). Evaluatio
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from plait.config import PP_GRAD_REDUCES, PPGradReduce
+from plait.config_checks import check_choice
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.zero.flat import FlatUnit
@@ -67,7 +69,7 @@ if TYPE_CHECKING:
     from plait.parallel.pipeline.split import PipelineStages
     from plait.parallel.zero.wrapper import ZeroDataParallel
 
-GradReduce = Literal["step", "microbatch"]
+GradReduce = PPGradReduce  # declared once, in plait.config
 _GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that write weight gradients
 
 
@@ -97,8 +99,7 @@ class PipelineZero:
     ) -> None:
         if zero.stage not in (2, 3):
             raise ConfigError(f"PipelineZero drives ZeRO stages 2 and 3, not {zero.stage}")
-        if grad_reduce not in ("step", "microbatch"):
-            raise ConfigError(f"grad_reduce must be step or microbatch, got {grad_reduce!r}")
+        check_choice("grad_reduce", grad_reduce, PP_GRAD_REDUCES)
         zero.drive_externally()  # the schedule, not autograd, says when to gather and reduce
         self.zero, self.stages, self.schedule = zero, stages, schedule
         self.grad_reduce: GradReduce = grad_reduce

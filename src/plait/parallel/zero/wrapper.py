@@ -58,13 +58,14 @@ import contextlib
 import functools
 import math
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from plait.comm import AxisGroup
-from plait.errors import ConfigError
+from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
+from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.precision import parse_dtype
@@ -75,8 +76,6 @@ from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
 from plait.parallel.zero.reducer import GradientReducer
 from plait.pieces import LocalPiece
-
-Offload = Literal["none", "optimizer", "params"]
 
 
 class ZeroDataParallel(nn.Module):
@@ -122,21 +121,14 @@ class ZeroDataParallel(nn.Module):
         bucket_mb: float | None = None,
     ) -> None:
         super().__init__()
-        if bucket_mb is not None and bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be positive (or None), got {bucket_mb}")
+        check_positive("", bucket_mb=bucket_mb)
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
-        if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        check_choice("ZeRO stage", stage, ZERO_STAGES, ZERO_MEANING)
         dp = math.prod(mesh.size(a) for a in axes)
-        if stage == 0 and zero_shard_size not in (None, 1):
-            raise ConfigError("ZeRO stage 0 replicates everything: zero_shard_size must be 1")
+        check_shard_size(zero_shard_size, stage, dp)
         factor = 1 if stage == 0 else (zero_shard_size or dp)
-        if offload not in ("none", "optimizer", "params"):
-            raise ConfigError(f"offload must be none, optimizer or params, got {offload!r}")
-        if offload != "none" and stage == 0:
-            raise ConfigError("offload needs ZeRO stage >= 1")
-        if offload == "params" and stage != 3:
-            raise ConfigError("offload='params' needs ZeRO stage 3")
+        check_choice("offload", offload, OFFLOADS)
+        check_offload(offload, stage)
         trainable = [p for p in module.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("ZeroDataParallel needs a module with a trainable parameter")
