@@ -55,7 +55,7 @@ from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.loss import LossFn, cross_entropy_loss
-from plait.parallel.model import ParallelModel
+from plait.parallel.model import ParallelModel, data_axes
 from plait.parallel.pipeline.engine import PipelineEngine, split_for_pipeline
 from plait.parallel.pipeline.split import check_splittable
 from plait.parallel.precision import PrecisionPolicy
@@ -185,7 +185,7 @@ def parallelize(
             mesh,
             bucket_mb=p.bucket_mb,
             find_unused_parameters=p.find_unused_parameters,
-            axes=_data_axes(mesh),
+            axes=data_axes(mesh),
             compressor=compressor,
         )
     else:
@@ -201,7 +201,7 @@ def parallelize(
             reduce_dtype=policy.reduce_dtype,
             offload=p.offload,
             find_unused_parameters=p.find_unused_parameters,
-            axis=_data_axes(mesh),
+            axis=data_axes(mesh),
             bucket_mb=p.bucket_mb if p.zero in (1, 2) else None,  # fused like DP's buckets
         )
     pipeline = None
@@ -219,12 +219,6 @@ def parallelize(
             zero_reshard=p.pp_reshard,
         )
     return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names, context)
-
-
-def _data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes whose ranks hold the same parameters and average their gradients:
-    dp, and cp when it has several ranks."""
-    return ("dp", "cp") if mesh.size("cp") > 1 else ("dp",)
 
 
 def _hidden_dim(model: nn.Module) -> int:
