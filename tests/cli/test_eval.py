@@ -122,8 +122,9 @@ def _body_layout(ctx: WorkerContext, root: str, layout: list[str]) -> float:
         ["--dp", "2", "--zero", "3"],
         ["--tp", "2", "--dp", "1"],
         ["--pp", "2", "--dp", "1"],
+        ["--cp", "2", "--dp", "1"],
     ],
-    ids=["dp2", "zero3-dp2", "tp2", "pp2"],
+    ids=["dp2", "zero3-dp2", "tp2", "pp2", "cp2"],
 )
 def test_layouts_equal_one_process(
     tmp_path: Path, pools: Callable[[int], WorkerPool], layout: list[str]
