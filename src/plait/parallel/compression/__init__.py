@@ -28,7 +28,13 @@ METHODS = COMPRESSIONS  # declared once, in plait.config
 
 
 def make_compressor(
-    method: str, *, ratio: float = 0.01, rank: int = 4, start: int = 0, seed: int = 0
+    method: str,
+    *,
+    ratio: float = 0.01,
+    rank: int = 4,
+    start: int = 0,
+    seed: int = 0,
+    warmup: int = 0,
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``)."""
     if method == "none":
@@ -36,7 +42,7 @@ def make_compressor(
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start)
+        return TopKCompressor(ratio, start, warmup=warmup)
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")
