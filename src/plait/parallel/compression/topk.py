@@ -1,7 +1,10 @@
 """Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Each rank adds its error buffer to the bucket, keeps the k = ceil(rho * n) entries of
-largest magnitude, and the ranks exchange ``(index, value)`` pairs with one AllGather
+Each rank adds its error buffer to the bucket, keeps, per matrix-shaped tensor of the
+bucket, the k_i = ceil(rho * n_i) entries of largest magnitude (vectors and scalars,
+biases and norm weights, go whole, as in Deep Gradient Compression: selecting per
+tensor keeps a layer with small gradients from never being sent), and the ranks
+exchange the k = sum k_i ``(index, value)`` pairs with one AllGather
 (indices int32 when the bucket has fewer than 2^31 elements, else int64; values in the
 gradient's dtype, both packed into one byte message). Every rank then adds all ranks'
 pairs into a zero bucket in rank order, so the result (the sum, i.e. the mean of the
@@ -14,7 +17,10 @@ Sparsity warm-up (Deep Gradient Compression, Lin et al. 2018): over the first
 ``compression_start``), ``rho_t = rho_0 * (rho / rho_0) ** (t / warmup)`` for
 ``t < warmup``, else ``rho`` (:meth:`TopKCompressor.ratio_at`). Early gradients change
 fastest and the error buffers are still empty, so sending more of them first keeps the
-first steps close to the uncompressed run; the warm-up sends more bytes.
+first steps close to the uncompressed run; the warm-up sends more bytes. DGC's momentum
+correction and momentum factor masking (for SGD with momentum) and its local gradient
+clipping are options of :class:`TopKCompressor`; docs/compression.md says which parts
+apply to Adam and why.
 
 Wire bytes per rank and bucket (AllGather output, S in :mod:`plait.comm.stats`):
 ``N * k * (index_bytes + value_bytes)``. With rho = 1 every entry is sent and the result
