@@ -25,6 +25,7 @@ from plait.config_checks import (
     check_batch,
     check_choice,
     check_compression,
+    check_compression_warmup,
     check_cp_sequence,
     check_offload,
     check_pipeline,
@@ -296,6 +297,9 @@ class ParallelConfig:
     """powersgd: the approximation rank r (>= 1) of each matrix-shaped gradient."""
     compression_start: int = 0
     """Plain (uncompressed) steps before compression begins (PowerSGD's start_iter)."""
+    compression_warmup_steps: int = 0
+    """topk: sparsity warm-up (Deep Gradient Compression): over this many compressed
+    steps the density decays exponentially from 25 % to compression_ratio (0: none)."""
     backend: Backend = "auto"
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0
@@ -333,6 +337,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.compression_start must be >= 0, got {self.compression_start}."
             )
+        check_compression_warmup(self.compression_warmup_steps, self.compression_ratio)
 
     def resolved_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of ``world_size`` ranks."""

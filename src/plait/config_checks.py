@@ -170,6 +170,17 @@ def check_compression(
         )
 
 
+def check_compression_warmup(steps: int, ratio: float) -> None:
+    """Top-k's sparsity warm-up (``parallel.compression_warmup_steps``) is a whole number
+    of steps, 0 or more; the density it decays to, ``ratio``, is top-k's in (0, 1]."""
+    if type(steps) is not int or steps < 0:
+        raise ConfigError(
+            f"parallel.compression_warmup_steps must be a whole number >= 0, got {steps!r} "
+            "(the compressed steps over which top-k's density decays from 25 % to "
+            f"parallel.compression_ratio = {ratio}; 0 turns the warm-up off)."
+        )
+
+
 def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
     """The hybrid sharding factor F (None: dp) of ZeRO divides the data-parallel degree
     ``dp``; stage 0 replicates everything (F = 1)."""
