@@ -22,9 +22,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from plait.checkpoint.files import fsync_dir
+from plait.checkpoint.files import _bytes_of, fsync_dir
 from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config, plait_to_hf
 from plait.checkpoint.read import CheckpointReader
@@ -125,7 +123,7 @@ def export_hf(
                 fh.write(_header(shard))
                 for hf_name, name, shape, _ in shard:
                     t = reader.read(name, "param", None, 0, _numel(shape))  # then dropped
-                    fh.write(memoryview(t.view(torch.uint8).numpy()))
+                    fh.write(_bytes_of(t))
                     total += t.numel() * t.element_size()
                     weight_map[hf_name] = file
                 fh.flush()
