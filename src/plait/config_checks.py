@@ -281,6 +281,16 @@ def check_pipeline(
         )
 
 
+def check_rope_scaling(kind: str, low_freq_factor: float, high_freq_factor: float) -> None:
+    """'llama3' RoPE scaling smooths between two wavelengths: high_freq_factor must
+    exceed low_freq_factor."""
+    if kind == "llama3" and high_freq_factor <= low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor ({high_freq_factor}) must exceed "
+            f"model.rope_low_freq_factor ({low_freq_factor}) for rope_scaling 'llama3'."
+        )
+
+
 def check_pretrained_model(
     given: Mapping[str, object], fixed: Mapping[str, object], source: str
 ) -> None:

@@ -36,9 +36,24 @@ transformers = pytest.importorskip("transformers")
 SEQ, BATCH, STEPS = 16, 8, 2
 
 
-def make_hf_llama(folder: Path, tied: bool, seed: int = 0, shard: str = "20KB") -> Path:
-    """A tiny random ``LlamaForCausalLM`` saved in ``folder`` in several shards."""
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+"""Llama 3.1's RoPE scaling, with a pretraining length short enough that the tiny
+model's four frequencies fall in all three bands (kept, smoothed, divided)."""
+
+
+def make_hf_llama(
+    folder: Path, tied: bool, seed: int = 0, shard: str = "20KB", scaled: bool = False
+) -> Path:
+    """A tiny random ``LlamaForCausalLM`` saved in ``folder`` in several shards
+    (``scaled``: with :data:`LLAMA3_SCALING`)."""
     torch.manual_seed(seed)
+    extra = {"rope_scaling": LLAMA3_SCALING} if scaled else {}
     cfg = transformers.LlamaConfig(
         vocab_size=256,
         hidden_size=32,
@@ -50,6 +65,7 @@ def make_hf_llama(folder: Path, tied: bool, seed: int = 0, shard: str = "20KB") 
         rope_theta=5000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
+        **extra,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder, max_shard_size=shard)
     return folder
@@ -76,6 +92,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "tied": make_hf_llama(root / "tied", tied=True),
         "untied": make_hf_llama(root / "untied", tied=False, seed=1),
+        "scaled": make_hf_llama(root / "scaled", tied=False, seed=2, scaled=True),
     }
 
 
@@ -130,12 +147,12 @@ def _import_body(
 def one_process(hf_dirs: dict[str, Path]) -> dict[tuple[str, str], Any]:
     return {
         (kind, fam): _import_body(None, str(hf_dirs[kind]), fam, {})
-        for kind in ("tied", "untied")
+        for kind in ("tied", "untied", "scaled")
         for fam in ("plait", "hf-llama")
     }
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "scaled"])
 @pytest.mark.parametrize("family", ["plait", "hf-llama"])
 def test_one_process_equals_transformers(
     hf_dirs: dict[str, Path], one_process: dict[tuple[str, str], Any], kind: str, family: str
@@ -182,12 +199,14 @@ def test_import_under_layouts(
             assert r["pieces"] <= r["read"] < ref["read"]  # never the whole model
 
 
-def _fp64_body(ctx: WorkerContext | None, folder: str, layout: dict[str, int]) -> float:
+def _fp64_body(
+    ctx: WorkerContext | None, folder: str, layout: dict[str, int], **model: Any
+) -> float:
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     world = 1 if ctx is None else ctx.world_size
     dp = world // (tp * pp)
     mesh = init_mesh() if ctx is None else ctx.mesh(dp=dp, tp=tp, pp=pp)
-    model = build_model(pretrained_config(folder), seed=0).double()
+    model = build_model(pretrained_config(folder, **model), seed=0).double()
     pm = parallelize(model, mesh, ParallelConfig(microbatches=2), zero=layout.get("zero", 0))
     load_hf_weights(pm, folder)
     x, y = tokens()
@@ -198,11 +217,16 @@ def _fp64_body(ctx: WorkerContext | None, folder: str, layout: dict[str, int]) -
 @pytest.mark.parametrize(
     "world,layout", [(1, {}), (2, {"zero": 3}), (2, {"tp": 2}), (2, {"pp": 2})]
 )
+@pytest.mark.parametrize("kind", ["untied", "scaled"])
 def test_float64_equals_transformers(
-    pools: Callable[[int], WorkerPool], hf_dirs: dict[str, Path], world: int, layout: dict[str, int]
+    pools: Callable[[int], WorkerPool],
+    hf_dirs: dict[str, Path],
+    world: int,
+    layout: dict[str, int],
+    kind: str,
 ) -> None:
-    folder = str(hf_dirs["untied"])
-    want = hf_loss(hf_dirs["untied"], torch.float64)
+    folder = str(hf_dirs[kind])
+    want = hf_loss(hf_dirs[kind], torch.float64)
     got = (
         [_fp64_body(None, folder, layout)]
         if world == 1
@@ -210,3 +234,14 @@ def test_float64_equals_transformers(
     )
     for loss in got:
         assert loss == pytest.approx(want, rel=1e-10)
+
+
+def test_rope_scaling_is_carried_over(hf_dirs: dict[str, Path]) -> None:
+    """config.json's llama3 scaling reaches the model, and it matters here: the same
+    weights without it give another loss (by ~1e-6 relative: random weights give nearly
+    uniform logits; far above the 1e-10 the float64 test holds)."""
+    cfg = pretrained_config(hf_dirs["scaled"])
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_seq_len) == ("llama3", 8, 16)
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.kv_heads) == (5000.0, 1e-6, 2)
+    unscaled = _fp64_body(None, str(hf_dirs["scaled"]), {}, rope_scaling="none")
+    assert unscaled != pytest.approx(hf_loss(hf_dirs["scaled"], torch.float64), rel=1e-7)

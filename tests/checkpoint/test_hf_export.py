@@ -62,6 +62,7 @@ CASES = [
     ("untied", "plait", 4, {"tp": 2, "pp": 2, "zero": 1}),
     ("tied", "plait", 2, {"zero": 3}),
     ("untied", "hf-llama", 2, {"tp": 2, "zero": 1}),
+    ("scaled", "plait", 2, {"tp": 2}),
 ]
 
 
@@ -74,7 +75,7 @@ def test_export_round_trip(
     world: int,
     layout: dict[str, int],
 ) -> None:
-    src = make_hf_llama(tmp_path / "src", tied=kind == "tied")
+    src = make_hf_llama(tmp_path / "src", tied=kind == "tied", scaled=kind == "scaled")
     root = tmp_path / "ck"
     trained = pools(world).run(_train_body, str(src), family, layout, str(root))
     ckpt = root / step_dirname(STEPS)
@@ -85,7 +86,9 @@ def test_export_round_trip(
     assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(set(index["weight_map"].values())) == shards
-    assert ("lm_head.weight" in index["weight_map"]) == (kind == "untied")
+    assert ("lm_head.weight" in index["weight_map"]) == (kind != "tied")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == ("llama3" if kind == "scaled" else "default")
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     x, y = tokens()
     with torch.no_grad():

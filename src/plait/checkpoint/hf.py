@@ -28,9 +28,10 @@ names are Hugging Face's own (the identity map).
 
 Refused, by name: any other architecture (Qwen2's q/k/v biases, Gemma's norms, ...),
 q/k/v/o or MLP biases, an activation other than SiLU, a head dimension other than
-``hidden_size / num_attention_heads``, RoPE scaling (Llama 3.1's ``llama3``, ``linear``,
-``dynamic``, ``yarn``: plait's rotary tables have only ``rope_theta``) and a Mistral
-sliding window. This module needs no torch.
+``hidden_size / num_attention_heads``, RoPE scaling other than ``linear`` and Llama
+3.1's ``llama3`` (``dynamic``, ``yarn``, ``longrope``: carried over are ``rope_theta``
+and those two, into ``model.rope_scaling`` and ``model.rope_*``) and a Mistral sliding
+window. This module needs no torch.
 """
 
 from __future__ import annotations
@@ -130,19 +131,29 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     return data
 
 
-def _rope_theta(hf: dict[str, Any], source: str) -> float:
-    """``rope_theta`` (top level, or in transformers 5's ``rope_parameters``); refuses
-    any RoPE scaling."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for table in (params, scaling):
-        kind = table.get("rope_type", table.get("type", "default"))
-        if kind not in (None, "default"):
-            raise CheckpointError(
-                f"{source}: RoPE scaling {kind!r} is not supported (plait's rotary tables "
-                "have rope_theta only); use a checkpoint without rope_scaling"
-            )
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The rotary fields: ``rope_theta`` and the scaling (top level, or in transformers
+    5's ``rope_parameters``); 'linear' and 'llama3' are carried over, others refused."""
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    kind = params.get("rope_type", params.get("type")) or "default"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out: dict[str, Any] = {"rope_theta": theta, "rope_scaling": "none"}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise CheckpointError(
+            f"{source}: RoPE scaling {kind!r} is not supported (plait carries over "
+            "'linear' and 'llama3' only)"
+        )
+    out.update(rope_scaling=kind, rope_factor=float(params["factor"]))
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(params["low_freq_factor"]),
+            rope_high_freq_factor=float(params["high_freq_factor"]),
+            rope_original_max_seq_len=int(params["original_max_position_embeddings"]),
+        )
+    return out
 
 
 def model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
@@ -180,7 +191,7 @@ def model_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "n_kv_heads": int(hf.get("num_key_value_heads") or heads),
         "ffn_dim": int(hf["intermediate_size"]),
         "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
-        "rope_theta": _rope_theta(hf, source),
+        **_rope(hf, source),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
@@ -213,6 +224,18 @@ def hf_shapes(m: ModelConfig) -> dict[str, list[int]]:
     return out
 
 
+def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    """The scaling entries of ``rope_parameters`` (the inverse of :func:`_rope`)."""
+    if m.rope_scaling == "none":
+        return {"rope_type": "default"}
+    out: dict[str, Any] = {"rope_type": m.rope_scaling, "factor": m.rope_factor}
+    if m.rope_scaling == "llama3":
+        out["low_freq_factor"] = m.rope_low_freq_factor
+        out["high_freq_factor"] = m.rope_high_freq_factor
+        out["original_max_position_embeddings"] = m.rope_original_max_seq_len
+    return out
+
+
 def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of a ``LlamaForCausalLM`` with the sizes of ``m``, weights
     stored as ``dtype`` ("float32", "bfloat16")."""
@@ -228,7 +251,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "intermediate_size": m.hidden_dim,
         "max_position_embeddings": m.max_seq_len,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": {"rope_theta": m.rope_theta, **_rope_parameters(m)},
         "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings,
         "hidden_act": "silu",
