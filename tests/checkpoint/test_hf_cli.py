@@ -80,9 +80,9 @@ def test_bad_hf_folders_exit_2(
 
     scaled = _copy(src, tmp_path / "scaled")
     cfg = json.loads((scaled / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5000.0}
     (scaled / "config.json").write_text(json.dumps(cfg))
-    assert "RoPE scaling 'llama3' is not supported" in _bad([*base, str(scaled)], capsys)
+    assert "RoPE scaling 'yarn' is not supported" in _bad([*base, str(scaled)], capsys)
 
     gone = _copy(src, tmp_path / "gone")
     shard = sorted(gone.glob("model-*.safetensors"))[1]
