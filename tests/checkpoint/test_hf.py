@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.checkpoint import load_hf_weights, pretrained_config
+from plait.checkpoint import CheckpointError, load_hf_weights, pretrained_config
 from plait.config import Config, DataConfig, LogConfig, ParallelConfig, TrainConfig
 from plait.mesh import init_mesh
 from plait.model.factory import build_model
@@ -245,3 +245,28 @@ def test_rope_scaling_is_carried_over(hf_dirs: dict[str, Path]) -> None:
     assert (cfg.rope_theta, cfg.norm_eps, cfg.kv_heads) == (5000.0, 1e-6, 2)
     unscaled = _fp64_body(None, str(hf_dirs["scaled"]), {}, rope_scaling="none")
     assert unscaled != pytest.approx(hf_loss(hf_dirs["scaled"], torch.float64), rel=1e-7)
+
+
+def test_mistral_loads_and_a_sliding_window_is_refused(tmp_path: Path) -> None:
+    """MistralForCausalLM without a sliding window is Llama's block: it loads and
+    computes transformers' loss; with a window it is refused by name."""
+    torch.manual_seed(3)
+    cfg = transformers.MistralConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=None,
+    )
+    folder = tmp_path / "mistral"
+    transformers.MistralForCausalLM(cfg).save_pretrained(folder, max_shard_size="20KB")
+    for family in ("plait", "hf-llama"):
+        got = _import_body(None, str(folder), family, {})
+        assert got["eval"] == pytest.approx(hf_loss(folder), rel=1e-5)
+    cfg.sliding_window = 8
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "window")
+    with pytest.raises(CheckpointError, match="MistralForCausalLM with a sliding attention"):
+        pretrained_config(tmp_path / "window")
