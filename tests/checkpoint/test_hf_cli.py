@@ -1,17 +1,19 @@
-"""``plait train --init-from DIR`` with a Hugging Face folder, and its refusals.
+"""``plait train / eval --init-from DIR`` with a Hugging Face folder, and the refusals.
 
 One process, in this process: the model's sizes come from config.json (no --model.*
 flag), the banner says so and the run trains from the pretrained weights. Bad inputs exit
 2 with one line before any work: a folder without config.json, an unsupported
 architecture, a shard named by the index but missing, a tensor of the wrong shape, a
 flag that contradicts config.json; ``plait checkpoint export`` into a folder that is not
-empty.
+empty. ``plait eval`` of the folder equals transformers' loss over the same windows (one
+process through the CLI; dp2×tp2 into both families through its Python API, rel 1e-5).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from plait.cli import main
+from plait.cli.eval import _config as eval_config
+from plait.cli.eval import evaluate_tokens, load_model
+from plait.testing import WorkerContext, WorkerPool
+from plait.train.data import load_tokens
 from tests.checkpoint.test_hf import make_hf_llama
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 RUN = [
     *["--seq-len", "16", "--global-batch", "8", "--data.max_bytes", "50000"],
@@ -119,3 +125,42 @@ def test_export_refuses_a_folder_in_use(
     assert "is not an empty folder" in err
     assert main(["checkpoint", "export", str(ck), "-o", str(tmp_path / "new")]) == 0
     assert (tmp_path / "new" / "model.safetensors").is_file()  # one file: under 5 GB
+
+
+def _hf_window_loss(folder: Path, data: Path, seq: int) -> float:
+    """transformers' mean next-token loss over the windows ``tokens[i·seq : i·seq+seq+1]``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    t = torch.tensor(list(data.read_bytes()))
+    n = (len(t) - 1) // seq
+    x = torch.stack([t[i * seq : i * seq + seq] for i in range(n)])  # (windows, seq)
+    y = torch.stack([t[i * seq + 1 : i * seq + seq + 1] for i in range(n)])
+    with torch.no_grad():
+        logits = model(x).logits  # (windows, seq, vocab)
+    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
+
+
+def _eval_body(ctx: WorkerContext, args: list[str], layout: dict[str, int]) -> float:
+    cfg, batches = eval_config(args)
+    mesh = ctx.mesh(dp=ctx.world_size // layout.get("tp", 1), tp=layout.get("tp", 1))
+    return evaluate_tokens(load_model(cfg, mesh), load_tokens(cfg.data), cfg, batches).loss
+
+
+def test_plait_eval_of_a_hf_folder_equals_transformers(
+    pools: Callable[[int], WorkerPool],
+    src: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = tmp_path / "d.txt"
+    data.write_bytes(bytes(range(32, 127)) * 3)  # 285 byte tokens: 17 windows of 16 + 1
+    want = _hf_window_loss(src, data, 16)
+    args = ["--init-from", str(src), "--data", str(data), "--seq-len", "16", "--global-batch", "4"]
+    capsys.readouterr()
+    assert main(["eval", *args, "--nproc", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("plait: eval loss ") and "over 17 windows of 16 + 1 tokens" in line
+    assert float(line.split()[3].rstrip(",")) == pytest.approx(want, abs=1e-6)  # 6 decimals
+    for layout in ({"tp": 2}, {"tp": 2, "family": 1}):
+        more = ["--model.family", "hf-llama"] if layout.pop("family", 0) else []
+        got = pools(4).run(_eval_body, [*args, *more, "--tp", "2"], layout)
+        assert got == pytest.approx([want] * 4, rel=1e-5)  # dp2 x tp2
