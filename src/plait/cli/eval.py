@@ -219,8 +219,8 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
     cfg = config_from_dict(data)
     if not cfg.train.init_from:
         raise ConfigError(
-            "plait eval needs --init-from PATH: a checkpoint folder or a consolidated "
-            "weights file (plait checkpoint consolidate)."
+            "plait eval needs --init-from PATH: a checkpoint folder, a consolidated "
+            "weights file (plait checkpoint consolidate) or a Hugging Face model folder."
         )
     return cfg, ns.batches
 
