@@ -5,8 +5,9 @@ The models are made here (random weights, ``save_pretrained`` with a small
 rope_theta 5000 and rms_norm_eps 1e-6 so that a value not carried over shows), nothing
 is downloaded. Imported by ``--init-from DIR`` (the trainer's path: sizes from
 config.json, the name map, rank-local reads after parallelize) into the built-in
-transformer and into ``hf-llama`` under one process, dp2, ZeRO-3 dp2, tp2, pp2, cp2 and
-dp2×tp2: the loss of the same tokens equals transformers' (float32, rel 1e-5), training
+transformer and into ``hf-llama`` under one process, dp2, ZeRO-3 dp2, tp2, pp2, cp2,
+dp2×tp2 and dp2×tp2×pp2 (pp and cp: the built-in only; plait refuses them for
+hf-llama): the loss of the same tokens equals transformers' (float32, rel 1e-5), training
 continues to the one-process losses (rel 1e-5: the layouts sum in other orders), and each
 rank read exactly the bytes of its pieces (tensor parallelism excepted: a column block is
 read through runs of the row-major file, bounded but with the gaps between rows).
@@ -170,6 +171,7 @@ LAYOUTS = [
     (2, {"pp": 2}),
     (2, {"cp": 2}),
     (4, {"tp": 2}),
+    (8, {"tp": 2, "pp": 2}),
 ]
 
 
