@@ -130,7 +130,7 @@ def child_failure(
         oom.read_reports(memory_dir),
         kills_before,
         oom.cgroup_oom_kills(),
-        oom.kernel_killed_pids(since_s) if sig9 else set(),
+        oom.kernel_killed_pids(since_s) if sig9 else {},
         oom.host_memory_limit(),
     )
     return named if named is not None else launch_failure(failures)

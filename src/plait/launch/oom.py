@@ -18,7 +18,8 @@ dies of signal 9, the launcher (:func:`name_oom`) calls it out of host memory wh
 A rank that raises an allocation failure (``torch.cuda.OutOfMemoryError``, ``MemoryError``,
 torch's "can't allocate memory") re-raises it as :class:`~plait.errors.OutOfMemoryError`
 (:func:`as_out_of_memory`), which the launcher reports the same way. Either report names
-the rank, prints every rank's peak host and device memory and suggests what to try; the
+the rank (with its resident memory at the kill when the kernel log gives it), prints
+every rank's peak host and device memory and suggests what to try; the
 exit status is :data:`~plait.cli.common.EXIT_OUT_OF_MEMORY` (3).
 """
 
@@ -100,7 +101,7 @@ class MemoryReporter:
     ``rank<r>.json`` (atomically) now and every ``interval_s``; :meth:`report` writes at
     once (a milestone), :meth:`stop` ends the thread."""
 
-    def __init__(self, folder: Path, rank: int, interval_s: float = 1.0) -> None:
+    def __init__(self, folder: Path, rank: int, interval_s: float = 0.5) -> None:
         self.folder, self.rank, self.interval_s = folder, rank, interval_s
         self._stop = threading.Event()
         self.report()
@@ -194,17 +195,22 @@ def uptime_s() -> float:
         return 0.0
 
 
-def kernel_killed_pids(since_s: float = 0.0) -> set[int]:
+def kernel_killed_pids(since_s: float = 0.0) -> dict[int, int]:
     """Pids the kernel log names as killed for memory at or after ``since_s`` seconds
-    since boot (empty when dmesg is not readable)."""
+    since boot, each with its resident bytes at the kill (anon + file + shmem RSS; 0 when
+    the line does not say); empty when dmesg is not readable."""
     try:
         text = subprocess.run(
             ["dmesg"], capture_output=True, text=True, timeout=5, check=False
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return set()
-    found = re.findall(r"^\[\s*([\d.]+)\].*Killed process (\d+)", text, re.M)
-    return {int(pid) for t, pid in found if float(t) >= since_s}
+        return {}
+    out: dict[int, int] = {}
+    for m in re.finditer(r"^\[\s*([\d.]+)\].*Killed process (\d+)(.*)$", text, re.M):
+        if float(m.group(1)) >= since_s:
+            kb = re.findall(r"(?:anon|file|shmem)-rss:(\d+)kB", m.group(3))
+            out[int(m.group(2))] = sum(int(k) for k in kb) * 1024
+    return out
 
 
 def host_memory_limit(environ: dict[str, str] | None = None) -> tuple[int, str]:
@@ -251,7 +257,7 @@ def name_oom(
     reports: dict[int, RankMemory],
     kills_before: int | None,
     kills_after: int | None,
-    killed_pids: set[int],
+    killed_pids: dict[int, int],
     limit: tuple[int, str],
 ) -> OutOfMemoryError | None:
     """The out-of-memory error to report for ``failures`` (rank -> text), or None when no
@@ -267,12 +273,12 @@ def name_oom(
         return None
     limit_bytes, source = limit
     together = sum(m.rss for m in reports.values())
-    why = ""
+    why, at_kill = "", 0
     for r in killed:
         pid = reports[r].pid if r in reports else None
         if pid is not None and pid in killed_pids:
             why = f"the kernel log names pid {pid} as killed for memory"
-            victim = r
+            victim, at_kill = r, killed_pids[pid]
             break
     else:
         victim = max(killed, key=lambda r: reports[r].rss if r in reports else -1)
@@ -285,9 +291,13 @@ def name_oom(
             )
     if not why:
         return None
-    peak = f", peak {_gib(reports[victim].peak_rss)}" if victim in reports else ""
+    peak = ""
+    if at_kill:
+        peak = f", {_gib(at_kill)} resident when killed"
+    elif victim in reports:
+        peak = f", last reported peak {_gib(reports[victim].peak_rss)}"
     others = [r for r in sorted(failures) if r != victim]
-    rest = f"; ranks {', '.join(map(str, others))} were stopped after it" if others else ""
+    rest = f"; then the launcher stopped rank(s) {', '.join(map(str, others))}" if others else ""
     return OutOfMemoryError(
         f"rank {victim} ran out of host memory{peak}: killed by signal 9 (SIGKILL) by the "
         f"kernel's out-of-memory killer ({why}){rest}\n"
