@@ -114,6 +114,11 @@ class BufferRing:
         return sum(t.numel() * t.element_size() for t in self._all)
 
     @property
+    def data_ptrs(self) -> list[int]:
+        """Where each kept buffer's storage starts (the same from step to step)."""
+        return [t.data_ptr() for t in self._all]
+
+    @property
     def full(self) -> bool:
         """Every slot is allocated and in use (the caller completes a reduction first)."""
         return not self._free and len(self._all) >= self.slots
