@@ -232,22 +232,26 @@ def _body_kept(ctx: WorkerContext, bucket_mb: float | None) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("bucket_mb", [None, 0.02])
+@pytest.mark.parametrize("bucket_mb", [None, 0.02, 1.0])
 def test_stage_2_reuses_its_gradient_buffers_across_steps(
     pools: Callable[[int], WorkerPool], bucket_mb: float | None
 ) -> None:
-    """Every reduce-scatter input of steps 2 and 3 is a buffer of step 1 (data pointers),
-    none is allocated after step 1, and the ring keeps MAX_REDUCES_IN_FLIGHT + 1 buffers of
-    the largest bucket: less than the model's gradients (one bucket per unit, or buckets
-    of 0.02 MiB)."""
+    """Every reduce-scatter input of steps 2 and 3 is a buffer of step 1 (data pointers)
+    and none is allocated after step 1. With more buckets than MAX_REDUCES_IN_FLIGHT + 1
+    (one per unit, or buckets of 0.02 MiB) the ring keeps that many buffers of the largest
+    bucket, less than the model's gradients; with fewer (one 1 MiB bucket), each bucket's
+    own."""
+    slots = GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
     for r in pools(2).run(f"{M}:_body_kept", bucket_mb):
-        first = set(r["steps"][0])
-        assert len(r["steps"][0]) == len(r["buckets"]) > GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
+        first, sizes = set(r["steps"][0]), r["buckets"]
+        assert len(r["steps"][0]) == len(sizes) and (len(sizes) > slots) == (bucket_mb != 1.0)
         assert r["rings"][0] == r["rings"][1] == r["rings"][2]  # nothing allocated since
         assert first <= set(r["rings"][0])
         for later in r["steps"][1:]:
-            assert set(later) <= first and len(later) == len(r["buckets"])
-        slots = GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
-        assert len(r["rings"][0]) == slots
-        assert r["kept"] == slots * max(r["buckets"]) < sum(r["buckets"])
+            assert set(later) <= first and len(later) == len(sizes)
+        if len(sizes) > slots:
+            assert len(r["rings"][0]) == slots
+            assert r["kept"] == slots * max(sizes) < sum(sizes)
+        else:
+            assert r["kept"] == sum(sizes)
         assert r["in_use"] == 0 < r["peak"] <= r["kept"]

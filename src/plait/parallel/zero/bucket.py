@@ -97,13 +97,17 @@ class GradBucket:
 
 
 class BufferRing:
-    """Stage 2's gradient buffers, kept across steps: at most ``slots`` buffers of the
-    largest bucket's size, allocated once. A bucket takes one at its first gradient
-    (:meth:`take`) and gives it back once its reduce-scatter has completed
-    (:meth:`give`); the storage is the same from step to step, as DataParallel's
-    buckets, while the bytes kept stay ``slots`` buckets, not the model's gradients."""
+    """Stage 2's gradient buffers, kept across steps. A bucket takes one at its first
+    gradient (:meth:`take`: the smallest free buffer that fits) and gives it back once
+    its reduce-scatter has completed (:meth:`give`). At most ``slots`` buffers are
+    allocated, each of ``numel`` elements (the largest bucket), or, with ``numel`` None
+    (no more buckets than slots), one of each bucket's own size: the storage is the same
+    from step to step, as DataParallel's buckets, while the bytes kept are at most
+    ``slots`` buckets, not the model's gradients."""
 
-    def __init__(self, slots: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, slots: int, numel: int | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.slots, self.numel, self.dtype, self.device = slots, numel, dtype, device
         self._all: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
@@ -118,18 +122,25 @@ class BufferRing:
         """Where each kept buffer's storage starts (the same from step to step)."""
         return [t.data_ptr() for t in self._all]
 
-    @property
-    def full(self) -> bool:
-        """Every slot is allocated and in use (the caller completes a reduction first)."""
-        return not self._free and len(self._all) >= self.slots
+    def _fit(self, numel: int) -> torch.Tensor | None:
+        fits = [t for t in self._free if t.numel() >= numel]
+        return min(fits, key=lambda t: t.numel()) if fits else None
+
+    def full(self, numel: int) -> bool:
+        """No free buffer fits ``numel`` and every slot is allocated (the caller
+        completes a reduction first)."""
+        return self._fit(numel) is None and len(self._all) >= self.slots
 
     def take(self, numel: int) -> torch.Tensor:
-        """A ``(numel,)`` view of a free buffer; a new one while slots are left (or when
-        the caller could free none: ``full`` and nothing in flight)."""
-        if not self._free:
-            self._all.append(torch.empty(self.numel, dtype=self.dtype, device=self.device))
-            self._free.append(self._all[-1])
-        return self._free.pop()[:numel]
+        """A ``(numel,)`` view of a free buffer; a new one when none fits (while slots are
+        left, or when the caller could free none)."""
+        t = self._fit(numel)
+        if t is None:
+            t = torch.empty(self.numel or numel, dtype=self.dtype, device=self.device)
+            self._all.append(t)
+        else:
+            self._free.remove(t)
+        return t[:numel]
 
     def give(self, view: torch.Tensor) -> None:
         """Return the buffer ``view`` was taken from."""

@@ -11,8 +11,9 @@ locally), launching each unit's reduce-scatter from the hook and waiting for the
 at the end of backward; stages 2/3 reduce on every backward and keep only the shard.
 Stage 2 writes each gradient straight into its bucket's reduce-scatter input, a buffer of
 a :class:`~plait.parallel.zero.bucket.BufferRing` kept across steps (the same storage
-every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` buckets' worth, not
-the model's gradients); stage 3 copies them into a transient per-unit buffer.
+every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` of the largest
+bucket, or each bucket's own when there are no more buckets than that; not the model's
+gradients); stage 3 copies them into a transient per-unit buffer.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
@@ -93,10 +94,11 @@ class GradientReducer:
         )
         self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
         self._pos = {r.unit.index: k for b in self.buckets for k, r in enumerate(b.units)}
+        slots = self.MAX_REDUCES_IN_FLIGHT + 1
         self.ring = (  # stage 2: the buckets' reduce-scatter inputs, kept across steps
             BufferRing(
-                min(self.MAX_REDUCES_IN_FLIGHT + 1, len(self.buckets)),
-                max(b.numel for b in self.buckets),
+                slots,
+                max(b.numel for b in self.buckets) if len(self.buckets) > slots else None,
                 reduce_dtype,
                 device,
             )
@@ -181,7 +183,7 @@ class GradientReducer:
         assert self.ring is not None
         if b.buffer is not None:
             return
-        while self.ring.full:
+        while self.ring.full(b.numel):
             oldest = next((v for v in self._launched if v.state is ReduceState.SCATTERING), None)
             if oldest is None:  # nothing to wait for: the ring grows by one
                 break
