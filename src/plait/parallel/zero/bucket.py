@@ -101,9 +101,9 @@ class BufferRing:
     gradient (:meth:`take`: the smallest free buffer that fits) and gives it back once
     its reduce-scatter has completed (:meth:`give`). At most ``slots`` buffers are
     allocated, each of ``numel`` elements (the largest bucket), or, with ``numel`` None
-    (no more buckets than slots), one of each bucket's own size: the storage is the same
-    from step to step, as DataParallel's buckets, while the bytes kept are at most
-    ``slots`` buckets, not the model's gradients."""
+    and a slot per bucket, one of each bucket's own size: the storage is the same from
+    step to step, as DataParallel's buckets, while the bytes kept are
+    ``min(K · largest bucket, every bucket)`` for K = ``MAX_REDUCES_IN_FLIGHT + 1``."""
 
     def __init__(
         self, slots: int, numel: int | None, dtype: torch.dtype, device: torch.device

@@ -11,9 +11,9 @@ locally), launching each unit's reduce-scatter from the hook and waiting for the
 at the end of backward; stages 2/3 reduce on every backward and keep only the shard.
 Stage 2 writes each gradient straight into its bucket's reduce-scatter input, a buffer of
 a :class:`~plait.parallel.zero.bucket.BufferRing` kept across steps (the same storage
-every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` of the largest
-bucket, or each bucket's own when there are no more buckets than that; not the model's
-gradients); stage 3 copies them into a transient per-unit buffer.
+every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` buffers of the
+largest bucket, or each bucket's own when that is less: at most the model's gradients);
+stage 3 copies them into a transient per-unit buffer.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
@@ -94,17 +94,14 @@ class GradientReducer:
         )
         self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
         self._pos = {r.unit.index: k for b in self.buckets for k, r in enumerate(b.units)}
-        slots = self.MAX_REDUCES_IN_FLIGHT + 1
-        self.ring = (  # stage 2: the buckets' reduce-scatter inputs, kept across steps
-            BufferRing(
-                slots,
-                max(b.numel for b in self.buckets) if len(self.buckets) > slots else None,
-                reduce_dtype,
-                device,
+        self.ring: BufferRing | None = None  # stage 2: the reduce-scatter inputs, kept
+        if stage == 2 and self.buckets:
+            # K buffers of the largest bucket, or each bucket's own when that is less
+            k, sizes = self.MAX_REDUCES_IN_FLIGHT + 1, [b.numel for b in self.buckets]
+            own = sum(sizes) <= k * max(sizes)
+            self.ring = BufferRing(
+                len(sizes) if own else k, None if own else max(sizes), reduce_dtype, device
             )
-            if stage == 2 and self.buckets
-            else None
-        )
         self.stage = stage
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reduce_dtype, self.device = reduce_dtype, device
