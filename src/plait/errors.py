@@ -38,6 +38,12 @@ class CommError(PlaitError, RuntimeError):
     """A collective failed for a reason other than a timeout (e.g. a peer exited)."""
 
 
+class OutOfMemoryError(PlaitError, RuntimeError):
+    """A rank ran out of host or device memory (killed by the kernel's out-of-memory
+    killer, or an allocation failed); the message names the rank, its peak memory and
+    what to try. Exit code 3 (:data:`plait.cli.common.EXIT_OUT_OF_MEMORY`)."""
+
+
 class UnusedParametersError(PlaitError, RuntimeError):
     """Parameters that received no gradient where every rank must reduce every gradient
     (data parallelism, ZeRO, ZeRO under pipeline parallelism); exit code 1, as every

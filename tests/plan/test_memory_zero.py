@@ -28,6 +28,7 @@ MODELS = {
         vocab_size=61, dim=24, n_layers=3, n_heads=2, ffn_dim=50, max_seq_len=16,
         tie_embeddings=True,
     ),
+    "deep": ModelConfig(vocab_size=61, dim=24, n_layers=6, n_heads=2, max_seq_len=16),
 }  # fmt: skip
 
 
@@ -96,3 +97,53 @@ def test_zero_state_bytes_are_exact_on_every_rank(
     if world == f:
         opt = {r["optimizer"] for r in results}
         assert len(opt) > 1
+
+
+def _body_zero2_buffers(ctx: Any, model: str, bucket_mb: float) -> dict[str, int]:
+    import torch
+
+    from plait.model import Transformer, lm_loss
+    from plait.optim import Optimizer
+    from plait.parallel.zero import ZeroDataParallel
+
+    cfg = MODELS[model]
+    mesh = ctx.mesh(dp=ctx.world_size)
+    base = Transformer(cfg, seed=0)
+    wrapped = ZeroDataParallel(base, mesh, 2, bucket_mb=bucket_mb)
+    opt = Optimizer(wrapped, torch.optim.AdamW(base.parameters(), lr=1e-3))
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    for _ in range(2):
+        opt.zero_grad()
+        lm_loss(wrapped(x), x).backward()
+        opt.step()
+    return {
+        "rank": mesh.index("dp"),
+        "kept": wrapped.reducer.kept_grad_buffer_bytes,
+        "grads": sum(u.padded for u in wrapped.units) * 4,  # full padded fp32 gradients
+        "units": len(wrapped.units),
+    }
+
+
+@pytest.mark.parametrize(("model", "bucket_mb"), [("gqa", 25.0), ("deep", 0.01)])
+def test_zero2_kept_gradient_buffers_against_the_planner(
+    pools: Callable[[int], WorkerPool], model: str, bucket_mb: float
+) -> None:
+    """ZeRO-2's reduce-scatter buffers kept across steps: the planner's
+    ``min(K·(B + U·g), P·g)`` is the gradients (up to unit padding) when they fit in K
+    buckets (25 MiB, 2 layers), and an upper bound below the gradients with small buckets
+    (0.01 MiB, 6 layers: K buffers of the largest bucket)."""
+    from dataclasses import replace
+
+    from plait.parallel.zero.reducer import GradientReducer
+    from plait.plan.memory import ZERO2_KEPT_BUCKETS
+
+    assert ZERO2_KEPT_BUCKETS == GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
+    spec = ModelSpec.from_config(MODELS[model])
+    runtime = replace(RUNTIMES["plait"], bucket_mb=bucket_mb)
+    for got in pools(2).run(f"{M}:_body_zero2_buffers", model, bucket_mb):
+        mem = memory_per_rank(spec, Layout(dp=2, zero=2), PRECISIONS["fp32"], runtime, 8, 0)
+        if bucket_mb == 25.0:  # every bucket's own: the gradients, padded per unit
+            assert got["kept"] == got["grads"]
+            assert 0 <= got["kept"] - mem.buffers < got["units"] * 2 * 4
+        else:
+            assert got["kept"] < got["grads"] and got["kept"] <= mem.buffers < got["grads"]

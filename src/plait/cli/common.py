@@ -2,7 +2,8 @@
 
 A sub-command is a function taking the arguments after its name and returning an exit
 code. It reports bad input by raising :class:`~plait.errors.ConfigError`, which
-:func:`run_command` prints as one paragraph (exit code 2); any other
+:func:`run_command` prints as one paragraph (exit code 2); a rank out of memory
+(:class:`~plait.errors.OutOfMemoryError`) exits 3; any other
 :class:`~plait.errors.PlaitError` is a failure (exit code 1); Ctrl-C exits with 130.
 This module imports no torch, so every sub-command's parser can use it.
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from plait.errors import ConfigError, PlaitError
+from plait.errors import ConfigError, OutOfMemoryError, PlaitError
 
 Command = Callable[[Sequence[str]], int]
 """A sub-command: the arguments after its name -> the exit code."""
@@ -28,6 +29,8 @@ EXIT_FAILURE = 1
 """A run that failed (a :class:`~plait.errors.PlaitError` other than bad input)."""
 EXIT_BAD_INPUT = 2
 """Bad input (a :class:`~plait.errors.ConfigError`), as argparse's own usage errors."""
+EXIT_OUT_OF_MEMORY = 3
+"""A rank ran out of host or device memory (:class:`~plait.errors.OutOfMemoryError`)."""
 EXIT_INTERRUPTED = 130
 """Interrupted by Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
@@ -75,7 +78,8 @@ def _format_warning(
 
 def run_command(command: Command, argv: Sequence[str]) -> int:
     """Run ``command(argv)`` and turn what it raises into an exit code and one message on
-    stderr: ConfigError (DataError included) -> 2, PlaitError -> 1, Ctrl-C -> 130.
+    stderr: ConfigError (DataError included) -> 2, OutOfMemoryError -> 3, PlaitError -> 1,
+    Ctrl-C -> 130.
     Warnings are printed as ``plait: warning: ...`` lines (no source path)."""
     warnings.formatwarning = _format_warning
     sys.stdout.flush()  # nothing of stdout is left to glue onto a stderr line
@@ -85,6 +89,9 @@ def run_command(command: Command, argv: Sequence[str]) -> int:
     except ConfigError as e:
         _say(f"plait: error: {e}")
         return EXIT_BAD_INPUT
+    except OutOfMemoryError as e:
+        _say(f"plait: out of memory: {e}")
+        return EXIT_OUT_OF_MEMORY
     except PlaitError as e:
         _say(f"plait: {e}")
         return EXIT_FAILURE

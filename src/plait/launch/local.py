@@ -10,7 +10,9 @@ process group: the same code path with a one-rank mesh.
 Errors a rank finds after the launch are reported once, by the launcher: a bad input
 (a :class:`~plait.errors.ConfigError` on any rank, e.g. a checkpoint folder held by
 another job) as that one message with exit status 2, anything else as one paragraph
-naming each failed rank (exit 1); the ranks themselves stay quiet
+naming each failed rank (exit 1), a rank out of host or device memory as that, with
+every rank's peak memory and what to try (exit 3, :mod:`plait.launch.oom`); the ranks
+themselves stay quiet
 (:func:`under_plait_launcher`). SIGTERM or SIGINT to the launcher is forwarded to every
 rank; they save a checkpoint at the next step boundary and the launcher prints one line
 naming it and exits 0 (128 + the signal when nothing was saved). Every rank dies with
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import PlaitError
+from plait.launch import oom
 
 RUN_ID_PREFIX = "plait-"
 """Run ids of :func:`launch_local`'s jobs start with it (how a rank knows its launcher)."""
@@ -113,6 +117,25 @@ def launch_failure(failures: dict[int, str]) -> PlaitError:
     return LaunchError(failures)
 
 
+def child_failure(
+    failures: dict[int, str], memory_dir: Path, kills_before: int | None, since_s: float = 0.0
+) -> PlaitError:
+    """The one error for failed ranks: out of memory (:func:`plait.launch.oom.name_oom`,
+    from the kernel's record and the ranks' memory reports in ``memory_dir``) when a rank
+    died of it (``since_s``: when the run started, seconds since boot), else
+    :func:`launch_failure`."""
+    sig9 = any(t == "killed by signal 9" for t in failures.values())
+    named = oom.name_oom(
+        failures,
+        oom.read_reports(memory_dir),
+        kills_before,
+        oom.cgroup_oom_kills(),
+        oom.kernel_killed_pids(since_s) if sig9 else {},
+        oom.host_memory_limit(),
+    )
+    return named if named is not None else launch_failure(failures)
+
+
 def _latest(checkpoint_dir: str | None) -> str | None:
     if not checkpoint_dir:
         return None
@@ -147,7 +170,8 @@ def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = N
     SIGTERM/SIGINT to this process are forwarded to the ranks by the agent; they save a
     checkpoint (in ``checkpoint_dir``) at the next step boundary and this returns 0 after
     printing one line naming it. Raises :class:`LaunchError` naming the failed ranks and
-    their errors, or one ConfigError (exit 2) when a rank's error was bad input.
+    their errors, one ConfigError (exit 2) when a rank's error was bad input, or
+    :class:`~plait.errors.OutOfMemoryError` (exit 3) when a rank ran out of memory.
     """
     import sys
 
@@ -173,15 +197,25 @@ def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = N
         monitor_interval=0.1,
     )
     before = _latest(checkpoint_dir)
-    try:
-        elastic_launch(config, sys.executable)("-m", "plait", *args)
-    except ChildFailedError as e:
-        raise launch_failure({r: _failure_text(f) for r, f in e.failures.items()}) from None
-    except SignalException as e:  # the agent forwarded it and waited for the ranks
-        code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
-        sys.stdout.flush()
-        print(line, flush=True)
-        return code
+    kills_before, since_s = oom.cgroup_oom_kills(), oom.uptime_s()
+    with tempfile.TemporaryDirectory(prefix="plait-memory-") as memory_dir:
+        saved = os.environ.get(oom.MEMORY_DIR_ENV)
+        os.environ[oom.MEMORY_DIR_ENV] = memory_dir  # the ranks report their memory here
+        try:
+            elastic_launch(config, sys.executable)("-m", "plait", *args)
+        except ChildFailedError as e:
+            failures = {r: _failure_text(f) for r, f in e.failures.items()}
+            raise child_failure(failures, Path(memory_dir), kills_before, since_s) from None
+        except SignalException as e:  # the agent forwarded it and waited for the ranks
+            code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
+            sys.stdout.flush()
+            print(line, flush=True)
+            return code
+        finally:
+            if saved is None:
+                os.environ.pop(oom.MEMORY_DIR_ENV, None)
+            else:
+                os.environ[oom.MEMORY_DIR_ENV] = saved
     return 0
 
 

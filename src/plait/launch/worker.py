@@ -1,4 +1,9 @@
-"""What every rank runs: join the world, build the mesh, train, leave."""
+"""What every rank runs: join the world, build the mesh, train, leave.
+
+A rank of a launcher reports its memory for it (:mod:`plait.launch.oom`) and turns an
+allocation failure into :class:`~plait.errors.OutOfMemoryError` naming the rank and its
+peak memory.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 from plait import comm
 from plait.config import Config
 from plait.launch.local import RankEnv
+from plait.launch.oom import as_out_of_memory, is_out_of_memory, start_reporter
 from plait.launch.parent import die_with_parent
 from plait.mesh import init_mesh
 
@@ -44,6 +50,7 @@ def run_rank(
 
     if env is not None:  # a rank of plait's launcher or of torchrun: die with it
         die_with_parent()
+    reporter = start_reporter(env.rank) if env is not None else None  # for the launcher
     local_rank = env.local_rank if env else 0
     local_world = env.local_world_size if env else 1
     device = resolve_device(cfg, local_rank)
@@ -63,7 +70,13 @@ def run_rank(
         p = cfg.parallel
         mesh = init_mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device)
         summary = Trainer(cfg, mesh, show_progress=show_progress).run()
+    except Exception as e:
+        if is_out_of_memory(e):  # named: which rank, which memory, its peak
+            raise as_out_of_memory(e, env.rank if env else 0, device) from e
+        raise
     finally:
+        if reporter is not None:
+            reporter.stop()
         if joined:
             comm.destroy_world()
     return dataclasses.asdict(summary)

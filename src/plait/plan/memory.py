@@ -25,7 +25,11 @@ micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
 
 **Buffers**: data-parallel gradient buckets when they copy the gradients (a runtime
 with ``grad_buckets="copy"``; plait's gradients are views into its buckets, which then
-cost nothing beyond the gradients), the ZeRO-1/2 reduce-scatter bucket, ZeRO-3's
+cost nothing beyond the gradients), the ZeRO-1 reduce-scatter bucket, ZeRO-2's
+reduce-scatter buffers kept across steps (``min(K·(B + U·g), P·g)``: K =
+:data:`ZERO2_KEPT_BUCKETS` buffers of the largest bucket, which closes once it holds B
+bytes, so at most B plus one unit of U parameters; each bucket's own, i.e. the
+gradients, when they fit in K), ZeRO-3's
 gathered units (the computing unit plus the prefetched ones, with their unsharded
 gradients), pipeline send/receive buffers. Under pp, ZeRO-2/3 hold the unsharded
 gradients of a step's micro-batches and (stage 3) the gathered pieces instead, per
@@ -47,6 +51,11 @@ from plait.plan.activations import (
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
 from plait.plan.units import stage_layers, stage_units, zero_state_bytes
+
+ZERO2_KEPT_BUCKETS = 3
+"""ZeRO-2's reduce-scatter buffers kept across steps: the runtime's
+``GradientReducer.MAX_REDUCES_IN_FLIGHT + 1`` (two in flight, one collecting; a test
+keeps the two equal: the planner imports no torch)."""
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -204,8 +213,11 @@ def buffer_bytes(
         out += grad_bytes  # a runtime whose buckets copy every gradient
     elif layout.zero >= 2 and layout.pp > 1:
         pass  # the pipeline drives ZeRO-2/3: pipeline_zero_buffer_bytes
-    elif layout.zero in (1, 2):
+    elif layout.zero == 1:
         out += min(bucket, grad_bytes)  # one reduce-scatter bucket in flight
+    elif layout.zero == 2:  # the reduce-scatter buffers kept across steps (BufferRing)
+        largest = bucket + sp.unit_params * precision.grad_bytes  # a bucket closes past B
+        out += min(ZERO2_KEPT_BUCKETS * largest, grad_bytes)
     elif layout.zero == 3:
         units = 1 + runtime.prefetch_units
         out += (

@@ -1,21 +1,30 @@
 """The per-unit gradient-reduction state machine and its coordinator (no process group).
 
 On one process every group has one rank: the collectives are counted no-ops that
-complete at once, so the life-cycle can be driven and observed without workers.
+complete at once, so the life-cycle can be driven and observed without workers. Stage 2's
+gradient buffers kept across steps are checked on 2 gloo ranks (the reduce-scatter inputs
+of every step are the same storage).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from plait import init_mesh
+from plait import comm, init_mesh
 from plait.comm import AxisGroup
 from plait.errors import UnusedParametersError
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import FlatUnit, plan_units
 from plait.parallel.zero.reduce import ReduceState, UnitReduction
+from plait.parallel.zero.reducer import GradientReducer
+from plait.testing import WorkerContext, WorkerPool
+
+M = "tests.parallel.zero.test_reduce"
 
 
 def _unit() -> FlatUnit:
@@ -177,3 +186,69 @@ def test_an_external_driver_is_refused_parameters_without_gradient() -> None:
     assert e.value.names == ["2.weight", "2.bias"]
     assert [r.state for r in zdp.reducer.units] == [ReduceState.IDLE] * 2
     assert zdp.grad_buffer_bytes == 0
+
+
+# ----------------------------------------------------------------------------- kept buffers
+
+
+def _body_kept(ctx: WorkerContext, bucket_mb: float | None) -> dict[str, Any]:
+    """Three ZeRO-2 steps; the data pointers of every reduce-scatter input per step."""
+    from plait.config import ModelConfig
+    from plait.model import Transformer, lm_loss
+    from plait.optim import Optimizer
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=8)
+    model = Transformer(cfg, seed=0)
+    zdp = ZeroDataParallel(model, ctx.mesh(dp=ctx.world_size), 2, bucket_mb=bucket_mb)
+    opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(ctx.rank))
+    inputs: list[int] = []
+    real = comm.reduce_scatter
+
+    def spy(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        inputs.append(t.data_ptr())
+        return real(t, *args, **kwargs)
+
+    steps, rings = [], []
+    comm.reduce_scatter = spy  # type: ignore[assignment]  (the reducer calls comm.reduce_scatter)
+    try:
+        for _ in range(3):
+            inputs.clear()
+            opt.zero_grad()
+            lm_loss(zdp(x), x).backward()
+            opt.step()
+            steps.append(list(inputs))
+            rings.append(zdp.reducer.ring.data_ptrs)  # type: ignore[union-attr]
+    finally:
+        comm.reduce_scatter = real  # type: ignore[assignment]
+    red = zdp.reducer
+    return {
+        "steps": steps,
+        "rings": rings,
+        "kept": red.kept_grad_buffer_bytes,
+        "buckets": [b.numel * 4 for b in red.buckets],
+        "in_use": red.grad_buffer_bytes,
+        "peak": red.peak_grad_buffer_bytes,
+    }
+
+
+@pytest.mark.parametrize("bucket_mb", [None, 0.02, 1.0])
+def test_stage_2_reuses_its_gradient_buffers_across_steps(
+    pools: Callable[[int], WorkerPool], bucket_mb: float | None
+) -> None:
+    """Every reduce-scatter input of steps 2 and 3 is a buffer of step 1 (data pointers)
+    and none is allocated after step 1. The ring keeps K = MAX_REDUCES_IN_FLIGHT + 1
+    buffers of the largest bucket (one bucket per unit, or buckets of 0.02 MiB: less than
+    the model's gradients) or each bucket's own when that is less (one 1 MiB bucket)."""
+    slots = GradientReducer.MAX_REDUCES_IN_FLIGHT + 1
+    for r in pools(2).run(f"{M}:_body_kept", bucket_mb):
+        first, sizes = set(r["steps"][0]), r["buckets"]
+        assert len(r["steps"][0]) == len(sizes) and (len(sizes) > slots) == (bucket_mb != 1.0)
+        assert r["rings"][0] == r["rings"][1] == r["rings"][2]  # nothing allocated since
+        assert first <= set(r["rings"][0])
+        for later in r["steps"][1:]:
+            assert set(later) <= first and len(later) == len(sizes)
+        assert r["kept"] == min(slots * max(sizes), sum(sizes))
+        if bucket_mb != 1.0:  # K buffers of the largest bucket: less than the gradients
+            assert len(r["rings"][0]) == slots and r["kept"] < sum(sizes)
+        assert r["in_use"] == 0 < r["peak"] <= r["kept"]

@@ -8,6 +8,9 @@ complete) and whose updated shards come back in one all-gather after the step
 (:class:`ParamSync`). Without ``bucket_mb`` every unit is a bucket of its own. The bytes
 on the wire are the same either way; only the number of calls changes.
 
+Stage 2 writes each gradient straight into its bucket's reduce-scatter input
+(:meth:`GradBucket.write`), a buffer of a :class:`BufferRing` kept across steps.
+
 :class:`ParamSync` launches the post-step all-gathers and leaves them in flight; the
 wrapper completes a unit's (its bucket's) just before the unit's next forward, so the
 gathers of later units overlap the forward of earlier ones.
@@ -49,6 +52,103 @@ class GradBucket:
     @property
     def names(self) -> str:
         return "+".join(r.unit.name for r in self.units)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the ``(F * width,)`` reduce-scatter input."""
+        return self.units[0].unit.shard_count * self.width if self.units else 0
+
+    def _runs(self, k: int, start: int, n: int) -> list[tuple[int, int, int, int]]:
+        """Where elements ``[start, start + n)`` of unit ``k``'s flat ``(padded,)`` layout
+        sit in the ``(F, width)`` grid: ``(row, grid column, source offset, length)`` runs
+        (a run per shard the range touches)."""
+        s, col = self.units[k].unit.shard_numel, self.cols[k]
+        out, pos, end = [], start, start + n
+        while pos < end:
+            row, within = divmod(pos, s)
+            length = min(end, (row + 1) * s) - pos
+            out.append((row, col + within, pos - start, length))
+            pos += length
+        return out
+
+    def write(self, k: int, i: int, grad: torch.Tensor | None) -> None:
+        """Put parameter ``i`` of unit ``k``'s gradient (None: zeros) in its place in
+        :attr:`buffer` (stage 2's kept buffers: no per-unit full-gradient copy)."""
+        assert self.buffer is not None
+        u = self.units[k].unit
+        grid = self.buffer.view(u.shard_count, self.width)
+        src = None if grad is None else grad.reshape(-1)
+        for row, c, off, n in self._runs(k, u.offsets[i], u.numels[i]):
+            if src is None:
+                grid[row, c : c + n].zero_()
+            else:
+                grid[row, c : c + n].copy_(src[off : off + n])
+
+    def zero_padding(self) -> None:
+        """Zero the padding of every unit in :attr:`buffer` (a reused buffer holds the
+        last bucket's values there)."""
+        assert self.buffer is not None
+        for k, r in enumerate(self.units):
+            u = r.unit
+            if u.padded > u.numel:
+                grid = self.buffer.view(u.shard_count, self.width)
+                for row, c, _, n in self._runs(k, u.numel, u.padded - u.numel):
+                    grid[row, c : c + n].zero_()
+
+
+class BufferRing:
+    """Stage 2's gradient buffers, kept across steps. A bucket takes one at its first
+    gradient (:meth:`take`: the smallest free buffer that fits) and gives it back once
+    its reduce-scatter has completed (:meth:`give`). At most ``slots`` buffers are
+    allocated, each of ``numel`` elements (the largest bucket), or, with ``numel`` None
+    and a slot per bucket, one of each bucket's own size: the storage is the same from
+    step to step, as DataParallel's buckets, while the bytes kept are
+    ``min(K · largest bucket, every bucket)`` for K = ``MAX_REDUCES_IN_FLIGHT + 1``."""
+
+    def __init__(
+        self, slots: int, numel: int | None, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.slots, self.numel, self.dtype, self.device = slots, numel, dtype, device
+        self._all: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of every buffer allocated (in use or free)."""
+        return sum(t.numel() * t.element_size() for t in self._all)
+
+    @property
+    def data_ptrs(self) -> list[int]:
+        """Where each kept buffer's storage starts (the same from step to step)."""
+        return [t.data_ptr() for t in self._all]
+
+    def _fit(self, numel: int) -> torch.Tensor | None:
+        fits = [t for t in self._free if t.numel() >= numel]
+        return min(fits, key=lambda t: t.numel()) if fits else None
+
+    def full(self, numel: int) -> bool:
+        """No free buffer fits ``numel`` and every slot is allocated (the caller
+        completes a reduction first)."""
+        return self._fit(numel) is None and len(self._all) >= self.slots
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A ``(numel,)`` view of a free buffer; a new one when none fits (while slots are
+        left, or when the caller could free none)."""
+        t = self._fit(numel)
+        if t is None:
+            t = torch.empty(self.numel or numel, dtype=self.dtype, device=self.device)
+            self._all.append(t)
+        else:
+            self._free.remove(t)
+        return t[:numel]
+
+    def give(self, view: torch.Tensor) -> None:
+        """Return the buffer ``view`` was taken from."""
+        for t in self._all:
+            if t.data_ptr() == view.data_ptr():
+                self._free.append(t)
+                return
+        raise RuntimeError("ZeRO-2: a gradient buffer returned that the ring did not give")
 
 
 def plan_buckets(units: list[UnitReduction], nbytes: int, element_size: int) -> list[GradBucket]:

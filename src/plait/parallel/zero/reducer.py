@@ -8,8 +8,12 @@ group (ReduceScatter, Rajbhandari et al. 2020), the average landing in this rank
 replicate group (AllReduce). Stages 0/1 keep full gradient buffers (``.grad`` is a view
 into them) and communicate only in the synchronising backward (``no_sync`` accumulates
 locally), launching each unit's reduce-scatter from the hook and waiting for them only
-at the end of backward; stages 2/3 copy the gradients into a transient buffer, reduce on
-every backward and keep only the shard.
+at the end of backward; stages 2/3 reduce on every backward and keep only the shard.
+Stage 2 writes each gradient straight into its bucket's reduce-scatter input, a buffer of
+a :class:`~plait.parallel.zero.bucket.BufferRing` kept across steps (the same storage
+every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` buffers of the
+largest bucket, or each bucket's own when that is less: at most the model's gradients);
+stage 3 copies them into a transient per-unit buffer.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
@@ -17,8 +21,9 @@ driver: what to reduce (:meth:`~GradientReducer.on_grad`, a parameter's gradient
 autograd makes it; :meth:`~GradientReducer.reduce`, a unit's gradients accumulated in
 ``.grad``), when (:meth:`~GradientReducer.finish_backward` / :meth:`~GradientReducer.finish`
 complete every reduction; :meth:`~GradientReducer.abandon` after a failure), the cap on
-reduce-scatters in flight (launching one more completes the oldest, freeing its
-transient buffer; written once, in ``_cap``), the transient buffer bytes, and the refusal
+reduce-scatters in flight (stage 3: launching one more completes the oldest, freeing its
+transient buffer, in ``_cap``; stage 2: a bucket that finds every kept buffer in use
+completes the oldest, in ``_hold``), the gradient-buffer bytes, and the refusal
 of parameters that got no gradient (:class:`~plait.errors.UnusedParametersError`, unless
 ``find_unused_parameters``). Two drivers call it: the autograd hooks
 (:class:`~plait.parallel.zero.driver.AutogradDriver`) and the pipeline schedule
@@ -40,7 +45,7 @@ import torch
 from plait import comm
 from plait.comm import AxisGroup
 from plait.errors import UnusedParametersError
-from plait.parallel.zero.bucket import GradBucket, plan_buckets
+from plait.parallel.zero.bucket import BufferRing, GradBucket, plan_buckets
 from plait.parallel.zero.flat import FlatUnit
 from plait.parallel.zero.reduce import ReduceState, UnitReduction
 
@@ -62,8 +67,10 @@ class GradientReducer:
 
     MAX_REDUCES_IN_FLIGHT = 2
     """Stages 2/3: reduce-scatters allowed in flight before the oldest is completed (its
-    transient full gradient buffer is freed then). Stages 0/1 reduce from the persistent
-    gradient buffers and wait for nothing before the end of backward."""
+    transient full gradient buffer is freed then; stage 2 keeps one more buffer than this,
+    for the bucket collecting gradients, and waits only when all are in use). Stages 0/1
+    reduce from the persistent gradient buffers and wait for nothing before the end of
+    backward."""
 
     def __init__(
         self,
@@ -86,6 +93,15 @@ class GradientReducer:
             else [GradBucket([r]) for r in reversed(self.units)]
         )
         self._bucket_of = {r.unit.index: b for b in self.buckets for r in b.units}
+        self._pos = {r.unit.index: k for b in self.buckets for k, r in enumerate(b.units)}
+        self.ring: BufferRing | None = None  # stage 2: the reduce-scatter inputs, kept
+        if stage == 2 and self.buckets:
+            # K buffers of the largest bucket, or each bucket's own when that is less
+            k, sizes = self.MAX_REDUCES_IN_FLIGHT + 1, [b.numel for b in self.buckets]
+            own = sum(sizes) <= k * max(sizes)
+            self.ring = BufferRing(
+                len(sizes) if own else k, None if own else max(sizes), reduce_dtype, device
+            )
         self.stage = stage
         self.shard_group, self.replicate_group = shard_group, replicate_group
         self.reduce_dtype, self.device = reduce_dtype, device
@@ -96,7 +112,7 @@ class GradientReducer:
         frees a stage-3 unit's gathered parameters then); None: nothing."""
         self.sync = True  # False inside no_sync (stages 0/1 accumulate locally)
         self.in_backward = False
-        self.grad_buffer_bytes = 0  # stages 2/3: transient full-gradient buffers, and peak
+        self.grad_buffer_bytes = 0  # stages 2/3: gradient buffers in use, and the peak
         self.peak_grad_buffer_bytes = 0
         self._launched: list[UnitReduction] = []  # in launch order, this backward
 
@@ -129,6 +145,11 @@ class GradientReducer:
             if p.grad.data_ptr() != view.data_ptr():  # .grad was replaced: adopt its value
                 view.copy_(p.grad)
                 p.grad = view
+        elif self.ring is not None:  # stage 2: into the bucket's kept buffer
+            b = self._bucket_of[u.index]
+            self._hold(b)
+            b.write(self._pos[u.index], i, p.grad)
+            p.grad = None
         else:
             if u.grad_full is None:
                 self._alloc_buffer(u)
@@ -152,6 +173,37 @@ class GradientReducer:
         self.grad_buffer_bytes += u.grad_full.numel() * u.grad_full.element_size()
         self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
 
+    def _hold(self, b: GradBucket) -> None:
+        """Stage 2: give ``b`` a kept buffer (its padding zeroed) unless it has one; with
+        every buffer in use, the oldest reduce-scatter in flight is completed first (it
+        gives its buffer back)."""
+        assert self.ring is not None
+        if b.buffer is not None:
+            return
+        while self.ring.full(b.numel):
+            oldest = next((v for v in self._launched if v.state is ReduceState.SCATTERING), None)
+            if oldest is None:  # nothing to wait for: the ring grows by one
+                break
+            self._finish_scatter(oldest)
+        b.buffer = self.ring.take(b.numel)
+        b.zero_padding()
+        self.grad_buffer_bytes += b.buffer.numel() * b.buffer.element_size()
+        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+
+    def _release(self, b: GradBucket) -> None:
+        """``b``'s reduce-scatter input is no longer needed: back to the ring (stage 2) or
+        freed."""
+        if b.buffer is not None:
+            self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
+            if self.ring is not None:
+                self.ring.give(b.buffer)
+            b.buffer = None
+
+    @property
+    def kept_grad_buffer_bytes(self) -> int:
+        """Stage 2: bytes of the gradient buffers kept across steps (0 otherwise)."""
+        return self.ring.kept_bytes if self.ring is not None else 0
+
     def _drop_buffer(self, u: FlatUnit) -> None:
         if self.stage >= 2 and u.grad_full is not None:
             self.grad_buffer_bytes -= u.grad_full.numel() * u.grad_full.element_size()
@@ -161,7 +213,7 @@ class GradientReducer:
         """``r``'s gradients are final: reduce-scatter its bucket once every unit of the
         bucket is (a bucket of one unit goes at once)."""
         b = self._bucket_of[r.unit.index]
-        if len(b.units) == 1:
+        if len(b.units) == 1 and self.ring is None:
             self._launch(r)
             return
         b.done.add(r.unit.index)
@@ -171,23 +223,27 @@ class GradientReducer:
     def _launch_bucket(self, b: GradBucket) -> None:
         """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`)."""
         f = self.shard_group.size
-        buf = torch.empty(f * b.width, dtype=self.reduce_dtype, device=self.device)
-        grid = buf.view(f, b.width)  # (F, width): row r = chunk r of every unit
-        for r, col in zip(b.units, b.cols, strict=True):
-            u = r.unit
-            assert u.grad_full is not None
-            grid[:, col : col + u.shard_numel].copy_(u.grad_full.view(f, u.shard_numel))
-            self._drop_buffer(u)  # stage 2: copied into the bucket, freed now
-        b.buffer = buf
-        self.grad_buffer_bytes += buf.numel() * buf.element_size()
-        self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
+        if self.ring is not None:  # stage 2: the gradients were written into it
+            assert b.buffer is not None
+            buf = b.buffer
+        else:
+            buf = torch.empty(f * b.width, dtype=self.reduce_dtype, device=self.device)
+            grid = buf.view(f, b.width)  # (F, width): row r = chunk r of every unit
+            for r, col in zip(b.units, b.cols, strict=True):
+                u = r.unit
+                assert u.grad_full is not None
+                grid[:, col : col + u.shard_numel].copy_(u.grad_full.view(f, u.shard_numel))
+            b.buffer = buf
+            self.grad_buffer_bytes += buf.numel() * buf.element_size()
+            self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
         out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
         for r, col in zip(b.units, b.cols, strict=True):
             r.joined(out[col : col + r.unit.shard_numel], h, buf)
             self._launched.append(r)
             self._note("reduce", r.unit.name)
         b.done.clear()
-        self._cap()
+        if self.ring is None:
+            self._cap()
 
     def _launch(self, r: UnitReduction) -> None:
         """Reduce-scatter ``r``'s unit (from its ``(padded,)`` ``grad_full``)."""
@@ -202,9 +258,10 @@ class GradientReducer:
         self._cap()
 
     def _cap(self) -> None:
-        """Stages 2/3: at most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters stay in flight;
+        """Stage 3: at most ``MAX_REDUCES_IN_FLIGHT`` reduce-scatters stay in flight;
         one more completes the oldest, which frees its transient buffer. Stages 0/1 reduce
-        from persistent buffers: nothing to free early, nothing to wait for."""
+        from persistent buffers: nothing to free early, nothing to wait for; stage 2 waits
+        in backward only when a bucket finds its kept buffers all in use (``_hold``)."""
         if self.stage <= 1:
             return
         in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
@@ -215,10 +272,7 @@ class GradientReducer:
         r.finish_scatter(self.replicate_group)
         self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
-        b = self._bucket_of[r.unit.index]
-        if b.buffer is not None:  # the bucket's input is no longer needed
-            self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
-            b.buffer = None
+        self._release(self._bucket_of[r.unit.index])  # the bucket's input is not needed
 
     def _settle(self, r: UnitReduction) -> None:
         """Complete ``r``'s reduction: stages 0/1 keep the averaged shard (REDUCED), 2/3
@@ -288,6 +342,14 @@ class GradientReducer:
             if r.in_flight:  # launched during backward
                 continue
             u = r.unit
+            if self.ring is not None:  # stage 2: zeros in the bucket's kept buffer
+                b = self._bucket_of[u.index]
+                self._hold(b)
+                for i in range(len(u.params)):
+                    if i not in r.ready:
+                        b.write(self._pos[u.index], i, None)
+                self._complete(r)
+                continue
             if u.grad_full is None:
                 self._alloc_buffer(u)
             full = u.grad_full
@@ -312,9 +374,7 @@ class GradientReducer:
             self._drop_buffer(r.unit)
         for b in self.buckets:
             b.done.clear()
-            if b.buffer is not None:
-                self.grad_buffer_bytes -= b.buffer.numel() * b.buffer.element_size()
-                b.buffer = None
+            self._release(b)
 
     def reduced(self, u: FlatUnit) -> torch.Tensor | None:
         """Stages 0/1: the averaged shard of ``u`` from the last synchronising backward."""
