@@ -608,10 +608,16 @@ class LaunchConfig:
     process, a crash, a hang cut by parallel.timeout_s), at most this many times; each
     restart resumes from the checkpoint that train.checkpoint_dir's `latest` names.
     (Under torchrun use its own --max-restarts.)"""
+    host_memory_gb: float | None = None
+    """Host memory (GiB) the ranks on this machine may use together, for naming a rank
+    the kernel killed as out of memory when neither the memory cgroup nor /proc/meminfo
+    tells the limit a scheduler enforces; unset: detected from those."""
 
     def __post_init__(self) -> None:
         check_choices(self, "launch.")
-        check_positive("launch.", nproc=self.nproc, threads=self.threads)
+        check_positive(
+            "launch.", nproc=self.nproc, threads=self.threads, host_memory_gb=self.host_memory_gb
+        )
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must not be negative, got {self.max_restarts}.")
         if self.ray_address is not None and self.backend != "ray":

@@ -6,7 +6,7 @@ out-of-memory killer kills a rank, and the launcher names it from the cgroup's
 ``oom_kill`` count (or the kernel log). Everywhere, a rank of ``plait train --nproc 2`` is
 SIGKILLed (as the kernel's
 out-of-memory killer does) after it reported memory at the host limit the test sets
-(``PLAIT_MEMORY_LIMIT``): the launcher prints the out-of-memory line naming the rank and
+(``--launch.host_memory_gb``): the launcher prints the out-of-memory line naming the rank and
 its peak, every rank's peak and what to try, and exits 3. Without the limit reached the
 same kill is a plain ``killed by signal 9`` (exit 1). The kernel's record (cgroup
 ``oom_kill`` count, kernel log pid) and an allocation failure raised on a rank (CUDA's
@@ -38,11 +38,9 @@ GIB = 2**30
 
 def _start(tmp: Path, limit: int | None) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop(oom.MEMORY_LIMIT_ENV, None)
-    if limit is not None:
-        env[oom.MEMORY_LIMIT_ENV] = str(limit)
+    given = [] if limit is None else ["--launch.host_memory_gb", str(limit / GIB)]
     return subprocess.Popen(
-        [sys.executable, "-m", "plait", "train", *TINY, "--nproc", "2"],
+        [sys.executable, "-m", "plait", "train", *TINY, *given, "--nproc", "2"],
         cwd=tmp,
         env=env,
         text=True,
@@ -119,7 +117,6 @@ def test_a_rank_killed_by_the_kernel_for_memory_is_named(tmp_path: Path) -> None
         pytest.skip("cannot make a memory cgroup here (needs root and a writable cgroupfs)")
     big = ["--model.dim", "1024", "--model.n_layers", "8", "--model.n_heads", "8"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop(oom.MEMORY_LIMIT_ENV, None)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "plait", "train", *TINY, *big, "--nproc", "2"],

@@ -127,7 +127,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         return _launch_backend(cfg, world)
     if env is None and world > 1:
         _check_data(cfg)  # fail here, once, before starting any process
-        return launch_local(world, list(argv), cfg.train.checkpoint_dir)
+        gb = cfg.launch.host_memory_gb
+        limit = None if gb is None else int(gb * 2**30)
+        return launch_local(world, list(argv), cfg.train.checkpoint_dir, limit)
     from plait.launch.worker import run_rank
 
     run_rank(cfg, env)

@@ -118,12 +118,16 @@ def launch_failure(failures: dict[int, str]) -> PlaitError:
 
 
 def child_failure(
-    failures: dict[int, str], memory_dir: Path, kills_before: int | None, since_s: float = 0.0
+    failures: dict[int, str],
+    memory_dir: Path,
+    kills_before: int | None,
+    since_s: float = 0.0,
+    memory_limit: int | None = None,
 ) -> PlaitError:
     """The one error for failed ranks: out of memory (:func:`plait.launch.oom.name_oom`,
     from the kernel's record and the ranks' memory reports in ``memory_dir``) when a rank
-    died of it (``since_s``: when the run started, seconds since boot), else
-    :func:`launch_failure`."""
+    died of it (``since_s``: when the run started, seconds since boot; ``memory_limit``:
+    the host's limit in bytes when the user gave it), else :func:`launch_failure`."""
     sig9 = any(t == "killed by signal 9" for t in failures.values())
     named = oom.name_oom(
         failures,
@@ -131,7 +135,7 @@ def child_failure(
         kills_before,
         oom.cgroup_oom_kills(),
         oom.kernel_killed_pids(since_s) if sig9 else {},
-        oom.host_memory_limit(),
+        oom.host_memory_limit(memory_limit),
     )
     return named if named is not None else launch_failure(failures)
 
@@ -162,7 +166,12 @@ def stopped_line(sig: int, checkpoint_dir: str | None, before: str | None) -> tu
     return 128 + sig, f"plait: stopped by {name} before the ranks could save a checkpoint"
 
 
-def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = None) -> int:
+def launch_local(
+    nproc: int,
+    args: Sequence[str],
+    checkpoint_dir: str | None = None,
+    memory_limit: int | None = None,
+) -> int:
     """Run ``python -m plait <args>`` on ``nproc`` local ranks under the elastic agent;
     returns the exit status.
 
@@ -171,7 +180,9 @@ def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = N
     checkpoint (in ``checkpoint_dir``) at the next step boundary and this returns 0 after
     printing one line naming it. Raises :class:`LaunchError` naming the failed ranks and
     their errors, one ConfigError (exit 2) when a rank's error was bad input, or
-    :class:`~plait.errors.OutOfMemoryError` (exit 3) when a rank ran out of memory.
+    :class:`~plait.errors.OutOfMemoryError` (exit 3) when a rank ran out of memory
+    (``memory_limit``: the host memory in bytes the ranks may use together, when known
+    better than the machine says: ``launch.host_memory_gb``).
     """
     import sys
 
@@ -205,7 +216,9 @@ def launch_local(nproc: int, args: Sequence[str], checkpoint_dir: str | None = N
             elastic_launch(config, sys.executable)("-m", "plait", *args)
         except ChildFailedError as e:
             failures = {r: _failure_text(f) for r, f in e.failures.items()}
-            raise child_failure(failures, Path(memory_dir), kills_before, since_s) from None
+            raise child_failure(
+                failures, Path(memory_dir), kills_before, since_s, memory_limit
+            ) from None
         except SignalException as e:  # the agent forwarded it and waited for the ranks
             code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
             sys.stdout.flush()

@@ -12,7 +12,7 @@ dies of signal 9, the launcher (:func:`name_oom`) calls it out of host memory wh
   <pid>"), or the ``oom_kill`` count of the launcher's memory cgroup (v2
   ``memory.events``, v1 ``memory.oom_control``) went up during the run; or
 * the ranks' last reported resident memory together reached :data:`NEAR_LIMIT` of the
-  host memory limit (:func:`host_memory_limit`: ``PLAIT_MEMORY_LIMIT`` bytes when set,
+  host memory limit (:func:`host_memory_limit`: ``launch.host_memory_gb`` when set,
   else the cgroup's limit, else ``MemTotal``).
 
 A rank that raises an allocation failure (``torch.cuda.OutOfMemoryError``, ``MemoryError``,
@@ -39,9 +39,6 @@ from plait.errors import OutOfMemoryError
 
 MEMORY_DIR_ENV = "PLAIT_MEMORY_DIR"
 """The folder the ranks write their memory records into (set by the launcher)."""
-MEMORY_LIMIT_ENV = "PLAIT_MEMORY_LIMIT"
-"""Host memory (bytes) the ranks of this machine may use together, when neither the memory
-cgroup nor ``/proc/meminfo`` tells the limit a scheduler enforces."""
 NEAR_LIMIT = 0.8
 """A SIGKILLed rank is out of memory when the ranks' last reported RSS together reached
 this share of the host limit (memory grows between reports)."""
@@ -213,11 +210,11 @@ def kernel_killed_pids(since_s: float = 0.0) -> dict[int, int]:
     return out
 
 
-def host_memory_limit(environ: dict[str, str] | None = None) -> tuple[int, str]:
-    """(bytes, where from) of the host memory the ranks may use together."""
-    env = os.environ if environ is None else environ
-    if env.get(MEMORY_LIMIT_ENV, "").isdigit():
-        return int(env[MEMORY_LIMIT_ENV]), MEMORY_LIMIT_ENV
+def host_memory_limit(given: int | None = None) -> tuple[int, str]:
+    """(bytes, where from) of the host memory the ranks may use together: ``given``
+    (``launch.host_memory_gb``) when set, else the memory cgroup's limit, else MemTotal."""
+    if given is not None:
+        return given, "launch.host_memory_gb"
     total = (
         _status_bytes("MemTotal", Path("/proc/meminfo").read_text())
         if Path("/proc/meminfo").exists()
