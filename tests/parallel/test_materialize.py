@@ -97,9 +97,12 @@ def _body_layout(ctx: WorkerContext, layout: str, tie: bool) -> dict[str, Any]:
         value = want[pc.name].detach()
         if pc.tp is not None:
             sp = pc.tp
-            value = TPShard(sp.dim, sp.full, sp.shards, sp.replicas, sp.block).shard(value, sp.index)
+            value = TPShard(sp.dim, sp.full, sp.shards, sp.replicas, sp.block).shard(
+                value, sp.index
+            )
         expect = value.reshape(-1)[pc.start : pc.end].to(pc.dtype)
-        assert torch.equal(pc.value, expect), f"{layout}: {pc.name}[{pc.start}:{pc.end}]"
+        where = f"{layout}: {pc.name}[{pc.start}:{pc.end}]"
+        assert torch.equal(pc.value, expect), where
     assert {pc.name for pc in pieces if pc.write} <= set(want)
     for name, buf in pm.named_buffers():
         if name.endswith(("rope_cos", "rope_sin")):
@@ -127,7 +130,7 @@ def _body_layout(ctx: WorkerContext, layout: str, tie: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_meta_build_equals_one_device_build(pools: Pools, layout: str, tie: bool) -> None:
-    world, dp, tp, pp, *_ = LAYOUTS[layout]
+    world, dp, tp, *_ = LAYOUTS[layout]
     results = pools(world).run(_body_layout, layout, tie)
     total = param_count(dataclasses.replace(CFG, tie_embeddings=tie)) * 4
     for r in results:

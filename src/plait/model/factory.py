@@ -81,8 +81,7 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
         model = fn(cfg)
         if not isinstance(model, nn.Module):
             raise ConfigError(
-                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an "
-                "nn.Module."
+                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module."
             )
         return model
     if cfg.family == "hf-llama":
@@ -108,8 +107,7 @@ def build_meta_model(cfg: ModelConfig, seed: int) -> nn.Module:
         model = build_on_meta(fn, cfg, seed=seed)
         if not isinstance(model, nn.Module):
             raise ConfigError(
-                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an "
-                "nn.Module."
+                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module."
             )
         bad = uninitialisable(model)
         if bad:

@@ -184,4 +184,4 @@ def build_on_meta(fn: Any, *args: Any, seed: int, **kwargs: Any) -> nn.Module:
         model = fn(*args, **kwargs)
     if isinstance(model, nn.Module):
         setattr(model, SEED_ATTR, seed)
-    return model  # type: ignore[no-any-return]
+    return model

@@ -31,6 +31,7 @@ IGNORE_INDEX = -100
 
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned per-channel gain (no bias)."""
 
@@ -282,9 +283,7 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(self.initial_value(name, seed))
 
-    def initial_value(
-        self, name: str, seed: int, shape: torch.Size | None = None
-    ) -> torch.Tensor:
+    def initial_value(self, name: str, seed: int, shape: torch.Size | None = None) -> torch.Tensor:
         """The initial value of the parameter or buffer ``name`` (one-device name), alone:
         a float32 CPU tensor of its one-device ``shape`` (default: the parameter's shape
         now) that depends only on ``seed`` and ``name`` (see :meth:`init_weights`); works

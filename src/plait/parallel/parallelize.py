@@ -57,10 +57,10 @@ from torch import nn
 from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
+from plait.model.init import InitialValues, has_meta
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
-from plait.model.init import InitialValues, has_meta
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
