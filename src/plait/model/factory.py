@@ -2,12 +2,14 @@
 
 ``model.factory = "package.module:function"`` names your own model: the function is
 called as ``function(model_config)`` (the run's :class:`~plait.config.ModelConfig`, so it
-may read the size fields or ignore them) after ``torch.manual_seed(train.seed)``, on the
-CPU in float32, and returns an ``nn.Module`` that maps token ids ``(batch, seq)`` to
-logits ``(batch, seq, vocab)`` -- or to an output object with ``.logits`` (Hugging
-Face style) or a tuple whose first element is the logits; :func:`logits_of` adapts
-those. Every rank builds the full one-device model from the same seed, so every layout
-starts from the same weights; ``parallelize`` shards it from outside.
+may read the size fields or ignore them) after ``torch.manual_seed(train.seed)`` and
+returns an ``nn.Module`` that maps token ids ``(batch, seq)`` to logits
+``(batch, seq, vocab)`` -- or to an output object with ``.logits`` (Hugging Face style)
+or a tuple whose first element is the logits; :func:`logits_of` adapts those. The
+trainer calls it under ``torch.device("meta")`` (:func:`build_meta_model`) and
+``parallelize`` allocates and initialises only each rank's pieces, from the seed and the
+tensors' names (:mod:`plait.model.init`), so every layout starts from the same weights;
+:func:`build_model` is the eager, full one-device build.
 
 ``model.family = "hf-llama"`` builds ``transformers.LlamaForCausalLM`` from the size
 fields (:mod:`plait.model.hf_llama`). Without either, plait's own
