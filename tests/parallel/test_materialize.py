@@ -44,6 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import ModelConfig, ParallelConfig
 from plait.model import Transformer, param_count
+from plait.model.factory import build_meta_model
+from plait.model.init import InitialValues
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.layers import TPShard
@@ -142,6 +144,46 @@ def test_meta_build_equals_one_device_build(pools: Pools, layout: str, tie: bool
         for r in results:  # the full replica, nothing more
             zero_pad = r["expected"] - rope - total
             assert 0 <= zero_pad < 4 * (CFG.n_layers + 4), (layout, r)
+
+
+OTHER = {
+    "factory": {"factory": "tests.model.factory_models:build"},
+    "hf-llama": {"family": "hf-llama"},
+}
+
+
+def _body_other(ctx: WorkerContext, kind: str, dp: int, tp: int, zero: int) -> int:
+    mesh = ctx.mesh(dp=dp, tp=tp)
+    cfg = dataclasses.replace(CFG, **OTHER[kind])  # type: ignore[arg-type]
+    want = InitialValues(build_meta_model(cfg, seed=SEED))  # the one-device values
+    pm = parallelize(build_meta_model(cfg, seed=SEED), mesh, zero=zero)
+    left = [n for n, t in [*pm.named_parameters(), *pm.named_buffers()] if t.is_meta]
+    assert not left, f"left on the meta device: {left}"
+    pieces = pm.local_pieces()
+    for pc in pieces:
+        value = want.value(pc.name)
+        if pc.tp is not None:
+            sp = pc.tp
+            value = TPShard(sp.dim, sp.full, sp.shards, sp.replicas, sp.block).shard(
+                value, sp.index
+            )
+        expect = value.reshape(-1)[pc.start : pc.end].to(pc.dtype)
+        assert torch.equal(pc.value, expect), f"{kind}: {pc.name}[{pc.start}:{pc.end}]"
+    for name, buf in pm.named_buffers():  # e.g. Llama's rotary inv_freq
+        one = name.removeprefix("module.").removeprefix("module.")
+        assert torch.equal(buf, want.value(one).to(buf.dtype)), name
+    return len(pieces)
+
+
+@pytest.mark.parametrize("layout", [(1, 2, 0), (2, 1, 3)], ids=["tp2", "zero3 dp2"])
+@pytest.mark.parametrize("kind", list(OTHER))
+def test_factory_and_hf_llama_meta_build(pools: Pools, kind: str, layout: tuple[int, ...]) -> None:
+    """A factory model and a Hugging Face Llama: each rank's pieces are the one-device
+    values (module by module from the models' own initialisers) cut to its tp block
+    or ZeRO-3 shard, bit for bit."""
+    if kind == "hf-llama":
+        pytest.importorskip("transformers")
+    assert all(n > 0 for n in pools(2).run(_body_other, kind, *layout))
 
 
 class LiveBytes(TorchDispatchMode):
