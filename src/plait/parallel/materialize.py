@@ -115,8 +115,9 @@ def materialize_module(
             for p in m._parameters.values():
                 if p is None or id(p) in done or (not params and p.requires_grad):
                     continue
-                if p.is_meta:
-                    give_storage(p, init(p).to(device))
+                if p.is_meta:  # the kept tensor first: the transients are freed above it
+                    kept = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    give_storage(p, kept.copy_(init(p)))
                 elif p.device != device:
                     give_storage(p, p.detach().to(device))
                 done[id(p)] = p
