@@ -1,8 +1,8 @@
 """Meta build: each rank allocates and initialises only its pieces, and they are exactly
 the one-device build's weights.
 
-For every layout (1 process, dp2, ZeRO-1/2/3 dp2, tp2, pp2, cp2, and dp2×tp2, tp2×pp2
-and ZeRO-3 dp2×tp2 on 4 ranks) the built-in transformer is built on the meta device and
+For every layout (1 process, dp2, ZeRO-1/2/3 dp2, tp2, pp2, cp2, and dp2×tp2, tp2×pp2,
+ZeRO-3 dp2×tp2 and ZeRO-3 dp2×pp2 on 4 ranks) the built-in transformer is built on the meta device and
 passed to ``parallelize``; on each rank:
 
 * no tensor is left on the meta device, and every piece the rank describes
@@ -69,6 +69,7 @@ LAYOUTS = {
     "dp2 x tp2": (4, 2, 2, 1, 1, 0),
     "tp2 x pp2": (4, 1, 2, 2, 1, 0),
     "zero3 dp2 x tp2": (4, 2, 2, 1, 1, 3),
+    "zero3 dp2 x pp2": (4, 2, 1, 2, 1, 3),
 }
 
 
