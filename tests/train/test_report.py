@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from collections.abc import Callable
+from pathlib import Path
 
 from plait import init_mesh
 from plait.config import Config
+from plait.testing import WorkerContext, WorkerPool
+from plait.train.memory import StartMemory, host_peak_bytes
 from plait.train.report import (
     RunFacts,
     RunSummary,
     banner,
     outputs_note,
+    start_memory_line,
     stop_line,
     straggler_note,
     stragglers_line,
     summary_line,
     timeline_line,
 )
+from plait.train.trainer import Trainer
 from tests.tiny import tiny_config
+
+M = "tests.train.test_report"
 
 FACTS = RunFacts(
     layout="plain data parallel (bucketed all-reduce)",
@@ -128,3 +136,46 @@ def test_summary_and_timeline_lines() -> None:
     empty = RunSummary(2, [], [], 0.0, 1)
     assert summary_line(empty, []) == "plait: done: 0 steps in 0.0 s; 0 tokens/s"
     assert timeline_line("t.png", 0.125) == "plait: wrote t.png (measured bubble 12.5%)"
+
+
+def test_start_memory_line_names_every_rank() -> None:
+    cpu = [StartMemory(0, 412 * 2**20, None), StartMemory(1, 1536 * 2**20, None)]
+    assert start_memory_line(cpu) == (
+        "plait: peak memory at start (build and load): rank 0 host 412 MiB; rank 1 host 1,536 MiB"
+    )
+    gpu = [StartMemory(0, 3 * 2**30, 2**30)]
+    assert start_memory_line(gpu) == (
+        "plait: peak memory at start (build and load): rank 0 host 3,072 MiB, device 1,024 MiB"
+    )
+    cfg = tiny_config(steps=2)
+    with_line = banner(cfg, init_mesh(), dataclasses.replace(FACTS, start_memory=cpu))
+    assert with_line == banner(cfg, init_mesh(), FACTS).replace(
+        "TFLOP/s", "TFLOP/s\n" + start_memory_line(cpu)
+    )
+
+
+def test_host_peak_reads_vmhwm_else_getrusage(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t  123456 kB\nVmRSS:\t 1000 kB\n")
+    assert host_peak_bytes(status) == 123456 * 1024
+    fallback = host_peak_bytes(tmp_path / "missing")  # ru_maxrss
+    assert 10 * 2**20 < fallback < 64 * 2**30  # a Python process with torch loaded
+
+
+def _body_start_memory(ctx: WorkerContext) -> tuple[list[StartMemory] | None, float, str]:
+    mesh = ctx.mesh(dp=2)
+    trainer = Trainer(tiny_config(steps=1), mesh, show_progress=False)
+    text = banner(trainer.cfg, mesh, trainer._facts()) if mesh.rank == 0 else ""
+    gathers = [v["calls"] for k, v in mesh.stats.snapshot().items() if k.endswith("/gather")]
+    return trainer.start_memory, sum(gathers), text
+
+
+def test_trainer_gathers_every_ranks_start_memory(pools: Callable[[int], WorkerPool]) -> None:
+    """Two ranks: rank 0 holds both ranks' peaks (host > 0; no device peak on the CPU),
+    gathered through plait.comm (counted); the banner prints the line."""
+    (peaks, counted, text), (other, _, _) = pools(2).run(f"{M}:_body_start_memory")
+    assert other is None
+    assert peaks is not None and [m.rank for m in peaks] == [0, 1]
+    assert all(m.host_bytes > 2**20 and m.device_bytes is None for m in peaks)
+    assert counted == 1  # one counted gather of the peaks
+    assert start_memory_line(peaks) in text

@@ -4,6 +4,7 @@
 command     what it does                                     module
 ==========  ===============================================  =========================
 train       train the built-in transformer                   :mod:`plait.cli.train`
+eval        mean next-token loss and perplexity on a file     :mod:`plait.cli.eval`
 plan        predict memory and step time; search layouts      :mod:`plait.cli.plan`
 calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.bench`
 bench       benchmarks: ``plait bench comm | calibrate``      :mod:`plait.cli.bench`
@@ -37,6 +38,12 @@ def _train() -> Command:
     from plait.cli.train import train_main
 
     return train_main
+
+
+def _eval() -> Command:
+    from plait.cli.eval import eval_main
+
+    return eval_main
 
 
 def _plan() -> Command:
@@ -89,6 +96,7 @@ def _tune() -> Command:
 
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
+    "eval": (_eval, "mean next-token loss and perplexity of a model on a token file"),
     "plan": (_plan, "predict memory and step time; search layouts"),
     "calibrate": (_calibrate, "alias of `plait bench calibrate`"),
     "bench": (_bench, "benchmarks: `plait bench comm | calibrate`"),

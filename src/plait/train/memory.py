@@ -8,16 +8,27 @@ can be compared with the ZeRO formulas (bytes per parameter with bf16 parameters
 masters and Adam: stage 0: 16, stage 1: 2 + 2 + 12/N, stage 2: 2 + 14/N, stage 3: 16/N)
 up to padding. ``peak_memory`` gives the allocator's peak where the device reports one
 (CUDA); on the CPU there is no such counter and it returns None.
+
+Start-up memory: :func:`host_peak_bytes` is this process's peak resident set since it
+started (``VmHWM`` of ``/proc/self/status``, else ``getrusage``'s ``ru_maxrss``), and
+:func:`gather_start_memory` collects it and the device's allocator peak from every rank
+to rank 0 through :mod:`plait.comm` (counted), for the start banner: what building and
+loading the model cost each rank.
 """
 
 from __future__ import annotations
 
+import resource
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from plait import comm
+from plait.mesh import Mesh
 from plait.parallel.data import DataParallel
 
 CATEGORIES = ("params", "grads", "master", "optimizer", "optimizer_scalars", "gathered")
@@ -173,3 +184,50 @@ def peak_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return None
+
+
+@dataclass(frozen=True)
+class StartMemory:
+    """One rank's peak memory from process start to the end of build and load."""
+
+    rank: int
+    host_bytes: int
+    """Peak resident host memory of the process (bytes)."""
+    device_bytes: int | None
+    """Peak bytes allocated on the rank's accelerator (None on the CPU)."""
+
+
+def host_peak_bytes(status: Path = Path("/proc/self/status")) -> int:
+    """This process's peak resident set size in bytes since it started: ``VmHWM`` of
+    ``status`` (Linux), else ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # "VmHWM:   123456 kB"
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def gather_start_memory(mesh: Mesh) -> list[StartMemory] | None:
+    """Collective over every rank of ``mesh``: each rank's :func:`host_peak_bytes` and
+    device peak (:func:`peak_memory`, not reset first: the peak since the process
+    started), gathered to rank 0 through :mod:`plait.comm`. Returns the list in rank
+    order on rank 0 and None on the other ranks."""
+    device = peak_memory(mesh.device)
+    mine = torch.tensor(
+        [[host_peak_bytes(), -1 if device is None else device]],
+        dtype=torch.int64,
+        device=mesh.device,  # NCCL gathers device tensors only
+    )
+    world = mesh.world()
+    parts = comm.gather(mine, world, dst=world.ranks.index(0))
+    if parts is None:
+        return None
+    rows = torch.cat(parts).tolist()
+    peaks = [
+        StartMemory(world.global_rank(i), int(h), None if d < 0 else int(d))
+        for i, (h, d) in enumerate(rows)
+    ]
+    return sorted(peaks, key=lambda m: m.rank)

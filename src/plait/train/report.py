@@ -1,7 +1,8 @@
 """What a training run tells its console (rank 0), and the summary it returns.
 
 The trainer (:mod:`plait.train.trainer`) only calls these: :func:`banner` at the start
-(mesh, layout, precision, model, data, batch, learning rate, outputs), the notes of the
+(mesh, layout, precision, model, data, batch, learning rate, each rank's peak memory
+while building and loading (:func:`start_memory_line`), outputs), the notes of the
 loop (:func:`straggler_note`, :func:`timeline_line`) and the end (:func:`stop_line`,
 :func:`stragglers_line`, :func:`summary_line`). The per-rank memory report is
 :meth:`plait.train.memory.MemoryReport.format`. Every function returns text; none prints.
@@ -19,6 +20,7 @@ import torch
 from plait.config import Config
 from plait.mesh import Mesh
 from plait.train.data import truncation_note
+from plait.train.memory import StartMemory
 
 
 @dataclass
@@ -64,6 +66,9 @@ class RunFacts:
     """Where the MFU peak comes from."""
     loggers: Sequence[str]
     """The names of rank 0's loggers."""
+    start_memory: Sequence[StartMemory] = ()
+    """Every rank's peak memory while building and loading
+    (:func:`~plait.train.memory.gather_start_memory`; empty: not measured)."""
 
 
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
@@ -97,8 +102,27 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{'pipeline micro-batches' if mesh.size('pp') > 1 else 'accumulation'} "
         f"{run.accumulation}; {lr_note}; "
         f"{t.steps} steps on {mesh.device.type}\n"
-        f"plait: MFU peak {run.peak_source}" + outputs_note(cfg, run.loggers)
+        f"plait: MFU peak {run.peak_source}"
+        + (f"\n{start_memory_line(run.start_memory)}" if run.start_memory else "")
+        + outputs_note(cfg, run.loggers)
     )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def start_memory_line(peaks: Sequence[StartMemory]) -> str:
+    """One line: each rank's peak host memory (resident set) and device memory
+    (allocator peak, where the device reports one) from process start to the end of
+    building the model and loading its weights."""
+    ranks = []
+    for m in peaks:
+        text = f"rank {m.rank} host {_mib(m.host_bytes)}"
+        if m.device_bytes is not None:
+            text += f", device {_mib(m.device_bytes)}"
+        ranks.append(text)
+    return "plait: peak memory at start (build and load): " + "; ".join(ranks)
 
 
 def outputs_note(cfg: Config, loggers: Sequence[str]) -> str:

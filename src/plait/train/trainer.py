@@ -54,7 +54,13 @@ from plait.train.data import (
 )
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
-from plait.train.memory import MemoryReport, memory_report, peak_memory, reset_peak_memory
+from plait.train.memory import (
+    MemoryReport,
+    gather_start_memory,
+    memory_report,
+    peak_memory,
+    reset_peak_memory,
+)
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
 from plait.train.report import (
     RunFacts,
@@ -127,6 +133,7 @@ class Trainer:
         except BaseException:
             self.checkpoints.close()
             raise
+        self.start_memory = gather_start_memory(mesh)  # rank 0: every rank's build/load peak
 
     def _build(self, cfg: Config, mesh: Mesh, base: nn.Module) -> None:
         world = mesh.world_size
@@ -380,4 +387,5 @@ class Trainer:
             accumulation=self.accum,
             peak_source=self.peak_source,
             loggers=[lg.name for lg in self.loggers],
+            start_memory=self.start_memory or (),
         )

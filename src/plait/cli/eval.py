@@ -1,0 +1,295 @@
+"""``plait eval``: the mean next-token loss and perplexity of a model on a token file.
+
+``plait eval --init-from DIR_OR_CKPT --data FILE --seq-len S [--batches N]`` cuts the
+data's tokens (in file order) into the windows ``tokens[i·S : i·S + S + 1]``, i = 0, 1,
+…; each window's first S tokens are the inputs and its last S the targets. The last
+``(T - 1) mod S`` tokens, a partial window, are not evaluated (the console says how
+many). Without ``--batches`` every window is evaluated; with it, the first N global
+batches of ``train.global_batch`` windows. A text source is read whole
+(``data.max_bytes`` defaults to 0 here, unlike ``plait train``).
+
+The layout is the training run's: the same flags and TOML (``--nproc --dp --tp --pp
+--cp --zero`` ..., :mod:`plait.cli.train`), the same launcher, and the same loading path
+as the trainer (build the model, :class:`~plait.checkpoint.Checkpointing` checks the
+``train.init_from`` tensors, ``parallelize``, then each rank reads its own pieces), so
+whatever ``--init-from`` accepts for ``plait train`` it accepts here. Each global batch
+goes through :meth:`~plait.parallel.model.ParallelModel.evaluate` (each dp rank its
+contiguous slice; the loss averaged over dp). Windows that do not fill a whole batch
+are evaluated too, weighted exactly: groups of dp windows (each dp rank one window,
+repeated to fill its slice), then single windows (every rank the same one), so the
+result is the mean over all windows on any layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from plait.config import Config
+    from plait.launch.local import RankEnv
+    from plait.mesh import Mesh
+    from plait.parallel.model import ParallelModel
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What ``plait eval`` measured."""
+
+    loss: float
+    """Mean next-token cross-entropy over every evaluated token (nats)."""
+    windows: int
+    """Windows of ``seq_len + 1`` tokens evaluated."""
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        """Predicted tokens (``windows x seq_len``)."""
+        return self.windows * self.seq_len
+
+    @property
+    def perplexity(self) -> float:
+        """``exp(loss)`` (inf when it overflows)."""
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+def window_batches(
+    windows: int, batch: int, dp: int, batches: int | None = None
+) -> list[tuple[list[int], int]]:
+    """The global batches that evaluate windows ``0 .. windows-1``, each as (its ``batch``
+    window indices, dp rank r taking the r-th contiguous slice; how many distinct windows
+    its loss stands for). ``batches`` given: exactly that many whole batches. Else every
+    window: whole batches, then groups of ``dp`` windows (one per dp rank, repeated to
+    fill its slice; the dp mean is their mean), then single windows (on every rank)."""
+    full = windows // batch if batches is None else batches
+    plan = [(list(range(b * batch, (b + 1) * batch)), batch) for b in range(full)]
+    if batches is not None:
+        return plan
+    per = batch // dp
+    rest = list(range(full * batch, windows))
+    while len(rest) >= dp > 1:
+        group, rest = rest[:dp], rest[dp:]
+        plan.append(([w for w in group for _ in range(per)], dp))
+    plan += [([w] * batch, 1) for w in rest]
+    return plan
+
+
+def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
+    """The model of ``cfg`` on ``mesh`` with ``train.init_from``'s weights, loaded the
+    way the trainer loads them: build, check the tensors, ``parallelize``, then every
+    rank reads its own pieces (into the optimizer's masters where it keeps them)."""
+    import torch
+
+    from plait.checkpoint import Checkpointing, TrainState
+    from plait.model.factory import build_model
+    from plait.optim import Optimizer
+    from plait.parallel.parallelize import parallelize
+    from plait.train.data import BatchSampler
+    from plait.train.trainer import make_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    base = build_model(cfg.model, seed=cfg.train.seed).to(mesh.device)
+    checkpoints = Checkpointing(cfg, mesh)
+    try:
+        checkpoints.load_weights(base)
+        model = parallelize(base, mesh, cfg)
+        optimizer = Optimizer(model, make_optimizer(model, cfg))
+        dp = mesh.size("dp")
+        sampler = BatchSampler(cfg.train.global_batch, cfg.train.global_batch, 0, dp, 0)
+        checkpoints.restore(TrainState(model, optimizer, sampler, mesh, cfg))
+    finally:
+        checkpoints.close()
+    model.eval()
+    return model
+
+
+def evaluate_tokens(
+    model: ParallelModel, tokens: np.ndarray, cfg: Config, batches: int | None = None
+) -> EvalResult:
+    """Mean loss of ``model`` over the windows of ``tokens`` (see the module
+    docstring), in global batches of ``train.global_batch``; the same on every rank."""
+    import torch
+
+    from plait.train.data import TokenDataset
+
+    mesh = model.mesh
+    seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
+    data = TokenDataset(tokens, seq_len)
+    dp, r = mesh.size("dp"), mesh.index("dp")
+    per = batch // dp
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for indices, weight in window_batches(len(data), batch, dp, batches):
+            x, y = data.batch(indices[r * per : (r + 1) * per])
+            loss = model.evaluate(x.to(mesh.device), y.to(mesh.device))
+            total += float(loss) * weight
+            count += weight
+    return EvalResult(total / max(1, count), count, seq_len)
+
+
+def check_eval_data(tokens: np.ndarray, cfg: Config, batches: int | None) -> int:
+    """Refuse data without one window (or without ``batches`` global batches) of
+    ``train.seq_len + 1`` tokens, or with token ids outside the vocabulary; returns the
+    number of windows."""
+    from plait.train.data import check_vocab
+
+    seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
+    check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
+    windows = max(0, (len(tokens) - 1) // seq_len)
+    if windows == 0:
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than the data: {cfg.data.source} gives "
+            f"{len(tokens)} tokens and one window needs {seq_len} + 1; use a shorter "
+            "--seq-len or more data."
+        )
+    if batches is not None and batches * batch > windows:
+        raise ConfigError(
+            f"--batches {batches} needs {batches} x {batch} (train.global_batch) windows of "
+            f"{seq_len} + 1 tokens but {cfg.data.source} has {windows}; use --batches "
+            f"{windows // batch} or fewer, or leave it out to evaluate every window."
+        )
+    return windows
+
+
+def result_line(res: EvalResult, source: str, dropped: int) -> str:
+    """The line ``plait eval`` prints: loss, perplexity, what was evaluated."""
+    tail = f"; the last {dropped} token(s), a partial window, not evaluated" if dropped else ""
+    return (
+        f"plait: eval loss {res.loss:.6f}, perplexity {res.perplexity:.4f} over "
+        f"{res.windows:,} windows of {res.seq_len} + 1 tokens ({res.tokens:,} predicted) "
+        f"of {source}{tail}"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="plait eval",
+        description=(
+            "Mean next-token loss and perplexity of the model in --init-from (a checkpoint "
+            "folder or consolidated weights file) over the windows tokens[i*S : i*S+S+1] "
+            "of --data in file order, S = --seq-len. Layout flags and --config as for "
+            "plait train (--nproc --dp --tp --pp --cp --zero, --model.* ...)."
+        ),
+    )
+    p.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
+    p.add_argument(
+        "--batches",
+        type=int,
+        metavar="N",
+        help="evaluate only the first N global batches (train.global_batch windows each)",
+    )
+    return p
+
+
+def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
+    """The run's config (the train command's flags and TOML) and ``--batches``."""
+    from plait.config_io import (
+        config_from_dict,
+        load_config_data,
+        parse_override_flags,
+        unknown_flag_error,
+    )
+
+    overrides, remaining = parse_override_flags(rest)
+    parser = _parser()
+    ns, unknown = parser.parse_known_args(list(remaining))
+    if unknown:
+        flags = [a for a in unknown if a.startswith("-")]
+        if flags:
+            raise unknown_flag_error(
+                flags[0], [o for a in parser._actions for o in a.option_strings]
+            )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if ns.batches is not None and ns.batches <= 0:
+        raise ConfigError(f"--batches must be positive, got {ns.batches}.")
+    data = load_config_data(ns.config, overrides)
+    data.setdefault("data", {}).setdefault("max_bytes", 0)  # the whole file
+    cfg = config_from_dict(data)
+    if not cfg.train.init_from:
+        raise ConfigError(
+            "plait eval needs --init-from PATH: a checkpoint folder or a consolidated "
+            "weights file (plait checkpoint consolidate)."
+        )
+    return cfg, ns.batches
+
+
+def _eval(rest: Sequence[str]) -> int:
+    """Validate, then evaluate here (one process, or a rank) or start the ranks."""
+    from plait.checkpoint import check_start
+    from plait.cli.train import _check_device
+    from plait.launch.local import launch_local, torchrun_env
+    from plait.parallel.checks import validate_run
+    from plait.train.data import load_tokens
+
+    cfg, batches = _config(rest)
+    env = torchrun_env()
+    world = env.world_size if env is not None else cfg.launch.nproc
+    _check_device(cfg)
+    validate_run(cfg, world)
+    check_start(cfg, probe_lock=False)  # init_from exists
+    tokens = load_tokens(cfg.data)
+    windows = check_eval_data(tokens, cfg, batches)
+    if env is None and world > 1:
+        return launch_local(world, ["eval", *rest])
+    res = _run(cfg, env, tokens, batches)
+    if env is None or env.rank == 0:
+        dropped = len(tokens) - 1 - windows * cfg.train.seq_len if batches is None else 0
+        print(result_line(res, cfg.data.source, dropped), flush=True)
+    if env is not None:  # a torchrun child: leave without gloo's exit-time abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _run(cfg: Config, env: RankEnv | None, tokens: Any, batches: int | None) -> EvalResult:
+    """Join the world (a rank), build the mesh, load and evaluate."""
+    import torch
+
+    from plait import comm
+    from plait.launch.parent import die_with_parent
+    from plait.launch.worker import resolve_backend, resolve_device
+    from plait.mesh import init_mesh
+
+    if env is not None:
+        die_with_parent()
+    device = resolve_device(cfg, env.local_rank if env else 0)
+    local_world = env.local_world_size if env else 1
+    torch.set_num_threads(cfg.launch.threads or max(1, (os.cpu_count() or 1) // local_world))
+    joined = env is not None and env.world_size > 1
+    p = cfg.parallel
+    if joined and env is not None:
+        comm.init_world(
+            resolve_backend(cfg, device), env.rank, env.world_size, timeout_s=p.timeout_s
+        )
+    try:
+        mesh = init_mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device)
+        return evaluate_tokens(load_model(cfg, mesh), tokens, cfg, batches)
+    finally:
+        if joined:
+            comm.destroy_world()
+
+
+def eval_main(rest: Sequence[str]) -> int:
+    """``plait eval``."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from plait.errors import PlaitError
+    from plait.launch.local import torchrun_env, under_plait_launcher
+
+    run = record(_eval) if torchrun_env() is not None else _eval
+    try:
+        return int(run(rest) or 0)
+    except PlaitError as e:
+        if not under_plait_launcher():
+            raise
+        return 2 if isinstance(e, ConfigError) else 1
