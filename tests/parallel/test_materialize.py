@@ -2,8 +2,8 @@
 the one-device build's weights.
 
 For every layout (1 process, dp2, ZeRO-1/2/3 dp2, tp2, pp2, cp2, and dp2×tp2, tp2×pp2,
-ZeRO-3 dp2×tp2 and ZeRO-3 dp2×pp2 on 4 ranks) the built-in transformer is built on the meta device and
-passed to ``parallelize``; on each rank:
+ZeRO-3 dp2×tp2 and ZeRO-3 dp2×pp2 on 4 ranks) the built-in transformer is built on the
+meta device and passed to ``parallelize``; on each rank:
 
 * no tensor is left on the meta device, and every piece the rank describes
   (``local_pieces()``: its tensor-parallel block, its pipeline stage, its ZeRO shard
