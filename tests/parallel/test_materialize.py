@@ -83,14 +83,17 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _body_layout(ctx: WorkerContext, layout: str, tie: bool) -> dict[str, Any]:
+def _body_layout(
+    ctx: WorkerContext, layout: str, tie: bool, balance: str = "equal"
+) -> dict[str, Any]:
     _, dp, tp, pp, cp, zero = LAYOUTS[layout]
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = dataclasses.replace(CFG, tie_embeddings=tie)
     full = Transformer(cfg, seed=SEED)  # the one-device build, on the CPU
     with torch.device("meta"):
         model = Transformer(cfg, seed=SEED)
-    pm = parallelize(model, mesh, ParallelConfig(microbatches=2), zero=zero)
+    pcfg = ParallelConfig(microbatches=2, balance=balance)  # type: ignore[arg-type]
+    pm = parallelize(model, mesh, pcfg, zero=zero)
     left = [n for n, t in [*pm.named_parameters(), *pm.named_buffers()] if t.is_meta]
     assert not left, f"left on the meta device: {left}"
     # every piece equals the one-device value's slice, bit for bit
@@ -145,6 +148,13 @@ def test_meta_build_equals_one_device_build(pools: Pools, layout: str, tie: bool
         for r in results:  # the full replica, nothing more
             zero_pad = r["expected"] - rope - total
             assert 0 <= zero_pad < 4 * (CFG.n_layers + 4), (layout, r)
+
+
+def test_measured_pipeline_balance_profiles_real_weights(pools: Pools) -> None:
+    """``balance = "measured"`` profiles every block, so the (tp-local) whole model is
+    materialised before the split; the pieces kept are still the one-device values."""
+    for r in pools(4).run(_body_layout, "tp2 x pp2", False, "measured"):
+        assert r["held"] == r["expected"], r
 
 
 OTHER = {

@@ -153,11 +153,17 @@ def parallelize(
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
     names, aliases = _one_device_names(model)
+    init: LocalInit | None = None
     param_names = list(names.values())
     # 2. context parallelism over cp: attention cores and token positions.
     context = apply_context_parallel(model, mesh, p.cp_attention) if mesh.size("cp") > 1 else None
     # 3. pipeline split (pp > 1): keep this rank's pieces.
     inner: nn.Module = model
+    if values is not None and pp > 1 and p.balance == "measured":
+        # the profile runs every block: materialise the (tp-local) whole model first
+        init = LocalInit(values, {**start_names, **names}, mesh.index("tp"))
+        materialize_module([model], init, mesh.device)
+        values = None
     if pp > 1:
         seq = full.train.seq_len // mesh.size("cp") if full else 0
         shape = (full.micro_batch(mesh.world_size), seq) if full else (1, 0)
@@ -180,7 +186,7 @@ def parallelize(
         and not policy.needs_master_weights
         and policy.grad_reduce_dtype == policy.param_dtype
     )
-    init: LocalInit | None = None
+    init = None
     if values is not None:  # allocate only what this rank keeps (ZeRO-3: shards itself)
         init = LocalInit(values, {**start_names, **names}, mesh.index("tp"))
         zero3 = not plain and p.zero == 3
