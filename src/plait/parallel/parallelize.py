@@ -209,6 +209,7 @@ def parallelize(
             find_unused_parameters=p.find_unused_parameters,
             axes=data_axes(mesh),
             compressor=compressor,
+            broadcast=init is None,  # materialised values are equal on every rank
         )
     else:
         wrapped = ZeroDataParallel(
