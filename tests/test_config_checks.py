@@ -18,6 +18,7 @@ from plait.config_checks import (
     check_choice,
     check_chunks,
     check_compression,
+    check_compression_warmup,
     check_cp_sequence,
     check_offload,
     check_pipeline,
@@ -274,6 +275,16 @@ def test_check_compression() -> None:
         check_compression("fp16", 0, "bf16", "auto")
     with pytest.raises(ConfigError, match=r"reduce_dtype = 'fp16'"):
         check_compression("fp16", 0, "fp32", "fp16")
+
+
+def test_check_compression_warmup() -> None:
+    check_compression_warmup(0, 0.01)
+    check_compression_warmup(500, 0.01)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match=r"compression_warmup_steps must be a whole .*25 %"):
+            check_compression_warmup(bad, 0.01)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="compression_warmup_steps"):
+        config.ParallelConfig(compression_warmup_steps=-3)
 
 
 def test_check_pp_reshard_and_chunks() -> None:

@@ -25,11 +25,13 @@ from plait.config_checks import (
     check_batch,
     check_choice,
     check_compression,
+    check_compression_warmup,
     check_cp_sequence,
     check_offload,
     check_pipeline,
     check_positive,
     check_pp_reshard,
+    check_rope_scaling,
     check_seq_len,
     check_shard_size,
     check_sp_under_cp,
@@ -52,6 +54,7 @@ Balance = Literal["equal", "measured"]
 PPGradReduce = Literal["step", "microbatch"]
 AttentionKind = Literal["sdpa", "blockwise"]
 ModelFamily = Literal["plait", "hf-llama"]
+RopeScaling = Literal["none", "linear", "llama3"]
 CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 WandbMode = Literal["off", "offline", "online"]
@@ -129,6 +132,20 @@ class ModelConfig:
     """Longest sequence the rotary tables are built for."""
     rope_theta: float = 10000.0
     """Base of the rotary position frequencies."""
+    rope_scaling: RopeScaling = "none"
+    """Rotary frequency scaling, as Hugging Face's rope_scaling: 'none', 'linear' (every
+    frequency divided by rope_factor) or 'llama3' (Llama 3.1's: wavelengths above
+    rope_original_max_seq_len / rope_low_freq_factor divided by rope_factor, below
+    rope_original_max_seq_len / rope_high_freq_factor kept, smoothed between). Set from
+    config.json by --init-from a Hugging Face folder."""
+    rope_factor: float = 1.0
+    """The rope_scaling factor."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3' scaling's low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3' scaling's high_freq_factor."""
+    rope_original_max_seq_len: int = 8192
+    """'llama3' scaling's original_max_position_embeddings (the pretraining length)."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm."""
     tie_embeddings: bool = False
@@ -163,9 +180,14 @@ class ModelConfig:
             multiple_of=self.multiple_of,
             max_seq_len=self.max_seq_len,
             rope_theta=self.rope_theta,
+            rope_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_max_seq_len=self.rope_original_max_seq_len,
             norm_eps=self.norm_eps,
             init_std=self.init_std,
         )
+        check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})."
@@ -296,6 +318,9 @@ class ParallelConfig:
     """powersgd: the approximation rank r (>= 1) of each matrix-shaped gradient."""
     compression_start: int = 0
     """Plain (uncompressed) steps before compression begins (PowerSGD's start_iter)."""
+    compression_warmup_steps: int = 0
+    """topk: sparsity warm-up (Deep Gradient Compression): over this many compressed
+    steps the density decays exponentially from 25 % to compression_ratio (0: none)."""
     backend: Backend = "auto"
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0
@@ -333,6 +358,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.compression_start must be >= 0, got {self.compression_start}."
             )
+        check_compression_warmup(self.compression_warmup_steps, self.compression_ratio)
 
     def resolved_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of ``world_size`` ranks."""

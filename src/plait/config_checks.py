@@ -12,7 +12,7 @@ the device's dtypes) are in :func:`plait.parallel.checks.validate_run`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from plait.errors import ConfigError
 
@@ -170,6 +170,17 @@ def check_compression(
         )
 
 
+def check_compression_warmup(steps: int, ratio: float) -> None:
+    """Top-k's sparsity warm-up (``parallel.compression_warmup_steps``) is a whole number
+    of steps, 0 or more; the density it decays to, ``ratio``, is top-k's in (0, 1]."""
+    if type(steps) is not int or steps < 0:
+        raise ConfigError(
+            f"parallel.compression_warmup_steps must be a whole number >= 0, got {steps!r} "
+            "(the compressed steps over which top-k's density decays from 25 % to "
+            f"parallel.compression_ratio = {ratio}; 0 turns the warm-up off)."
+        )
+
+
 def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
     """The hybrid sharding factor F (None: dp) of ZeRO divides the data-parallel degree
     ``dp``; stage 0 replicates everything (F = 1)."""
@@ -278,4 +289,39 @@ def check_pipeline(
         raise ConfigError(
             f"train.micro_batch ({micro_batch}) x parallel.microbatches ({m}) must equal "
             f"the per-rank batch global_batch / dp = {per_rank}; leave one of them unset."
+        )
+
+
+def check_rope_scaling(kind: str, low_freq_factor: float, high_freq_factor: float) -> None:
+    """'llama3' RoPE scaling smooths between two wavelengths: high_freq_factor must
+    exceed low_freq_factor."""
+    if kind == "llama3" and high_freq_factor <= low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor ({high_freq_factor}) must exceed "
+            f"model.rope_low_freq_factor ({low_freq_factor}) for rope_scaling 'llama3'."
+        )
+
+
+def check_pretrained_model(
+    given: Mapping[str, object], fixed: Mapping[str, object], source: str
+) -> None:
+    """Model flags ``given`` (``model.<field>`` -> value) must agree with the fields
+    ``fixed`` by pretrained weights' ``config.json`` at ``source``; ``max_seq_len`` may be
+    shorter (the rotary tables are cut, the weights do not change); ``factory`` is not
+    loaded from pretrained weights."""
+    if given.get("factory"):
+        raise ConfigError(
+            f"model.factory and train.init_from {source} (a Hugging Face model) both set: "
+            "pretrained weights load into the built-in transformer or model.family hf-llama."
+        )
+    for key, want in fixed.items():
+        have = given.get(key)
+        if have is None or have == want:
+            continue
+        shorter = isinstance(have, int) and isinstance(want, int) and have <= want
+        if key == "max_seq_len" and shorter:
+            continue
+        raise ConfigError(
+            f"model.{key} = {have!r} contradicts {source}/config.json, which has {want!r}; "
+            f"leave --model.{key} out (the pretrained model's sizes are used)."
         )

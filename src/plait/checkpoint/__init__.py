@@ -29,8 +29,14 @@ the masters and the model's storage, and their optimizer state), whatever layout
 them (:mod:`plait.checkpoint.read`), after the files' checksums were verified once per
 file per host (:mod:`plait.checkpoint.files`). Then the step counters, loss scaler,
 sampler position and this rank's RNG states (:mod:`plait.checkpoint.rank_state`).
-``train.init_from`` (a checkpoint folder or a consolidated file) is read the same way,
-weights only. Which checkpoint a run resumes from, and the checks before any process
+``train.init_from`` (a checkpoint folder, a consolidated file or a Hugging Face model
+folder) is read the same way, weights only.
+
+**Hugging Face** (:mod:`plait.checkpoint.hf`: ``config.json`` <-> ``ModelConfig`` and
+the name map; :mod:`plait.checkpoint.hf_read`: a Hugging Face folder read rank-locally;
+:mod:`plait.checkpoint.hf_export`: any checkpoint written as a Hugging Face folder,
+streaming): :func:`pretrained_config`, :func:`open_hf`, :func:`load_hf_weights`,
+:func:`export_hf`. Which checkpoint a run resumes from, and the checks before any process
 trains: :mod:`plait.checkpoint.resume`.
 
 The names below are the package's surface: code outside it imports them from
@@ -50,6 +56,13 @@ from plait.checkpoint.format import (
     read_latest,
     step_dirname,
 )
+from plait.checkpoint.hf import (
+    hf_to_plait,
+    plait_to_hf,
+    pretrained_config,
+)
+from plait.checkpoint.hf_export import DEFAULT_SHARD_SIZE, export_hf
+from plait.checkpoint.hf_read import is_hf_folder, load_hf_weights, open_hf
 from plait.checkpoint.load import restore_training_state
 from plait.checkpoint.manager import Checkpointing
 from plait.checkpoint.read import CheckpointReader, consolidate
@@ -59,6 +72,7 @@ from plait.checkpoint.write import CheckpointSaveError, save_checkpoint
 from plait.checkpoint.write_async import AsyncSaver
 
 __all__ = [
+    "DEFAULT_SHARD_SIZE",
     "AsyncSaver",
     "CheckpointError",
     "CheckpointLockedError",
@@ -70,8 +84,15 @@ __all__ = [
     "TrainState",
     "check_start",
     "consolidate",
+    "export_hf",
     "find_checkpoint",
     "finished_step",
+    "hf_to_plait",
+    "is_hf_folder",
+    "load_hf_weights",
+    "open_hf",
+    "plait_to_hf",
+    "pretrained_config",
     "read_latest",
     "restore_training_state",
     "save_checkpoint",

@@ -30,6 +30,7 @@ from torch import nn
 
 from plait.checkpoint.files import verify_collective
 from plait.checkpoint.format import CheckpointError, dtype_from_name
+from plait.checkpoint.hf_read import is_hf_folder, open_hf
 from plait.checkpoint.rank_state import restore_rank_state, restore_rng
 from plait.checkpoint.read import CheckpointReader
 from plait.checkpoint.state import TrainState
@@ -140,10 +141,14 @@ def restore_training_state(ts: TrainState, reader: CheckpointReader) -> int:
     return reader.step
 
 
-def open_weights(path: str, mesh: Mesh) -> CheckpointReader:
-    """``train.init_from``: a checkpoint folder (its files verified once per host) or a
-    consolidated safetensors file, opened for rank-local reads."""
+def open_weights(path: str, mesh: Mesh, family: str = "plait") -> CheckpointReader:
+    """``train.init_from``: a checkpoint folder (its files verified once per host), a
+    consolidated safetensors file or a Hugging Face model folder (no metadata.json; its
+    names mapped to ``family``'s, :func:`~plait.checkpoint.hf_read.open_hf`), opened
+    for rank-local reads."""
     p = Path(path)
+    if is_hf_folder(p):
+        return open_hf(p, family)
     if p.is_dir():
         reader = CheckpointReader(p, verify=False)
         verify_collective(p, reader.meta, mesh)

@@ -70,9 +70,10 @@ class Checkpointing:
                 self.resumed_from = self.reader.folder.name
         self.init_from = t.init_from
         self.weights: CheckpointReader | None = None
-        """``init_from``'s weights (a checkpoint folder or a consolidated file)."""
+        """``init_from``'s weights (a checkpoint folder, a consolidated file or a Hugging
+        Face model folder)."""
         if self.reader is None and t.init_from:
-            self.weights = open_weights(t.init_from, mesh)
+            self.weights = open_weights(t.init_from, mesh, cfg.model.family)
         self.steps = t.steps
         self.saved: list[Path] = []
         self.on_stage: SaveHook | None = None

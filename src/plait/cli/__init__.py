@@ -9,7 +9,7 @@ plan        predict memory and step time; search layouts      :mod:`plait.cli.pl
 calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.bench`
 bench       benchmarks: ``plait bench comm | calibrate``      :mod:`plait.cli.bench`
 ps-train    parameter-server training (sync/async/bounded)   :mod:`plait.cli.ps`
-checkpoint  checkpoint info | consolidate                    :mod:`plait.cli.checkpoint`
+checkpoint  checkpoint info | consolidate | export           :mod:`plait.cli.checkpoint`
 pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pipeline`
 plot        draw runs' metrics (loss, val, tokens/s, comm)   :mod:`plait.cli.plot`
 tune        hyperparameter search on Ray Tune                :mod:`plait.cli.tune`
@@ -101,7 +101,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "calibrate": (_calibrate, "alias of `plait bench calibrate`"),
     "bench": (_bench, "benchmarks: `plait bench comm | calibrate`"),
     "ps-train": (_ps_train, "parameter-server training (sync/async/bounded)"),
-    "checkpoint": (_checkpoint, "checkpoint info | consolidate"),
+    "checkpoint": (_checkpoint, "checkpoint info | consolidate | export"),
     "pipeline": (_pipeline, "pipeline schedules: draw | show"),
     "plot": (_plot, "draw runs' metrics (loss, validation loss, tokens/s, comm) into a PNG"),
     "tune": (_tune, "hyperparameter search on Ray Tune (each trial a multi-rank run)"),

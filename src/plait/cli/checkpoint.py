@@ -6,6 +6,10 @@
 * ``plait checkpoint consolidate PATH -o model.safetensors`` writes the whole model
   into one safetensors file with one-device names; ``plait train --init-from FILE``
   starts a run from it under any layout.
+* ``plait checkpoint export PATH --format hf -o DIR [--shard-size BYTES]`` writes the
+  model as a Hugging Face Llama folder (``config.json``, safetensors shards and their
+  index) that ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads,
+  streaming tensor by tensor.
 
 PATH is a checkpoint folder (``step_<n>``) or a checkpoint root (what its ``latest``
 names). A corrupt checkpoint is reported with the failing file (exit code 2). The
@@ -34,7 +38,33 @@ def _parser() -> argparse.ArgumentParser:
     cons = sub.add_parser("consolidate", help="write the full model as one safetensors file")
     cons.add_argument("path", help="checkpoint folder or checkpoint root")
     cons.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    exp = sub.add_parser("export", help="write the model in another format (Hugging Face)")
+    exp.add_argument("path", help="checkpoint folder or checkpoint root")
+    exp.add_argument("--format", choices=["hf"], default="hf", help="hf: a Hugging Face folder")
+    exp.add_argument("-o", "--output", required=True, help="the folder to write (new or empty)")
+    exp.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="largest safetensors file, in bytes (default 5 GB)",
+    )
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``plait checkpoint export``."""
+    from plait.checkpoint import DEFAULT_SHARD_SIZE, export_hf
+
+    reader = _open(args.path)
+    summary = export_hf(reader, args.output, args.shard_size or DEFAULT_SHARD_SIZE)
+    print(
+        f"plait: wrote {args.output} ({len(summary['files'])} safetensors file(s), "
+        f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
+        f"{summary['bytes']:,} bytes) from step {summary['step']} of {reader.folder}; load "
+        f"it with transformers.AutoModelForCausalLM.from_pretrained({str(args.output)!r})"
+    )
+    return 0
 
 
 def _open(path: str) -> CheckpointReader:
@@ -84,6 +114,8 @@ def checkpoint_main(argv: Sequence[str]) -> int:
             text = text.split("\ntensors:")[0]
         print(text)
         return 0
+    if args.action == "export":
+        return _export(args)
     check_output_path(args.output, "-o/--output")  # before the checkpoint is read
     reader = _open(args.path)
     out = Path(args.output)

@@ -215,11 +215,14 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
         raise ConfigError(f"--batches must be positive, got {ns.batches}.")
     data = load_config_data(ns.config, overrides)
     data.setdefault("data", {}).setdefault("max_bytes", 0)  # the whole file
+    from plait.cli.train import pretrained_defaults
+
+    pretrained_defaults(data)  # a Hugging Face folder: the sizes from its config.json
     cfg = config_from_dict(data)
     if not cfg.train.init_from:
         raise ConfigError(
-            "plait eval needs --init-from PATH: a checkpoint folder or a consolidated "
-            "weights file (plait checkpoint consolidate)."
+            "plait eval needs --init-from PATH: a checkpoint folder, a consolidated "
+            "weights file (plait checkpoint consolidate) or a Hugging Face model folder."
         )
     return cfg, ns.batches
 

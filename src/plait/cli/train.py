@@ -84,6 +84,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         overrides.append("launch.backend=ray")
     data = load_config_data(ns.config, overrides)
     notes = run_defaults(data)
+    notes += pretrained_defaults(data)
     cfg = config_from_dict(data)
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
@@ -161,6 +162,35 @@ def run_defaults(data: dict[str, Any]) -> list[str]:
             "(under log.dir)"
         )
     return notes
+
+
+def pretrained_defaults(data: dict[str, Any]) -> list[str]:
+    """When ``train.init_from`` is a Hugging Face model folder, fill the model section of
+    the raw config ``data`` from its ``config.json`` (flags that contradict it are
+    refused) and check its weight files' headers (every shard there, every tensor of the
+    right shape), before any process starts. Returns what was done, in words."""
+    init_from = data.get("train", {}).get("init_from")
+    if not init_from:
+        return []
+    from plait.checkpoint.hf_read import is_hf_folder
+
+    if not is_hf_folder(init_from):
+        return []
+    from plait.checkpoint.hf import model_fields, read_hf_config
+    from plait.checkpoint.hf_read import open_hf
+    from plait.config_checks import check_pretrained_model
+
+    fixed = model_fields(read_hf_config(init_from), str(init_from))
+    model = data.setdefault("model", {})
+    check_pretrained_model(model, fixed, str(init_from))
+    model.update({k: v for k, v in fixed.items() if k not in model})
+    open_hf(init_from, str(model.get("family", "plait"))).close()
+    arch = "the built-in transformer" if model.get("family", "plait") == "plait" else "hf-llama"
+    return [
+        f"model from {init_from}/config.json: {fixed['n_layers']} layers, dim {fixed['dim']}, "
+        f"{fixed['n_heads']} heads ({fixed['n_kv_heads']} key/value), vocabulary "
+        f"{fixed['vocab_size']}; loaded into {arch}"
+    ]
 
 
 def _check_device(cfg: Config) -> None:

@@ -52,14 +52,39 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_rope(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``inv_freq`` ``(head_dim // 2,)`` float64 with ``cfg.rope_scaling`` applied, as
+    Hugging Face's ``linear`` and ``llama3`` rope types compute it."""
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    old, low, high = (
+        cfg.rope_original_max_seq_len,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+    )
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / cfg.rope_factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary cos/sin tables, each ``(max_seq_len, head_dim // 2)`` float32 on the CPU.
 
     Pair ``j`` of a head (channels ``j`` and ``j + head_dim/2``) rotates at frequency
-    ``theta ** (-2j / head_dim)``; the angles are computed in float64.
+    ``theta ** (-2j / head_dim)`` (scaled by ``cfg``'s ``rope_scaling``, if given,
+    :func:`scale_rope`); the angles are computed in float64.
     """
     f64, cpu = torch.float64, torch.device("cpu")
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=f64, device=cpu) / head_dim)
+    if cfg is not None:
+        inv_freq = scale_rope(inv_freq, cfg)
     pos = torch.arange(max_seq_len, dtype=f64, device=cpu)
     angles = torch.outer(pos, inv_freq)  # (max_seq_len, head_dim // 2)
     return angles.cos().float(), angles.sin().float()
@@ -289,7 +314,9 @@ class Transformer(nn.Module):
         now) that depends only on ``seed`` and ``name`` (see :meth:`init_weights`); works
         on the meta device, where ``parallelize`` calls it for each tensor a rank keeps."""
         if name in ("rope_cos", "rope_sin"):
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+            cos, sin = rope_tables(
+                self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg
+            )
             return cos if name == "rope_cos" else sin
         if shape is None:
             shape = self.get_parameter(name).shape

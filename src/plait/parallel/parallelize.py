@@ -197,6 +197,7 @@ def parallelize(
             ratio=p.compression_ratio,
             rank=p.compression_rank,
             start=p.compression_start,
+            warmup=p.compression_warmup_steps,
         )
     if compressor is not None:  # the plain path only (same rule as the config's)
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)

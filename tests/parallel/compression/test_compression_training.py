@@ -82,6 +82,7 @@ def _reverify(folder: str) -> str:
         ["--parallel.compression", "topk", "--parallel.compression_ratio", "1.5"],
         ["--parallel.compression", "powersgd", "--parallel.compression_rank", "0"],
         ["--parallel.compression_start", "-1"],
+        ["--parallel.compression", "topk", "--parallel.compression_warmup_steps", "-1"],
         ["--parallel.compression", "topk", "--parallel.zero", "2"],
         ["--parallel.compression", "bf16", "--precision.dtype", "bf16"],
     ],

@@ -41,6 +41,8 @@ def _make(name: str) -> Compressor:
         return TopKCompressor(1.0)
     if name == "topk":
         return TopKCompressor(0.1)
+    if name == "topk_warm":  # the sparsity warm-up: 0.25 -> 0.1 over 3 steps
+        return TopKCompressor(0.1, warmup=3)
     if name == "powersgd_full":
         return PowerSGDCompressor(rank=64, min_compression_rate=0.0)
     if name == "powersgd":
@@ -50,9 +52,7 @@ def _make(name: str) -> Compressor:
     raise KeyError(name)
 
 
-def _body_exact(
-    ctx: WorkerContext, name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _body_exact(ctx: WorkerContext, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mesh = ctx.mesh(dp=ctx.world_size)
     group = mesh.axis("dp")
     c = _make(name)
@@ -115,7 +115,7 @@ def _body_feedback(ctx: WorkerContext, name: str, steps: int) -> dict[str, torch
     }
 
 
-@pytest.mark.parametrize("name", ["topk", "powersgd"])
+@pytest.mark.parametrize("name", ["topk", "topk_warm", "powersgd"])
 def test_error_feedback_loses_nothing(pools: Callable[[int], WorkerPool], name: str) -> None:
     """Per rank: sum of what it sent + its final residual == sum of its true gradients;
     over the group: the applied (reduced) gradients are the sum of what the ranks sent."""
@@ -140,9 +140,9 @@ def _body_bytes(ctx: WorkerContext, name: str) -> dict[str, float]:
     mesh.stats.reset()
     flat = _grad(group.index, 0)
     c.reduce(0, flat, SHAPES, group)()
-    return {
-        op: mesh.stats.get("dp", op).bytes for op in ("all_reduce", "all_gather")
-    } | {"calls": float(mesh.stats.get("dp", "all_reduce").calls)}
+    return {op: mesh.stats.get("dp", op).bytes for op in ("all_reduce", "all_gather")} | {
+        "calls": float(mesh.stats.get("dp", "all_reduce").calls)
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -155,7 +155,9 @@ def test_bytes_on_the_wire_equal_the_formula(
     if name in ("bf16", "fp16"):
         want = {"all_reduce": ring * 2 * NUMEL, "all_gather": 0.0}
     elif name == "topk":
-        k = topk_count(NUMEL, 0.05)
+        # per tensor: ceil(0.05 * 240) = 12 of [24, 10], 6 of [6, 4, 5]; vectors whole
+        k = topk_count(240, 0.05) + 10 + topk_count(120, 0.05) + 7
+        assert k == 12 + 10 + 6 + 7
         want = {"all_reduce": 0.0, "all_gather": (n - 1) / n * n * k * (4 + 8)}
     else:
         # rank 2, default min_compression_rate 2: [24, 10] -> (24 + 10) * 2 = 68 <= 120;

@@ -4,8 +4,10 @@
 :class:`Compressor` instead of the plain all-reduce. Methods:
 
 * ``fp16`` / ``bf16`` (:mod:`.cast`): cast, all-reduce, cast back; half the bytes;
-* ``topk`` (:mod:`.topk`): the ``compression_ratio`` largest entries per bucket as
-  (index, value) pairs over an AllGather, error feedback;
+* ``topk`` (:mod:`.topk`): the ``compression_ratio`` largest entries of each matrix as
+  (index, value) pairs over an AllGather, error feedback, Deep Gradient Compression's
+  sparsity warm-up (``compression_warmup_steps``), momentum correction and local
+  clipping;
 * ``powersgd`` (:mod:`.powersgd`): rank-``compression_rank`` power iteration per matrix,
   warm-started, error feedback.
 
@@ -28,15 +30,22 @@ METHODS = COMPRESSIONS  # declared once, in plait.config
 
 
 def make_compressor(
-    method: str, *, ratio: float = 0.01, rank: int = 4, start: int = 0, seed: int = 0
+    method: str,
+    *,
+    ratio: float = 0.01,
+    rank: int = 4,
+    start: int = 0,
+    seed: int = 0,
+    warmup: int = 0,
 ) -> Compressor | None:
-    """The compressor for ``parallel.compression = method`` (None for ``"none"``)."""
+    """The compressor for ``parallel.compression = method`` (None for ``"none"``);
+    ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start)
+        return TopKCompressor(ratio, start, warmup=warmup)
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")

@@ -1,12 +1,26 @@
 """Top-k sparsification with error feedback (Aji & Heafield 2017; Stich et al. 2018).
 
-Each rank adds its error buffer to the bucket, keeps the k = ceil(rho * n) entries of
-largest magnitude, and the ranks exchange ``(index, value)`` pairs with one AllGather
+Each rank adds its error buffer to the bucket, keeps, per matrix-shaped tensor of the
+bucket, the k_i = ceil(rho * n_i) entries of largest magnitude (vectors and scalars,
+biases and norm weights, go whole, as in Deep Gradient Compression: selecting per
+tensor keeps a layer with small gradients from never being sent), and the ranks
+exchange the k = sum k_i ``(index, value)`` pairs with one AllGather
 (indices int32 when the bucket has fewer than 2^31 elements, else int64; values in the
 gradient's dtype, both packed into one byte message). Every rank then adds all ranks'
 pairs into a zero bucket in rank order, so the result (the sum, i.e. the mean of the
 pre-divided gradients) is identical on every rank. What a rank did not send stays in
 its error buffer and is added next step.
+
+Sparsity warm-up (Deep Gradient Compression, Lin et al. 2018): over the first
+``warmup`` compressed steps the density decays exponentially from ``start_ratio``
+(DGC's 25 %) to ``ratio``: at compressed step t (0-based, counted from
+``compression_start``), ``rho_t = rho_0 * (rho / rho_0) ** (t / warmup)`` for
+``t < warmup``, else ``rho`` (:meth:`TopKCompressor.ratio_at`). Early gradients change
+fastest and the error buffers are still empty, so sending more of them first keeps the
+first steps close to the uncompressed run; the warm-up sends more bytes. DGC's momentum
+correction and momentum factor masking (for SGD with momentum) and its local gradient
+clipping are options of :class:`TopKCompressor`; docs/compression.md says which parts
+apply to Adam and why.
 
 Wire bytes per rank and bucket (AllGather output, S in :mod:`plait.comm.stats`):
 ``N * k * (index_bytes + value_bytes)``. With rho = 1 every entry is sent and the result
@@ -35,29 +49,126 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
+DGC_START_RATIO = 0.25
+"""The density a sparsity warm-up starts from (DGC's 75 % sparsity)."""
+
+
+def warmup_ratio(t: int, ratio: float, warmup: int, start_ratio: float = DGC_START_RATIO) -> float:
+    """The density at compressed step ``t`` (0-based) of an exponential warm-up over
+    ``warmup`` steps from ``max(start_ratio, ratio)`` to ``ratio``."""
+    rho0 = max(start_ratio, ratio)
+    if t >= warmup:
+        return ratio
+    return rho0 * (ratio / rho0) ** (max(t, 0) / warmup)
+
+
 class TopKCompressor(Compressor):
-    """Send the ``ratio`` fraction of largest-magnitude entries of each bucket."""
+    """Send the ``ratio`` fraction of largest-magnitude entries of each bucket.
+
+    Args:
+        ratio: the density rho in (0, 1] after the warm-up.
+        start: plain all-reduce steps before compression begins.
+        warmup: compressed steps over which the density decays exponentially from
+            ``start_ratio`` to ``ratio`` (``parallel.compression_warmup_steps``; 0: none).
+        start_ratio: the warm-up's first density (DGC: 0.25).
+        momentum: DGC's momentum correction for SGD with momentum m (0: off, the
+            error feedback on the raw gradient that Adam needs): each rank keeps a
+            velocity ``u = m * u + g`` and accumulates ``v += u``; top-k of ``v`` is sent,
+            and the sent entries of both ``u`` and ``v`` are cleared (momentum factor
+            masking). The optimizer then runs *without* momentum (plain SGD): the
+            momentum is applied here, before the sparsification.
+        clip: local gradient clipping (DGC): before it is accumulated, this rank's
+            bucket (pre-divided by N) is scaled to an L2 norm of at most
+            ``clip / sqrt(N)`` (0: off). ``clip`` is the global clipping threshold.
+    """
 
     name = "topk"
     error_feedback = True
 
-    def __init__(self, ratio: float, start: int = 0) -> None:
+    def __init__(
+        self,
+        ratio: float,
+        start: int = 0,
+        warmup: int = 0,
+        start_ratio: float = DGC_START_RATIO,
+        momentum: float = 0.0,
+        clip: float = 0.0,
+    ) -> None:
         super().__init__(start)
         if not 0.0 < ratio <= 1.0:
             raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
+        if warmup < 0:
+            raise ValueError(f"top-k warm-up steps must be >= 0, got {warmup}")
+        if not 0.0 < start_ratio <= 1.0:
+            raise ValueError(f"top-k warm-up start ratio must be in (0, 1], got {start_ratio}")
+        if not 0.0 <= momentum < 1.0 or clip < 0:
+            raise ValueError(
+                f"top-k momentum must be in [0, 1) and clip >= 0, got {momentum}, {clip}"
+            )
         self.ratio = ratio
+        self.momentum = momentum
+        self.clip = clip
+        self.velocity: dict[int, torch.Tensor] = {}
+        """Per bucket (momentum correction): ``(numel,)`` this rank's velocity u."""
+        self.warmup = warmup
+        self.start_ratio = start_ratio
+
+    def ratio_at(self, step: int) -> float:
+        """The density used at synchronising step ``step`` (0-based, counting the
+        ``start`` plain steps): the warm-up's exponential decay, then ``ratio``."""
+        return warmup_ratio(step - self.start, self.ratio, self.warmup, self.start_ratio)
+
+    @property
+    def current_ratio(self) -> float:
+        """The density this step sends."""
+        return self.ratio_at(self.steps)
+
+    def counts(self, shapes: Sequence[torch.Size], ratio: float | None = None) -> list[int]:
+        """Per tensor of a bucket: the entries sent at density ``ratio`` (default: this
+        step's): ``ceil(ratio * numel)`` for a matrix (at least 1), every entry of a
+        vector or scalar (DGC leaves biases and norm weights uncompressed)."""
+        rho = self.current_ratio if ratio is None else ratio
+        out = []
+        for shape in shapes:
+            numel = math.prod(shape)
+            out.append(topk_count(numel, rho) if len(shape) >= 2 else numel)
+        return out
 
     def reduce(
         self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], group: AxisGroup
     ) -> Finish:
         n = flat.numel()
-        k = topk_count(n, self.ratio)
+        if self.clip > 0:  # local clipping before accumulation (DGC)
+            limit = self.clip / math.sqrt(group.size)
+            norm = float(flat.norm())
+            if norm > limit:
+                flat.mul_(limit / norm)
         err = self.error_of(key, flat)
-        corrected = flat + err  # (n,) gradient plus what earlier steps did not send
-        idx = corrected.abs().topk(k, sorted=False).indices  # (k,) int64
+        u = None
+        if self.momentum > 0:  # momentum correction: accumulate the velocity
+            u = self.velocity.get(key)
+            if u is None or u.shape != flat.shape:
+                u = self.velocity[key] = torch.zeros_like(flat)
+            u.mul_(self.momentum).add_(flat)
+            corrected = err + u  # (n,) v: the accumulated velocity
+        else:
+            corrected = flat + err  # (n,) gradient plus what earlier steps did not send
+        picks, offset = [], 0
+        for shape, k_i in zip(shapes, self.counts(shapes), strict=True):
+            size = math.prod(shape)
+            if k_i == size:  # a vector, or rho * numel rounds up to all of it
+                picks.append(torch.arange(offset, offset + size, device=flat.device))
+            else:  # (k_i,) the tensor's largest-magnitude entries, as bucket offsets
+                part = corrected[offset : offset + size].abs()
+                picks.append(part.topk(k_i, sorted=False).indices + offset)
+            offset += size
+        idx = torch.cat(picks)  # (k,) int64, unique
+        k = idx.numel()
         vals = corrected[idx]  # (k,)
         err.copy_(corrected)
         err[idx] = 0  # the unsent remainder
+        if u is not None:
+            u[idx] = 0  # momentum factor masking: no stale momentum for sent entries
         if self.keep_sent:
             self._record_sent(key, corrected - err)
         ib, vb = index_dtype(n), vals.dtype
@@ -75,5 +186,25 @@ class TopKCompressor(Compressor):
             flat.index_add_(0, r_idx, r_val)  # indices unique within a rank
         return _done
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = super().state_dict()
+        for k, u in self.velocity.items():
+            out[f"velocity/{k}"] = u
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)
+        self.velocity = {
+            int(k.split("/", 1)[1]): v.clone()
+            for k, v in state.items()
+            if k.startswith("velocity/")
+        }
+
     def describe(self) -> str:
-        return f"{super().describe()} (ratio {self.ratio:g}, error feedback)"
+        warm = ""
+        if self.warmup:
+            rho0 = max(self.start_ratio, self.ratio)
+            warm = f", warm-up {rho0:g} -> {self.ratio:g} over {self.warmup} steps"
+        extra = f", momentum correction {self.momentum:g}" if self.momentum else ""
+        extra += f", local clipping {self.clip:g}" if self.clip else ""
+        return f"{super().describe()} (ratio {self.ratio:g}{warm}, error feedback{extra})"

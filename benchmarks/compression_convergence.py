@@ -1,0 +1,113 @@
+"""Does compressed training converge? ``plait train --nproc 2 --dp 2`` on the built-in
+corpus (the default model, AdamW, the default learning-rate schedule) with each
+compression method, at 60 and at 500 steps.
+
+Per method and run length: the mean loss of the last 5 steps as a ratio to the
+uncompressed run of the same length, and the dp bytes per step averaged over the whole
+run (plait's comm counters, as the metrics JSONL records them) as a ratio to the
+uncompressed run's: top-k's sparsity warm-up sends more in its first steps, and this
+average includes them. Every run is a separate ``plait train`` process pair with the
+same seed, so the runs see the same batches from the same initial weights.
+
+Run from the repository root::
+
+    python benchmarks/compression_convergence.py                  # print the table
+    python benchmarks/compression_convergence.py --out benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
+
+WARMUP_FRACTION = 0.1
+"""Top-k's sparsity warm-up as a fraction of the run (DGC: 4 of 90 epochs, about 5 %)."""
+
+
+def methods(steps: int) -> dict[str, list[str]]:
+    """Label -> the ``plait train`` flags of each method, for a run of ``steps``."""
+    warm = max(1, round(WARMUP_FRACTION * steps))
+    out: dict[str, list[str]] = {"none": []}
+    if steps <= 100:  # bf16 is a rounding, not a delay: its short-run figure says it all
+        out["bf16"] = ["--parallel.compression", "bf16"]
+    return out | {
+        "powersgd r4": ["--parallel.compression", "powersgd"],
+        "topk 1%": ["--parallel.compression", "topk"],
+        f"topk 1%, warm-up {warm}": [
+            "--parallel.compression",
+            "topk",
+            "--parallel.compression_warmup_steps",
+            str(warm),
+        ],
+        f"topk 1%, warm-up {steps}": [
+            "--parallel.compression",
+            "topk",
+            "--parallel.compression_warmup_steps",
+            str(steps),
+        ],
+    }
+
+
+def run(steps: int, flags: list[str], folder: Path) -> tuple[float, float]:
+    """(mean loss of the last 5 steps, mean dp bytes per step) of one run."""
+    metrics = folder / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    cmd = ["plait", "train", "--nproc", "2", "--dp", "2", "--steps", str(steps)]
+    cmd += ["--metrics", str(metrics), "--train.checkpoint_dir", str(folder / "ckpt"), *flags]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=folder)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r for r in rows if r.get("loss") is not None and "comm_bytes" in r]
+    losses = [float(r["loss"]) for r in rows]
+    return sum(losses[-5:]) / 5, sum(float(r["comm_bytes"]) for r in rows) / len(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, nargs="+", default=[60, 500])
+    ap.add_argument("--out", type=Path, help="record the table in this markdown file")
+    a = ap.parse_args()
+    load0 = load_average()
+    results: dict[int, dict[str, tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for steps in a.steps:
+            results[steps] = {}
+            for label, flags in methods(steps).items():
+                results[steps][label] = run(steps, flags, Path(tmp))
+                print(f"  {steps} steps, {label}: {results[steps][label]}", file=sys.stderr)
+    lines = [
+        "| steps | method | loss (last 5) | loss / none | bytes per step / none |",
+        "|---|---|---|---|---|",
+    ]
+    for steps, res in results.items():
+        base_loss, base_bytes = res["none"]
+        for label, (loss, nbytes) in res.items():
+            lines.append(
+                f"| {steps} | {label} | {loss:.4f} | {loss / base_loss:.3f} | "
+                f"{nbytes / base_bytes:.4f} |"
+            )
+    head = (
+        f"Measured by `{command_line(__file__)}`: `plait train --nproc 2 --dp 2` on the "
+        "built-in corpus, mean loss of the last 5 steps, dp bytes per step averaged over "
+        f"the run; load average {load0:.1f} -> {load_average():.1f}; {environment()}."
+    )
+    text = head + "\n\n" + "\n".join(lines)
+    print(text)
+    if a.out:
+        write_section(
+            a.out, "compression_convergence", "## Compression convergence\n\n" + text + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Pretrained weights out: a plait checkpoint written as a Hugging Face model folder.
+
+:func:`export_hf` turns a checkpoint of any layout (dp, ZeRO, tp, pp, cp and their
+products: its metadata describes every piece) into ``config.json`` plus safetensors
+shards of at most ``shard_size`` bytes (one ``model.safetensors`` when everything fits)
+and ``model.safetensors.index.json``, which ``transformers.AutoModelForCausalLM.
+from_pretrained`` loads. It streams: the shard plan and every header come from the
+metadata alone, then each tensor is assembled from the byte ranges of its saved pieces
+(:meth:`~plait.checkpoint.read.CheckpointReader.read`, a tensor-parallel block walked
+in bounded chunks), written, and dropped, so the process holds one tensor plus a
+bounded read buffer, never the model. The values are the stored ones (the fp32 masters
+when the run had them), written in that dtype; the names are mapped by
+:func:`~plait.checkpoint.hf.plait_to_hf` (the identity for ``hf-llama``). A factory
+model is refused (plait does not know its Hugging Face class).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from plait.checkpoint.files import _bytes_of, fsync_dir
+from plait.checkpoint.format import CheckpointError, dtype_from_name
+from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config, plait_to_hf
+from plait.checkpoint.read import CheckpointReader
+from plait.config import ModelConfig
+
+DEFAULT_SHARD_SIZE = 5 * 1024**3
+"""Bytes per shard file when none is given (Hugging Face's default, 5 GB)."""
+
+_ST_DTYPE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def _model_config(reader: CheckpointReader) -> ModelConfig:
+    model = dict(reader.meta.get("config", {}).get("model", {}))
+    if model.get("factory"):
+        raise CheckpointError(
+            f"checkpoint {reader.folder} is of the factory model {model['factory']!r}; only "
+            "the built-in transformer and model.family 'hf-llama' export to Hugging Face"
+        )
+    try:
+        return ModelConfig(**model)
+    except TypeError as e:
+        msg = f"checkpoint {reader.folder}: its model config is unreadable ({e})"
+        raise CheckpointError(msg) from None
+
+
+def _plan(
+    tensors: list[tuple[str, str, list[int], str]], shard_size: int
+) -> list[list[tuple[str, str, list[int], str]]]:
+    """Tensors ``(hf name, plait name, shape, dtype)`` cut into shards of at most
+    ``shard_size`` bytes each (a larger tensor gets a shard of its own)."""
+    shards: list[list[tuple[str, str, list[int], str]]] = [[]]
+    size = 0
+    for t in tensors:
+        n = _nbytes(t[2], t[3])
+        if shards[-1] and size + n > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    return shards
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    return _numel(shape) * dtype_from_name(dtype).itemsize
+
+
+def _header(shard: list[tuple[str, str, list[int], str]]) -> bytes:
+    head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for hf_name, _, shape, dtype in shard:
+        n = _nbytes(shape, dtype)
+        head[hf_name] = {"dtype": _ST_DTYPE[dtype], "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def export_hf(
+    source: str | Path | CheckpointReader, out: str | Path, shard_size: int = DEFAULT_SHARD_SIZE
+) -> dict[str, Any]:
+    """Write checkpoint ``source`` (a folder, or a reader already opened and verified) as
+    a Hugging Face Llama folder ``out`` (created; it must not exist or be empty);
+    returns a summary (step, tensors, parameters, bytes, files)."""
+    reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
+    m = _model_config(reader)
+    family = m.family
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} exists and is not an empty folder; choose a new -o")
+    if shard_size < 1:
+        raise CheckpointError(f"--shard-size must be positive, got {shard_size}")
+    tensors = []
+    for name, e in reader.params.items():
+        if e.dtype not in _ST_DTYPE:
+            raise CheckpointError(f"checkpoint {reader.folder}: {name} is stored as {e.dtype}")
+        tensors.append((plait_to_hf(name, family), name, list(e.shape), e.dtype))
+    dtypes = {t[3] for t in tensors}
+    shards = _plan(tensors, shard_size)
+    names = (
+        [HF_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    total = 0
+    weight_map: dict[str, str] = {}
+    try:
+        for file, shard in zip(names, shards, strict=True):
+            with open(out / file, "wb") as fh:
+                fh.write(_header(shard))
+                for hf_name, name, shape, _ in shard:
+                    t = reader.read(name, "param", None, 0, _numel(shape))  # then dropped
+                    fh.write(_bytes_of(t))
+                    total += t.numel() * t.element_size()
+                    weight_map[hf_name] = file
+                fh.flush()
+                os.fsync(fh.fileno())
+        config = hf_config(m, dtypes.pop() if len(dtypes) == 1 else "float32")
+        (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out / HF_INDEX).write_text(json.dumps(index, indent=2) + "\n", "utf-8")
+        fsync_dir(out)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        reader.close()
+    return {
+        "step": reader.step,
+        "tensors": len(tensors),
+        "parameters": sum(_numel(t[2]) for t in tensors),
+        "bytes": total,
+        "files": names,
+    }

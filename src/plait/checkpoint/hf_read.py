@@ -1,0 +1,153 @@
+"""Pretrained Hugging Face weights in: a model folder read rank-locally, like a resume.
+
+:func:`open_hf` opens a Hugging Face folder (``config.json`` plus ``model.safetensors``
+or the shards of ``model.safetensors.index.json``) as a
+:class:`~plait.checkpoint.read.CheckpointReader` whose tensors carry the *model's*
+names (:func:`~plait.checkpoint.hf.hf_to_plait`) and one whole-tensor piece each.
+Only the files' headers are read here; every tensor is checked against the shapes
+``config.json`` implies, and every shard the index names must exist. The weights are
+then read exactly as a resume reads plait's own shards: each rank, after parallelize,
+asks for the regions of the pieces it holds (its tensor-parallel block, its ZeRO flat
+segment, its pipeline stage's tensors) and only those byte ranges are read, converted
+to the model's dtype through a bounded buffer (:func:`~plait.checkpoint.load.
+load_pieces` in a run; :func:`load_hf_weights` for one's own loop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from plait.checkpoint.files import ShardFile
+from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
+from plait.checkpoint.hf import (
+    HF_CONFIG,
+    HF_INDEX,
+    HF_SINGLE,
+    hf_shapes,
+    hf_to_plait,
+    model_fields,
+    read_hf_config,
+)
+from plait.checkpoint.read import CheckpointReader
+from plait.config import ModelConfig
+from plait.pieces import LocalPiece
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder that is not a plait checkpoint (no metadata.json):
+    such a folder is read as a Hugging Face model (and refused without config.json)."""
+    p = Path(path)
+    return p.is_dir() and not (p / "metadata.json").is_file()
+
+
+def _weight_files(folder: Path) -> dict[str, str]:
+    """Hugging Face tensor name -> the file holding it (from the index, or the one file)."""
+    index = folder / HF_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is unreadable ({e})") from None
+        for file in sorted(set(weight_map.values())):
+            if not (folder / file).is_file():
+                raise CheckpointError(
+                    f"{folder}: shard {file} named by {HF_INDEX} is missing (the download "
+                    "is incomplete?)"
+                )
+        return {str(k): str(v) for k, v in weight_map.items()}
+    if not (folder / HF_SINGLE).is_file():
+        raise CheckpointError(
+            f"{folder} has {HF_CONFIG} but no weights: neither {HF_SINGLE} nor {HF_INDEX} "
+            "(only safetensors are read, never pickled .bin files)"
+        )
+    f = ShardFile(folder / HF_SINGLE)
+    names = {k: HF_SINGLE for k in f.entries}
+    f.close()
+    return names
+
+
+def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
+    """The Hugging Face model in ``folder`` as a reader with the model's names
+    (``family`` 'plait': the built-in transformer's; 'hf-llama': Hugging Face's own).
+    Reads the headers only; CheckpointError (exit 2) names a missing config.json or
+    shard, an unsupported architecture, a missing tensor or one of the wrong shape."""
+    folder = Path(folder)
+    source = str(folder)
+    cfg = ModelConfig(**model_fields(read_hf_config(folder), source))
+    expected = hf_shapes(cfg)
+    files: dict[str, ShardFile] = {}
+    params: dict[str, ParamEntry] = {}
+    for hf_name, file in _weight_files(folder).items():
+        if hf_name == "lm_head.weight" and cfg.tie_embeddings:
+            continue  # tied: the embedding matrix is the head
+        name = hf_to_plait(hf_name, family)
+        if name is None:
+            continue
+        if hf_name not in expected:
+            raise CheckpointError(f"{source}: tensor {hf_name!r} in {file} is not a Llama weight")
+        f = files.get(file)
+        if f is None:
+            f = files[file] = ShardFile(folder / file)
+        dt, shape, _, _ = f.info(hf_name)
+        if shape != expected[hf_name]:
+            raise CheckpointError(
+                f"{source}: tensor {hf_name!r} in {file} has shape {shape}, but {HF_CONFIG} "
+                f"implies {expected[hf_name]}"
+            )
+        dname = dtype_to_name(dt)
+        piece = Piece(file, 0, f.numel(hf_name), None, {"param": hf_name})
+        params[name] = ParamEntry(shape, dname, dname, [piece])
+    missing = [n for n in expected if hf_to_plait(n, family) not in params]
+    if missing:
+        raise CheckpointError(f"{source}: tensor {missing[0]!r} is in no weights file")
+    reader = CheckpointReader.__new__(CheckpointReader)
+    reader.folder = folder
+    reader.meta = {"step": 0, "format": "huggingface"}
+    reader.params = params
+    reader._files = files
+    reader._cache = {}
+    return reader
+
+
+@torch.no_grad()
+def load_hf_weights(model: Any, folder: str | Path, optimizer: Any = None) -> int:
+    """Fill the pieces ``model`` (anything with ``local_pieces()``, e.g. a
+    :class:`~plait.parallel.ParallelModel`) holds on this rank from the Hugging Face
+    folder ``folder``, byte range by byte range; with ``optimizer``
+    (:class:`~plait.optim.Optimizer`) its fp32 masters too. Call it on every rank after
+    parallelize (and after the optimizer is made). The model's family is taken from its
+    names. Returns the tensor bytes this rank read."""
+    pieces: list[LocalPiece] = model.local_pieces()
+    family = "hf-llama" if any(p.name.startswith("model.") for p in pieces) else "plait"
+    reader = open_hf(folder, family)
+    try:
+        masters = {}
+        if optimizer is not None:
+            masters = {(p.name, str(p.tp), p.start): p for p in optimizer.local_pieces()}
+        for lp in pieces:
+            e = reader.entry(lp.name)
+            if list(e.shape) != list(lp.shape):
+                raise CheckpointError(
+                    f"{folder}: tensor {lp.name!r} has shape {e.shape}, the model {lp.shape}"
+                )
+            op = masters.pop((lp.name, str(lp.tp), lp.start), None)
+            target = lp.value if op is None else op.value  # the master first: exact values
+            if target.is_contiguous():
+                reader.read_into(lp.name, "param", lp.tp, lp.start, target.view(-1))
+            else:
+                region = reader.read(lp.name, "param", lp.tp, lp.start, lp.end)
+                target.copy_(region.view(target.shape))
+            if lp.value.data_ptr() != target.data_ptr():
+                lp.value.copy_(target.view(lp.value.shape))
+        for op in masters.values():  # pieces only the optimizer describes
+            reader.read_into(op.name, "param", op.tp, op.start, op.value.view(-1))
+        publish = getattr(optimizer, "publish_masters", None)
+        if publish is not None:
+            publish()
+        return reader.bytes_read
+    finally:
+        reader.close()
