@@ -90,14 +90,16 @@ def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
     import torch
 
     from plait.checkpoint import Checkpointing, TrainState
-    from plait.model.factory import build_model
+    from plait.model.factory import build_meta_model
+    from plait.model.init import has_meta
     from plait.optim import Optimizer
     from plait.parallel.parallelize import parallelize
     from plait.train.data import BatchSampler
     from plait.train.trainer import make_optimizer
 
     torch.manual_seed(cfg.train.seed)
-    base = build_model(cfg.model, seed=cfg.train.seed).to(mesh.device)
+    base = build_meta_model(cfg.model, seed=cfg.train.seed)  # parallelize materialises
+    base = base if has_meta(base) else base.to(mesh.device)
     checkpoints = Checkpointing(cfg, mesh)
     try:
         checkpoints.load_weights(base)

@@ -2,12 +2,14 @@
 
 ``model.factory = "package.module:function"`` names your own model: the function is
 called as ``function(model_config)`` (the run's :class:`~plait.config.ModelConfig`, so it
-may read the size fields or ignore them) after ``torch.manual_seed(train.seed)``, on the
-CPU in float32, and returns an ``nn.Module`` that maps token ids ``(batch, seq)`` to
-logits ``(batch, seq, vocab)`` -- or to an output object with ``.logits`` (Hugging
-Face style) or a tuple whose first element is the logits; :func:`logits_of` adapts
-those. Every rank builds the full one-device model from the same seed, so every layout
-starts from the same weights; ``parallelize`` shards it from outside.
+may read the size fields or ignore them) after ``torch.manual_seed(train.seed)`` and
+returns an ``nn.Module`` that maps token ids ``(batch, seq)`` to logits
+``(batch, seq, vocab)`` -- or to an output object with ``.logits`` (Hugging Face style)
+or a tuple whose first element is the logits; :func:`logits_of` adapts those. The
+trainer calls it under ``torch.device("meta")`` (:func:`build_meta_model`) and
+``parallelize`` allocates and initialises only each rank's pieces, from the seed and the
+tensors' names (:mod:`plait.model.init`), so every layout starts from the same weights;
+:func:`build_model` is the eager, full one-device build.
 
 ``model.family = "hf-llama"`` builds ``transformers.LlamaForCausalLM`` from the size
 fields (:mod:`plait.model.hf_llama`). Without either, plait's own
@@ -23,6 +25,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.errors import ConfigError
+from plait.model.init import build_on_meta, uninitialisable
 from plait.model.transformer import Transformer, flops_per_token, param_count
 
 
@@ -79,8 +83,7 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
         model = fn(cfg)
         if not isinstance(model, nn.Module):
             raise ConfigError(
-                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an "
-                "nn.Module."
+                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module."
             )
         return model
     if cfg.family == "hf-llama":
@@ -89,6 +92,45 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
         torch.manual_seed(seed)
         return build_hf_llama(cfg)
     return Transformer(cfg, seed=seed)
+
+
+def build_meta_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The model of ``cfg`` built on the meta device (nothing allocated), carrying
+    ``seed``: ``parallelize`` allocates and initialises only each rank's pieces, with the
+    values of :class:`~plait.model.init.InitialValues` (the built-in transformer: bit for
+    bit :func:`build_model`'s weights).
+
+    A factory model plait cannot initialise one tensor at a time (a module with its own
+    parameters and no ``reset_parameters()``, and no model-level ``initial_value`` or
+    ``_init_weights``) is built in full by :func:`build_model` instead, with a
+    :class:`UserWarning` naming the modules and the memory every rank then needs."""
+    if cfg.factory is not None:
+        fn = load_factory(cfg.factory)
+        model = build_on_meta(fn, cfg, seed=seed)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module."
+            )
+        bad = uninitialisable(model)
+        if bad:
+            size = sum(p.numel() for p in model.parameters()) * 4
+            warnings.warn(
+                f"model.factory {cfg.factory}: {', '.join(bad[:5])} "
+                f"{'has' if len(bad) == 1 else 'have'} no reset_parameters() and the model "
+                "has no initial_value(name, seed, shape) or _init_weights(module), so plait "
+                "cannot initialise it shard by shard: every rank builds the full model first "
+                f"({size / 2**30:.2f} GiB in float32). Give those modules a "
+                "reset_parameters() (docs/models.md, 'Meta build').",
+                UserWarning,
+                stacklevel=2,
+            )
+            return build_model(cfg, seed)
+        return model
+    if cfg.family == "hf-llama":
+        from plait.model.hf_llama import build_hf_llama
+
+        return build_on_meta(build_hf_llama, cfg, seed=seed)
+    return build_on_meta(Transformer, cfg, seed=seed)
 
 
 def check_model(cfg: ModelConfig) -> None:

@@ -16,7 +16,6 @@ on the order modules are materialised in, or on which other parameters exist.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
+from plait.model.init import SEED_ATTR, param_seed
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -249,16 +249,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _param_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed from the run seed and a parameter name (no ``hash()``)."""
-    return (seed * 0x9E37_79B9_7F4A_7C15 + zlib.crc32(name.encode())) % (1 << 63)
-
-
 class Transformer(nn.Module):
     """Decoder-only language model: embeddings, ``n_layers`` blocks, norm, output head.
 
     ``seed`` is passed to :meth:`init_weights` when the model is built on a real device;
-    on the meta device nothing is initialised (see :func:`materialize`).
+    on the meta device nothing is initialised: the seed is kept (``plait_init_seed``;
+    drawn from torch's global generator when None) for :meth:`initial_value`, which
+    ``parallelize`` and :func:`materialize` use.
     """
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None) -> None:
@@ -279,6 +276,10 @@ class Transformer(nn.Module):
         self.positions: nn.Module = TokenPositions()
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights(seed)
+        else:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+            setattr(self, SEED_ATTR, seed)
 
     def tie_weights(self) -> None:
         """Make ``output.weight`` the embedding matrix again when the config ties them.
@@ -302,22 +303,31 @@ class Transformer(nn.Module):
         self.tie_weights()
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        cos, sin = rope_tables(
-            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        self.rope_cos.copy_(self.initial_value("rope_cos", seed))
+        self.rope_sin.copy_(self.initial_value("rope_sin", seed))
         for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            scaled = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
-            value = torch.empty(param.shape, dtype=torch.float32, device="cpu")
-            value.normal_(0.0, resid_std if scaled else std, generator=gen)
-            param.copy_(value)
+            param.copy_(self.initial_value(name, seed))
+
+    def initial_value(self, name: str, seed: int, shape: torch.Size | None = None) -> torch.Tensor:
+        """The initial value of the parameter or buffer ``name`` (one-device name), alone:
+        a float32 CPU tensor of its one-device ``shape`` (default: the parameter's shape
+        now) that depends only on ``seed`` and ``name`` (see :meth:`init_weights`); works
+        on the meta device, where ``parallelize`` calls it for each tensor a rank keeps."""
+        if name in ("rope_cos", "rope_sin"):
+            cos, sin = rope_tables(
+                self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg
+            )
+            return cos if name == "rope_cos" else sin
+        if shape is None:
+            shape = self.get_parameter(name).shape
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=torch.float32, device="cpu")
+        std = self.cfg.init_std
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            std = std / math.sqrt(2 * self.cfg.n_layers)
+        gen = torch.Generator().manual_seed(param_seed(seed, name))
+        value = torch.empty(shape, dtype=torch.float32, device="cpu")
+        return value.normal_(0.0, std, generator=gen)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
@@ -342,8 +352,12 @@ def materialize(
 ) -> Transformer:
     """Allocate a meta-built ``model`` on ``device`` and initialise it with ``seed``.
 
-    Gives the same weights as ``Transformer(cfg, seed=seed)`` built directly.
+    Gives the same weights as ``Transformer(cfg, seed=seed)`` built directly (``seed``
+    None: the seed the meta build kept). This allocates the whole model; to allocate
+    only a rank's pieces, pass the meta model to ``plait.parallelize`` instead.
     """
+    if seed is None:
+        seed = getattr(model, SEED_ATTR, None)
     model.to_empty(device=device)
     model.init_weights(seed)
     return model

@@ -134,6 +134,8 @@ class DataParallel(nn.Module):
             end of backward, in order) for the last backward pass.
         compressor: reduce each bucket through this gradient compressor instead of the
             plain all-reduce (None: plain).
+        broadcast: broadcast the first rank's parameters and buffers (False: they are
+            equal by construction, as after ``parallelize``'s meta-device materialisation).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class DataParallel(nn.Module):
         axes: Sequence[str] = ("dp",),
         record_events: bool = False,
         compressor: Compressor | None = None,
+        broadcast: bool = True,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
@@ -166,7 +169,8 @@ class DataParallel(nn.Module):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
-        self._broadcast_state()
+        if broadcast:  # False: equal on every rank by construction (a meta build)
+            self._broadcast_state()
         for b in self.buckets:  # .grad is a view into its bucket from the start
             for i, p in enumerate(b.params):
                 p.grad = b.view(i)

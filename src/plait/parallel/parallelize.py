@@ -39,6 +39,12 @@ pipeline, so a user's own loop and plait's trainer are the same few lines::
 
 One rank is the degenerate case of the same path: every wrapper is applied, its
 collectives are counted no-ops.
+
+A model built on the meta device (:func:`plait.model.factory.build_meta_model`, or
+``with torch.device("meta"): Transformer(cfg, seed=s)``) goes through steps 1-4 as
+shapes only; before step 5 each rank allocates on ``mesh.device`` only what it keeps
+and initialises it with the one-device values (:mod:`plait.parallel.materialize`): its
+full replica for plain data parallelism and ZeRO 0-2, its flat shards for ZeRO-3.
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ from torch import nn
 from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
+from plait.model.init import InitialValues, has_meta
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.loss import LossFn, cross_entropy_loss
+from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
 from plait.parallel.pipeline.engine import PipelineEngine, split_for_pipeline
 from plait.parallel.pipeline.split import check_splittable
@@ -138,15 +146,24 @@ def parallelize(
         )
     if pp > 1:  # refuse a model the split cannot cut, naming it, before any change
         check_splittable(model)
+    # a meta-built model: its one-device values, captured before any module is replaced
+    values = InitialValues(model) if has_meta(model) else None
+    start_names = tensor_names(model) if values is not None else {}
     # 1. tensor (and sequence) parallelism over the tp axis.
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
     names, aliases = _one_device_names(model)
+    init: LocalInit | None = None
     param_names = list(names.values())
     # 2. context parallelism over cp: attention cores and token positions.
     context = apply_context_parallel(model, mesh, p.cp_attention) if mesh.size("cp") > 1 else None
     # 3. pipeline split (pp > 1): keep this rank's pieces.
     inner: nn.Module = model
+    if values is not None and pp > 1 and p.balance == "measured":
+        # the profile runs every block: materialise the (tp-local) whole model first
+        init = LocalInit(values, {**start_names, **names}, mesh.index("tp"))
+        materialize_module([model], init, mesh.device)
+        values = None
     if pp > 1:
         seq = full.train.seq_len // mesh.size("cp") if full else 0
         shape = (full.micro_batch(mesh.world_size), seq) if full else (1, 0)
@@ -169,6 +186,11 @@ def parallelize(
         and not policy.needs_master_weights
         and policy.grad_reduce_dtype == policy.param_dtype
     )
+    init = None
+    if values is not None:  # allocate only what this rank keeps (ZeRO-3: shards itself)
+        init = LocalInit(values, {**start_names, **names}, mesh.index("tp"))
+        zero3 = not plain and p.zero == 3
+        materialize_module([inner, model], init, mesh.device, params=not zero3)
     if compressor is None:
         compressor = make_compressor(
             p.compression,
@@ -188,6 +210,7 @@ def parallelize(
             find_unused_parameters=p.find_unused_parameters,
             axes=data_axes(mesh),
             compressor=compressor,
+            broadcast=init is None,  # materialised values are equal on every rank
         )
     else:
         wrapped = ZeroDataParallel(
@@ -204,6 +227,7 @@ def parallelize(
             find_unused_parameters=p.find_unused_parameters,
             axis=data_axes(mesh),
             bucket_mb=p.bucket_mb if p.zero in (1, 2) else None,  # fused like DP's buckets
+            init=init,
         )
     pipeline = None
     if pp > 1:

@@ -33,7 +33,13 @@ from torch import nn
 from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
 from plait.mesh import Mesh
-from plait.model.factory import build_model, describe_model, model_flops_per_token, model_params
+from plait.model.factory import (
+    build_meta_model,
+    describe_model,
+    model_flops_per_token,
+    model_params,
+)
+from plait.model.init import has_meta
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
 from plait.parallel.parallelize import parallelize
@@ -110,8 +116,11 @@ class Trainer:
         self.accum = cfg.accumulation_steps(world)
 
         torch.manual_seed(cfg.train.seed)
-        # the full one-device model (built-in, model.family or model.factory), one seed
-        base = build_model(cfg.model, seed=cfg.train.seed).to(self.device)
+        # the one-device model (built-in, model.family or model.factory) on the meta
+        # device: parallelize allocates and initialises only this rank's pieces
+        base = build_meta_model(cfg.model, seed=cfg.train.seed)
+        if not has_meta(base):  # a factory model built in full (see build_meta_model)
+            base = base.to(self.device)
         self.base = base  # the one-device model; parallelize shards it in place
         self.params = model_params(base, cfg.model)  # before sharding
         self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)

@@ -37,13 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.comm.group import AxisGroup
-from plait.comm.regions import gather_along, gather_from_region, scatter_to_region, sum_grad_over
+from plait.comm.regions import gather_along, gather_from_region, scatter_to_region
 from plait.errors import ConfigError
 from plait.parallel.tensor.sequence import (
     SEQ_DIM,
     enter_region,
     leave_region,
     mark_sequence_parallel,
+    sum_grad_over_tp,
 )
 from plait.pieces import LocalPiece, TPSplit
 
@@ -200,7 +201,7 @@ class ColumnParallelLinear(nn.Module):
             )
         self._hooks: list[Any] = []
         if replica_group is not None and replica_group.size > 1:
-            self._hooks += [sum_grad_over(p, replica_group) for p in self._own()]
+            self._hooks += [sum_grad_over_tp(p, replica_group) for p in self._own()]
 
     def _own(self) -> list[nn.Parameter]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])

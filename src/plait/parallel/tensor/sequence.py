@@ -70,11 +70,31 @@ def leave_region(
     return reduce_from_region(x, group)
 
 
+_GRAD_SUMS = "plait_grad_sums"
+
+
+def sum_grad_over_tp(param: torch.Tensor, group: AxisGroup) -> Any:
+    """:func:`~plait.comm.regions.sum_grad_over` that also works on a meta parameter:
+    the group is remembered on ``param`` and the hook registered now when ``param`` has
+    storage, else by :func:`register_grad_sums` once ``parallelize`` has given it
+    storage (a tensor's hooks do not survive that swap). Returns the handle or None."""
+    param.__dict__.setdefault(_GRAD_SUMS, []).append(group)
+    return None if param.is_meta else sum_grad_over(param, group)
+
+
+def register_grad_sums(param: torch.Tensor) -> None:
+    """Register again the gradient sums :func:`sum_grad_over_tp` remembered on
+    ``param`` (after it was given storage)."""
+    for group in param.__dict__.get(_GRAD_SUMS, []):
+        sum_grad_over(param, group)
+
+
 def mark_sequence_parallel(param: torch.Tensor, group: AxisGroup) -> Any:
     """Sum ``param``'s gradient over ``group`` in every backward pass (returns the hook
-    handle). For the norm gains (and biases added to sequence shards) under sequence
-    parallelism: each rank's gradient covers only its part of the sequence."""
-    return sum_grad_over(param, group)
+    handle; None for a meta parameter, see :func:`sum_grad_over_tp`). For the norm gains
+    (and biases added to sequence shards) under sequence parallelism: each rank's
+    gradient covers only its part of the sequence."""
+    return sum_grad_over_tp(param, group)
 
 
 def check_sequence_length(seq_len: int, tp: int) -> None:

@@ -221,12 +221,37 @@ class FlatUnit:
     def local_segments(self) -> list[tuple[int, int, int]]:
         """``(param index, start, end)`` of every parameter piece in this rank's shard,
         in shard coordinates (``0 <= start < end <= shard_numel``); padding is left out."""
+        return self.segments(self.lo, self.hi)
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(param index, start, end)`` of every parameter piece in the range
+        ``[lo, hi)`` of the flat unit, relative to ``lo``; padding is left out."""
         out = []
         for i, (off, n) in enumerate(zip(self.offsets, self.numels, strict=True)):
-            a, b = max(off, self.lo), min(off + n, self.hi)
+            a, b = max(off, lo), min(off + n, hi)
             if a < b:
-                out.append((i, a - self.lo, b - self.lo))
+                out.append((i, a - lo, b - lo))
         return out
+
+    def initial_values(
+        self,
+        init: Callable[[torch.Tensor], torch.Tensor],
+        lo: int,
+        hi: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """``(hi - lo,)`` the range ``[lo, hi)`` of the flat unit of a meta-built model in
+        ``dtype`` on ``device`` (zero padding): each parameter's value comes from ``init``
+        (its full local value on the CPU, one parameter at a time) cast to the
+        parameter's dtype."""
+        flat = torch.zeros(hi - lo, dtype=dtype, device=device)
+        for i, a, b in self.segments(lo, hi):
+            p = self.params[i]
+            value = init(p).to(p.dtype).reshape(-1)  # (numel,) one parameter, transient
+            at = lo + a - self.offsets[i]
+            flat[a:b].copy_(value[at : at + b - a])
+        return flat
 
     @property
     def local_valid_numel(self) -> int:

@@ -143,11 +143,14 @@ class ParameterGatherer:
     # ------------------------------------------------------------------ set-up
 
     @torch.no_grad()
-    def adopt(self, u: FlatUnit) -> None:
+    def adopt(self, u: FlatUnit, shard: torch.Tensor | None = None) -> None:
         """Take over ``u`` (its ``full`` holds the initial values, index ``len(gathers)``):
-        keep its shard, free the rest."""
+        keep its shard, free the rest. ``shard``: the initial shard itself (a meta-built
+        model, whose full unit was never allocated)."""
         assert u.index == len(self.gathers)
-        u.shard = u.full[u.lo : u.hi].clone().to(self.shard_device)  # (shard_numel,)
+        if shard is None:
+            shard = u.full[u.lo : u.hi].clone()
+        u.shard = shard.to(self.shard_device)  # (shard_numel,)
         g = UnitGather(u)
         self.gathers.append(g)
         g.free()  # never counted as gathered

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
+from plait.parallel.materialize import give_storage, unallocated
 from plait.parallel.precision import parse_dtype
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
@@ -100,6 +101,12 @@ class ZeroDataParallel(nn.Module):
         bucket_mb: stages 1/2: reduce-scatter the gradients, and all-gather the updated
             parameters, of consecutive units together in buckets of at least this many
             MiB (as DataParallel's ``bucket_mb``); None: one collective per unit.
+        init: for a module whose trainable parameters are on the meta device: a
+            parameter's full local initial value (CPU; :class:`~plait.parallel.
+            materialize.LocalInit`). Each unit's flat buffer (stage 3: only this rank's
+            shard) is then filled one parameter at a time on the mesh's device, and
+            nothing is broadcast (the values are the same on every rank by
+            construction); buffers and frozen parameters must already have storage.
     """
 
     def __init__(
@@ -119,6 +126,7 @@ class ZeroDataParallel(nn.Module):
         record_events: bool = False,
         axis: str | tuple[str, ...] = "dp",
         bucket_mb: float | None = None,
+        init: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         check_positive("", bucket_mb=bucket_mb)
@@ -141,12 +149,16 @@ class ZeroDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.record_events = record_events
         self.events: list[tuple[str, str]] = []
-        self.device = trainable[0].device
+        meta = any(p.is_meta for p in trainable)
+        if meta and init is None:
+            raise ValueError("ZeroDataParallel: meta parameters need init (their values)")
+        self.device = mesh.device if meta else trainable[0].device
         self.param_dtype = parse_dtype(param_dtype) if param_dtype else trainable[0].dtype
         self.reduce_dtype = parse_dtype(reduce_dtype) if reduce_dtype else self.param_dtype
         self.dp_group = mesh.axis(*axes)
         self.shard_group, self.replicate_group = mesh.split_axis(axes, factor)
-        broadcast_module_state(module, self.dp_group)
+        if not meta:
+            broadcast_module_state(module, self.dp_group)
         specs = plan_units(module, wrap)
         self.units = [FlatUnit(i, s, factor, self.shard_group.index) for i, s in enumerate(specs)]
         self.reducer = GradientReducer(
@@ -181,7 +193,7 @@ class ZeroDataParallel(nn.Module):
             for m in module.modules():  # a state_dict of any part reads full parameters
                 self._sync_hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
         for u in self.units:
-            self._init_unit(u)
+            self._init_unit(u, init if meta else None)
         # the one driver of the gathers and reductions: autograd's hooks, until another
         # takes over (drive_externally)
         self.driver: AutogradDriver | None = AutogradDriver(
@@ -197,18 +209,36 @@ class ZeroDataParallel(nn.Module):
     # ------------------------------------------------------------------ set-up
 
     @torch.no_grad()
-    def _init_unit(self, u: FlatUnit) -> None:
-        # (padded,) the exact initial values (fp64 parameters stay fp64), zero padding
+    def _init_unit(self, u: FlatUnit, init: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        # (padded,) the exact initial values (fp64 parameters stay fp64), zero padding;
+        # from init (meta parameters): stage 3 builds only this rank's (shard,) range
         wide = torch.float64 if any(p.dtype == torch.float64 for p in u.params) else torch.float32
-        flat = u.flatten(wide)
-        if self.param_dtype in (torch.bfloat16, torch.float16):
-            u.fp32_init = flat[u.lo : u.hi].float()  # (shard,) initial fp32 masters (a copy)
-        u.full = flat.to(self.param_dtype) if self.param_dtype != wide else flat
-        if self.gatherer is not None:  # keeps the shard, frees the rest
-            self.gatherer.adopt(u)
+        only_shard = init is not None and self.gatherer is not None
+        if init is None:
+            flat = u.flatten(wide)
         else:
-            for i, p in enumerate(u.params):
-                p.data = u.view(i, u.full)
+            lo, hi = (u.lo, u.hi) if only_shard else (0, u.padded)
+            flat = u.initial_values(init, lo, hi, wide, self.device)
+            for p in u.params:  # storage of their own: a view is set below or at gather
+                empty = torch.empty((0,) * p.dim(), dtype=self.param_dtype, device=self.device)
+                give_storage(p, empty)
+        shard = flat if only_shard else flat[u.lo : u.hi]  # (shard,)
+        if self.param_dtype in (torch.bfloat16, torch.float16):
+            u.fp32_init = shard.float()  # (shard,) initial fp32 masters
+        if only_shard:
+            assert self.gatherer is not None
+            u.full = unallocated(u.padded, self.param_dtype, self.device)
+            self.gatherer.adopt(u, shard.to(self.param_dtype))
+        else:
+            u.full = flat.to(self.param_dtype) if self.param_dtype != wide else flat
+            if self.gatherer is not None:  # keeps the shard, frees the rest
+                self.gatherer.adopt(u)
+            else:
+                for i, p in enumerate(u.params):
+                    p.data = u.view(i, u.full)
+        self._init_grads(u)
+
+    def _init_grads(self, u: FlatUnit) -> None:
         if self.stage <= 1:
             u.grad_full = torch.zeros(u.padded, dtype=self.param_dtype, device=self.device)
             for i, p in enumerate(u.params):
