@@ -434,13 +434,16 @@ def format_field_docs(width: int | None = None) -> str:
     """The :func:`field_docs` table as text, one block per section.
 
     ``width`` defaults to the terminal's; when the docstring column would be narrower
-    than 40 characters, each docstring goes on the lines under its key instead.
+    than 40 characters, each docstring goes on the lines under its key instead (and
+    when even the key, type and default columns do not fit, they are not aligned).
     """
     width = width or shutil.get_terminal_size((100, 24)).columns
     rows = field_docs()
     docs = _source_docs()
     w_key, w_type, w_default = (max(len(r[i]) for r in rows) for i in range(3))
     indent = 2 + w_key + 2 + w_type + 2 + w_default + 2
+    if indent > width:  # too narrow for aligned columns: each row's own widths
+        w_key = w_type = w_default = 0
     inline = width - indent >= 40
     doc_indent = indent if inline else 6
     out: list[str] = []
