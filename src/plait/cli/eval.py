@@ -87,24 +87,14 @@ def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
     """The model of ``cfg`` on ``mesh`` with ``train.init_from``'s weights, loaded the
     way the trainer loads them: build, check the tensors, ``parallelize``, then every
     rank reads its own pieces (into the optimizer's masters where it keeps them)."""
-    import torch
-
     from plait.checkpoint import Checkpointing, TrainState
-    from plait.model.factory import build_meta_model
-    from plait.model.init import has_meta
-    from plait.optim import Optimizer
-    from plait.parallel.parallelize import parallelize
     from plait.train.data import BatchSampler
-    from plait.train.trainer import make_optimizer
+    from plait.train.trainer import one_device_model, start_parallel
 
-    torch.manual_seed(cfg.train.seed)
-    base = build_meta_model(cfg.model, seed=cfg.train.seed)  # parallelize materialises
-    base = base if has_meta(base) else base.to(mesh.device)
+    base = one_device_model(cfg, mesh.device)  # on the meta device: parallelize allocates
     checkpoints = Checkpointing(cfg, mesh)
     try:
-        checkpoints.load_weights(base)
-        model = parallelize(base, mesh, cfg)
-        optimizer = Optimizer(model, make_optimizer(model, cfg))
+        model, optimizer = start_parallel(base, cfg, mesh, checkpoints)
         dp = mesh.size("dp")
         sampler = BatchSampler(cfg.train.global_batch, cfg.train.global_batch, 0, dp, 0)
         checkpoints.restore(TrainState(model, optimizer, sampler, mesh, cfg))
@@ -258,30 +248,12 @@ def _eval(rest: Sequence[str]) -> int:
 
 def _run(cfg: Config, env: RankEnv | None, tokens: Any, batches: int | None) -> EvalResult:
     """Join the world (a rank), build the mesh, load and evaluate."""
-    import torch
+    from plait.launch.worker import on_rank
 
-    from plait import comm
-    from plait.launch.parent import die_with_parent
-    from plait.launch.worker import resolve_backend, resolve_device
-    from plait.mesh import init_mesh
-
-    if env is not None:
-        die_with_parent()
-    device = resolve_device(cfg, env.local_rank if env else 0)
-    local_world = env.local_world_size if env else 1
-    torch.set_num_threads(cfg.launch.threads or max(1, (os.cpu_count() or 1) // local_world))
-    joined = env is not None and env.world_size > 1
-    p = cfg.parallel
-    if joined and env is not None:
-        comm.init_world(
-            resolve_backend(cfg, device), env.rank, env.world_size, timeout_s=p.timeout_s
-        )
-    try:
-        mesh = init_mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device)
+    def evaluate(mesh: Mesh) -> EvalResult:
         return evaluate_tokens(load_model(cfg, mesh), tokens, cfg, batches)
-    finally:
-        if joined:
-            comm.destroy_world()
+
+    return on_rank(cfg, env, evaluate)
 
 
 def eval_main(rest: Sequence[str]) -> int:

@@ -1,4 +1,4 @@
-"""What every rank runs: join the world, build the mesh, train, leave.
+"""What every rank runs: join the world, build the mesh, train (or evaluate), leave.
 
 A rank of a launcher reports its memory for it (:mod:`plait.launch.oom`) and turns an
 allocation failure into :class:`~plait.errors.OutOfMemoryError` naming the rank and its
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,7 +19,9 @@ from plait.config import Config
 from plait.launch.local import RankEnv
 from plait.launch.oom import as_out_of_memory, is_out_of_memory, start_reporter
 from plait.launch.parent import die_with_parent
-from plait.mesh import init_mesh
+from plait.mesh import Mesh, init_mesh
+
+T = TypeVar("T")
 
 
 def resolve_device(cfg: Config, local_rank: int) -> torch.device:
@@ -48,6 +51,19 @@ def run_rank(
     where the world meets (torchrun's ``env://``; Ray ranks meet at rank 0's address)."""
     from plait.train.trainer import Trainer
 
+    def train(mesh: Mesh) -> dict[str, Any]:
+        return dataclasses.asdict(Trainer(cfg, mesh, show_progress=show_progress).run())
+
+    return on_rank(cfg, env, train, init_method)
+
+
+def on_rank(
+    cfg: Config, env: RankEnv | None, work: Callable[[Mesh], T], init_method: str = "env://"
+) -> T:
+    """``work(mesh)`` on this rank: die with the launcher, report memory to it, set the
+    device and threads, join the world (``env`` None: one process, no process group),
+    build the mesh, run, leave; an allocation failure is named
+    (:class:`~plait.errors.OutOfMemoryError`: which rank, which memory, its peak)."""
     if env is not None:  # a rank of plait's launcher or of torchrun: die with it
         die_with_parent()
     reporter = start_reporter(env.rank) if env is not None else None  # for the launcher
@@ -69,9 +85,9 @@ def run_rank(
     try:
         p = cfg.parallel
         mesh = init_mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, timeout_s=p.timeout_s, device=device)
-        summary = Trainer(cfg, mesh, show_progress=show_progress).run()
+        return work(mesh)
     except Exception as e:
-        if is_out_of_memory(e):  # named: which rank, which memory, its peak
+        if is_out_of_memory(e):
             raise as_out_of_memory(e, env.rank if env else 0, device) from e
         raise
     finally:
@@ -79,4 +95,3 @@ def run_rank(
             reporter.stop()
         if joined:
             comm.destroy_world()
-    return dataclasses.asdict(summary)

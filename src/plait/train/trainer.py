@@ -42,6 +42,7 @@ from plait.model.factory import (
 from plait.model.init import has_meta
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
+from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
 from plait.train.data import (
@@ -102,6 +103,41 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
     )
 
 
+def one_device_model(cfg: Config, device: torch.device) -> nn.Module:
+    """The run's one-device model (built-in, ``model.family`` or ``model.factory``) on
+    the meta device, seeded by ``train.seed``: ``parallelize`` allocates and initialises
+    only this rank's pieces. A factory model that cannot be initialised piece by piece
+    is built in full, on ``device`` (see :func:`~plait.model.factory.build_meta_model`)."""
+    torch.manual_seed(cfg.train.seed)
+    base = build_meta_model(cfg.model, seed=cfg.train.seed)
+    return base if has_meta(base) else base.to(device)
+
+
+def start_parallel(
+    base: nn.Module, cfg: Config, mesh: Mesh, checkpoints: Checkpointing
+) -> tuple[ParallelModel, Optimizer]:
+    """``base`` given its starting weights (``train.init_from``: a plait checkpoint or a
+    Hugging Face folder), sharded by ``parallelize``, and its optimizer: the one way the
+    trainer and ``plait eval`` start a model. ``checkpoints.restore`` then reads each
+    rank's own pieces of a checkpoint to resume from."""
+    checkpoints.load_weights(base)  # before sharding: every layout starts from them
+    model = parallelize(base, mesh, cfg)
+    prec = cfg.precision
+    scaler = (
+        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
+        if prec.dtype == "fp16"
+        else None
+    )
+    optimizer = Optimizer(
+        model,
+        make_optimizer(model, cfg),
+        max_norm=cfg.train.grad_clip,
+        scaler=scaler,
+        nonfinite=prec.nonfinite,
+    )
+    return model, optimizer
+
+
 class Trainer:
     """Builds model, data and optimizer for ``cfg`` on ``mesh`` and runs the loop."""
 
@@ -115,12 +151,7 @@ class Trainer:
         self.micro_batch = cfg.micro_batch(world)
         self.accum = cfg.accumulation_steps(world)
 
-        torch.manual_seed(cfg.train.seed)
-        # the one-device model (built-in, model.family or model.factory) on the meta
-        # device: parallelize allocates and initialises only this rank's pieces
-        base = build_meta_model(cfg.model, seed=cfg.train.seed)
-        if not has_meta(base):  # a factory model built in full (see build_meta_model)
-            base = base.to(self.device)
+        base = one_device_model(cfg, self.device)
         self.base = base  # the one-device model; parallelize shards it in place
         self.params = model_params(base, cfg.model)  # before sharding
         self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)
@@ -137,21 +168,7 @@ class Trainer:
 
     def _build(self, cfg: Config, mesh: Mesh, base: nn.Module) -> None:
         world = mesh.world_size
-        self.checkpoints.load_weights(base)  # before sharding: every layout starts from them
-        self.model = parallelize(base, mesh, cfg)
-        prec = cfg.precision
-        scaler = (
-            DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
-            if prec.dtype == "fp16"
-            else None
-        )
-        self.optimizer = Optimizer(
-            self.model,
-            make_optimizer(self.model, cfg),
-            max_norm=cfg.train.grad_clip,
-            scaler=scaler,
-            nonfinite=prec.nonfinite,
-        )
+        self.model, self.optimizer = start_parallel(base, cfg, mesh, self.checkpoints)
 
         tokens = load_tokens(cfg.data)
         check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
