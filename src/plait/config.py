@@ -227,6 +227,18 @@ class ModelConfig:
         raw = (8 * self.dim) // 3
         return self.multiple_of * ((raw + self.multiple_of - 1) // self.multiple_of)
 
+    def rope_scaling_entries(self) -> dict[str, Any] | None:
+        """The RoPE scaling as Hugging Face's config writes it (``rope_type``, ``factor``
+        and llama3's frequency factors); None: unscaled."""
+        if self.rope_scaling == "none":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_scaling, "factor": self.rope_factor}
+        if self.rope_scaling == "llama3":
+            out["low_freq_factor"] = self.rope_low_freq_factor
+            out["high_freq_factor"] = self.rope_high_freq_factor
+            out["original_max_position_embeddings"] = self.rope_original_max_seq_len
+        return out
+
 
 @dataclass
 class ParallelConfig:

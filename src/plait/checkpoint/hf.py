@@ -226,14 +226,7 @@ def hf_shapes(m: ModelConfig) -> dict[str, list[int]]:
 
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
     """The scaling entries of ``rope_parameters`` (the inverse of :func:`_rope`)."""
-    if m.rope_scaling == "none":
-        return {"rope_type": "default"}
-    out: dict[str, Any] = {"rope_type": m.rope_scaling, "factor": m.rope_factor}
-    if m.rope_scaling == "llama3":
-        out["low_freq_factor"] = m.rope_low_freq_factor
-        out["high_freq_factor"] = m.rope_high_freq_factor
-        out["original_max_position_embeddings"] = m.rope_original_max_seq_len
-    return out
+    return m.rope_scaling_entries() or {"rope_type": "default"}
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:

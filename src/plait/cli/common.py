@@ -106,3 +106,23 @@ def _say(text: str) -> None:
     sys.stdout.flush()
     sys.stderr.write(text.rstrip("\n") + "\n")
     sys.stderr.flush()
+
+
+def parse_run_flags(
+    parser: argparse.ArgumentParser, rest: Sequence[str]
+) -> tuple[list[str], argparse.Namespace]:
+    """The dotted ``--section.field value`` overrides and the parsed named flags of a
+    command that runs the model (``plait train``, ``plait eval``); an unknown flag is
+    refused with the closest known one."""
+    from plait.config_io import parse_override_flags, unknown_flag_error
+
+    overrides, remaining = parse_override_flags(rest)
+    ns, unknown = parser.parse_known_args(list(remaining))
+    if unknown:
+        flags = [a for a in unknown if a.startswith("-")]
+        if flags:
+            raise unknown_flag_error(
+                flags[0], [o for a in parser._actions for o in a.option_strings]
+            )
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return list(overrides), ns

@@ -184,23 +184,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
     """The run's config (the train command's flags and TOML) and ``--batches``."""
-    from plait.config_io import (
-        config_from_dict,
-        load_config_data,
-        parse_override_flags,
-        unknown_flag_error,
-    )
+    from plait.cli.common import parse_run_flags
+    from plait.config_io import config_from_dict, load_config_data
 
-    overrides, remaining = parse_override_flags(rest)
-    parser = _parser()
-    ns, unknown = parser.parse_known_args(list(remaining))
-    if unknown:
-        flags = [a for a in unknown if a.startswith("-")]
-        if flags:
-            raise unknown_flag_error(
-                flags[0], [o for a in parser._actions for o in a.option_strings]
-            )
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    overrides, ns = parse_run_flags(_parser(), rest)
     if ns.batches is not None and ns.batches <= 0:
         raise ConfigError(f"--batches must be positive, got {ns.batches}.")
     data = load_config_data(ns.config, overrides)

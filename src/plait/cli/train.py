@@ -56,25 +56,11 @@ def _parser() -> argparse.ArgumentParser:
 def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     """Validate everything, then start ``nproc`` local ranks that each run ``python -m
     plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
-    from plait.config_io import (
-        config_from_dict,
-        format_field_docs,
-        load_config_data,
-        parse_override_flags,
-        unknown_flag_error,
-    )
+    from plait.cli.common import parse_run_flags
+    from plait.config_io import config_from_dict, format_field_docs, load_config_data
     from plait.launch.local import launch_local, torchrun_env
 
-    overrides, remaining = parse_override_flags(rest)
-    parser = _parser()
-    ns, unknown = parser.parse_known_args(list(remaining))
-    if unknown:
-        flags = [a for a in unknown if a.startswith("-")]
-        if flags:
-            raise unknown_flag_error(
-                flags[0], [o for a in parser._actions for o in a.option_strings]
-            )
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    overrides, ns = parse_run_flags(_parser(), rest)
     if ns.help_config:
         print(format_field_docs())
         return 0

@@ -66,25 +66,13 @@ def llama_config(cfg: ModelConfig) -> Any:
         intermediate_size=cfg.hidden_dim,
         max_position_embeddings=cfg.max_seq_len,
         rope_theta=cfg.rope_theta,
-        rope_scaling=_rope_scaling(cfg),
+        rope_scaling=cfg.rope_scaling_entries(),
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std,
         use_cache=False,
         attn_implementation="sdpa",
     )
-
-
-def _rope_scaling(cfg: ModelConfig) -> dict[str, Any] | None:
-    """``rope_scaling`` of the LlamaConfig (None: unscaled), from ``model.rope_*``."""
-    if cfg.rope_scaling == "none":
-        return None
-    out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
-    if cfg.rope_scaling == "llama3":
-        out["low_freq_factor"] = cfg.rope_low_freq_factor
-        out["high_freq_factor"] = cfg.rope_high_freq_factor
-        out["original_max_position_embeddings"] = cfg.rope_original_max_seq_len
-    return out
 
 
 def build_hf_llama(cfg: ModelConfig) -> nn.Module:
