@@ -74,12 +74,15 @@ LAYOUTS = {
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (each counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (each counted once). A storage
+    is told by its StorageImpl (``_cdata``), not by its data pointer, which two live
+    storages can share (an empty allocation, a meta tensor)."""
     seen: dict[int, int] = {}
     for t in tensors:
+        assert not t.is_meta, "a tensor left on the meta device after parallelize"
         s = t.untyped_storage()
         if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s._cdata] = s.nbytes()
     return sum(seen.values())
 
 
