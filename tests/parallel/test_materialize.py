@@ -16,16 +16,18 @@ meta device and passed to ``parallelize``; on each rank:
   under ZeRO-3, at most the model's bytes / dp plus one element of padding per unit.
 
 Then a model whose full float32 size is larger than the memory a rank is allowed
-(the limit: 0.98 × its size) builds and takes an SGD step under ZeRO-3 on 4 ranks. The
+(the limit: 0.8 × its size) builds and takes an SGD step under ZeRO-3 on 8 ranks. The
 allocation is counted by :class:`LiveBytes`, a ``TorchDispatchMode`` that registers the
 storage of every tensor an operator returns and drops it when torch frees it
-(``StorageWeakRef``): deterministic, independent of the allocator and of timing. The
-memory right after the build is exactly the rank's parameter and gradient shards (and
-the rotary tables); the build's peak is at most that plus one unit's gather buffer
-(allocated and released at once) and one full parameter being initialised, under 0.6 ×
-the model's size (measured: 0.53); the step's peak stays under the limit (measured:
-0.96 × the model's size, of which the reduce-scatter outputs ZeRO-3's gradient reducer
-keeps until the end of backward are 0.23: the reducer's, not the build's). A ZeRO-3
+(``StorageWeakRef``): independent of the allocator. The memory right after the build is
+exactly the rank's parameter and gradient shards (and the rotary tables); the build's
+peak is at most that plus one unit's gather buffer (allocated and released at once) and
+one full parameter being initialised, under 0.6 × the model's size (measured: 0.28);
+the step's peak stays under the limit (measured: 0.67). On 4 ranks the step's peak
+reached 0.96-1.0 × the model's size, varying with the order in which asynchronous
+gathers and reduce-scatters complete (ZeRO-3's gathered units and the reduce-scatter
+outputs its gradient reducer keeps until the end of backward: the reducer's, not the
+build's), too near any limit below the model's size for a test that must not flake. A ZeRO-3
 gather buffer grows in place, outside the dispatcher; it is counted at the next
 operator, the copy into it.
 """
@@ -242,9 +244,10 @@ BIG = ModelConfig(vocab_size=128, dim=64, n_layers=24, n_heads=4, max_seq_len=16
 
 
 def _body_budget(ctx: WorkerContext) -> dict[str, int]:
-    mesh = ctx.mesh(dp=4)
+    mesh = ctx.mesh(dp=8)
     full = param_count(BIG) * 4
-    limit = int(0.98 * full)
+    limit = int(0.8 * full)  # a rank may hold 80 % of the model; dp 8 (at dp 4 ZeRO-3's
+    # step transients, gathered units and held reduce-scatter outputs, reach ~1.0x)
     counter = LiveBytes()
     with counter:
         with torch.device("meta"):
@@ -253,7 +256,7 @@ def _body_budget(ctx: WorkerContext) -> dict[str, int]:
         build_peak, after_build = counter.peak, counter.live()
         opt = Optimizer(pm, torch.optim.SGD(pm.parameters(), lr=0.1))
         g = torch.Generator().manual_seed(1)
-        x = torch.randint(0, BIG.vocab_size, (4, 8), generator=g)  # few tokens: weights dominate
+        x = torch.randint(0, BIG.vocab_size, (8, 8), generator=g)  # few tokens: weights dominate
         r = mesh.index("dp")
         loss = pm.step(x[r : r + 1], x[r : r + 1])
         opt.step()
@@ -278,7 +281,7 @@ def _body_budget(ctx: WorkerContext) -> dict[str, int]:
 
 
 def test_model_larger_than_a_rank_may_hold_builds_and_steps_under_zero3(pools: Pools) -> None:
-    results = pools(4).run(_body_budget)
+    results = pools(8).run(_body_budget)
     for r in results:
         assert r["full"] > r["limit"]  # the whole model would not fit a rank
         assert r["after_build"] == r["kept"], r  # its shards and gradient shards
