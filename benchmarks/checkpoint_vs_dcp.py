@@ -79,7 +79,13 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
     from torch.distributed.fsdp import fully_shard
 
     from plait import comm
-    from plait.checkpoint import CheckpointReader, restore_training_state, save_checkpoint
+    from plait.checkpoint import (
+        AsyncSaver,
+        CheckpointReader,
+        restore_training_state,
+        save_checkpoint,
+        verify_collective,
+    )
     from plait.config import (
         Config,
         DataConfig,
@@ -90,11 +96,6 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
     )
     from plait.model.transformer import Transformer, lm_loss
     from plait.train.trainer import Trainer
-
-    try:
-        from plait.checkpoint import AsyncSaver, verify_collective
-    except ImportError:  # the code before issue 19 (for the "before" figures)
-        AsyncSaver, verify_collective = None, None  # type: ignore[assignment,misc]
 
     torch.set_num_threads(1)
     mesh = ctx.mesh()
@@ -153,12 +154,9 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
 
     def plait_load(k: int) -> None:
         folder = root / "plait" / f"step_{k:08d}"
-        if verify_collective is None:  # the code before issue 19: full weights on every rank
-            reader = CheckpointReader(folder)
-            reader.model_state()  # the full weights, as a resume read them
-        else:  # what a resume does: checksums once per file per host, then own pieces
-            reader = CheckpointReader(folder, verify=False)
-            verify_collective(folder, reader.meta, mesh)
+        # what a resume does: checksums once per file per host, then each rank's pieces
+        reader = CheckpointReader(folder, verify=False)
+        verify_collective(folder, reader.meta, mesh)
         restore_training_state(tr.state, reader)
 
     def dcp_load(k: int) -> None:
@@ -167,15 +165,14 @@ def bench_body(ctx: Any, layout: str, dim: int, layers: int, reps: int, tmp: str
         dcp.load(state, checkpoint_id=str(root / "dcp" / str(k)))
         set_state_dict(ref, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
-    saver = AsyncSaver(mesh, root / "async", keep=1) if AsyncSaver is not None else None
+    saver = AsyncSaver(mesh, root / "async", keep=1)
 
     def stalls(k: int) -> None:
         """The training thread's stall per save: sync (the whole save) vs async (wait
         for nothing in flight, one agreement, the copy to host memory)."""
         timed("sync stall", lambda: save_checkpoint(tr.state, root / "sync", k, 1, trusted=trusted))
-        if saver is not None:
-            timed("async stall", lambda: saver.save(tr.state, k, None, (), trusted))
-            saver.wait()  # untimed: the writer's work, off the training thread
+        timed("async stall", lambda: saver.save(tr.state, k, None, (), trusted))
+        saver.wait()  # untimed: the writer's work, off the training thread
 
     for k in range(1, reps + 2):  # rep 1 warms up (file cache, imports) and is dropped
         order = [("plait", plait_save, plait_load), ("dcp", dcp_save, dcp_load)]

@@ -48,6 +48,18 @@ LLAMA3_SCALING = {
 model's four frequencies fall in all three bands (kept, smoothed, divided)."""
 
 
+TINY_HF: dict[str, int] = {
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+"""The sizes of the tiny Hugging Face models these tests save (GQA: 2 KV heads of 4)."""
+
+
 def make_hf_llama(
     folder: Path, tied: bool, seed: int = 0, shard: str = "20KB", scaled: bool = False
 ) -> Path:
@@ -56,13 +68,7 @@ def make_hf_llama(
     torch.manual_seed(seed)
     extra = {"rope_scaling": LLAMA3_SCALING} if scaled else {}
     cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **TINY_HF,
         rope_theta=5000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
@@ -254,13 +260,7 @@ def test_mistral_loads_and_a_sliding_window_is_refused(tmp_path: Path) -> None:
     computes transformers' loss; with a window it is refused by name."""
     torch.manual_seed(3)
     cfg = transformers.MistralConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **TINY_HF,
         sliding_window=None,
     )
     folder = tmp_path / "mistral"
