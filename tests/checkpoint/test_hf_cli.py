@@ -12,7 +12,10 @@ process through the CLI; dp2×tp2 into both families through its Python API, rel
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,3 +167,40 @@ def test_plait_eval_of_a_hf_folder_equals_transformers(
         more = ["--model.family", "hf-llama"] if layout.pop("family", 0) else []
         got = pools(4).run(_eval_body, [*args, *more, "--tp", "2"], layout)
         assert got == pytest.approx([want] * 4, rel=1e-5)  # dp2 x tp2
+
+
+def test_plait_eval_of_a_hf_folder_under_torchrun(src: Path, tmp_path: Path) -> None:
+    """As users launch it: ``torchrun --nproc-per-node 2 -m plait eval`` of a Hugging Face
+    folder (transformers' own class, tp 2) prints transformers' loss (6 decimals)."""
+    data = tmp_path / "d.txt"
+    data.write_bytes(bytes(range(32, 127)) * 3)  # 17 windows of 16 + 1
+    want = _hf_window_loss(src, data, 16)
+    args = ["--init-from", str(src), "--data", str(data), "--seq-len", "16", "--global-batch", "2"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "plait",
+            "eval",
+            *args,
+            "--model.family",
+            "hf-llama",
+            "--tp",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("plait: eval loss "))
+    assert "over 17 windows of 16 + 1 tokens" in line
+    assert float(line.split()[3].rstrip(",")) == pytest.approx(want, abs=1e-6)
