@@ -57,6 +57,7 @@ ModelFamily = Literal["plait", "hf-llama"]
 RopeScaling = Literal["none", "linear", "llama3"]
 CPAttention = Literal["ring", "ulysses"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
+CompressionAdam = Literal["before", "after"]
 WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
@@ -74,6 +75,7 @@ OFFLOADS: tuple[Offload, ...] = get_args(Offload)
 CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
 PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
+COMPRESSION_ADAMS: tuple[CompressionAdam, ...] = get_args(CompressionAdam)
 NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -333,6 +335,11 @@ class ParallelConfig:
     compression_warmup_steps: int = 0
     """topk: sparsity warm-up (Deep Gradient Compression): over this many compressed
     steps the density decays exponentially from 25 % to compression_ratio (0: none)."""
+    compression_adam: CompressionAdam = "before"
+    """topk with the trainer's AdamW: 'before' runs Adam's moments on each rank's own
+    gradient in front of the sparsification and sends the step direction (the Adam form of
+    DGC's momentum correction; the optimizer becomes plain SGD); 'after' sends the raw
+    gradient and runs AdamW after the exchange (exact at ratio 1)."""
     backend: Backend = "auto"
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0

@@ -58,7 +58,7 @@ from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, R
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
-from plait.parallel.compression import Compressor, make_compressor
+from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.loss import LossFn, cross_entropy_loss
@@ -198,6 +198,7 @@ def parallelize(
             rank=p.compression_rank,
             start=p.compression_start,
             warmup=p.compression_warmup_steps,
+            **adam_before(p, full),
         )
     if compressor is not None:  # the plain path only (same rule as the config's)
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)

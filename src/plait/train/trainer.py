@@ -42,6 +42,7 @@ from plait.model.factory import (
 from plait.model.init import has_meta
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
+from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
@@ -88,19 +89,21 @@ def lr_at(step: int, cfg: Config) -> float:
     return low + 0.5 * (peak - low) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters);
+    plain SGD with the same decay where top-k compression applies Adam on each rank
+    before the exchange (``parallel.compression_adam``: SGD's coupled decay then equals
+    AdamW's decoupled one)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     t = cfg.train
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr_at(0, cfg),
-        betas=(t.beta1, t.beta2),
-    )
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if adam_in_front(model):
+        return torch.optim.SGD(groups, lr=lr_at(0, cfg), momentum=0.0)
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(t.beta1, t.beta2))
 
 
 def one_device_model(cfg: Config, device: torch.device) -> nn.Module:
@@ -131,7 +134,7 @@ def start_parallel(
     optimizer = Optimizer(
         model,
         make_optimizer(model, cfg),
-        max_norm=cfg.train.grad_clip,
+        max_norm=0.0 if adam_in_front(model) else cfg.train.grad_clip,  # clipped per rank
         scaler=scaler,
         nonfinite=prec.nonfinite,
     )
