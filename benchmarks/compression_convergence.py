@@ -85,6 +85,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, nargs="+", default=[60, 500])
     ap.add_argument("--out", type=Path, help="record the table in this markdown file")
+    ap.add_argument(
+        "--only", nargs="+", default=None, help="run only the methods whose label contains one"
+    )
     a = ap.parse_args()
     load0 = load_average()
     results: dict[int, dict[str, tuple[float, float]]] = {}
@@ -92,6 +95,8 @@ def main() -> int:
         for steps in a.steps:
             results[steps] = {}
             for label, flags in methods(steps).items():
+                if a.only and label != "none" and not any(o in label for o in a.only):
+                    continue
                 results[steps][label] = run(steps, flags, Path(tmp))
                 print(f"  {steps} steps, {label}: {results[steps][label]}", file=sys.stderr)
     lines = [
