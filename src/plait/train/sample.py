@@ -1,0 +1,132 @@
+"""Text from a :class:`~plait.parallel.model.ParallelModel`: what ``plait generate`` and
+the trainer's ``log.sample_every`` run.
+
+The model is the trained (or loaded) one, on its own layout. Every rank decodes the same
+prompt (:mod:`plait.model.generate`) on the one-device model inside the data wrapper:
+
+* tensor parallelism — each tp rank holds whole heads and a vocabulary shard of the
+  head; the projections communicate as in training (the output projection's and MLP's
+  partial sums all-reduced) and the last position's logits are all-gathered over tp
+  (``B x V`` values per token, counted by :mod:`plait.comm`) before choosing; tp rank 0's
+  token is then broadcast over tp, so every tp rank feeds the same token even where
+  the gathered logits could differ in the last bit (NCCL);
+* data parallelism and ZeRO — every dp rank holds (stage 3: gathers, for the duration of
+  the sampling, :meth:`~plait.parallel.zero.ZeroDataParallel.gathered`) the whole model
+  and decodes the same tokens with no communication across dp;
+* context parallelism — the cached decode of plait's Transformer uses neither the
+  sequence-sharded positions nor the ring attention (:mod:`plait.model.kv_cache`), so
+  each cp rank decodes alone; other models under cp are refused;
+* pipeline parallelism and sequence parallelism are refused (no stage holds the whole
+  model; sequence parallelism shards the one-token decode's sequence).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait import comm
+from plait.comm.regions import gather_along
+from plait.errors import ConfigError
+from plait.model.generate import SampleSettings, generate, make_decoder
+from plait.model.transformer import Transformer
+from plait.parallel.model import ParallelModel
+from plait.parallel.tensor.plan import vocab_size_of
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What :func:`sample_tokens` produced."""
+
+    tokens: list[int]
+    """The new token ids (the prompt not included)."""
+    seconds: float
+    """Wall time of the decode (prefill included)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second."""
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def check_can_sample(pp: int, cp: int, tp: int, sequence_parallel: bool, family: str,
+                     factory: str | None) -> None:
+    """Refuse (ConfigError) a layout generation cannot run on, before any work."""
+    if pp > 1:
+        raise ConfigError(
+            f"generation needs the whole model on each rank; pp = {pp} splits it into "
+            "stages. Use the layout's tp (and dp) without pp: any checkpoint loads into it."
+        )
+    if sequence_parallel and tp > 1:
+        raise ConfigError(
+            "generation decodes one token at a time, which sequence parallelism cannot "
+            "shard over tp; set parallel.sequence_parallel = false."
+        )
+    if cp > 1 and (family != "plait" or factory is not None):
+        raise ConfigError(
+            f"generation under cp = {cp} needs plait's own transformer (its cached decode "
+            "does not use the context-parallel attention); use cp = 1."
+        )
+
+
+def inner_model(model: ParallelModel) -> nn.Module:
+    """The (tensor-parallel) one-device model inside the data wrapper."""
+    if model.pipeline is not None:
+        raise ConfigError("generation needs the whole model on each rank: pp must be 1.")
+    inner = model.data_wrapper.module
+    return getattr(inner, "_orig_mod", inner)  # a torch.compile'd model: the original
+
+
+def _tp_logits(model: nn.Module, tp: comm.AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Vocabulary-shard logits ``(batch, V/tp)`` -> the whole vocabulary ``(batch, V)``."""
+    vocab = vocab_size_of(model)
+
+    def full(logits: torch.Tensor) -> torch.Tensor:
+        out = gather_along(logits.contiguous(), tp, -1)  # (batch, padded V)
+        return out.narrow(-1, 0, vocab)
+
+    return full
+
+
+def _agree(group: comm.AxisGroup, device: torch.device) -> Callable[[int], int]:
+    """Every rank of ``group`` takes the token of its rank 0."""
+
+    def agree(token: int) -> int:
+        t = torch.tensor([token], dtype=torch.long, device=device)
+        comm.broadcast(t, group, src=0)
+        return int(t.item())
+
+    return agree
+
+
+def sample_tokens(
+    model: ParallelModel, prompt: Sequence[int], settings: SampleSettings, kv_cache: bool = True
+) -> Sample:
+    """``settings.max_new_tokens`` tokens continuing ``prompt`` on every rank of the
+    model's mesh (the same tokens on each; see the module docstring). Collective: every
+    rank calls it with the same arguments."""
+    mesh = model.mesh
+    inner = inner_model(model)
+    if mesh.size("cp") > 1 and not (kv_cache and isinstance(inner, Transformer)):
+        raise ConfigError("generation under cp > 1 needs plait's transformer with the KV cache.")
+    max_len = len(prompt) + settings.max_new_tokens
+    logits_fn = agree = None
+    if mesh.size("tp") > 1:
+        tp = mesh.axis("tp")
+        logits_fn, agree = _tp_logits(inner, tp), _agree(tp, mesh.device)
+    zero = model.zero
+    was_training = model.training
+    model.eval()
+    t0 = time.perf_counter()
+    try:
+        with zero.gathered() if zero is not None else contextlib.nullcontext():
+            decoder = make_decoder(inner, max_len, kv_cache)
+            tokens = generate(decoder, prompt, settings, mesh.device, logits_fn, agree)
+    finally:
+        model.train(was_training)
+    return Sample(tokens, time.perf_counter() - t0)
