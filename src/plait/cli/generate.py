@@ -172,10 +172,10 @@ def _generate(rest: Sequence[str]) -> int:
     """Validate, then generate here (one process, or a rank) or start the ranks."""
     from plait.checkpoint import check_start
     from plait.cli.train import _check_device
+    from plait.config_checks import check_generation_layout
     from plait.launch.local import launch_local, torchrun_env
     from plait.parallel.checks import validate_run
     from plait.train.data import make_tokenizer
-    from plait.train.sample import check_can_sample
 
     cfg, args = _config(rest)
     env = torchrun_env()
@@ -183,7 +183,7 @@ def _generate(rest: Sequence[str]) -> int:
     _check_device(cfg)
     validate_run(cfg, world)
     p, m = cfg.parallel, cfg.model
-    check_can_sample(p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory)
+    check_generation_layout(p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory)
     check_start(cfg, probe_lock=False)  # init_from exists
     prompt = encode_prompt(cfg, args)
     if env is None and world > 1:

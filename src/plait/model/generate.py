@@ -59,7 +59,9 @@ class SampleSettings:
         if self.max_new_tokens <= 0:
             raise ConfigError(f"--max-new-tokens must be positive, got {self.max_new_tokens}.")
         if not self.temperature >= 0.0:
-            raise ConfigError(f"--temperature must be 0 (greedy) or positive, got {self.temperature}.")
+            raise ConfigError(
+                f"--temperature must be 0 (greedy) or positive, got {self.temperature}."
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
@@ -134,9 +136,7 @@ def make_decoder(model: nn.Module, max_len: int, kv_cache: bool = True) -> Decod
     return RecomputeDecoder(model)
 
 
-def choose_token(
-    logits: torch.Tensor, s: SampleSettings, generator: torch.Generator
-) -> int:
+def choose_token(logits: torch.Tensor, s: SampleSettings, generator: torch.Generator) -> int:
     """The next token from ``logits`` ``(vocab,)`` under ``s`` (see the module docstring)."""
     x = logits.detach().float().cpu()  # (vocab,)
     if s.temperature == 0.0:

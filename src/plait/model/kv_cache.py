@@ -21,12 +21,13 @@ every cp rank holds the whole model.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from plait.errors import ConfigError
-from plait.model.transformer import Transformer, apply_rotary
+from plait.model.transformer import Attention, Block, Transformer, apply_rotary
 
 
 class KVCache:
@@ -70,9 +71,7 @@ class KVCache:
         return sum(b.numel() * b.element_size() for b in (*self._k, *self._v) if b is not None)
 
 
-def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
-) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Attention of the new queries ``q`` ``(batch, heads, t, head_dim)`` at positions
     ``start .. start + t - 1`` over the cached ``k``/``v`` ``(batch, kv_heads, start + t,
     head_dim)``: query ``i`` sees positions ``0 .. start + i``. Returns ``(batch, heads,
@@ -92,8 +91,12 @@ def cached_attention(
 
 
 def _attention(
-    attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    cache: KVCache, layer: int,
+    attn: Attention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    layer: int,
 ) -> torch.Tensor:
     """The block's attention on the new tokens ``x`` ``(batch, t, dim)`` with the cache."""
     b, t, _ = x.shape
@@ -123,7 +126,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     cos = model.rope_cos[start : start + t]  # (t, head_dim // 2)
     sin = model.rope_sin[start : start + t]
     h = model.tok_embeddings(tokens)  # (batch, t, dim)
-    for i, block in enumerate(model.layers):
+    for i, layer in enumerate(model.layers):
+        block = cast(Block, layer)  # its modules may be parallel versions (same names)
         a = _attention(block.attention, block.attention_norm(h), cos, sin, cache, i)
         h = h + a
         h = h + block.feed_forward(block.ffn_norm(h))

@@ -26,6 +26,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from plait.model.generate import SampleSettings, generate, make_decoder
 from plait.model.transformer import Transformer
 from plait.parallel.model import ParallelModel
 from plait.parallel.tensor.plan import vocab_size_of
+
+if TYPE_CHECKING:
+    from plait.config import Config
 
 
 @dataclass(frozen=True)
@@ -52,26 +56,6 @@ class Sample:
     def tokens_per_s(self) -> float:
         """New tokens per second."""
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
-
-
-def check_can_sample(pp: int, cp: int, tp: int, sequence_parallel: bool, family: str,
-                     factory: str | None) -> None:
-    """Refuse (ConfigError) a layout generation cannot run on, before any work."""
-    if pp > 1:
-        raise ConfigError(
-            f"generation needs the whole model on each rank; pp = {pp} splits it into "
-            "stages. Use the layout's tp (and dp) without pp: any checkpoint loads into it."
-        )
-    if sequence_parallel and tp > 1:
-        raise ConfigError(
-            "generation decodes one token at a time, which sequence parallelism cannot "
-            "shard over tp; set parallel.sequence_parallel = false."
-        )
-    if cp > 1 and (family != "plait" or factory is not None):
-        raise ConfigError(
-            f"generation under cp = {cp} needs plait's own transformer (its cached decode "
-            "does not use the context-parallel attention); use cp = 1."
-        )
 
 
 def inner_model(model: ParallelModel) -> nn.Module:
@@ -130,3 +114,29 @@ def sample_tokens(
     finally:
         model.train(was_training)
     return Sample(tokens, time.perf_counter() - t0)
+
+
+class TrainingSamples:
+    """``log.sample_every``: a short greedy continuation of ``log.sample_prompt`` by the
+    model being trained, as one console line (every rank decodes; rank 0 prints it)."""
+
+    def __init__(self, cfg: Config) -> None:
+        from plait.train.data import check_vocab, make_tokenizer
+
+        log = cfg.log
+        self.every = log.sample_every
+        self.tokenizer = make_tokenizer(cfg.data.tokenizer)
+        ids = self.tokenizer.encode(log.sample_prompt)
+        check_vocab(ids, cfg.model.vocab_size, "log.sample_prompt")
+        self.prompt = [int(i) for i in ids]
+        self.settings = SampleSettings(max_new_tokens=log.sample_tokens)
+
+    def due(self, step: int) -> bool:
+        """Whether a sample is printed after step ``step`` (1-based)."""
+        return self.every > 0 and step % self.every == 0
+
+    def line(self, model: ParallelModel, step: int) -> str:
+        """Decode (collective over the mesh) and return the console line."""
+        sample = sample_tokens(model, self.prompt, self.settings)
+        text = self.tokenizer.decode(self.prompt + sample.tokens)
+        return f"plait: sample at step {step}: {text!r}"
