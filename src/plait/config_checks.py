@@ -328,7 +328,12 @@ def check_pretrained_model(
 
 
 def check_generation_layout(
-    pp: int, cp: int, tp: int, sequence_parallel: bool, family: str, factory: str | None,
+    pp: int,
+    cp: int,
+    tp: int,
+    sequence_parallel: bool,
+    family: str,
+    factory: str | None,
     what: str = "generation",
 ) -> None:
     """Text generation (``plait generate``, ``log.sample_every``) decodes on ranks that

@@ -7,8 +7,9 @@ prompt once (the prefill), then each chosen token in turn:
   :class:`~plait.model.kv_cache.KVCache`: each call runs the blocks on the new tokens
   only (:func:`~plait.model.kv_cache.forward_cached`);
 * :class:`HFCachedDecoder` — a Hugging Face causal LM (``model.family = "hf-llama"``)
-  with transformers' own ``DynamicCache`` (``past_key_values``): transformers computes
-  the positions and the causal mask from the cache, as its ``generate`` does;
+  with transformers' own ``DynamicCache`` (its ``cache`` / ``past_key_values``
+  argument): transformers computes the positions and the causal mask from the cache,
+  as its ``generate`` does;
 * :class:`RecomputeDecoder` — any model mapping token ids ``(batch, seq)`` to logits (or
   an output with ``.logits``): it calls the model on the whole growing sequence each
   time, the reference the cached decoders are tested against, and the path of a model
@@ -27,6 +28,7 @@ same one).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -96,12 +98,14 @@ class HFCachedDecoder:
 
         self.model = model
         self.cache = DynamicCache(config=getattr(model, "config", None))
+        params = inspect.signature(type(model).forward).parameters
+        # transformers >= 5.2x names the argument ``cache`` (``past_key_values`` before)
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``model(input_ids=tokens, past_key_values=cache)``'s last logits."""
-        out = self.model(
-            input_ids=tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=1
-        )
+        """``model(input_ids=tokens, cache=cache)``'s last logits."""
+        kwargs = {self.cache_arg: self.cache}
+        out = self.model(input_ids=tokens, use_cache=True, logits_to_keep=1, **kwargs)
         return logits_of(out)[:, -1]  # (batch, vocab)
 
 
