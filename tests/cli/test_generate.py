@@ -229,3 +229,51 @@ def test_bad_input_exits_2_with_one_line(
 def test_init_from_is_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--prompt", "x"]) == 2
     assert "plait generate needs --init-from PATH" in capsys.readouterr().err
+
+
+HF_FLAGS = [
+    *["--model.family", "hf-llama", "--model.dim", "32", "--model.n_layers", "2"],
+    *["--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.max_seq_len", "32"],
+    *["--model.tie_embeddings", "false", "--model.init_std", "0.2"],
+]
+
+
+def _hf_args(root: Path, *more: str) -> list[str]:
+    """A consolidated weights file of a seed-4 hf-llama model (names as transformers')."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from plait.cli.generate import _config as config_of
+
+    weights = root / "hf.safetensors"
+    if not weights.exists():
+        cfg, _ = config_of([*HF_FLAGS, "--init-from", str(weights), "--prompt", PROMPT])
+        torch.manual_seed(4)
+        model = build_model(cfg.model, seed=4)
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, weights)
+    return [
+        *HF_FLAGS,
+        "--init-from",
+        str(weights),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        str(N),
+        "--nproc",
+        "1",
+        *more,
+    ]
+
+
+def test_hf_llama_cache_no_cache_and_tp2_give_the_same_tokens(
+    run: Run, pools: Callable[[int], WorkerPool]
+) -> None:
+    """model.family hf-llama decodes with transformers' DynamicCache: the tokens equal
+    the recomputing decode's on one process, and tp2's (sharded through the Hugging Face
+    tensor-parallel plan), greedy and sampled."""
+    for extra in ([], SAMPLED):
+        want = _tokens(_hf_args(run.root, *extra))
+        assert _tokens(_hf_args(run.root, *extra, "--no-kv-cache")) == want
+        tp2 = _hf_args(run.root, *extra, "--tp", "2", "--dp", "1")
+        got = pools(2).run(f"{M}:_body_layout", tp2)
+        assert got == [want, want]

@@ -171,3 +171,21 @@ def test_hf_llama_with_transformers_cache_equals_a_plain_loop() -> None:
     decoder = make_decoder(model, 48)
     assert isinstance(decoder, HFCachedDecoder)
     assert generate(decoder, PROMPT, SampleSettings(max_new_tokens=20)) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_in_bf16_matches_its_own_plain_loop_and_cpu_sampling_is_device_free() -> None:
+    """On a GPU: the cached decode in bf16 gives the plain loop's greedy tokens where the
+    loop's margins are clear of bf16 rounding, and a fp32 sampled run gives the CPU's
+    tokens (the draws come from the CPU generator)."""
+    model = _model().cuda()
+    s = SampleSettings(max_new_tokens=20, temperature=0.7, top_k=30, seed=2)
+    cpu = generate(make_decoder(_model(), 48), PROMPT, s)
+    assert generate(make_decoder(model, 48), PROMPT, s, device="cuda") == cpu
+    half = _model().to("cuda", torch.bfloat16)
+    want, margin = _plain_greedy(half.cpu().float(), PROMPT, 20)  # reference in fp32
+    got = generate(make_decoder(half, 48), PROMPT, SampleSettings(max_new_tokens=20), "cuda")
+    if margin > 0.1:  # bf16 logits are exact to ~1e-2 here
+        assert got == want
+    assert len(got) == 20

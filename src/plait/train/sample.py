@@ -66,9 +66,24 @@ def inner_model(model: ParallelModel) -> nn.Module:
     return getattr(inner, "_orig_mod", inner)  # a torch.compile'd model: the original
 
 
+def _vocab_of(model: nn.Module) -> int:
+    """The vocabulary of the (tensor-parallel) model's head: plait's ``output``, a
+    Hugging Face model's output embeddings, else the plan's ``vocab_head``."""
+    if isinstance(model, Transformer):
+        head: object = model.output
+    elif callable(getattr(model, "get_output_embeddings", None)):
+        head = model.get_output_embeddings()  # type: ignore[operator]
+    else:
+        return vocab_size_of(model)
+    out = getattr(head, "out_features", None)
+    if not isinstance(out, int):
+        raise ConfigError(f"the head of {type(model).__name__} has no integer out_features")
+    return out
+
+
 def _tp_logits(model: nn.Module, tp: comm.AxisGroup) -> Callable[[torch.Tensor], torch.Tensor]:
     """Vocabulary-shard logits ``(batch, V/tp)`` -> the whole vocabulary ``(batch, V)``."""
-    vocab = vocab_size_of(model)
+    vocab = _vocab_of(model)
 
     def full(logits: torch.Tensor) -> torch.Tensor:
         out = gather_along(logits.contiguous(), tp, -1)  # (batch, padded V)
