@@ -15,7 +15,7 @@ import ast
 import contextlib
 import dataclasses
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,15 @@ from tests.tiny import run_plait, tiny_config
 M = "tests.cli.test_generate"
 PROMPT = "def "
 N = 12
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: these tiny models run ~30x slower with two on a busy machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +88,7 @@ def _args(run: Run, *more: str) -> list[str]:
         PROMPT,
         "--max-new-tokens",
         str(N),
-        "--nproc",
-        "1",
+        *["--nproc", "1", "--launch.threads", "1"],
         *more,
     ]
 
@@ -259,8 +267,7 @@ def _hf_args(root: Path, *more: str) -> list[str]:
         PROMPT,
         "--max-new-tokens",
         str(N),
-        "--nproc",
-        "1",
+        *["--nproc", "1", "--launch.threads", "1"],
         *more,
     ]
 

@@ -10,6 +10,8 @@ difference cannot flip a token).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -30,6 +32,15 @@ from plait.model.transformer import Transformer
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=48, init_std=0.2)
 PROMPT = [104, 101, 108, 108, 111, 32]  # "hello "
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: these tiny models run ~30x slower with two on a busy machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def _model(cfg: ModelConfig = CFG, seed: int = 3) -> torch.nn.Module:

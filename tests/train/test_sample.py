@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,6 +28,15 @@ from plait.train.trainer import Trainer
 from tests.tiny import tiny_config
 
 M = "tests.train.test_sample"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: these tiny models run ~30x slower with two on a busy machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def _config(parallel: dict[str, Any] | None = None, **log: Any) -> Config:
