@@ -234,9 +234,12 @@ def test_bad_input_exits_2_with_one_line(
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_init_from_is_required(capsys: pytest.CaptureFixture[str]) -> None:
+def test_init_from_and_prompt_are_required(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--prompt", "x"]) == 2
     assert "plait generate needs --init-from PATH" in capsys.readouterr().err
+    assert main(["generate", "--init-from", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "plait: error: plait generate needs --prompt TEXT: the text to continue."
 
 
 HF_FLAGS = [

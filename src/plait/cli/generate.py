@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", help="the text to continue (required)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default 64")
     p.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy"
@@ -117,6 +117,8 @@ def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
     from plait.model.generate import SampleSettings
 
     overrides, ns = parse_run_flags(_parser(), rest)
+    if ns.prompt is None:
+        raise ConfigError("plait generate needs --prompt TEXT: the text to continue.")
     if not ns.prompt:
         raise ConfigError("--prompt is empty: give the text to continue.")
     data = load_config_data(ns.config, overrides)
