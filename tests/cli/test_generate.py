@@ -287,3 +287,24 @@ def test_hf_llama_cache_no_cache_and_tp2_give_the_same_tokens(
         tp2 = _hf_args(run.root, *extra, "--tp", "2", "--dp", "1")
         got = pools(2).run(f"{M}:_body_layout", tp2)
         assert got == [want, want]
+
+
+def test_a_step_folder_with_a_newer_writers_model_fields_loads(
+    run: Run, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--init-from`` one step folder (not the run's folder); model fields this version
+    does not know (a newer writer's) are not taken from its metadata."""
+    import json
+    import shutil
+
+    folder = read_latest(run.root / "ck")
+    assert folder is not None
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    meta = json.loads((copy / "metadata.json").read_text())
+    meta["config"]["model"]["a_future_field"] = 3
+    (copy / "metadata.json").write_text(json.dumps(meta))
+    assert main(["generate", *_args(run)]) == 0
+    want = capsys.readouterr().out
+    assert main(["generate", *_args(run, "--init-from", str(copy))]) == 0
+    assert capsys.readouterr().out == want

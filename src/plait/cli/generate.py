@@ -25,6 +25,7 @@ sequence for every token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -83,6 +84,7 @@ def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
     raw config ``data`` does not set them. Returns what was done, in words."""
     from plait.checkpoint import read_latest
     from plait.checkpoint.format import read_metadata
+    from plait.config import ModelConfig
 
     train = data.setdefault("train", {})
     init_from = train.get("init_from")
@@ -98,7 +100,8 @@ def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
         notes.append(f"--init-from {init_from}: its latest checkpoint, {latest}")
     saved = read_metadata(folder).get("config", {})
     model = data.setdefault("model", {})
-    filled = {k: v for k, v in saved.get("model", {}).items() if k not in model}
+    known = {f.name for f in dataclasses.fields(ModelConfig)}  # a newer writer's extras: no
+    filled = {k: v for k, v in saved.get("model", {}).items() if k in known and k not in model}
     model.update(filled)
     tokenizer = saved.get("data", {}).get("tokenizer")
     if tokenizer and "tokenizer" not in data.setdefault("data", {}):
