@@ -195,7 +195,8 @@ def test_cuda_decode_in_bf16_matches_its_own_plain_loop_and_cpu_sampling_is_devi
     cpu = generate(make_decoder(_model(), 48), PROMPT, s)
     assert generate(make_decoder(model, 48), PROMPT, s, device="cuda") == cpu
     half = _model().to("cuda", torch.bfloat16)
-    want, margin = _plain_greedy(half.cpu().float(), PROMPT, 20)  # reference in fp32
+    ref = _model().to(torch.bfloat16).float()  # the same bf16 weights, computed in fp32
+    want, margin = _plain_greedy(ref, PROMPT, 20)
     got = generate(make_decoder(half, 48), PROMPT, SampleSettings(max_new_tokens=20), "cuda")
     if margin > 0.1:  # bf16 logits are exact to ~1e-2 here
         assert got == want
