@@ -27,11 +27,13 @@ from plait.config_checks import (
     check_compression,
     check_compression_warmup,
     check_cp_sequence,
+    check_generation_layout,
     check_offload,
     check_pipeline,
     check_positive,
     check_pp_reshard,
     check_rope_scaling,
+    check_sample_length,
     check_seq_len,
     check_shard_size,
     check_sp_under_cp,
@@ -589,10 +591,24 @@ class LogConfig:
     """Pipeline runs (parallel.pp > 1): draw the last training step's measured timeline
     (ranks as rows, forward/backward/weight-gradient actions, bubble in the title) into
     this PNG file, the picture `plait pipeline draw` makes of a simulated schedule."""
+    sample_every: int = 0
+    """Every this many steps, rank 0 prints a short greedy continuation of
+    ``log.sample_prompt`` by the model being trained (all ranks decode it; 0: never)."""
+    sample_prompt: str = "def "
+    """The text the ``log.sample_every`` samples continue."""
+    sample_tokens: int = 32
+    """Tokens each ``log.sample_every`` sample generates."""
 
     def __post_init__(self) -> None:
         check_choices(self, "log.")
         check_positive("log.", log_every=self.log_every, peak_tflops=self.peak_tflops)
+        check_positive("log.", sample_tokens=self.sample_tokens)
+        if self.sample_every < 0:
+            raise ConfigError(
+                f"log.sample_every must be 0 (off) or positive, got {self.sample_every}."
+            )
+        if not self.sample_prompt:
+            raise ConfigError("log.sample_prompt must not be empty.")
         if self.timeline is not None and not self.timeline.lower().endswith(".png"):
             raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")
         if not self.dir:
@@ -703,6 +719,12 @@ class Config:
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
+        if self.log.sample_every:
+            check_generation_layout(
+                p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory, "log.sample_every"
+            )
+            prompt = len(self.log.sample_prompt.encode("utf-8"))
+            check_sample_length(prompt, self.log.sample_tokens, m.max_seq_len)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

@@ -74,6 +74,7 @@ from plait.train.report import (
     summary_line,
     timeline_line,
 )
+from plait.train.sample import TrainingSamples
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -201,6 +202,7 @@ class Trainer:
         show = self.is_main and self.show_progress
         self.progress = Progress(cfg.train.steps, cfg.log.progress, cfg.log.log_every, show)
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
+        self.samples = TrainingSamples(cfg) if cfg.log.sample_every else None
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
 
@@ -337,6 +339,10 @@ class Trainer:
             for logger in self.loggers:
                 logger.log(n, scalars)
             self.progress.update(m)
+            if self.samples is not None and self.samples.due(n):  # every rank decodes
+                line = self.samples.line(self.model, n)
+                if self.is_main:
+                    self.progress.message(line)
             if health.stragglers:
                 straggler_steps += 1
                 if straggler_steps == 1 and self.is_main:  # once; the metrics keep them all
