@@ -1,0 +1,163 @@
+"""plait's eager mixed-precision step against a plain PyTorch loop on the same model.
+
+One process, one device, plait's built-in ``Transformer``, the same batch every step:
+
+* **plain**: fp32 parameters, forward under ``torch.autocast(bf16)``, the fp32 loss,
+  ``backward``, ``clip_grad_norm_`` (foreach) and ``torch.optim.AdamW(fused=True)``;
+* **plait**: ``parallelize(model, mesh, precision="bf16")`` (bf16 parameters, fp32
+  master weights held by the optimizer), :class:`plait.optim.Optimizer` around the
+  trainer's AdamW (``make_optimizer``) with the same clipping: ``pm.step``,
+  ``opt.step``, ``opt.zero_grad``.
+
+Each is timed for ``--steps`` steps after ``--warmup`` steps; the table gives the median
+step time and plait's ratio (plain / plait: >= 1.00 means plait is no slower). With
+``--profile`` it also prints the top operators of a few plait steps
+(``torch.profiler``, CPU time, self time). ``--dtype fp32`` compares the fp32 paths
+(no autocast, no masters).
+
+Run from the repository root::
+
+    python benchmarks/eager_step.py                 # CPU, small model
+    python benchmarks/eager_step.py --device cuda --dim 2048 --layers 16 --seq 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    from plait.config import ModelConfig
+    from plait.model import Transformer
+
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        max_seq_len=args.seq,
+    )
+    return Transformer(cfg, seed=0).to(args.device)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(step: Callable[[], float], args: argparse.Namespace) -> tuple[float, float]:
+    """(median seconds per step, last loss) after ``args.warmup`` untimed steps."""
+    for _ in range(args.warmup):
+        step()
+    times, loss = [], 0.0
+    for _ in range(args.steps):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), loss
+
+
+def plain_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
+    """The plain loop's step (autocast when ``--dtype bf16``)."""
+    model = _model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    low = args.dtype == "bf16"
+    dev = torch.device(args.device).type
+
+    def step() -> float:
+        with torch.autocast(dev, torch.bfloat16, enabled=low):
+            logits = model(x)  # (batch, seq, vocab)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    return step
+
+
+def plait_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
+    """plait's step: ``parallelize`` on a one-rank mesh, the trainer's optimizer."""
+    from plait import init_mesh
+    from plait.config import Config, TrainConfig
+    from plait.optim import Optimizer
+    from plait.parallel.parallelize import parallelize
+    from plait.train.trainer import make_optimizer
+
+    mesh = init_mesh(device=args.device)
+    pm = parallelize(_model(args), mesh, precision=args.dtype)
+    cfg = Config(train=TrainConfig(lr=1e-4, weight_decay=0.0, warmup_steps=0))
+    opt = Optimizer(pm, make_optimizer(pm, cfg), max_norm=1.0)
+
+    def step() -> float:
+        loss = pm.step(x, y)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.item())
+
+    return step
+
+
+def profile(step: Callable[[], float], rows: int) -> None:
+    """Print the top operators (self CPU time) of 3 steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="print plait's top operators")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
+    steps = {"plain": plain_step(args, x, y), "plait": plait_step(args, x, y)}
+    if args.profile:
+        for name, s in steps.items():
+            print(f"--- {name}: top operators of 3 steps")
+            profile(s, 25)
+    res = {name: _time(s, args) for name, s in steps.items()}
+    tokens = args.batch * args.seq
+    print(
+        f"device {args.device}, torch {torch.__version__}, {args.dtype}, dim {args.dim}, "
+        f"{args.layers} layers, seq {args.seq}, batch {args.batch}, median of {args.steps}"
+    )
+    print("| loop | step (ms) | tokens/s | loss | plain / this |")
+    print("|---|---:|---:|---:|---:|")
+    base = res["plain"][0]
+    for name, (sec, loss) in res.items():
+        print(f"| {name} | {sec * 1e3:.1f} | {tokens / sec:,.0f} | {loss:.4f} | {base / sec:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
