@@ -7,10 +7,13 @@ One process, one device, plait's built-in ``Transformer``, the same batch every 
 * **plait**: ``parallelize(model, mesh, precision="bf16")`` (bf16 parameters, fp32
   master weights held by the optimizer), :class:`plait.optim.Optimizer` around the
   trainer's AdamW (``make_optimizer``) with the same clipping: ``pm.step``,
-  ``opt.step``, ``opt.zero_grad``.
+  ``opt.step``, ``opt.zero_grad``;
+* **plait, AdamW default kernel**: the same with ``torch.optim.AdamW``'s default kernel
+  (what plait's trainer used before: on the CPU a Python loop over parameters).
 
 Each is timed for ``--steps`` steps after ``--warmup`` steps; the table gives the median
-step time and plait's ratio (plain / plait: >= 1.00 means plait is no slower). With
+wall and CPU time per step and plait's ratio (plain / plait: >= 1.00 means plait is no
+slower). With
 ``--profile`` it also prints the top operators of a few plait steps
 (``torch.profiler``, CPU time, self time). ``--dtype fp32`` compares the fp32 paths
 (no autocast, no masters).
@@ -57,18 +60,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(step: Callable[[], float], args: argparse.Namespace) -> tuple[float, float]:
-    """(median seconds per step, last loss) after ``args.warmup`` untimed steps."""
-    for _ in range(args.warmup):
-        step()
-    times, loss = [], 0.0
+def _time(
+    steps: dict[str, Callable[[], float]], args: argparse.Namespace
+) -> dict[str, tuple[float, float, float]]:
+    """(median wall seconds, median CPU seconds of this process, last loss) per step of
+    each loop after ``args.warmup`` untimed steps. The loops take turns step by step, so
+    a change in the machine's load hits them alike; on a shared CPU the process's CPU
+    time is the steadier measure."""
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    loss: dict[str, float] = {}
     for _ in range(args.steps):
-        _sync(args.device)
-        t0 = time.perf_counter()
-        loss = step()
-        _sync(args.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), loss
+        for name, step in steps.items():
+            _sync(args.device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss[name] = step()
+            _sync(args.device)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    med = statistics.median
+    return {name: (med(wall[name]), med(cpu[name]), loss[name]) for name in steps}
 
 
 def plain_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
@@ -91,8 +105,11 @@ def plain_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Ca
     return step
 
 
-def plait_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Callable[[], float]:
-    """plait's step: ``parallelize`` on a one-rank mesh, the trainer's optimizer."""
+def plait_step(
+    args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, default_kernel: bool = False
+) -> Callable[[], float]:
+    """plait's step: ``parallelize`` on a one-rank mesh, the trainer's optimizer
+    (``default_kernel``: torch's default AdamW kernel instead, as plait had before)."""
     from plait import init_mesh
     from plait.config import Config, TrainConfig
     from plait.optim import Optimizer
@@ -102,7 +119,12 @@ def plait_step(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Ca
     mesh = init_mesh(device=args.device)
     pm = parallelize(_model(args), mesh, precision=args.dtype)
     cfg = Config(train=TrainConfig(lr=1e-4, weight_decay=0.0, warmup_steps=0))
-    opt = Optimizer(pm, make_optimizer(pm, cfg), max_norm=1.0)
+    inner = (
+        torch.optim.AdamW(pm.parameters(), lr=1e-4, weight_decay=0.0)
+        if default_kernel
+        else make_optimizer(pm, cfg)
+    )
+    opt = Optimizer(pm, inner, max_norm=1.0)
 
     def step() -> float:
         loss = pm.step(x, y)
@@ -141,22 +163,29 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
-    steps = {"plain": plain_step(args, x, y), "plait": plait_step(args, x, y)}
+    steps = {
+        "plain": plain_step(args, x, y),
+        "plait": plait_step(args, x, y),
+        "plait, AdamW default kernel": plait_step(args, x, y, default_kernel=True),
+    }
     if args.profile:
         for name, s in steps.items():
             print(f"--- {name}: top operators of 3 steps")
             profile(s, 25)
-    res = {name: _time(s, args) for name, s in steps.items()}
+    res = _time(steps, args)
     tokens = args.batch * args.seq
     print(
         f"device {args.device}, torch {torch.__version__}, {args.dtype}, dim {args.dim}, "
         f"{args.layers} layers, seq {args.seq}, batch {args.batch}, median of {args.steps}"
     )
-    print("| loop | step (ms) | tokens/s | loss | plain / this |")
-    print("|---|---:|---:|---:|---:|")
-    base = res["plain"][0]
-    for name, (sec, loss) in res.items():
-        print(f"| {name} | {sec * 1e3:.1f} | {tokens / sec:,.0f} | {loss:.4f} | {base / sec:.2f} |")
+    print("| loop | step (ms) | tokens/s | CPU (ms) | loss | plain / this (wall, CPU) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    base, base_cpu = res["plain"][0], res["plain"][1]
+    for name, (sec, cpu, loss) in res.items():
+        print(
+            f"| {name} | {sec * 1e3:.1f} | {tokens / sec:,.0f} | {cpu * 1e3:.1f} | "
+            f"{loss:.4f} | {base / sec:.2f}, {base_cpu / cpu:.2f} |"
+        )
 
 
 if __name__ == "__main__":

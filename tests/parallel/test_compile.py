@@ -5,11 +5,17 @@ same seed and the same global batches: eagerly, then with every block compiled b
 inductor's C++ backend (``dynamic=False``). Compared on every rank: the loss at every
 step and the global gradient norm at every step, and every weight after ``STEPS`` steps.
 
-Tolerance (float32): rtol 1e-4, atol 1e-5 on losses, norms and weights. inductor fuses
-the norms, rotary and SwiGLU element-wise chains into loops that round differently from
-eager's one-op-at-a-time float32 (measured: losses differ by <= ~1e-6 relative, weights
-by <= ~1e-6 after 5 AdamW steps), while a real error — a missing gradient, a collective
-run twice, a stale ZeRO-3 parameter — moves losses by >= 1e-3.
+Tolerance (float32): losses and norms rtol 1e-4 (atol 1e-5), weights rtol 1e-4 and
+atol 2e-4. inductor fuses the norms, rotary and SwiGLU element-wise chains into loops
+that round differently from eager's one-op-at-a-time float32: losses and norms move by
+~1e-6 relative; AdamW (lr 1e-2) turns that into weight differences of up to 4.2e-5
+measured (an element whose gradient is near zero takes a step of ~lr whose size depends
+on the rounding of m/sqrt(v)), while a real error — a missing gradient, a collective run
+twice, a stale ZeRO-3 parameter — moves losses by >= 1e-3 and weights by ~lr = 1e-2.
+
+It also checks that dynamo broke the graphs only at plait's collectives (every recorded
+graph break is a ``torch.compiler.disable``d region boundary or attention core, and
+there is none without tp or cp).
 
 Layouts: dp2 (2 micro-batches: the bucketed all-reduce hooks), ZeRO-3 dp2 (gather/free
 hooks around the compiled forward), tp2 with sequence parallelism (region collectives
@@ -59,7 +65,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _run(ctx: WorkerContext, layout: dict[str, Any], compiled: bool) -> dict[str, Any]:
-    """The user's loop under ``layout`` on one rank: losses, norms, final weights."""
+    """The user's loop under ``layout`` on one rank: losses, norms, final weights, and
+    the graph breaks dynamo recorded (their reasons) and the graphs it compiled."""
+    torch._dynamo.utils.counters.clear()
     mesh = ctx.mesh(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"])
     cfg = ParallelConfig(
         microbatches=4, pipeline_schedule="1f1b", bucket_mb=0.005, cp_attention="ring"
@@ -85,7 +93,15 @@ def _run(ctx: WorkerContext, layout: dict[str, Any], compiled: bool) -> dict[str
         opt.zero_grad()
     weights = {p.name: p.value.detach().clone() for p in opt.local_pieces()}
     blocks = sum(bool(getattr(m, COMPILED_ATTR, False)) for m in pm.modules())
-    return {"losses": losses, "norms": norms, "weights": weights, "blocks": blocks}
+    breaks = sorted(torch._dynamo.utils.counters["graph_break"])
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "blocks": blocks,
+        "breaks": breaks,
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+    }
 
 
 def _body(ctx: WorkerContext, layout: dict[str, Any]) -> dict[str, Any]:
@@ -120,19 +136,20 @@ LAYOUTS = [
 @pytest.mark.parametrize(("layout", "blocks"), LAYOUTS)
 def test_compiled_matches_eager(pools: Pools, layout: dict[str, Any], blocks: int) -> None:
     """Compiled blocks give eager's losses and norms at every step and its weights after
-    ``STEPS`` steps on every rank (float32: rtol 1e-4, atol 1e-5); every block this rank
-    holds is compiled (pp2: one of the two per stage)."""
+    ``STEPS`` steps on every rank (float32, tolerances above); every block this rank
+    holds is compiled (pp2: one of the two per stage); graph breaks only at collectives."""
     results = pools(2).run(_body, layout, timeout_s=TIMEOUT_S)
     for rank, r in enumerate(results):
         eager, comp = r["eager"], r["compiled"]
+        # graph breaks only where a collective stays outside (torch.compiler.disable)
+        assert all("torch.compiler.disable" in b for b in comp["breaks"]), comp["breaks"]
+        assert bool(comp["breaks"]) == (layout["tp"] > 1 or layout["cp"] > 1), rank
         assert eager["blocks"] == 0 and comp["blocks"] == blocks, f"rank {rank}"
         assert comp["losses"] == pytest.approx(eager["losses"], rel=RTOL, abs=ATOL), rank
         assert comp["norms"] == pytest.approx(eager["norms"], rel=RTOL, abs=ATOL), rank
         assert eager["losses"][-1] < eager["losses"][0]  # it trains
         assert sorted(comp["weights"]) == sorted(eager["weights"])
         for name, want in eager["weights"].items():
-            d = (comp["weights"][name] - want).abs().max().item()
-            print("DIFF", layout, name, d)
             torch.testing.assert_close(comp["weights"][name], want, rtol=RTOL, atol=W_ATOL)
 
 
