@@ -183,7 +183,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="print plait's top operators")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op CPU threads (default 1: on a shared CPU, OpenMP threads that spin "
+        "while waiting for a core make every timing erratic)",
+    )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
@@ -199,7 +207,8 @@ def main() -> None:
     res = _time(steps, args)
     tokens = args.batch * args.seq
     print(
-        f"device {args.device}, torch {torch.__version__}, {args.dtype}, dim {args.dim}, "
+        f"device {args.device} ({args.threads} CPU threads), torch {torch.__version__}, "
+        f"{args.dtype}, dim {args.dim}, "
         f"{args.layers} layers, seq {args.seq}, batch {args.batch}, median of {args.steps}"
     )
     print("| loop | step (ms) | tokens/s | CPU (ms) | loss | plain / this (wall, CPU) |")
