@@ -17,14 +17,14 @@ Graph breaks — only where a collective must stay outside the graph (plait's
 collectives go through :mod:`plait.comm`, which counts every byte in Python and talks to
 ``torch.distributed`` directly, so they cannot be traced):
 
-* **tensor / sequence parallelism**: each region boundary (``enter_region``,
-  ``leave_region``, ``gather_from_region``, ``scatter_to_region`` of
-  :class:`~plait.parallel.tensor.layers.ColumnParallelLinear` /
-  :class:`~plait.parallel.tensor.layers.RowParallelLinear`): the block compiles into
-  the pieces between them (norms + rotary + attention core; SwiGLU), 2 breaks per region;
+* **tensor / sequence parallelism**: each region boundary — the differentiable
+  collectives of :mod:`plait.comm.regions` (``copy_to_region``,
+  ``reduce_from_region``, ``gather_from_sequence``, ``reduce_scatter_to_sequence``, ...)
+  are ``torch.compiler.disable``d there — so a block compiles into the pieces between
+  them (with sequence parallelism: norm | attention | residual + norm | MLP | residual);
 * **context parallelism**: the ring or Ulysses attention core (point-to-point or
-  all-to-all on the cp group) runs eagerly; the projections and rotary around it are
-  compiled.
+  all-to-all on the cp group) runs eagerly (:func:`_keep_eager`); the norms, projections
+  and rotary before it and the rest of the block after it are compiled.
 
 Every other collective (data-parallel buckets, ZeRO all-gathers and reduce-scatters,
 pipeline sends) happens outside the blocks. See docs/compile.md.
