@@ -452,6 +452,9 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (inductor; per block, as
+    torchtitan does); collectives stay outside the graphs. See docs/compile.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")

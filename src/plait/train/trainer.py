@@ -45,7 +45,7 @@ from plait.parallel.checks import validate_run
 from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
-from plait.parallel.precision import DynamicLossScaler
+from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
 from plait.train.data import (
     BatchSampler,
     TokenDataset,
@@ -91,7 +91,8 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters);
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters),
+    fused (or foreach) kernels where the device has them (:func:`optimizer_kernel`);
     plain SGD with the same decay where top-k compression applies Adam on each rank
     before the exchange (``parallel.compression_adam``: SGD's coupled decay then equals
     AdamW's decoupled one)."""
@@ -104,7 +105,8 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     ]
     if adam_in_front(model):
         return torch.optim.SGD(groups, lr=lr_at(0, cfg), momentum=0.0)
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(t.beta1, t.beta2))
+    kernel = optimizer_kernel(p for p in model.parameters() if p.requires_grad)
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(t.beta1, t.beta2), **kernel)
 
 
 def one_device_model(cfg: Config, device: torch.device) -> nn.Module:
