@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.data.documents import iter_documents, plan_source
+from plait.data.documents import SourceFile, iter_documents, plan_source
 from plait.data.index import (
     DOCUMENTS_NAME,
     INDEX_NAME,
@@ -241,7 +241,23 @@ def prepare(
     if (root / INDEX_NAME).is_file():
         return _verify_done(root, params, workers, t0)
     files = plan_source(src, fld)
+    created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _prepare(root, files, tok, params, workers, fld, src, progress, t0)
+    except DataError:
+        if created and not any(root.glob("shard_*.bin")):  # nothing kept: leave no trace
+            for p in root.iterdir():
+                p.unlink()
+            root.rmdir()
+        raise
+
+
+def _prepare(
+    root: Path, files: list[SourceFile], tok: AnyTokenizer, params: dict[str, Any],
+    workers: int, fld: str, src: str, progress: bool | None, t0: float,
+) -> PrepareSummary:
+    shard_tokens, dtype = int(params["shard_tokens"]), str(params["dtype"])
     side = root / PARAMS_NAME
     if side.is_file():
         old = json.loads(side.read_text(encoding="utf-8"))
