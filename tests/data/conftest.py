@@ -69,3 +69,29 @@ def jsonl_file(tmp_path: Path) -> tuple[Path, list[str]]:
         for i, d in enumerate(docs):
             f.write(json.dumps({"id": i, "text": d}) + "\n")
     return path, docs
+
+
+def prepared_byte_folder(root: Path, max_bytes: int, offset: int, shard_tokens: int) -> Path:
+    """A folder prepared with the byte tokenizer from documents of ~1 kB cut from the
+    built-in corpus (from ``offset``), shards of ``shard_tokens``."""
+    from plait.data.prepare import prepare
+
+    text = read_corpus(DataConfig(max_bytes=offset + max_bytes)).decode("utf-8", "replace")
+    text = text[offset:]
+    docs = [text[i : i + 700 + (i * 7) % 600] for i in range(0, len(text), 1000)]
+    src = root / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    prepare(str(src), str(root / "out"), "byte", shard_tokens=shard_tokens)
+    return root / "out"
+
+
+@pytest.fixture(scope="session")
+def byte_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~150k byte tokens in shards of 10,000 (windows span shards)."""
+    return prepared_byte_folder(tmp_path_factory.mktemp("bytes"), 150_000, 0, 10_000)
+
+
+@pytest.fixture(scope="session")
+def byte_folder_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second, smaller folder (other text), for mixtures."""
+    return prepared_byte_folder(tmp_path_factory.mktemp("bytes_b"), 60_000, 200_000, 7_000)

@@ -5,6 +5,7 @@ the file named)."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 from pathlib import Path
@@ -15,7 +16,6 @@ import pytest
 from plait.cli import main
 from plait.data import make_tokenizer, read_index
 from plait.data.prepare import KILL_AFTER_ENV, prepare
-from tests.tiny import run_plait
 
 
 def decoded_documents(out: Path, spec: str) -> list[str]:
@@ -88,8 +88,13 @@ def test_parquet_and_datasets_folder_equal_jsonl(
     assert shard_bytes(tmp_path / "j", False) == shard_bytes(tmp_path / "h", False)
 
 
+def _killed_child(args: list[str]) -> None:
+    os.environ[KILL_AFTER_ENV] = "5"  # SIGKILLs itself after its 5th shard
+    main(args)
+
+
 def test_killed_prepare_finishes_with_identical_shards(
-    bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path
+    bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, _ = jsonl_file
     spec = f"hf:{bpe}"
@@ -98,23 +103,20 @@ def test_killed_prepare_finishes_with_identical_shards(
     out = tmp_path / "out"
     args = ["data", "prepare", str(path), "-o", str(out), "--tokenizer", spec, "--workers", "2",
             "--shard-tokens", "400"]
-    os.environ[KILL_AFTER_ENV] = "5"  # the child SIGKILLs itself after its 5th shard
-    try:
-        r = run_plait(args, tmp_path)
-    finally:
-        del os.environ[KILL_AFTER_ENV]
-    assert r.returncode == -signal.SIGKILL, r.stderr
+    child = mp.get_context("fork").Process(target=_killed_child, args=(args,))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
     assert not (out / "index.json").exists() and (out / "shard_00004.bin").exists()
     kept = {n: (out / n).stat().st_mtime_ns for n in (f"shard_{i:05d}.bin" for i in range(5))}
-    r = run_plait(args, tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "5 kept from an earlier run" in r.stdout
+    assert main(args) == 0
+    assert "5 kept from an earlier run" in capsys.readouterr().out
     assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # not rewritten
     assert shard_bytes(out) == shard_bytes(ref)
     # a finished folder: verified, nothing rewritten
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    r = run_plait(args, tmp_path)
-    assert r.returncode == 0 and "already prepared and verified" in r.stdout
+    assert main(args) == 0
+    assert "already prepared and verified" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
