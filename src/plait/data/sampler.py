@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from plait.errors import ConfigError, DataError
@@ -56,7 +57,7 @@ class BatchSampler:
         self.seed = seed
         self.step = 0
         """Next step :meth:`__iter__` yields; the only state."""
-        self._perms: dict[int, list[int]] = {}  # cache of recent epochs' permutations
+        self._perms: dict[int, np.ndarray] = {}  # cache of recent epochs' permutations
 
     @property
     def per_rank(self) -> int:
@@ -67,12 +68,15 @@ class BatchSampler:
         """Fractional epoch at the start of ``step``."""
         return step * self.global_batch / self.num_samples
 
-    def permutation(self, epoch: int) -> list[int]:
-        """Visiting order of the samples in ``epoch``."""
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Visiting order of the samples in ``epoch``, ``(num_samples,)`` (int32 when the
+        indices fit: 4 bytes a window, not a Python list's ~36)."""
         perm = self._perms.get(epoch)
         if perm is None:
             gen = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            perm = torch.randperm(self.num_samples, generator=gen, device="cpu").tolist()
+            full = torch.randperm(self.num_samples, generator=gen, device="cpu").numpy()
+            perm = full.astype(np.int32) if self.num_samples < 2**31 else full
+            del full
             if len(self._perms) >= 2:
                 self._perms.pop(min(self._perms))
             self._perms[epoch] = perm
@@ -87,7 +91,7 @@ class BatchSampler:
         while len(out) < self.global_batch:
             epoch, offset = divmod(pos, self.num_samples)
             take = min(self.global_batch - len(out), self.num_samples - offset)
-            out.extend(self.permutation(epoch)[offset : offset + take])
+            out.extend(self.permutation(epoch)[offset : offset + take].tolist())
             pos += take
         return out
 

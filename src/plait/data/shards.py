@@ -1,7 +1,9 @@
 """Windows over a prepared folder, read from memory-mapped shards without loading them.
 
 :class:`ShardStream` is the folder's token stream (the shards in order, one
-``np.memmap`` each, opened on first use); a read may span shards. The documents are split
+read-only memory map each, opened on first use); a read may span shards and drops the
+pages it touched from the process's mapping afterwards, so resident memory stays at a
+few windows whatever the data's size. The documents are split
 once into training and held-out (validation) documents by a hash of their number
 (:func:`held_out`), so the split does not depend on the order of reading, the layout or
 the seed. :class:`SegmentDataset` cuts non-overlapping windows of ``seq_len + 1`` tokens
@@ -12,6 +14,7 @@ held-out ones. Only the pages of the windows read come into memory.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,18 +34,32 @@ class ShardStream:
         self.dtype = np.dtype(index.dtype)
         sizes = np.asarray([int(s["tokens"]) for s in index.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (n_shards + 1,)
-        self._maps: dict[int, np.memmap] = {}
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _shard(self, i: int) -> np.memmap:
+    def _shard(self, i: int) -> tuple[mmap.mmap, np.ndarray]:
         m = self._maps.get(i)
         if m is None:
             path = self.index.root / str(self.index.shards[i]["file"])
-            m = np.memmap(path, dtype=self.dtype, mode="r")
+            with path.open("rb") as f:  # the map keeps its own handle
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            m = mm, np.frombuffer(mm, dtype=self.dtype)  # (shard_tokens,), read-only view
             self._maps[i] = m
         return m
+
+    def _copy(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """Tokens ``[lo, hi)`` of shard ``i``, copied; the pages read are then dropped
+        from this process's mapping (``MADV_DONTNEED``; they stay in the page cache),
+        since the kernel may map a whole large folio (up to MiBs) per fault."""
+        mm, arr = self._shard(i)
+        out = np.array(arr[lo:hi])
+        if hasattr(mmap, "MADV_DONTNEED"):
+            item = self.dtype.itemsize
+            start = lo * item // mmap.PAGESIZE * mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, hi * item - start)
+        return out
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the stream, copied out of the maps, ``(stop - start,)``."""
@@ -53,7 +70,7 @@ class ShardStream:
         while start < stop:
             end = min(stop, int(self.starts[i + 1]))
             base = int(self.starts[i])
-            parts.append(np.array(self._shard(i)[start - base : end - base]))
+            parts.append(self._copy(i, start - base, end - base))
             start, i = end, i + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
