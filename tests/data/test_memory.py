@@ -39,12 +39,27 @@ def random_folder(root: Path) -> int:
         inside = ends[(ends > lo) & (ends <= lo + SHARD_TOKENS)].astype(np.int64) - 1 - lo
         toks[inside] = 0  # eos closes every document
         toks.tofile(root / shard_name(i))
-        shards.append({"file": shard_name(i), "tokens": SHARD_TOKENS,
-                       "sha256": sha256_file(root / shard_name(i))})
+        shards.append(
+            {
+                "file": shard_name(i),
+                "tokens": SHARD_TOKENS,
+                "sha256": sha256_file(root / shard_name(i)),
+            }
+        )
     ends.tofile(root / DOCUMENTS_NAME)
-    ShardIndex(root, "byte", 256, 0, "uint16", SHARD_TOKENS, len(ends), total, shards,
-               {"file": DOCUMENTS_NAME, "sha256": sha256_file(root / DOCUMENTS_NAME)},
-               {"path": "random", "field": "text"}).write()
+    ShardIndex(
+        root,
+        "byte",
+        256,
+        0,
+        "uint16",
+        SHARD_TOKENS,
+        len(ends),
+        total,
+        shards,
+        {"file": DOCUMENTS_NAME, "sha256": sha256_file(root / DOCUMENTS_NAME)},
+        {"path": "random", "field": "text"},
+    ).write()
     return total * 2
 
 
@@ -92,7 +107,10 @@ def test_training_on_shards_larger_than_the_memory_limit(tmp_path: Path) -> None
     assert total > 1.5 * LIMIT_EXTRA
     r = subprocess.run(
         [sys.executable, "-c", CHILD, str(tmp_path / "big"), str(LIMIT_EXTRA)],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

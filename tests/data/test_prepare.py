@@ -39,7 +39,9 @@ def shard_bytes(out: Path, index: bool = True) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if index or p.suffix == ".bin"}
 
 
-def test_text_folder_round_trip(bpe: Path, text_folder: tuple[Path, list[str]], tmp_path: Path) -> None:
+def test_text_folder_round_trip(
+    bpe: Path, text_folder: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     root, docs = text_folder
     spec = f"hf:{bpe}"
     s = prepare(str(root), str(tmp_path / "out"), spec, shard_tokens=700)
@@ -53,7 +55,9 @@ def test_text_folder_round_trip(bpe: Path, text_folder: tuple[Path, list[str]], 
     )
 
 
-def test_jsonl_same_for_any_worker_count(bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path) -> None:
+def test_jsonl_same_for_any_worker_count(
+    bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     path, docs = jsonl_file
     spec = f"hf:{bpe}"
     one = prepare(str(path), str(tmp_path / "w1"), spec, workers=1, shard_tokens=500)
@@ -72,7 +76,11 @@ def test_parquet_and_datasets_folder_equal_jsonl(
     path, docs = jsonl_file
     spec = f"hf:{bpe}"
     prepare(str(path), str(tmp_path / "j"), spec, shard_tokens=500)
-    pq.write_table(pa.table({"body": docs, "n": list(range(len(docs)))}), tmp_path / "d.parquet", row_group_size=7)
+    pq.write_table(
+        pa.table({"body": docs, "n": list(range(len(docs)))}),
+        tmp_path / "d.parquet",
+        row_group_size=7,
+    )
     prepare(str(tmp_path / "d.parquet"), str(tmp_path / "p"), spec, fld="body", shard_tokens=500)
     assert shard_bytes(tmp_path / "j", False) == shard_bytes(tmp_path / "p", False)
     try:
@@ -94,15 +102,29 @@ def _killed_child(args: list[str]) -> None:
 
 
 def test_killed_prepare_finishes_with_identical_shards(
-    bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    bpe: Path,
+    jsonl_file: tuple[Path, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     path, _ = jsonl_file
     spec = f"hf:{bpe}"
     ref = tmp_path / "ref"
     prepare(str(path), str(ref), spec, workers=2, shard_tokens=400)
     out = tmp_path / "out"
-    args = ["data", "prepare", str(path), "-o", str(out), "--tokenizer", spec, "--workers", "2",
-            "--shard-tokens", "400"]
+    args = [
+        "data",
+        "prepare",
+        str(path),
+        "-o",
+        str(out),
+        "--tokenizer",
+        spec,
+        "--workers",
+        "2",
+        "--shard-tokens",
+        "400",
+    ]
     child = mp.get_context("fork").Process(target=_killed_child, args=(args,))
     child.start()
     child.join(120)
@@ -120,10 +142,25 @@ def test_killed_prepare_finishes_with_identical_shards(
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
 
-def test_damaged_folder_is_reported(bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_damaged_folder_is_reported(
+    bpe: Path,
+    jsonl_file: tuple[Path, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     path, _ = jsonl_file
     out = tmp_path / "out"
-    args = ["data", "prepare", str(path), "-o", str(out), "--tokenizer", f"hf:{bpe}", "--shard-tokens", "900"]
+    args = [
+        "data",
+        "prepare",
+        str(path),
+        "-o",
+        str(out),
+        "--tokenizer",
+        f"hf:{bpe}",
+        "--shard-tokens",
+        "900",
+    ]
     assert main(args) == 0
     shard = out / "shard_00001.bin"
     data = bytearray(shard.read_bytes())
@@ -143,7 +180,9 @@ def _refused(args: list[str], capsys: pytest.CaptureFixture[str], *needles: str)
         assert n in err, err
 
 
-def test_bad_input_exits_2_naming_the_file(bpe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input_exits_2_naming_the_file(
+    bpe: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tok = ["--tokenizer", f"hf:{bpe}", "-o", str(tmp_path / "out")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
@@ -172,11 +211,17 @@ def test_bad_input_exits_2_naming_the_file(bpe: Path, tmp_path: Path, capsys: py
     blank.write_text("\n\n")
     _refused([str(blank), *tok], capsys, str(blank), "no text")
     _refused([str(tmp_path / "missing.txt"), *tok], capsys, "missing.txt", "does not exist")
-    _refused([str(bad), "--tokenizer", f"hf:{tmp_path}", "-o", str(tmp_path / "o2")], capsys, "no tokenizer.json")
+    _refused(
+        [str(bad), "--tokenizer", f"hf:{tmp_path}", "-o", str(tmp_path / "o2")],
+        capsys,
+        "no tokenizer.json",
+    )
     assert not (tmp_path / "out").exists()  # nothing left behind
 
 
-def test_vocabulary_larger_than_the_dtype(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_vocabulary_larger_than_the_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(70_000)}
@@ -190,7 +235,11 @@ def test_vocabulary_larger_than_the_dtype(tmp_path: Path, capsys: pytest.Capture
     src = tmp_path / "a.txt"
     src.write_text("w1 w69999 w5")
     out = tmp_path / "out"
-    _refused([str(src), "-o", str(out), "--tokenizer", f"hf:{big.parent}", "--dtype", "uint16"],
-             capsys, str(big), "does not fit the token dtype uint16")
+    _refused(
+        [str(src), "-o", str(out), "--tokenizer", f"hf:{big.parent}", "--dtype", "uint16"],
+        capsys,
+        str(big),
+        "does not fit the token dtype uint16",
+    )
     s = prepare(str(src), str(out), f"hf:{big.parent}")  # chosen automatically: uint32
     assert s.dtype == "uint32" and decoded_documents(out, f"hf:{big.parent}") == ["w1 w69999 w5"]

@@ -66,7 +66,7 @@ def test_data_val_folder_and_vocab_refusal(byte_folder: Path, byte_folder_b: Pat
     train, val = make_datasets(DataConfig(source=str(byte_folder), val=str(byte_folder_b)), 32, 256)
     assert train.num_tokens == read_index(byte_folder).tokens  # every document trains
     assert val.num_tokens == read_index(byte_folder_b).tokens
-    with pytest.raises(DataError, match="vocabulary of 256 tokens but model.vocab_size is 200"):
+    with pytest.raises(DataError, match=r"vocabulary of 256 tokens but model\.vocab_size is 200"):
         make_datasets(DataConfig(source=str(byte_folder)), 32, 200)
     with pytest.raises(DataError, match="not a prepared folder"):
         make_datasets(DataConfig(source=str(byte_folder), val=str(byte_folder.parent)), 32, 256)

@@ -23,14 +23,26 @@ M = "tests.data.test_training"
 STEPS, SAVE_AT = 6, 3
 
 
-def config(source: str, *, zero: int = 0, root: str | None = None, resume: str | None = None,
-           prefetch: int = 2) -> Config:
+def config(
+    source: str,
+    *,
+    zero: int = 0,
+    root: str | None = None,
+    resume: str | None = None,
+    prefetch: int = 2,
+) -> Config:
     return Config(
         model=ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
         parallel=ParallelConfig(zero=zero),
         train=TrainConfig(
-            steps=STEPS, global_batch=8, seq_len=32, warmup_steps=2, eval_every=SAVE_AT,
-            eval_batches=1, checkpoint_dir=root, checkpoint_every=SAVE_AT if root else 0,
+            steps=STEPS,
+            global_batch=8,
+            seq_len=32,
+            warmup_steps=2,
+            eval_every=SAVE_AT,
+            eval_batches=1,
+            checkpoint_dir=root,
+            checkpoint_every=SAVE_AT if root else 0,
             resume=resume,
         ),
         data=DataConfig(source=source, val_fraction=0.1, prefetch=prefetch),
@@ -49,8 +61,13 @@ def _run(ctx: WorkerContext | None, cfg: Config) -> dict[str, Any]:
     if zero is not None:
         with zero.gathered():
             final = {n: p.detach().clone() for n, p in tr.base.named_parameters()}
-    return {"losses": s.losses, "vals": s.val_losses, "batches": batches, "start": start,
-            "final": final}
+    return {
+        "losses": s.losses,
+        "vals": s.val_losses,
+        "batches": batches,
+        "start": start,
+        "final": final,
+    }
 
 
 def _body(ctx: WorkerContext, cfg: Config) -> dict[str, Any]:
@@ -96,15 +113,28 @@ def test_mixture_trains_dp2_like_one_process(
 
 
 def test_vocabulary_refused_before_launch(
-    bpe: Path, jsonl_file: tuple[Path, list[str]], tmp_path: Path,
+    bpe: Path,
+    jsonl_file: tuple[Path, list[str]],
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from plait.data.prepare import prepare
 
     folder = tmp_path / "bpe_data"
     prepare(str(jsonl_file[0]), str(folder), f"hf:{bpe}")
-    args = ["train", "--data", str(folder), "--model.vocab_size", "300", "--nproc", "2",
-            "--log.dir", str(tmp_path / "run"), "--steps", "1"]
+    args = [
+        "train",
+        "--data",
+        str(folder),
+        "--model.vocab_size",
+        "300",
+        "--nproc",
+        "2",
+        "--log.dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "1",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "vocabulary of 400 tokens but model.vocab_size is 300" in err

@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         "--shard-tokens", type=int, default=1 << 26, help="tokens per shard (default 2^26)"
     )
     prep.add_argument(
-        "--dtype", choices=["uint16", "uint32"], default=None,
+        "--dtype",
+        choices=["uint16", "uint32"],
+        default=None,
         help="token dtype (default: uint16 when the vocabulary fits, else uint32)",
     )
     bar = prep.add_mutually_exclusive_group()
@@ -65,8 +67,14 @@ def data_main(rest: Sequence[str]) -> int:
     from plait.data.prepare import prepare
 
     summary = prepare(
-        args.source, args.output, args.tokenizer, workers=args.workers, fld=args.field,
-        shard_tokens=args.shard_tokens, dtype=args.dtype, progress=args.progress,
+        args.source,
+        args.output,
+        args.tokenizer,
+        workers=args.workers,
+        fld=args.field,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+        progress=args.progress,
     )
     print(f"plait: {summary.line()}")
     return 0

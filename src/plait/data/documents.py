@@ -43,9 +43,7 @@ class SourceFile:
 
 def is_hf_dataset(path: Path) -> bool:
     """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
-    return path.is_dir() and any(
-        (path / n).is_file() for n in ("state.json", "dataset_dict.json")
-    )
+    return path.is_dir() and any((path / n).is_file() for n in ("state.json", "dataset_dict.json"))
 
 
 def _kind(path: Path) -> str:

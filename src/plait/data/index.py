@@ -136,7 +136,9 @@ def read_index(path: str | Path) -> ShardIndex:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(f"{file} is not a plait prepared-data index (format {FORMAT!r}).")
     if raw.get("version") != VERSION:
-        raise DataError(f"{file} has index version {raw.get('version')}; this plait reads {VERSION}.")
+        raise DataError(
+            f"{file} has index version {raw.get('version')}; this plait reads {VERSION}."
+        )
     try:
         idx = ShardIndex(
             root=root,

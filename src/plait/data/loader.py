@@ -59,7 +59,9 @@ class BackgroundLoader:
         self._stop = threading.Event()
         self._queue = queue.Queue(self.depth)
         self._thread = threading.Thread(
-            target=self._work, args=(step, self._stop, self._queue), daemon=True,
+            target=self._work,
+            args=(step, self._stop, self._queue),
+            daemon=True,
             name="plait-data-loader",
         )
         self._thread.start()

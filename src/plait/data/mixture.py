@@ -72,7 +72,9 @@ class MixtureDataset:
             raise ConfigError(f"the sources of a mixture cut windows of different lengths {seqs}.")
         for i, s in enumerate(sets):
             if len(s) == 0:
-                raise DataError(f"source {i} of the mixture has no window of {s.seq_len} + 1 tokens.")
+                raise DataError(
+                    f"source {i} of the mixture has no window of {s.seq_len} + 1 tokens."
+                )
         eos = {s.eos_id for s in sets}
         self.sets = list(sets)
         self.seq_len = sets[0].seq_len

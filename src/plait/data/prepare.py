@@ -80,7 +80,9 @@ class PrepareSummary:
                 f"{self.out} is already prepared and verified: {self.documents:,} documents, "
                 f"{self.tokens:,} tokens in {self.shards} shard(s); nothing rewritten"
             )
-        resumed = f" ({self.resumed_shards} kept from an earlier run)" if self.resumed_shards else ""
+        resumed = (
+            f" ({self.resumed_shards} kept from an earlier run)" if self.resumed_shards else ""
+        )
         return (
             f"prepared {self.documents:,} documents, {self.tokens:,} tokens ({self.dtype}) in "
             f"{self.shards} shard(s){resumed} in {self.seconds:.1f} s: "
@@ -113,8 +115,13 @@ def encode_docs(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _params(src: str, spec: str, fld: str, shard_tokens: int, dtype: str) -> dict[str, Any]:
-    return {"source": str(Path(src).expanduser().resolve()), "tokenizer": spec,
-            "field": fld, "shard_tokens": shard_tokens, "dtype": dtype}
+    return {
+        "source": str(Path(src).expanduser().resolve()),
+        "tokenizer": spec,
+        "field": fld,
+        "shard_tokens": shard_tokens,
+        "dtype": dtype,
+    }
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -140,9 +147,12 @@ def _kept_shards(out: Path, shard_tokens: int, item: int) -> list[dict[str, Any]
             meta = json.loads(side.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             break
-        if (not shard.is_file() or meta.get("tokens") != shard_tokens
-                or shard.stat().st_size != shard_tokens * item
-                or sha256_file(shard) != meta.get("sha256")):
+        if (
+            not shard.is_file()
+            or meta.get("tokens") != shard_tokens
+            or shard.stat().st_size != shard_tokens * item
+            or sha256_file(shard) != meta.get("sha256")
+        ):
             break
         kept.append(meta)
         i += 1
@@ -224,8 +234,15 @@ def _check_tokenizer(tok: AnyTokenizer, dtype: str) -> None:
 
 
 def prepare(
-    src: str, out: str, tokenizer: str, *, workers: int = 1, fld: str = "text",
-    shard_tokens: int = 1 << 26, dtype: str | None = None, progress: bool | None = None,
+    src: str,
+    out: str,
+    tokenizer: str,
+    *,
+    workers: int = 1,
+    fld: str = "text",
+    shard_tokens: int = 1 << 26,
+    dtype: str | None = None,
+    progress: bool | None = None,
 ) -> PrepareSummary:
     """Prepare ``src`` into the folder ``out`` (see the module's docstring)."""
     if workers < 1 or shard_tokens < 1:
@@ -254,8 +271,15 @@ def prepare(
 
 
 def _prepare(
-    root: Path, files: list[SourceFile], tok: AnyTokenizer, params: dict[str, Any],
-    workers: int, fld: str, src: str, progress: bool | None, t0: float,
+    root: Path,
+    files: list[SourceFile],
+    tok: AnyTokenizer,
+    params: dict[str, Any],
+    workers: int,
+    fld: str,
+    src: str,
+    progress: bool | None,
+    t0: float,
 ) -> PrepareSummary:
     shard_tokens, dtype = int(params["shard_tokens"]), str(params["dtype"])
     side = root / PARAMS_NAME
@@ -277,7 +301,11 @@ def _prepare(
     writer = _ShardWriter(root, shard_tokens, dtype, len(kept), at)
     from tqdm import tqdm
 
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=(not sys.stderr.isatty()) if progress is None else not progress)
+    bar = tqdm(
+        desc="tokenizing",
+        unit=" docs",
+        disable=(not sys.stderr.isatty()) if progress is None else not progress,
+    )
     bar.update(skip_docs)
     tokens_here = 0
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
@@ -313,8 +341,16 @@ def _prepare(
 
 
 def _finish(
-    root: Path, tok: AnyTokenizer, params: dict[str, Any], writer: _ShardWriter, src: str,
-    fld: str, kept: list[dict[str, Any]], tokens_here: int, workers: int, t0: float,
+    root: Path,
+    tok: AnyTokenizer,
+    params: dict[str, Any],
+    writer: _ShardWriter,
+    src: str,
+    fld: str,
+    kept: list[dict[str, Any]],
+    tokens_here: int,
+    workers: int,
+    t0: float,
 ) -> PrepareSummary:
     metas = [json.loads(_sidecar(root, i).read_text(encoding="utf-8")) for i in range(writer.index)]
     ends = np.asarray([e for m in metas for e in m["doc_ends"]], dtype=np.uint64)
@@ -323,11 +359,18 @@ def _finish(
         raise DataError(f"{src} holds no text: {len(ends)} document(s), all empty.")
     _write_atomic(root / DOCUMENTS_NAME, ends.tobytes())
     index = ShardIndex(
-        root=root, tokenizer=tok.name, vocab_size=tok.vocab_size, eos_id=int(tok.eos_id or 0),
-        dtype=params["dtype"], shard_tokens=params["shard_tokens"], documents=len(ends),
+        root=root,
+        tokenizer=tok.name,
+        vocab_size=tok.vocab_size,
+        eos_id=int(tok.eos_id or 0),
+        dtype=params["dtype"],
+        shard_tokens=params["shard_tokens"],
+        documents=len(ends),
         tokens=total,
-        shards=[{"file": shard_name(i), "tokens": int(m["tokens"]), "sha256": m["sha256"]}
-                for i, m in enumerate(metas)],
+        shards=[
+            {"file": shard_name(i), "tokens": int(m["tokens"]), "sha256": m["sha256"]}
+            for i, m in enumerate(metas)
+        ],
         document_ends={"file": DOCUMENTS_NAME, "sha256": sha256_file(root / DOCUMENTS_NAME)},
         source={"path": params["source"], "field": fld},
     )
@@ -336,19 +379,35 @@ def _finish(
         _sidecar(root, i).unlink(missing_ok=True)
     (root / PARAMS_NAME).unlink(missing_ok=True)
     return PrepareSummary(
-        root, len(ends), total, len(metas), time.perf_counter() - t0, workers,
-        resumed_shards=len(kept), dtype=params["dtype"],
+        root,
+        len(ends),
+        total,
+        len(metas),
+        time.perf_counter() - t0,
+        workers,
+        resumed_shards=len(kept),
+        dtype=params["dtype"],
     )
 
 
 def _verify_done(root: Path, params: dict[str, Any], workers: int, t0: float) -> PrepareSummary:
     idx = read_index(root)
-    asked = {"tokenizer": params["tokenizer"], "shard_tokens": params["shard_tokens"],
-             "dtype": params["dtype"], "source": params["source"]}
-    has = {"tokenizer": idx.tokenizer, "shard_tokens": idx.shard_tokens, "dtype": idx.dtype,
-           "source": idx.source.get("path")}
+    asked = {
+        "tokenizer": params["tokenizer"],
+        "shard_tokens": params["shard_tokens"],
+        "dtype": params["dtype"],
+        "source": params["source"],
+    }
+    has = {
+        "tokenizer": idx.tokenizer,
+        "shard_tokens": idx.shard_tokens,
+        "dtype": idx.dtype,
+        "source": idx.source.get("path"),
+    }
     if asked != has:
-        diff = ", ".join(f"{k} {has[k]!r} (asked {asked[k]!r})" for k in asked if asked[k] != has[k])
+        diff = ", ".join(
+            f"{k} {has[k]!r} (asked {asked[k]!r})" for k in asked if asked[k] != has[k]
+        )
         raise ConfigError(f"{root} is already prepared from other inputs: {diff}.")
     bad = idx.problems()
     if bad:
@@ -357,6 +416,12 @@ def _verify_done(root: Path, params: dict[str, Any], workers: int, t0: float) ->
             "it again."
         )
     return PrepareSummary(
-        root, idx.documents, idx.tokens, len(idx.shards), time.perf_counter() - t0, workers,
-        already_done=True, dtype=idx.dtype,
+        root,
+        idx.documents,
+        idx.tokens,
+        len(idx.shards),
+        time.perf_counter() - t0,
+        workers,
+        already_done=True,
+        dtype=idx.dtype,
     )

@@ -61,7 +61,7 @@ def make_datasets(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[Windo
                 "data.val is for a prepared folder or mixture as data.source; with "
                 f"{cfg.source!r} the last data.val_fraction of the tokens is held out."
             )
-        if cfg.tokenizer != "byte" and not Path(cfg.source).suffix in (".npy", ".bin"):
+        if cfg.tokenizer != "byte" and Path(cfg.source).suffix not in (".npy", ".bin"):
             tok = make_tokenizer(cfg.tokenizer)
             check_covers_vocab(tok.vocab_size, vocab_size, f"data.tokenizer {tok.name}")
         tokens = load_tokens(cfg)

@@ -32,6 +32,7 @@ from torch import nn
 
 from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
+from plait.data import BackgroundLoader, BatchSampler, check_enough, make_datasets
 from plait.mesh import Mesh
 from plait.model.factory import (
     build_meta_model,
@@ -45,7 +46,6 @@ from plait.parallel.checks import validate_run
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
-from plait.data import BackgroundLoader, BatchSampler, check_enough, make_datasets
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import (
