@@ -15,32 +15,73 @@ module              what it owns
 ``sampler``         the stateless batch order, a pure function of ``(seed, step)``
 ``loader``          the background loader thread (pinned memory on CUDA)
 ==================  ==========================================================
+
+The names below are imported on first use (``plait data`` runs without importing torch).
 """
 
-from plait.data.corpus import (
-    SEPARATOR,
-    check_vocab,
-    load_tokens,
-    read_corpus,
-    split_train_val,
-    stdlib_root,
-    truncation_note,
-)
-from plait.data.dataset import TokenDataset, WindowSet, check_enough
-from plait.data.index import ShardIndex, is_prepared, read_index
-from plait.data.loader import BackgroundLoader
-from plait.data.mixture import MixtureDataset, blend, parse_mixture
-from plait.data.sampler import BatchSampler
-from plait.data.shards import SegmentDataset, ShardStream, open_prepared
-from plait.data.sources import make_datasets, source_kind
-from plait.data.tokenizers import (
-    ByteTokenizer,
-    HFTokenizer,
-    TiktokenTokenizer,
-    Tokenizer,
-    check_covers_vocab,
-    make_tokenizer,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plait.data.corpus import (
+        SEPARATOR,
+        check_vocab,
+        load_tokens,
+        read_corpus,
+        split_train_val,
+        stdlib_root,
+        truncation_note,
+    )
+    from plait.data.dataset import TokenDataset, WindowSet, check_enough
+    from plait.data.index import ShardIndex, is_prepared, read_index
+    from plait.data.loader import BackgroundLoader
+    from plait.data.mixture import MixtureDataset, blend, parse_mixture
+    from plait.data.sampler import BatchSampler
+    from plait.data.shards import SegmentDataset, ShardStream, open_prepared
+    from plait.data.sources import make_datasets, source_kind
+    from plait.data.tokenizers import (
+        ByteTokenizer,
+        HFTokenizer,
+        TiktokenTokenizer,
+        Tokenizer,
+        check_covers_vocab,
+        make_tokenizer,
+    )
+
+_WHERE: dict[str, str] = {
+    "BackgroundLoader": "plait.data.loader",
+    "BatchSampler": "plait.data.sampler",
+    "ByteTokenizer": "plait.data.tokenizers",
+    "HFTokenizer": "plait.data.tokenizers",
+    "MixtureDataset": "plait.data.mixture",
+    "SEPARATOR": "plait.data.corpus",
+    "SegmentDataset": "plait.data.shards",
+    "ShardIndex": "plait.data.index",
+    "ShardStream": "plait.data.shards",
+    "TiktokenTokenizer": "plait.data.tokenizers",
+    "TokenDataset": "plait.data.dataset",
+    "Tokenizer": "plait.data.tokenizers",
+    "WindowSet": "plait.data.dataset",
+    "blend": "plait.data.mixture",
+    "check_covers_vocab": "plait.data.tokenizers",
+    "check_enough": "plait.data.dataset",
+    "check_vocab": "plait.data.corpus",
+    "is_prepared": "plait.data.index",
+    "load_tokens": "plait.data.corpus",
+    "make_datasets": "plait.data.sources",
+    "make_tokenizer": "plait.data.tokenizers",
+    "open_prepared": "plait.data.shards",
+    "parse_mixture": "plait.data.mixture",
+    "read_corpus": "plait.data.corpus",
+    "read_index": "plait.data.index",
+    "source_kind": "plait.data.sources",
+    "split_train_val": "plait.data.corpus",
+    "stdlib_root": "plait.data.corpus",
+    "truncation_note": "plait.data.corpus",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
     "SEPARATOR",
@@ -73,3 +114,10 @@ __all__ = [
     "stdlib_root",
     "truncation_note",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'plait.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(where), name)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from plait.errors import DataError, install_hint
+
+if TYPE_CHECKING:  # only for hints: `plait data prepare` runs without torch
+    import torch
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 """Token names taken as end-of-document when a tokenizer folder does not say which."""
@@ -39,8 +41,8 @@ class Tokenizer(Protocol):
 
 
 def _id_list(ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        return [int(i) for i in ids.reshape(-1).tolist()]
+    if hasattr(ids, "detach"):  # a torch tensor
+        return [int(i) for i in ids.reshape(-1).tolist()]  # type: ignore[union-attr]
     return [int(i) for i in np.asarray(ids).reshape(-1)]
 
 
