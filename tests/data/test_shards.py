@@ -102,3 +102,10 @@ def test_background_loader_raises_the_threads_error() -> None:
     with pytest.raises(DataError, match="boom at 2"):
         loader.get(2)
     loader.close()
+
+
+def test_no_truncation_note_for_a_prepared_folder(byte_folder: Path) -> None:
+    from plait.data import truncation_note
+
+    assert truncation_note(DataConfig(source=str(byte_folder), max_bytes=1000)) is None
+    assert truncation_note(DataConfig(source=str(byte_folder.parent), max_bytes=1000))

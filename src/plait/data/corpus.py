@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.config import DataConfig
+from plait.data.index import is_prepared
 from plait.data.tokenizers import make_tokenizer
 from plait.errors import ConfigError, DataError
 
@@ -131,6 +132,8 @@ def truncation_note(cfg: DataConfig) -> str | None:
     """
     path = Path(cfg.source).expanduser()
     if cfg.source == "stdlib" or not cfg.max_bytes or path.suffix in (".npy", ".bin"):
+        return None
+    if is_prepared(path):  # token shards are read window by window, never cut
         return None
     if path.is_file():
         size = path.stat().st_size
