@@ -109,3 +109,22 @@ def test_no_truncation_note_for_a_prepared_folder(byte_folder: Path) -> None:
 
     assert truncation_note(DataConfig(source=str(byte_folder), max_bytes=1000)) is None
     assert truncation_note(DataConfig(source=str(byte_folder.parent), max_bytes=1000))
+
+
+class _Owner:
+    def read(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full((1,), step), torch.full((1,), step)
+
+
+def test_loader_thread_ends_with_its_owner() -> None:
+    import gc
+
+    owner = _Owner()
+    loader = BackgroundLoader(owner.read, depth=1)
+    assert int(loader.get(5)[0]) == 5
+    thread = loader._thread
+    assert thread is not None and thread.is_alive()
+    del owner
+    gc.collect()
+    thread.join(10)  # it notices within one 0.1 s wait
+    assert not thread.is_alive()

@@ -11,8 +11,10 @@ thread is raised by ``get``.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,7 +27,10 @@ class BackgroundLoader:
     """Batches of steps read ahead in a daemon thread (see the module's docstring)."""
 
     def __init__(self, read: Callable[[int], Batch], depth: int = 2, pin: bool = False) -> None:
-        self._read = read
+        # a bound method is held weakly: a trainer dropped without close() ends the thread
+        self._read: Callable[[], Callable[[int], Batch] | None] = (
+            weakref.WeakMethod(read) if inspect.ismethod(read) else (lambda: read)
+        )
         self.depth = max(1, depth)
         self.pin = pin
         self._thread: threading.Thread | None = None
@@ -37,19 +42,24 @@ class BackgroundLoader:
         step = start
         while not stop.is_set():
             item: Batch | BaseException
+            read = self._read()
+            if read is None:  # the owner is gone
+                return
             try:
-                x, y = self._read(step)
+                x, y = read(step)
                 if self.pin:
                     x, y = x.pin_memory(), y.pin_memory()
                 item = (x, y)
             except BaseException as exc:  # handed to the consumer, raised there
                 item = exc
+            del read
             while not stop.is_set():
                 try:
                     q.put((step, item), timeout=0.1)
                     break
                 except queue.Full:
-                    continue
+                    if self._read() is None:
+                        return
             if isinstance(item, BaseException):
                 return
             step += 1
