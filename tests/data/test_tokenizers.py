@@ -37,7 +37,7 @@ def test_hf_tokenizer_file_and_folder(bpe: Path, tmp_path: Path) -> None:
     some = tok._tok.id_to_token(300)  # type: ignore[union-attr]
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": some}}))
     assert make_tokenizer(f"hf:{folder}").eos_id == 300
-    with pytest.raises(DataError, match="no tokenizer.json"):
+    with pytest.raises(DataError, match=r"no tokenizer\.json"):
         make_tokenizer(f"hf:{tmp_path}")
     with pytest.raises(DataError, match="unknown tokenizer"):
         make_tokenizer("sentencepiece:x")
