@@ -128,3 +128,23 @@ def test_loader_thread_ends_with_its_owner() -> None:
     gc.collect()
     thread.join(10)  # it notices within one 0.1 s wait
     assert not thread.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_loader_pins_batches_for_cuda(byte_folder: Path) -> None:
+    train, _ = open_prepared(str(byte_folder), 32, 0.05)
+    sampler = BatchSampler(len(train), 8, 0, 1, seed=0)
+
+    def read(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return train.batch(sampler.rank_indices(step))
+
+    loader = BackgroundLoader(read, depth=2, pin=True)
+    try:
+        for step in range(3):
+            x, y = loader.get(step)
+            assert x.is_pinned() and y.is_pinned()
+            on_gpu = x.to("cuda", non_blocking=True)
+            assert torch.equal(on_gpu.cpu(), read(step)[0])
+    finally:
+        loader.close()
