@@ -15,7 +15,8 @@ import pytest
 
 from plait.cli import main
 from plait.data import make_tokenizer, read_index
-from plait.data.prepare import KILL_AFTER_ENV, prepare
+from plait.data.prepare import prepare
+from plait.data.writer import KILL_AFTER_ENV
 
 
 def decoded_documents(out: Path, spec: str) -> list[str]:
@@ -217,6 +218,14 @@ def test_bad_input_exits_2_naming_the_file(
         "no tokenizer.json",
     )
     assert not (tmp_path / "out").exists()  # nothing left behind
+    good = tmp_path / "good.txt"
+    good.write_text("some text")
+    _refused(
+        [str(good), "--tokenizer", "byte", "-o", str(tmp_path)],
+        capsys,
+        str(tmp_path),
+        "is not empty",
+    )
 
 
 def test_vocabulary_larger_than_the_dtype(

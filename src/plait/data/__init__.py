@@ -9,6 +9,7 @@ module              what it owns
 ``documents``       the documents of a prepare source (text, JSONL, parquet, datasets)
 ``index``           the prepared folder's ``index.json``
 ``prepare``         ``plait data prepare``: parallel, resumable, verified
+``writer``          shard files, their sidecars, the finished prefix on resume
 ``shards``          windows over memory-mapped shards; held-out documents
 ``mixture``         weighted blends of sources (Megatron's blended datasets)
 ``sources``         a run's ``(train, val)`` window sets from its ``DataConfig``

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -41,13 +40,11 @@ from plait.data.index import (
     token_dtype_for,
 )
 from plait.data.tokenizers import AnyTokenizer, HFTokenizer, make_tokenizer
+from plait.data.writer import ShardWriter, kept_shards, sidecar_path, write_atomic
 from plait.errors import ConfigError, DataError
 
 PARAMS_NAME = "prepare.json"
 """What a folder is being prepared from (checked when a run resumes into it)."""
-
-KILL_AFTER_ENV = "PLAIT_TEST_PREPARE_KILL_AFTER"
-"""Test hook: SIGKILL the preparing process after this many shards were written."""
 
 BATCH_DOCS = 256
 """Documents per task handed to a worker."""
@@ -124,87 +121,6 @@ def _params(src: str, spec: str, fld: str, shard_tokens: int, dtype: str) -> dic
     }
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-def _sidecar(out: Path, i: int) -> Path:
-    return out / shard_name(i).replace(".bin", ".json")
-
-
-def _kept_shards(out: Path, shard_tokens: int, item: int) -> list[dict[str, Any]]:
-    """Sidecars of the contiguous prefix of finished, verified shards; later files removed."""
-    kept: list[dict[str, Any]] = []
-    i = 0
-    while True:
-        side, shard = _sidecar(out, i), out / shard_name(i)
-        try:
-            meta = json.loads(side.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            break
-        if (
-            not shard.is_file()
-            or meta.get("tokens") != shard_tokens
-            or shard.stat().st_size != shard_tokens * item
-            or sha256_file(shard) != meta.get("sha256")
-        ):
-            break
-        kept.append(meta)
-        i += 1
-    for p in out.iterdir():  # whatever follows the prefix is rewritten
-        if p.name.startswith("shard_") and (p.suffix == ".tmp" or int(p.name[6:11]) >= i):
-            p.unlink()
-    return kept
-
-
-class _ShardWriter:
-    """Cuts the token stream into shards (see the module's docstring)."""
-
-    def __init__(self, out: Path, shard_tokens: int, dtype: str, first: int, at: int) -> None:
-        self.out, self.n, self.dtype = out, shard_tokens, np.dtype(dtype)
-        self.buf = np.empty(shard_tokens, dtype=self.dtype)
-        self.fill = 0
-        self.index = first  # next shard's number
-        self.pos = at  # tokens written before the buffer
-        self.doc_ends: list[int] = []  # documents ending in the buffer
-        self.kill_after = int(os.environ.get(KILL_AFTER_ENV, "0"))
-
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, skip: int) -> None:
-        """Append a batch (its first ``skip`` tokens already written by an earlier run)."""
-        ends = self.pos + self.fill - skip + np.cumsum(lengths)
-        tokens = tokens[skip:]
-        end_list = ends.tolist()
-        while len(tokens):
-            take = min(len(tokens), self.n - self.fill)
-            self.buf[self.fill : self.fill + take] = tokens[:take]
-            self.fill += take
-            tokens = tokens[take:]
-            top = self.pos + self.fill
-            while end_list and end_list[0] <= top:
-                self.doc_ends.append(int(end_list.pop(0)))
-            if self.fill == self.n:
-                self.flush()
-
-    def flush(self) -> None:
-        """Write the buffer as the next shard (temp name, rename), then its sidecar."""
-        if self.fill == 0:
-            return
-        shard = self.out / shard_name(self.index)
-        _write_atomic(shard, self.buf[: self.fill].tobytes())
-        meta = {"tokens": self.fill, "sha256": sha256_file(shard), "doc_ends": self.doc_ends}
-        _write_atomic(_sidecar(self.out, self.index), json.dumps(meta).encode())
-        self.pos += self.fill
-        self.index += 1
-        self.fill, self.doc_ends = 0, []
-        if self.kill_after and self.index >= self.kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _batches(docs: Iterator[str], skip_docs: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for n, d in enumerate(docs):
@@ -258,6 +174,13 @@ def prepare(
     if (root / INDEX_NAME).is_file():
         return _verify_done(root, params, workers, t0)
     files = plan_source(src, fld)
+    if root.is_dir() and any(root.iterdir()) and not (root / PARAMS_NAME).is_file():
+        raise ConfigError(
+            f"{root} is not empty and holds no preparation to finish; give a new or empty "
+            "folder as -o."
+        )
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} exists and is not a folder; give a new or empty folder as -o.")
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -291,14 +214,14 @@ def _prepare(
                 "folder or choose another -o."
             )
     else:
-        _write_atomic(side, json.dumps(params).encode())
+        write_atomic(side, json.dumps(params).encode())
     item = np.dtype(dtype).itemsize
-    kept = _kept_shards(root, shard_tokens, item)
+    kept = kept_shards(root, shard_tokens, item)
     at = len(kept) * shard_tokens
     done_ends = [e for m in kept for e in m["doc_ends"]]
     skip_docs = len(done_ends)
     skip_tokens = at - (done_ends[-1] if done_ends else 0)
-    writer = _ShardWriter(root, shard_tokens, dtype, len(kept), at)
+    writer = ShardWriter(root, shard_tokens, dtype, len(kept), at)
     from tqdm import tqdm
 
     bar = tqdm(
@@ -344,7 +267,7 @@ def _finish(
     root: Path,
     tok: AnyTokenizer,
     params: dict[str, Any],
-    writer: _ShardWriter,
+    writer: ShardWriter,
     src: str,
     fld: str,
     kept: list[dict[str, Any]],
@@ -352,12 +275,14 @@ def _finish(
     workers: int,
     t0: float,
 ) -> PrepareSummary:
-    metas = [json.loads(_sidecar(root, i).read_text(encoding="utf-8")) for i in range(writer.index)]
+    metas = [
+        json.loads(sidecar_path(root, i).read_text(encoding="utf-8")) for i in range(writer.index)
+    ]
     ends = np.asarray([e for m in metas for e in m["doc_ends"]], dtype=np.uint64)
     total = sum(int(m["tokens"]) for m in metas)
     if len(ends) == 0 or total == len(ends):
         raise DataError(f"{src} holds no text: {len(ends)} document(s), all empty.")
-    _write_atomic(root / DOCUMENTS_NAME, ends.tobytes())
+    write_atomic(root / DOCUMENTS_NAME, ends.tobytes())
     index = ShardIndex(
         root=root,
         tokenizer=tok.name,
@@ -376,7 +301,7 @@ def _finish(
     )
     index.write()
     for i in range(writer.index):
-        _sidecar(root, i).unlink(missing_ok=True)
+        sidecar_path(root, i).unlink(missing_ok=True)
     (root / PARAMS_NAME).unlink(missing_ok=True)
     return PrepareSummary(
         root,
