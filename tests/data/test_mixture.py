@@ -52,7 +52,8 @@ def test_small_source_repeats() -> None:
 
 def test_parse_mixture() -> None:
     assert parse_mixture("data/a") is None
+    assert parse_mixture("my,corpus.txt") is None  # a file name with a comma
     assert parse_mixture("a:0.7, b:0.3") == [("a", 0.7), ("b", 0.3)]
-    for bad in ("a:0.7,b", "a:-1,b:1", "a:0,b:1", ":0.5,b:0.5"):
+    for bad in ("a:0.7,b", "a:-1,b:1", "a:0,b:1", ":0.5,b:0.5", "a:nan,b:1"):
         with pytest.raises(ConfigError, match="mixture"):
             parse_mixture(bad)

@@ -32,7 +32,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float]] | None:
         except ValueError:
             w = None
         weighted.append((path, w) if w is not None else (part, None))
-    if len(parts) == 1 and weighted[0][1] is None:
+    if all(w is None for _, w in weighted):  # a path (even one with a comma in it)
         return None
     out = []
     for path, w in weighted:
