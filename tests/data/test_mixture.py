@@ -57,3 +57,17 @@ def test_parse_mixture() -> None:
     for bad in ("a:0.7,b", "a:-1,b:1", "a:0,b:1", ":0.5,b:0.5", "a:nan,b:1"):
         with pytest.raises(ConfigError, match="mixture"):
             parse_mixture(bad)
+
+
+def test_sampled_windows_keep_the_proportions(byte_folder: Path, byte_folder_b: Path) -> None:
+    """The trainer's order (the sampler's seeded permutation of the mixture's windows):
+    the first 10,000 windows it visits hold each source within 2 % of its weight."""
+    from plait.data import BatchSampler
+
+    train, _ = make_datasets(DataConfig(source=f"{byte_folder}:0.3,{byte_folder_b}:0.7"), 8, 256)
+    assert isinstance(train, MixtureDataset)
+    for seed in (0, 1):
+        sampler = BatchSampler(len(train), 8, 0, 1, seed)
+        seen = [i for step in range(1_250) for i in sampler.global_indices(step)]
+        share = np.mean(train.source[np.asarray(seen)] == 1)
+        assert abs(share - 0.7) < 0.02
