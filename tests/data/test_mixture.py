@@ -40,6 +40,11 @@ def test_mixture_of_prepared_folders(byte_folder: Path, byte_folder_b: Path) -> 
         x, y = train.batch([i])
         sx, sy = train.sets[s].batch([j])
         assert torch.equal(x, sx) and torch.equal(y, sy)
+    some = [5, 3, 9_000, 17, 2, 4_321, 3]  # both sources, out of order, a repeat
+    bx, by = train.batch(some)
+    for row, i in enumerate(some):
+        x, y = train.batch([i])
+        assert torch.equal(bx[row], x[0]) and torch.equal(by[row], y[0])
 
 
 def test_small_source_repeats() -> None:

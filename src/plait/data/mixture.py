@@ -99,9 +99,11 @@ class MixtureDataset:
         if not len(indices):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
-        rows = []
-        for i in indices:
-            s, j = self.locate(int(i))
-            x, y = self.sets[s].batch([j])  # (1, seq) twice
-            rows.append((x, y))
-        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        locs = [self.locate(int(i)) for i in indices]
+        x = torch.empty(len(locs), self.seq_len, dtype=torch.long)  # (batch, seq)
+        y = torch.empty_like(x)
+        for s in sorted({s for s, _ in locs}):  # one read per source
+            rows = [r for r, (src, _) in enumerate(locs) if src == s]
+            sx, sy = self.sets[s].batch([locs[r][1] for r in rows])  # (rows, seq) twice
+            x[rows], y[rows] = sx, sy
+        return x, y
