@@ -443,9 +443,15 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the default cross-entropy (replicated and vocabulary-parallel
+    head): the float32 logits exist one (loss_chunk, vocab) block at a time and the
+    softmax is recomputed in backward; 0: the whole micro-batch at once. See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"train.loss_chunk must be >= 0 tokens, got {self.loss_chunk}.")
         check_positive(
             "train.",
             steps=self.steps,

@@ -96,6 +96,7 @@ def parallelize(
     loss_fn: LossFn | None = None,
     ignore_index: int = IGNORE_INDEX,
     compressor: Compressor | None = None,
+    loss_chunk: int | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -109,7 +110,8 @@ def parallelize(
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
     ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
-    default: the one ``parallel.compression`` names). The degrees come from ``mesh``.
+    default: the one ``parallel.compression`` names), ``loss_chunk`` (tokens per chunk
+    of the default loss; default ``train.loss_chunk``). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -138,11 +140,13 @@ def parallelize(
     policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
     tp, pp = mesh.size("tp"), mesh.size("pp")
     sp = p.sequence_parallel and tp > 1
+    if loss_chunk is None:
+        loss_chunk = full.train.loss_chunk if full is not None else 0
     if loss_fn is None:
         loss_fn = (
-            vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index)
+            vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)
             if tp > 1
-            else cross_entropy_loss(ignore_index)
+            else cross_entropy_loss(ignore_index, loss_chunk)
         )
     if pp > 1:  # refuse a model the split cannot cut, naming it, before any change
         check_splittable(model)

@@ -198,13 +198,19 @@ def embedding_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Save
 def head_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
     """What the final norm, output head and cross-entropy save (last stage).
 
-    The loss is computed in fp32 over a vocabulary-parallel head: each rank keeps its
-    V/t log-probabilities (fp32) and the int64 targets; with tp > 1 the vocabulary-
-    parallel cross-entropy also keeps two 1-byte masks per token (targets in this rank's
-    range, for the target logit and for its gradient) and no loss scalar.
+    The loss is computed in fp32 over a vocabulary-parallel head: at tp = 1 it keeps the
+    V log-probabilities (fp32) and the int64 targets; with tp > 1 the vocabulary-parallel
+    cross-entropy (:mod:`plait.parallel.chunked_loss`) keeps its V/t logits as they are
+    (the activation dtype; the softmax is recomputed in backward), each token's fp32
+    log-sum-exp, the targets, two 1-byte masks per token (targets in this rank's range,
+    for the target logit and for its gradient) and no loss scalar.
     """
     out = _norm("final_norm", spec, runtime, "head")
-    out.append(Saved("loss.log_probs", spec.vocab, kind="fp32"))
+    if tp > 1:  # the chunked vocabulary-parallel loss keeps the logits and each token's lse
+        out.append(Saved("loss.logits", spec.vocab, kind="act"))
+        out.append(Saved("loss.lse", 1.0, kind="fp32", region="full"))
+    else:
+        out.append(Saved("loss.log_probs", spec.vocab, kind="fp32"))
     out.append(Saved("loss.targets", 1.0, kind="index", region="full"))
     if tp > 1:
         out.append(Saved("loss.target_masks", 2.0, kind="mask", region="full"))
