@@ -38,6 +38,7 @@ from plait.config_checks import (
     check_tokenizer_vocab,
     check_ulysses_heads,
     check_world,
+    parse_step_window,
 )
 from plait.errors import ConfigError
 
@@ -588,9 +589,18 @@ class LogConfig:
     """Pipeline runs (parallel.pp > 1): draw the last training step's measured timeline
     (ranks as rows, forward/backward/weight-gradient actions, bubble in the title) into
     this PNG file, the picture `plait pipeline draw` makes of a simulated schedule."""
+    profile: str | None = None
+    """'START-END': record a torch.profiler trace of optimizer steps START..END (1-based,
+    inclusive) on every rank into ``<log.dir>/profile/rank<r>.json`` (Chrome/Perfetto
+    JSON). See docs/gpu.md."""
+    memory_snapshot: bool = False
+    """CUDA only: record the allocator's history and write a memory snapshot per rank,
+    ``<log.dir>/memory/rank<r>.pickle``, at the step of peak memory (refused on CPU)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "log.")
+        if self.profile is not None:
+            parse_step_window(self.profile)
         check_positive("log.", log_every=self.log_every, peak_tflops=self.peak_tflops)
         if self.timeline is not None and not self.timeline.lower().endswith(".png"):
             raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")

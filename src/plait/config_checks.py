@@ -325,3 +325,19 @@ def check_pretrained_model(
             f"model.{key} = {have!r} contradicts {source}/config.json, which has {want!r}; "
             f"leave --model.{key} out (the pretrained model's sizes are used)."
         )
+
+
+def parse_step_window(text: str) -> tuple[int, int]:
+    """``"START-END"`` (1-based steps, inclusive; ``"N"`` is ``"N-N"``) as
+    ``(start, end)``; a :class:`ConfigError` for anything else (``log.profile``)."""
+    parts = text.split("-")
+    try:
+        start, end = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        start, end = 0, -1
+    if not 1 <= start <= end:
+        raise ConfigError(
+            f"log.profile must be 'START-END' with 1 <= START <= END (optimizer steps, "
+            f"1-based, inclusive), e.g. '3-5'; got {text!r}."
+        )
+    return start, end
