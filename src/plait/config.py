@@ -518,6 +518,10 @@ class PrecisionConfig:
     """A non-finite loss or gradient norm under fp32/bf16: 'error' stops the run with an
     error naming the step, 'skip' skips the step with a warning (weights, optimizer state
     and schedule untouched). fp16 overflows are always skipped by the loss scaler."""
+    float8: bool = False
+    """Compute the blocks' linear layers in float8 through torchao (not the output head;
+    tensor-parallel layers too): CUDA with compute capability 8.9+ and the `float8` extra
+    only, refused elsewhere. See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "precision.")

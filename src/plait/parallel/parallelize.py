@@ -61,6 +61,7 @@ from plait.model.init import InitialValues, has_meta
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
+from plait.parallel.float8 import apply_float8, check_float8
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
@@ -161,6 +162,9 @@ def parallelize(
     param_names = list(names.values())
     # 2. context parallelism over cp: attention cores and token positions.
     context = apply_context_parallel(model, mesh, p.cp_attention) if mesh.size("cp") > 1 else None
+    if precision.float8:  # 2b. float8 linear layers (torchao), refused where they cannot run
+        check_float8(True, mesh.device.type)
+        apply_float8(model)
     # 3. pipeline split (pp > 1): keep this rank's pieces.
     inner: nn.Module = model
     if values is not None and pp > 1 and p.balance == "measured":
