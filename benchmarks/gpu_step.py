@@ -58,10 +58,24 @@ HAS_COMPILE = "compile" in {f.name for f in dataclasses.fields(TrainConfig)}
 def model_config(a: argparse.Namespace) -> ModelConfig:
     """The benchmark's model (issue 28's 0.89 B llama, or the tiny one)."""
     if a.tiny:
-        return ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                           ffn_dim=128, max_seq_len=a.seq)
-    return ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.heads,
-                       n_kv_heads=a.kv_heads, ffn_dim=a.ffn, max_seq_len=a.seq)
+        return ModelConfig(
+            vocab_size=256,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            ffn_dim=128,
+            max_seq_len=a.seq,
+        )
+    return ModelConfig(
+        vocab_size=a.vocab,
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=a.heads,
+        n_kv_heads=a.kv_heads,
+        ffn_dim=a.ffn,
+        max_seq_len=a.seq,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -69,7 +83,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step: Callable[[], float], a: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def _timed(
+    step: Callable[[], float], a: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
     """Run ``step`` warm-up + measured times; median seconds and the last loss."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -85,15 +101,24 @@ def _timed(step: Callable[[], float], a: argparse.Namespace, device: torch.devic
     return {"seconds": statistics.median(times), "loss": loss, "peak_bytes": peak}
 
 
-def plait_row(cfg: ModelConfig, a: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
-              compiled: bool, float8: bool) -> dict[str, Any]:
+def plait_row(
+    cfg: ModelConfig,
+    a: argparse.Namespace,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    compiled: bool,
+    float8: bool,
+) -> dict[str, Any]:
     """plait's own path: parallelize on a one-rank mesh, plait's Optimizer."""
     device = x.device
     train: dict[str, Any] = {"seq_len": a.seq, "global_batch": a.batch, "loss_chunk": a.loss_chunk}
     if compiled:
         train["compile"] = True
-    run = Config(model=cfg, train=TrainConfig(**train),
-                 precision=PrecisionConfig(dtype=a.dtype, float8=float8))
+    run = Config(
+        model=cfg,
+        train=TrainConfig(**train),
+        precision=PrecisionConfig(dtype=a.dtype, float8=float8),
+    )
     with torch.device("meta"):
         model = Transformer(cfg, seed=0)
     pm = parallelize(model, init_mesh(device=device), run)
@@ -110,17 +135,19 @@ def plait_row(cfg: ModelConfig, a: argparse.Namespace, x: torch.Tensor, y: torch
     return _timed(step, a, device)
 
 
-def plain_row(cfg: ModelConfig, a: argparse.Namespace, x: torch.Tensor, y: torch.Tensor,
-              compiled: bool) -> dict[str, Any]:
+def plain_row(
+    cfg: ModelConfig, a: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, compiled: bool
+) -> dict[str, Any]:
     """A hand-written loop: fp32 weights, bf16 autocast on CUDA, AdamW."""
     device = x.device
     model = Transformer(cfg, seed=0).to(device)
     fwd = torch.compile(model) if compiled else model
     t = TrainConfig()  # plait's defaults: lr, betas, weight decay on matrices, clip 1.0
-    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-              for g in make_optimizer(model, Config(train=t)).param_groups]
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2),
-                            fused=device.type == "cuda")
+    groups = [
+        {"params": g["params"], "weight_decay": g["weight_decay"]}
+        for g in make_optimizer(model, Config(train=t)).param_groups
+    ]
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
     autocast = device.type == "cuda" and a.dtype != "fp32"
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
 
@@ -179,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     x, y = tokens[:, :-1], tokens[:, 1:]  # (batch, seq) each
     peak = peak_flops(device, a.peak_tflops)
     fpt = flops_per_token(cfg, a.seq)
-    print(f"# gpu_step: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"torch {torch.__version__}, dtype {a.dtype}, batch {a.batch} x seq {a.seq}, "
-          f"{a.steps} steps after {a.warmup} warm-up, loss_chunk {a.loss_chunk}; peak: {peak.source}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"# gpu_step: {device} ({name}), "
+        f"torch {torch.__version__}, dtype {a.dtype}, batch {a.batch} x seq {a.seq}, "
+        f"{a.steps} steps after {a.warmup} warm-up, loss_chunk {a.loss_chunk}; peak: {peak.source}"
+    )
     print("| run | tokens/s | MFU | peak memory GiB | loss after N steps |")
     print("|---|---:|---:|---:|---:|")
     results = []
@@ -210,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.reset() if compiled else None
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": str(device), "torch": torch.__version__, "rows": results}, f, indent=1)
+            json.dump(
+                {"device": str(device), "torch": torch.__version__, "rows": results}, f, indent=1
+            )
     return 0
 
 

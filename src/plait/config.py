@@ -444,10 +444,11 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
-    loss_chunk: int = 0
+    loss_chunk: int = 4096
     """Tokens per chunk of the default cross-entropy (replicated and vocabulary-parallel
     head): the float32 logits exist one (loss_chunk, vocab) block at a time and the
-    softmax is recomputed in backward; 0: the whole micro-batch at once. See docs/gpu.md."""
+    softmax is recomputed in backward; 0: ``F.cross_entropy`` on the whole micro-batch at
+    tp = 1 (one chunk at tp > 1). See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")

@@ -126,10 +126,14 @@ def test_vocab_parallel_chunked_equals_cross_entropy(
         gpad = torch.cat([want_g, want_g.new_zeros(B, S, vp - V)], dim=-1)
         for r, got in enumerate(pools(2).run(f"{M}:_body_tp", chunk, red)):
             torch.testing.assert_close(got["loss"], want, **TOL)
-            torch.testing.assert_close(got["grad"], gpad[..., r * vp // 2 : (r + 1) * vp // 2], **TOL)
+            torch.testing.assert_close(
+                got["grad"], gpad[..., r * vp // 2 : (r + 1) * vp // 2], **TOL
+            )
 
 
-def _peak(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, t: torch.Tensor) -> int:
+def _peak(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, t: torch.Tensor
+) -> int:
     """Peak bytes alive (beyond the inputs) during ``fn``'s forward and backward."""
     xin = x.clone().requires_grad_(True)
     with LiveBytes() as counter:

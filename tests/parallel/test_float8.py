@@ -87,7 +87,9 @@ def test_float8_training_tracks_bf16() -> None:
         names = {type(m).__name__ for m in pm.modules()}
         assert ("Float8Linear" in names) == f8
         out_head = dict(pm.named_modules())
-        assert all(type(m).__name__ != "Float8Linear" for n, m in out_head.items() if n.endswith("output"))
+        assert all(
+            type(m).__name__ != "Float8Linear" for n, m in out_head.items() if n.endswith("output")
+        )
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         run = []
         for _ in range(20):

@@ -53,7 +53,7 @@ def test_bad_window_and_cpu_snapshot_refused() -> None:
         if bad == "3":
             assert LogConfig(profile=bad).profile == "3"  # one step
             continue
-        with pytest.raises(ConfigError, match="log.profile must be 'START-END'"):
+        with pytest.raises(ConfigError, match=r"log\.profile must be 'START-END'"):
             LogConfig(profile=bad)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         check_memory_snapshot(True, "cpu")

@@ -117,13 +117,17 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         z = logits.reshape(-1, vl)
         out = torch.zeros_like(z)  # (tokens, Vl) in the logits' dtype; padding stays 0
         weight = keep.to(lse.dtype) * (grad.to(lse.dtype) / ctx.scale)  # (tokens,)
+        in_place = out.dtype == lse.dtype  # float32 logits: work in the gradient itself
         for s, e in _spans(z.shape[0], ctx.chunk):
             if not valid:
                 break
-            g = z[s:e, :valid].to(lse.dtype, copy=True)  # (chunk, valid) the one block
-            g.sub_(lse[s:e, None]).exp_()  # softmax
+            dst = out[s:e, :valid]  # (chunk, valid)
+            g = dst if in_place else torch.empty_like(dst, dtype=lse.dtype)  # the one block
+            torch.sub(z[s:e, :valid], lse[s:e, None], out=g).exp_()  # softmax
             g.scatter_add_(1, idx[s:e, None], -own[s:e, None].to(g.dtype))  # - onehot
-            out[s:e, :valid] = g.mul_(weight[s:e, None])
+            g.mul_(weight[s:e, None])
+            if not in_place:
+                dst.copy_(g)
             del g
         return out.view(logits.shape), None, None, None, None, None, None
 
@@ -155,10 +159,10 @@ def chunked_cross_entropy(
         )
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0 tokens, got {chunk}")
-    vocab = vocab_size if vocab_size is not None else logits.shape[-1] * (group.size if group else 1)
-    return _ChunkedCrossEntropy.apply(
-        logits, targets, group, vocab, ignore_index, reduction, chunk
+    vocab = (
+        vocab_size if vocab_size is not None else logits.shape[-1] * (group.size if group else 1)
     )
+    return _ChunkedCrossEntropy.apply(logits, targets, group, vocab, ignore_index, reduction, chunk)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -43,7 +43,9 @@ SKIP_NAMES = ("output",)
 """Modules (last name component) kept in high precision: the output head."""
 
 
-def float8_problem(device: str, capability: tuple[int, int] | None, has_torchao: bool) -> str | None:
+def float8_problem(
+    device: str, capability: tuple[int, int] | None, has_torchao: bool
+) -> str | None:
     """Why float8 training cannot run (None: it can). ``device`` is "cpu" or "cuda";
     ``capability`` the GPU's compute capability (None on the CPU)."""
     if device != "cuda" or capability is None:
@@ -73,7 +75,11 @@ def check_float8(enabled: bool, device: str) -> None:
         return
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cap = torch.cuda.get_device_capability() if device == "cuda" and torch.cuda.is_available() else None
+    cap = (
+        torch.cuda.get_device_capability()
+        if device == "cuda" and torch.cuda.is_available()
+        else None
+    )
     problem = float8_problem(device, cap, importlib.util.find_spec("torchao") is not None)
     if problem is not None:
         raise ConfigError(problem)

@@ -54,7 +54,14 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
+from plait.config import (
+    Config,
+    CPAttention,
+    ParallelConfig,
+    PrecisionConfig,
+    Recompute,
+    TrainConfig,
+)
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
@@ -142,7 +149,7 @@ def parallelize(
     tp, pp = mesh.size("tp"), mesh.size("pp")
     sp = p.sequence_parallel and tp > 1
     if loss_chunk is None:
-        loss_chunk = full.train.loss_chunk if full is not None else 0
+        loss_chunk = (full.train if full is not None else TrainConfig()).loss_chunk
     if loss_fn is None:
         loss_fn = (
             vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)

@@ -92,7 +92,8 @@ def label_forward(model: nn.Module) -> _Labels:
     """Label the forward of ``model`` (``plait.forward``) and of every element of its
     ``nn.ModuleList`` s (the blocks: ``plait.forward.<name>``); remove with ``.remove()``."""
     labels = _Labels()
-    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    wrapped = getattr(model, "module", None)
+    inner = wrapped if isinstance(wrapped, nn.Module) else model
     labels.add(inner, "plait.forward")  # a ParallelModel's step calls its .module
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList):
