@@ -40,6 +40,7 @@ from plait.config_checks import (
     check_tokenizer_vocab,
     check_ulysses_heads,
     check_world,
+    parse_step_window,
 )
 from plait.errors import ConfigError
 
@@ -455,9 +456,16 @@ class TrainConfig:
     compile: bool = False
     """Compile each transformer block with ``torch.compile`` (inductor; per block, as
     torchtitan does); collectives stay outside the graphs. See docs/compile.md."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the default cross-entropy (replicated and vocabulary-parallel
+    head): the float32 logits exist one (loss_chunk, vocab) block at a time and the
+    softmax is recomputed in backward; 0: ``F.cross_entropy`` on the whole micro-batch at
+    tp = 1 (one chunk at tp > 1). See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"train.loss_chunk must be >= 0 tokens, got {self.loss_chunk}.")
         check_positive(
             "train.",
             steps=self.steps,
@@ -523,6 +531,10 @@ class PrecisionConfig:
     """A non-finite loss or gradient norm under fp32/bf16: 'error' stops the run with an
     error naming the step, 'skip' skips the step with a warning (weights, optimizer state
     and schedule untouched). fp16 overflows are always skipped by the loss scaler."""
+    float8: bool = False
+    """Compute the blocks' linear layers in float8 through torchao (not the output head;
+    tensor-parallel layers too): CUDA with compute capability 8.9+ and the `float8` extra
+    only, refused elsewhere. See docs/gpu.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "precision.")
@@ -614,9 +626,18 @@ class LogConfig:
     """The text the ``log.sample_every`` samples continue."""
     sample_tokens: int = 32
     """Tokens each ``log.sample_every`` sample generates."""
+    profile: str | None = None
+    """'START-END': record a torch.profiler trace of optimizer steps START..END (1-based,
+    inclusive) on every rank into ``<log.dir>/profile/rank<r>.json`` (Chrome/Perfetto
+    JSON). See docs/gpu.md."""
+    memory_snapshot: bool = False
+    """CUDA only: record the allocator's history and write a memory snapshot per rank,
+    ``<log.dir>/memory/rank<r>.pickle``, at the step of peak memory (refused on CPU)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "log.")
+        if self.profile is not None:
+            parse_step_window(self.profile)
         check_positive("log.", log_every=self.log_every, peak_tflops=self.peak_tflops)
         check_positive("log.", sample_tokens=self.sample_tokens)
         if self.sample_every < 0:

@@ -366,3 +366,19 @@ def check_sample_length(prompt_bytes: int, new_tokens: int, max_seq_len: int) ->
             f"log.sample_tokens ({new_tokens}) exceed model.max_seq_len ({max_seq_len}); "
             "shorten the prompt or ask for fewer tokens."
         )
+
+
+def parse_step_window(text: str) -> tuple[int, int]:
+    """``"START-END"`` (1-based steps, inclusive; ``"N"`` is ``"N-N"``) as
+    ``(start, end)``; a :class:`ConfigError` for anything else (``log.profile``)."""
+    parts = text.split("-")
+    try:
+        start, end = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        start, end = 0, -1
+    if not 1 <= start <= end:
+        raise ConfigError(
+            f"log.profile must be 'START-END' with 1 <= START <= END (optimizer steps, "
+            f"1-based, inclusive), e.g. '3-5'; got {text!r}."
+        )
+    return start, end

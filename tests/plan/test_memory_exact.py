@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from plait.config import ModelConfig
-from plait.model import Transformer, lm_loss
+from plait.config import ModelConfig, TrainConfig
+from plait.model import Transformer
+from plait.parallel.loss import cross_entropy_loss
 from plait.plan.activations import embedding_activation_bytes, head_activation_bytes
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import layer_params_per_rank, memory_per_rank, stage_params, state_bytes
@@ -161,8 +162,9 @@ def _saved_bytes(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) 
             seen[st.data_ptr()] = st.nbytes()
         return t
 
+    loss = cross_entropy_loss(chunk=TrainConfig().loss_chunk)  # the trainer's default loss
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        lm_loss(model(tokens), targets)
+        loss(model(tokens), targets)
     return sum(seen.values())
 
 

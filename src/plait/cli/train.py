@@ -75,6 +75,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     _check_device(cfg)
+    from plait.train.profile import check_memory_snapshot
+
+    check_memory_snapshot(cfg.log.memory_snapshot, cfg.launch.device)
     if cfg.launch.backend == "ray" and env is None:  # one line and exit 2, before any work
         from plait.launch.ray_session import check_address, import_ray
 

@@ -11,6 +11,7 @@ return for one rank, and nothing is sent.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,9 +56,15 @@ def _count(g: AxisGroup, op: str, nbytes: int, seconds: float = 0.0) -> None:
 def _run(
     g: AxisGroup, op: str, nbytes: int, fn: object, async_op: bool, then: object = None
 ) -> Handle | None:
-    """Call ``fn(async_op)`` under the error guard, count it, and return a handle if async."""
+    """Call ``fn(async_op)`` under the error guard, count it, and return a handle if async.
+    Under a profiler the call is labelled ``plait.comm.<op>.<axis>`` (see docs/gpu.md)."""
     t0 = time.perf_counter()
-    with g.guard(op):
+    label = (
+        torch.autograd.profiler.record_function(f"plait.comm.{op}.{g.name}")
+        if torch.autograd._profiler_enabled()
+        else contextlib.nullcontext()
+    )
+    with label, g.guard(op):
         work = fn(async_op)  # type: ignore[operator]
     if async_op:
         _count(g, op, nbytes)

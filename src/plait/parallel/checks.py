@@ -26,6 +26,7 @@ import dataclasses
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.factory import check_model
+from plait.parallel.float8 import check_float8
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.precision import check_device_supports
 from plait.parallel.tensor.plan import check_tensor_parallel
@@ -53,6 +54,7 @@ def validate_run(cfg: Config, world_size: int) -> None:
         m = cfg.pipeline_microbatches(world_size)
         build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers
     check_device_supports(cfg.precision.dtype, cfg.launch.device)
+    check_float8(cfg.precision.float8, cfg.launch.device)
     setattr(cfg, _MARK, (world_size, dataclasses.astuple(cfg)))
 
 

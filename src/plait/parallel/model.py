@@ -29,8 +29,8 @@ from plait.model.factory import logits_of
 from plait.parallel.compression import Compressor
 from plait.parallel.context.context_parallel import ContextLayout
 from plait.parallel.data import DataParallel
-from plait.parallel.loss import LossFn
-from plait.parallel.pipeline.engine import PipelineEngine, at_least_fp32
+from plait.parallel.loss import LossFn, loss_input
+from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.tensor.layers import tensor_parallel_piece
 from plait.parallel.zero import ZeroDataParallel
@@ -218,7 +218,7 @@ class ParallelModel(nn.Module):
         for k, (x, y) in enumerate(pairs):
             last = k == len(pairs) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                micro_loss = self.loss_fn(at_least_fp32(logits_of(self.module(x))), y)
+                micro_loss = self.loss_fn(loss_input(self.loss_fn, logits_of(self.module(x))), y)
                 (micro_loss * (loss_scale / micro_batches)).backward()
             total += micro_loss.detach().double() / micro_batches
         return self._dp_mean(total)
@@ -230,7 +230,8 @@ class ParallelModel(nn.Module):
             inputs, targets = self.context.shard(inputs), self.context.shard(targets)
         if self.pipeline is not None:
             return self._dp_mean(self.pipeline.evaluate(inputs, targets))
-        return self._dp_mean(self.loss_fn(at_least_fp32(logits_of(self.module(inputs))), targets))
+        logits = loss_input(self.loss_fn, logits_of(self.module(inputs)))
+        return self._dp_mean(self.loss_fn(logits, targets))
 
     def describe(self) -> str:
         """One line: the wrappers applied, outermost last."""

@@ -58,7 +58,14 @@ from typing import Any
 
 from torch import nn
 
-from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
+from plait.config import (
+    Config,
+    CPAttention,
+    ParallelConfig,
+    PrecisionConfig,
+    Recompute,
+    TrainConfig,
+)
 from plait.config_checks import check_compression
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
@@ -66,6 +73,7 @@ from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
+from plait.parallel.float8 import apply_float8, check_float8
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
@@ -102,6 +110,7 @@ def parallelize(
     ignore_index: int = IGNORE_INDEX,
     compressor: Compressor | None = None,
     compile: bool | None = None,
+    loss_chunk: int | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -116,7 +125,8 @@ def parallelize(
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
     ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
     default: the one ``parallel.compression`` names), ``compile`` (torch.compile each
-    block; default: ``train.compile``). The degrees come from ``mesh``.
+    block; default: ``train.compile``), ``loss_chunk`` (tokens per chunk of the
+    default loss; default ``train.loss_chunk``). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -147,11 +157,13 @@ def parallelize(
     policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
     tp, pp = mesh.size("tp"), mesh.size("pp")
     sp = p.sequence_parallel and tp > 1
+    if loss_chunk is None:
+        loss_chunk = (full.train if full is not None else TrainConfig()).loss_chunk
     if loss_fn is None:
         loss_fn = (
-            vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index)
+            vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)
             if tp > 1
-            else cross_entropy_loss(ignore_index)
+            else cross_entropy_loss(ignore_index, loss_chunk)
         )
     if pp > 1:  # refuse a model the split cannot cut, naming it, before any change
         check_splittable(model)
@@ -166,6 +178,9 @@ def parallelize(
     param_names = list(names.values())
     # 2. context parallelism over cp: attention cores and token positions.
     context = apply_context_parallel(model, mesh, p.cp_attention) if mesh.size("cp") > 1 else None
+    if precision.float8:  # 2b. float8 linear layers (torchao), refused where they cannot run
+        check_float8(True, mesh.device.type)
+        apply_float8(model)
     # 3. pipeline split (pp > 1): keep this rank's pieces.
     inner: nn.Module = model
     if values is not None and pp > 1 and p.balance == "measured":

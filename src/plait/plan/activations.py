@@ -198,21 +198,20 @@ def embedding_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Save
 def head_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
     """What the final norm, output head and cross-entropy save (last stage).
 
-    The loss is computed in fp32 over a vocabulary-parallel head: each rank keeps its
-    V/t log-probabilities (fp32) and the int64 targets; with tp > 1 the vocabulary-
-    parallel cross-entropy also keeps two 1-byte masks per token (targets in this rank's
-    range, for the target logit and for its gradient) and no loss scalar.
+    The default loss is the chunked cross-entropy (:mod:`plait.parallel.chunked_loss`,
+    ``train.loss_chunk`` > 0, and always when tp > 1): it keeps this rank's V/t logits
+    as they are (the activation dtype; the softmax is recomputed in backward), each
+    token's fp32 log-sum-exp, the int64 targets and two 1-byte masks per token (targets
+    kept, and in this rank's range) and no loss scalar. (``train.loss_chunk = 0`` at
+    tp = 1 is ``F.cross_entropy``, which keeps fp32 log-probabilities instead: 4 bytes
+    per vocabulary entry whatever the dtype; not modelled here.)
     """
     out = _norm("final_norm", spec, runtime, "head")
-    out.append(Saved("loss.log_probs", spec.vocab, kind="fp32"))
+    out.append(Saved("loss.logits", spec.vocab, kind="act"))
+    out.append(Saved("loss.lse", 1.0, kind="fp32", region="full"))
     out.append(Saved("loss.targets", 1.0, kind="index", region="full"))
-    if tp > 1:
-        out.append(Saved("loss.target_masks", 2.0, kind="mask", region="full"))
+    out.append(Saved("loss.target_masks", 2.0, kind="mask", region="full"))
     return out
-
-
-LOSS_SCALAR_BYTES = 4
-"""The fp32 total-weight scalar ``nll_loss`` saves per micro-batch (tp = 1)."""
 
 
 def embedding_activation_bytes(
@@ -226,9 +225,7 @@ def head_activation_bytes(
     spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
 ) -> float:
     """Bytes the final norm, head and loss keep for one micro-batch."""
-    split = _split(layout)
-    scalar = LOSS_SCALAR_BYTES if layout.tp == 1 else 0
-    return _part_bytes("head", spec, precision, runtime, seq_len, split, "") + scalar
+    return _part_bytes("head", spec, precision, runtime, seq_len, _split(layout), "")
 
 
 def korthikanti_layer_bytes(

@@ -57,6 +57,7 @@ from plait.train.memory import (
     reset_peak_memory,
 )
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
+from plait.train.profile import StepProfiler, check_memory_snapshot
 from plait.train.report import (
     RunFacts,
     RunSummary,
@@ -143,6 +144,7 @@ class Trainer:
     def __init__(self, cfg: Config, mesh: Mesh, show_progress: bool = True) -> None:
         world = mesh.world_size
         validate_run(cfg, world)
+        check_memory_snapshot(cfg.log.memory_snapshot, mesh.device.type)
         self.cfg = cfg
         self.mesh = mesh
         self.device = mesh.device
@@ -202,6 +204,7 @@ class Trainer:
         self.samples = TrainingSamples(cfg) if cfg.log.sample_every else None
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
+        self.profiler = StepProfiler(cfg.log, mesh.rank, self.device, self.model)
 
     @property
     def sched_step(self) -> int:
@@ -301,8 +304,10 @@ class Trainer:
             reset_peak_memory(self.device)
             lr = lr_at(self.sched_step, cfg)
             t0 = time.perf_counter()
-            loss, report = self.train_step(step)
+            with self.profiler.step(step + 1):  # log.profile's window: a trace per rank
+                loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
+            self.profiler.after_step(step + 1, peak_memory(self.device))
             if self.model.pipeline is not None and cfg.log.timeline and step == t.steps - 1:
                 self._draw_timeline(cfg.log.timeline)
             health = self.faults.after_step(dt, self.mesh.stats.total_seconds() - secs0)
@@ -358,6 +363,7 @@ class Trainer:
                 stopped = n < t.steps
                 break
         self.checkpoints.finish()  # an asynchronous save in flight completes (or fails) here
+        self.profiler.close()
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2] if times else 0.0
         summary = RunSummary(
             t.steps,

@@ -20,6 +20,7 @@ from torch import nn
 from plait import comm
 from plait.config import Balance
 from plait.mesh import Mesh
+from plait.parallel.loss import loss_input
 from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
@@ -132,7 +133,7 @@ class PipelineEngine:
             stages,
             self.schedule,
             mesh.axis("pp"),
-            lambda logits, targets: loss_fn(at_least_fp32(logits), targets),
+            lambda logits, targets: loss_fn(loss_input(loss_fn, logits), targets),
             (1, 1, hidden_dim),  # set from each batch (see _shape_for)
             dtype,
             mesh.device,

@@ -29,6 +29,7 @@ in a global gradient norm.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +155,11 @@ def split_units(length: int, unit: int, tp: int, replicas: int, pad: bool, what:
     return TPShard(dim=0, full=length, shards=shards, replicas=replicas, block=block)
 
 
+LocalMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+"""``(x, local weight, bias or None) -> y``: the local product of a tensor-parallel linear
+(default ``F.linear``; :mod:`plait.parallel.float8` sets a float8 one)."""
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x Wᵀ + b`` with the output features split over the tp axis.
 
@@ -169,6 +175,9 @@ class ColumnParallelLinear(nn.Module):
     Input ``(b, s, in)`` (``(b, s/N, in)`` under sequence parallelism with ``enter``);
     output ``(b, s, out/N)`` or, with ``gather_output``, ``(b, s, out)``.
     """
+
+    local_matmul: LocalMatmul | None = None
+    """The local product (None: ``F.linear``)."""
 
     def __init__(
         self,
@@ -210,7 +219,7 @@ class ColumnParallelLinear(nn.Module):
         """``(b, s, in)`` -> ``(b, s, out/N)`` (or ``(b, s, out)`` with gather_output)."""
         if self.enter:
             x = enter_region(x, self.group, self.sequence_parallel)  # (b, s, in)
-        y = F.linear(x, self.weight, self.bias)  # (b, s, block)
+        y = (self.local_matmul or F.linear)(x, self.weight, self.bias)  # (b, s, block)
         if self.gather_output:
             y = gather_from_region(y, self.group)  # (b, s, padded out)
             y = y.narrow(-1, 0, self.out_features)  # (b, s, out)
@@ -233,6 +242,9 @@ class RowParallelLinear(nn.Module):
     partial sums are returned (no bias allowed). Input ``(b, s, in/N)`` (or the full
     ``(b, s, in)`` when ``input_is_parallel`` is False: it is split here).
     """
+
+    local_matmul: LocalMatmul | None = None
+    """The local product (None: ``F.linear``)."""
 
     def __init__(
         self,
@@ -269,7 +281,7 @@ class RowParallelLinear(nn.Module):
         """``(b, s, in/N)`` -> ``(b, s, out)`` (``(b, s/N, out)`` under sequence parallelism)."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)  # (b, s, in/N)
-        y = F.linear(x, self.weight)  # (b, s, out) partial sums
+        y = (self.local_matmul or F.linear)(x, self.weight, None)  # (b, s, out) partial sums
         if not self.exit:
             return y
         y = leave_region(y, self.group, self.sequence_parallel)  # (b, s or s/N, out)
