@@ -27,6 +27,7 @@ from plait.config_checks import (
     check_compression,
     check_compression_warmup,
     check_cp_sequence,
+    check_document_mask,
     check_offload,
     check_pipeline,
     check_positive,
@@ -534,6 +535,12 @@ class DataConfig:
     """Read at most this many bytes of text (0: no limit)."""
     val_fraction: float = 0.05
     """Fraction of the tokens held out (at the end) for the validation loss."""
+    mask_documents: bool = False
+    """Block-causal attention within documents: a token attends only to earlier tokens
+    of its own document, a new document starting after each end-of-document token (the
+    tokenizer's: id 0, the NUL byte, for 'byte'; tiktoken's end-of-text token).
+    Built-in model only (sdpa, blockwise, ring and all-to-all attention), not with
+    parallel.pp > 1; rotary positions stay the window's. See docs/context-parallel.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "data.")
@@ -696,6 +703,8 @@ class Config:
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
+        if self.data.mask_documents:
+            check_document_mask(p.pp, m.family, m.factory)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

@@ -70,8 +70,15 @@ def test_blockwise_with_documents_equals_masked_sdpa(impl: str, block: int) -> N
 
 
 def _model(kind: str) -> Transformer:
-    cfg = ModelConfig(vocab_size=VOCAB, dim=16, n_heads=4, n_kv_heads=2, n_layers=2,
-                      max_seq_len=SEQ, attention=kind)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        dim=16,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        max_seq_len=SEQ,
+        attention=kind,
+    )
     model = Transformer(cfg, seed=1).double()
     if kind == "blockwise":
         for layer in model.layers:

@@ -3,16 +3,14 @@
 Blockwise and ring attention (:mod:`plait.model.blockwise_attention`,
 :mod:`plait.parallel.context.ring_attention`) merge partial results by their
 log-sum-exp and recompute gradients from the *final* output and log-sum-exp of the
-query rows. PyTorch's fused SDPA kernels do both, through their aten ops:
+query rows. PyTorch's fused SDPA kernels do both, through their aten ops (the CUDA
+log-sum-exps are float32):
 
-===============  =========================================================  ==========================
-kernel           forward op (log-sum-exp returned)                          log-sum-exp shape (fp32)
-===============  =========================================================  ==========================
-``cpu``          ``_scaled_dot_product_flash_attention_for_cpu``            ``(b, h, sq)`` (q's dtype)
-``flash``        ``_scaled_dot_product_flash_attention`` (CUDA, 16-bit)     ``(b, h, sq)``
-``efficient``    ``_scaled_dot_product_efficient_attention`` (CUDA)         ``(b, h, ceil32(sq))``
-``cudnn``        ``_scaled_dot_product_cudnn_attention`` (CUDA)             ``(b, h, sq, 1)``
-===============  =========================================================  ==========================
+* ``cpu``: ``_scaled_dot_product_flash_attention_for_cpu``; lse ``(b, h, sq)``, q's dtype;
+* ``flash``: ``_scaled_dot_product_flash_attention`` (CUDA, 16-bit); lse ``(b, h, sq)``;
+* ``efficient``: ``_scaled_dot_product_efficient_attention`` (CUDA); lse
+  ``(b, h, ceil32(sq))`` (rows padded to a multiple of 32);
+* ``cudnn``: ``_scaled_dot_product_cudnn_attention`` (CUDA); lse ``(b, h, sq, 1)``;
 
 each with its ``_backward`` op, which takes the output and log-sum-exp to recompute the
 probabilities ``P = exp(S - lse)`` (FlashAttention-2's backward): given the final
@@ -62,7 +60,7 @@ def choose(
     if q.device.type == "cpu":
         return "cpu"
     choice = int(
-        torch._fused_sdp_choice(  # type: ignore[attr-defined]
+        torch._fused_sdp_choice(
             q, k, v, attn_mask=bias, dropout_p=0.0, is_causal=causal and bias is None
         )
     )
@@ -137,7 +135,14 @@ def forward(
         lse = lse[..., :sq]  # the kernel pads its rows to a multiple of 32
     elif kernel == "cudnn":
         out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            None,
+            True,
+            0.0,
+            causal,
+            False,
             scale=scale,
         )
         lse = lse.reshape(lse.shape[0], lse.shape[1], sq)  # (b, h, sq, 1) -> (b, h, sq)
@@ -184,20 +189,57 @@ def backward(
     lse32 = lse.float().contiguous()  # a strided slice would be misread by the kernels
     if kernel == "flash":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse32, None, None, sq, sk, 0.0, causal, seed, offset,
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse32,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            seed,
+            offset,
             scale=scale,
         )
     elif kernel == "efficient":
         padded = F.pad(lse32, (0, -sq % 32))  # (b, h, ceil32(sq)), as the forward returns it
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, _efficient_bias(bias, q), out, padded, seed, offset, 0.0,
-            [True, True, True, False], causal, scale=scale,
+            dout,
+            q,
+            k,
+            v,
+            _efficient_bias(bias, q),
+            out,
+            padded,
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
         )
     elif kernel == "cudnn":
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.contiguous(), lse32.unsqueeze(-1), seed, offset, None, None, None, sq, sk,
-            0.0, causal, scale=scale,
+            dout.contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.contiguous(),
+            lse32.unsqueeze(-1),
+            seed,
+            offset,
+            None,
+            None,
+            None,
+            sq,
+            sk,
+            0.0,
+            causal,
+            scale=scale,
         )
     else:
         raise ValueError(f"unknown attention kernel {kernel!r}")

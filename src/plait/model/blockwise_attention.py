@@ -142,7 +142,9 @@ def block_backward(
     if impl == "fused" and dlse is None:
         kernel = kernels.choose(q, k, v, causal, bias)
         if kernel is not None:
-            return kernels.backward(kernel, dout, q, k, v, out.to(q.dtype), lse, causal, scale, bias)
+            return kernels.backward(
+                kernel, dout, q, k, v, out.to(q.dtype), lse, causal, scale, bias
+            )
     acc, dt = acc_dtype(q), q.dtype
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
     s = _scores(q, k, causal, scale, bias)  # (b, h, sq, sk), recomputed
@@ -203,7 +205,8 @@ def _segments(
     if coalesce and docs is None:
         if not causal:
             return [(0, sk, False, None)]
-        return ([(0, i0, False, None)] if i0 else []) + [(i0, i1, True, None)]
+        prefix: list[Segment] = [(0, i0, False, None)] if i0 else []
+        return [*prefix, (i0, i1, True, None)]
     ranges = [(0, end)] if coalesce else [(j0, min(j1, end)) for j0, j1 in _ranges(end, block)]
     if docs is None:
         return [(j0, j1, causal and j1 > i0 + 1, None) for j0, j1 in ranges]
@@ -339,8 +342,7 @@ def blockwise_attention(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if doc_ids is not None and tuple(doc_ids.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(
-            f"doc_ids must be (batch, seq) = {(q.shape[0], q.shape[2])}, got "
-            f"{tuple(doc_ids.shape)}"
+            f"doc_ids must be (batch, seq) = {(q.shape[0], q.shape[2])}, got {tuple(doc_ids.shape)}"
         )
     sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _Blockwise.apply(q, k, v, causal, block_size, sc, impl, doc_ids)

@@ -128,7 +128,9 @@ class SDPAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def doc_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+def doc_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor
+) -> torch.Tensor:
     """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` (``(batch, 1, seq,
     seq)`` bool; every row sees at least itself, so no row is fully masked)."""
     pos = torch.arange(q.shape[2], device=q.device)

@@ -132,7 +132,9 @@ class RingAttention(nn.Module):
         """
         cp, me, c = self.group.size, self.group.index, local // 2
         mine, theirs = chunk_ids(self.layout, cp, me), chunk_ids(self.layout, cp, src)
-        how = {(i, j): self._visible(a, b) for i, a in enumerate(mine) for j, b in enumerate(theirs)}
+        how = {
+            (i, j): self._visible(a, b) for i, a in enumerate(mine) for j, b in enumerate(theirs)
+        }
         seen = [ij for ij, h in how.items() if h != "none"]
         if not seen:
             return []
