@@ -59,11 +59,15 @@ def choose(
         return None
     if q.device.type == "cpu":
         return "cpu"
-    choice = int(
-        torch._fused_sdp_choice(
-            q, k, v, attn_mask=bias, dropout_p=0.0, is_causal=causal and bias is None
+    mask = _efficient_bias(bias, q)  # as the efficient kernel would get it
+    try:
+        choice = int(
+            torch._fused_sdp_choice(
+                q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal and bias is None
+            )
         )
-    )
+    except RuntimeError:  # inputs SDPA itself refuses: the reference serves them
+        return None
     kernel = _SDPA_CHOICE.get(choice)
     if bias is not None and kernel is not None:
         return "efficient"  # the one CUDA kernel here that takes an additive mask
@@ -187,6 +191,7 @@ def backward(
         return dq, dk, dv
     seed, offset = _rng(q, kernel)
     lse32 = lse.float().contiguous()  # a strided slice would be misread by the kernels
+    dout, out = dout.contiguous(), out.contiguous()  # one layout for both, last dim dense
     if kernel == "flash":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             dout,
@@ -224,11 +229,11 @@ def backward(
         )
     elif kernel == "cudnn":
         dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(),
+            dout,
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            out.contiguous(),
+            out,
             lse32.unsqueeze(-1),
             seed,
             offset,

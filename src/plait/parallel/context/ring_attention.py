@@ -21,7 +21,12 @@ dK/dV blocks of the same size.
 The local sequence holds two chunks (:mod:`.layout`); a chunk pair (query chunk ``a``,
 key chunk ``b``, global indices) is fully visible when ``b < a``, a causal diagonal when
 ``b == a`` and skipped when ``b > a``. With the zigzag layout every rank computes the same
-number of pairs. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
+number of pairs. :meth:`RingAttention.plan` turns a step's visible chunk pairs into as
+few kernel calls over whole chunks as possible (one per step under both layouts: a
+fused kernel tiles them itself), and with document ids (``doc_ids``: the whole
+sequence's, :mod:`plait.model.documents`) one call per step whose additive mask holds
+the documents and the causal order by global position; steps where no query sees a key
+are skipped. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
 :attr:`RingAttention.events` records (what, step, seconds) when asked, so tests can check
 the balance and the overlap.
 """

@@ -100,7 +100,9 @@ class UlyssesAttention(nn.Module):
         if doc_ids is not None:
             pos = torch.arange(qh.shape[2], device=qh.device) if self.causal else None
             mask = visible(doc_ids, doc_ids, pos, pos)  # (b, 1, s, s)
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+            heads_l = qh.shape[1]  # the masked CUDA kernels take no GQA: expand K/V
+            kh, vh = expand_kv(kh, heads_l), expand_kv(vh, heads_l)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal, enable_gqa=gqa)
         out: torch.Tensor = _HeadsToSeq.apply(o, g)  # (b, heads, s/cp, d)
