@@ -47,6 +47,7 @@ def _sdpa(mask: torch.Tensor | None = None):  # type: ignore[no-untyped-def]
 
 
 def _close(got: list[torch.Tensor], sdpa: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    assert not kernels.disabled(), kernels.disabled()  # no kernel failed and fell back
     for name, a, s, r in zip(("out", "dq", "dk", "dv"), got, sdpa, ref, strict=True):
         err = float((a - r).norm() / r.norm())
         base = float((s - r).norm() / r.norm())

@@ -71,3 +71,27 @@ def test_whole_sequence_fused_backward_equals_reference(causal: bool) -> None:
         grads.append(torch.autograd.grad(out, (q, k, v), dout))
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_a_failing_kernel_is_disabled_and_the_reference_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel that raises (an unsupported shape on some GPU, say) is reported once,
+    not chosen again, and the blocks are still computed exactly."""
+    monkeypatch.setattr(kernels, "_DISABLED", {})
+    real = kernels.forward
+
+    def failing(kernel: kernels.Kernel, *args: object, **kw: object) -> object:
+        if kernel == "cpu":
+            raise RuntimeError("no kernel for this shape\nmore detail")
+        return real(kernel, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "forward", failing)
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    with pytest.warns(RuntimeWarning, match="cpu kernel failed \\(no kernel for this shape\\)"):
+        out, _ = blockwise_attention(q, k, k, causal=True, block_size=4)
+    assert kernels.disabled() == {"cpu": "no kernel for this shape"}
+    assert kernels.choose(q, k, k, True, None) is None
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)

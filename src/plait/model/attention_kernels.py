@@ -31,6 +31,7 @@ kernels' own value for such rows varies: the CPU kernel returns lse 0).
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -51,27 +52,106 @@ def available(q: torch.Tensor) -> bool:
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
-def choose(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+def _sdpa_choice(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None,
 ) -> Kernel | None:
-    """The fused kernel for these inputs (heads already expanded), or None."""
-    if not available(q):
-        return None
-    if q.device.type == "cpu":
-        return "cpu"
-    mask = _efficient_bias(bias, q)  # as the efficient kernel would get it
     try:
         choice = int(
             torch._fused_sdp_choice(
-                q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal and bias is None
+                q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=causal and mask is None
             )
         )
     except RuntimeError:  # inputs SDPA itself refuses: the reference serves them
         return None
-    kernel = _SDPA_CHOICE.get(choice)
-    if bias is not None and kernel is not None:
-        return "efficient"  # the one CUDA kernel here that takes an additive mask
-    return kernel
+    return _SDPA_CHOICE.get(choice)
+
+
+def choose(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+) -> Kernel | None:
+    """The fused kernel for these inputs (heads already expanded), or None. A kernel
+    that failed once in this process (:func:`disabled`) is not chosen again: SDPA's
+    choice among the others is taken instead."""
+    if not available(q):
+        return None
+    if q.device.type == "cpu":
+        return None if "cpu" in _DISABLED else "cpu"
+    mask = _efficient_bias(bias, q)  # as the efficient kernel would get it
+    kernel = _sdpa_choice(q, k, v, causal, mask)
+    if kernel in _DISABLED:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+        names["cudnn"] = "CUDNN_ATTENTION"
+        allowed = [getattr(SDPBackend, b) for n, b in names.items() if n not in _DISABLED]
+        with sdpa_kernel([*allowed, SDPBackend.MATH]):
+            kernel = _sdpa_choice(q, k, v, causal, mask)
+    if kernel is not None and bias is not None:
+        kernel = "efficient"  # the one CUDA kernel here that takes an additive mask
+    return None if kernel in _DISABLED else kernel
+
+
+_DISABLED: dict[str, str] = {}
+"""Kernels that raised in this process -> the first line of their error."""
+
+
+def disabled() -> dict[str, str]:
+    """The kernels that failed in this process and are no longer chosen (kernel ->
+    first line of its error); the GPU tests check this stays empty."""
+    return dict(_DISABLED)
+
+
+def _disable(kernel: Kernel, exc: RuntimeError) -> None:
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    _DISABLED[kernel] = line
+    warnings.warn(
+        f"plait attention: the {kernel} kernel failed ({line}); another kernel or the "
+        "reference computes these blocks from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def fused_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`forward` with the kernel :func:`choose` picks; None when none applies.
+    A kernel that raises is disabled and the next choice is tried."""
+    while (kernel := choose(q, k, v, causal, bias)) is not None:
+        try:
+            return forward(kernel, q, k, v, causal, scale, bias)
+        except RuntimeError as exc:
+            _disable(kernel, exc)
+    return None
+
+
+def fused_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`backward` with the kernel :func:`choose` picks; None when none applies."""
+    while (kernel := choose(q, k, v, causal, bias)) is not None:
+        try:
+            return backward(kernel, dout, q, k, v, out, lse, causal, scale, bias)
+        except RuntimeError as exc:
+            _disable(kernel, exc)
+    return None
 
 
 def _rng(q: torch.Tensor, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,9 +90,9 @@ def block_forward(
     kernel of q's device (:mod:`plait.model.attention_kernels`) where there is one.
     """
     if impl == "fused":
-        kernel = kernels.choose(q, k, v, causal, bias)
-        if kernel is not None:
-            return kernels.forward(kernel, q, k, v, causal, scale, bias)
+        got = kernels.fused_forward(q, k, v, causal, scale, bias)
+        if got is not None:
+            return got
     acc = acc_dtype(q)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     s = _scores(q, k, causal, scale, bias)  # (b, h, sq, sk)
@@ -140,11 +140,9 @@ def block_backward(
     kernels take none, so a given ``dlse`` uses the reference).
     """
     if impl == "fused" and dlse is None:
-        kernel = kernels.choose(q, k, v, causal, bias)
-        if kernel is not None:
-            return kernels.backward(
-                kernel, dout, q, k, v, out.to(q.dtype), lse, causal, scale, bias
-            )
+        grads = kernels.fused_backward(dout, q, k, v, out.to(q.dtype), lse, causal, scale, bias)
+        if grads is not None:
+            return grads
     acc, dt = acc_dtype(q), q.dtype
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
     s = _scores(q, k, causal, scale, bias)  # (b, h, sq, sk), recomputed
@@ -274,9 +272,9 @@ class _Blockwise(torch.autograd.Function):
             # blocks inner) and needs only the final out and lse: one call over the
             # whole sequence gives every block's gradient without Python-level
             # accumulation of dK/dV.
-            kernel = kernels.choose(q, ke, ve, causal, None)
-            if kernel is not None:
-                dq, dk, dv = kernels.backward(kernel, dout, q, ke, ve, out, lse, causal, scale)
+            grads = kernels.fused_backward(dout, q, ke, ve, out, lse, causal, scale)
+            if grads is not None:
+                dq, dk, dv = grads
                 return dq, reduce_kv(dk, k.shape[1]), reduce_kv(dv, v.shape[1]), *none
         acc = acc_dtype(q)
         dq = torch.zeros_like(q, dtype=acc)
