@@ -117,14 +117,24 @@ def test_blockwise_with_documents_bf16_equals_masked_sdpa() -> None:
         _close(got, sdpa, ref)
 
 
-def test_ring_on_one_gpu_equals_sdpa() -> None:
-    """RingAttention on a cp axis of one rank: its own block as one causal kernel call."""
+@pytest.mark.parametrize("documents", [False, True])
+def test_ring_on_one_gpu_equals_sdpa(documents: bool) -> None:
+    """RingAttention on a cp axis of one rank: its own block as one causal kernel call
+    (with documents: one masked call on the efficient kernel)."""
     from plait import init_mesh
     from plait.parallel.context.ring_attention import RingAttention
 
     mesh = init_mesh(device="cuda")
     ring = RingAttention(mesh.axis("cp"))
     q, k, v, dout = _inputs(3)
-    ref = _run(_sdpa(), q, k, v, dout, torch.float32)
-    sdpa = _run(_sdpa(), q, k, v, dout, torch.bfloat16)
-    _close(_run(ring, q, k, v, dout, torch.bfloat16), sdpa, ref)
+    mask, docs = None, None
+    if documents:
+        tokens = torch.ones(B, S, dtype=torch.long, device="cuda")
+        tokens[:, 300] = 0
+        docs = document_ids(tokens, 0)
+        causal = torch.ones(S, S, device="cuda", dtype=torch.bool).tril()
+        mask = (docs[:, None, :, None] == docs[:, None, None, :]) & causal
+    ref = _run(_sdpa(mask), q, k, v, dout, torch.float32)
+    sdpa = _run(_sdpa(mask), q, k, v, dout, torch.bfloat16)
+    core = ring if docs is None else (lambda a, b, c: ring(a, b, c, docs))
+    _close(_run(core, q, k, v, dout, torch.bfloat16), sdpa, ref)

@@ -219,9 +219,9 @@ def forward(
         lse = lse[..., :sq]  # the kernel pads its rows to a multiple of 32
     elif kernel == "cudnn":
         out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
+            q,  # strided views, as torch's own context parallelism passes them
+            k,
+            v,
             None,
             True,
             0.0,
