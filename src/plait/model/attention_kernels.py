@@ -270,7 +270,9 @@ def backward(
         )
         return dq, dk, dv
     seed, offset = _rng(q, kernel)
-    lse32 = lse.float().contiguous()  # a strided slice would be misread by the kernels
+    # float32 for 16-bit inputs (what the kernels return and read); dense: a strided
+    # slice would be misread by the kernels
+    lse32 = lse.to(torch.promote_types(q.dtype, torch.float32)).contiguous()
     dout, out = dout.contiguous(), out.contiguous()  # one layout for both, last dim dense
     if kernel == "flash":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
