@@ -28,6 +28,7 @@ from plait.config_checks import (
     check_compression_warmup,
     check_cp_sequence,
     check_generation_layout,
+    check_document_mask,
     check_offload,
     check_pipeline,
     check_positive,
@@ -568,6 +569,12 @@ class DataConfig:
     prefetch: int = 2
     """Batches a background thread per rank reads ahead (pinned memory on CUDA); 0 reads
     each batch when its step starts."""
+    mask_documents: bool = False
+    """Block-causal attention within documents: a token attends only to earlier tokens
+    of its own document, a new document starting after each end-of-document token (the
+    tokenizer's: id 0, the NUL byte, for 'byte'; tiktoken's end-of-text token).
+    Built-in model only (sdpa, blockwise, ring and all-to-all attention), not with
+    parallel.pp > 1; rotary positions stay the window's. See docs/context-parallel.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "data.")
@@ -762,6 +769,8 @@ class Config:
             )
             prompt = len(self.log.sample_prompt.encode("utf-8"))
             check_sample_length(prompt, self.log.sample_tokens, m.max_seq_len)
+        if self.data.mask_documents:
+            check_document_mask(p.pp, m.family, m.factory)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

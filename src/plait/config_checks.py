@@ -106,6 +106,22 @@ def check_tokenizer_vocab(tokenizer: str, vocab_size: int) -> None:
         raise ConfigError(f"the byte tokenizer needs model.vocab_size >= 256, got {vocab_size}.")
 
 
+def check_document_mask(pp: int, family: str, factory: str | None) -> None:
+    """data.mask_documents: the built-in model computes the document ids from its tokens,
+    which later pipeline stages do not see."""
+    if family != "plait" or factory is not None:
+        raise ConfigError(
+            "data.mask_documents works with plait's built-in model only (model.family = "
+            f"plait, no model.factory); got family {family!r}"
+            + (f", factory {factory!r}" if factory else "") + "."
+        )
+    if pp > 1:
+        raise ConfigError(
+            f"data.mask_documents is not supported with pipeline parallelism (parallel.pp = "
+            f"{pp}): later stages do not see the tokens; use pp = 1 (dp, tp, cp combine)."
+        )
+
+
 def check_cp_sequence(seq_len: int, cp: int, attention: str) -> None:
     """A sequence splits into the cp attention's shards: two per cp rank for ring
     attention (the zigzag load balance), one for Ulysses."""

@@ -118,8 +118,15 @@ def test_model_attention_blockwise_matches_sdpa():
 
     results = []
     for kind in ("sdpa", "blockwise"):
-        cfg = ModelConfig(vocab_size=32, dim=16, n_heads=4, n_kv_heads=2, n_layers=2,
-                          max_seq_len=24, attention=kind)
+        cfg = ModelConfig(
+            vocab_size=32,
+            dim=16,
+            n_heads=4,
+            n_kv_heads=2,
+            n_layers=2,
+            max_seq_len=24,
+            attention=kind,
+        )
         model = Transformer(cfg, seed=1).double()
         if kind == "blockwise":
             assert isinstance(model.layers[0].attention.core, BlockwiseAttention)

@@ -12,12 +12,18 @@ The backward pass recomputes each block's probabilities from the saved log-sum-e
 (``P = exp(S - lse)``), as in FlashAttention-2 (Dao, 2023, algorithm 2): only Q, K, V, the
 output and the log-sum-exp are saved — O(s·d), not the O(s²) scores.
 
-Per block, :func:`block_forward` / :func:`block_backward` call PyTorch's fused
-flash-attention kernel when it returns the log-sum-exp (``impl="fused"``: the CPU kernel
-``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward), else the
-pure-PyTorch reference (``impl="reference"``), which is also the specification the tests
-compare against. Ring attention (:mod:`plait.parallel.context.ring_attention`) uses
-the same block functions with the key/value blocks arriving from other ranks.
+Per block, :func:`block_forward` / :func:`block_backward` call the fused kernel of the
+device that returns the log-sum-exp (``impl="fused"``, :mod:`plait.model.attention_kernels`:
+``aten._scaled_dot_product_flash_attention_for_cpu`` on the CPU; on CUDA the flash,
+memory-efficient or cuDNN kernel SDPA would pick, in bf16/fp16) and their backward given
+a log-sum-exp, else the pure-PyTorch reference (``impl="reference"``, also float64 on
+CUDA), which is the specification the tests compare against. A fused kernel tiles the
+keys itself, so a query block hands it all its fully visible keys as one range plus its
+diagonal block (two calls and one merge per query block, not one per key block).
+Ring attention (:mod:`plait.parallel.context.ring_attention`) uses the same block
+functions with the key/value blocks arriving from other ranks. Document masking
+(``doc_ids``, :mod:`plait.model.documents`) passes each range's mask as an additive
+bias and skips ranges where no query sees a key.
 
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries
 ``(batch, heads, seq_q, head_dim)``, keys/values ``(batch, kv_heads, seq_k, head_dim)``
@@ -32,6 +38,9 @@ import math
 from typing import Any, Literal
 
 import torch
+
+from plait.model import attention_kernels as kernels
+from plait.model.documents import additive, visible
 
 Impl = Literal["fused", "reference"]
 
@@ -56,32 +65,51 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _fused_ok(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+def _coalesce(q: torch.Tensor, impl: Impl) -> bool:
+    """Whether a fused kernel serves ``q``'s device and dtype: it tiles the keys
+    itself, so the visible key blocks of a query block go to it as one range."""
+    return impl == "fused" and kernels.available(q)
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, impl: Impl
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    impl: Impl,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key block: ``(out, lse)``.
 
     ``q`` ``(b, h, sq, d)``, ``k``/``v`` ``(b, h, sk, d)`` (heads already expanded).
     ``causal`` masks key ``j`` for query ``i`` when ``j > i`` (both counted from the
-    blocks' starts: a diagonal block). Rows with no visible key get ``lse = -inf``, out 0.
+    blocks' starts: a diagonal block). ``bias`` ``(b, 1, sq, sk)`` (0 or -inf; then
+    ``causal`` is False, the bias holds the causal part) is added to the scores.
+    Rows with no visible key get ``lse = -inf``, out 0. ``impl="fused"`` uses the fused
+    kernel of q's device (:mod:`plait.model.attention_kernels`) where there is one.
     """
-    if impl == "fused" and _fused_ok(q):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
-        )
-        return out, lse.to(acc_dtype(q))
+    if impl == "fused":
+        got = kernels.fused_forward(q, k, v, causal, scale, bias)
+        if got is not None:
+            return got
     acc = acc_dtype(q)
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
-    if causal:
-        s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    s = _scores(q, k, causal, scale, bias)  # (b, h, sq, sk)
     lse = torch.logsumexp(s, dim=-1)  # (b, h, sq)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(p, v), lse
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None
+) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk)
+    if causal:
+        s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    return s
 
 
 def _causal_mask(sq: int, sk: int, device: torch.device) -> torch.Tensor:
@@ -101,32 +129,23 @@ def block_backward(
     scale: float,
     impl: Impl,
     dlse: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of one block pair, from the *final* ``out`` and ``lse``
     of the query rows (over all key blocks), so ``P = exp(S - lse)`` are the true
     probabilities. ``dq`` is this block's contribution (sum over key blocks).
 
     ``dS = P ∘ (dP - D)`` with ``dP = dO Vᵀ`` and ``D = rowsum(dO ∘ O) - dlse``
-    (the log-sum-exp's own gradient, when given, enters through ``D``).
+    (the log-sum-exp's own gradient, when given, enters through ``D``; the fused
+    kernels take none, so a given ``dlse`` uses the reference).
     """
-    if impl == "fused" and _fused_ok(q) and dlse is None:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out.contiguous(),
-            lse.contiguous(),
-            0.0,
-            causal,
-            scale=scale,
-        )
-        return dq, dk, dv
+    if impl == "fused" and dlse is None:
+        grads = kernels.fused_backward(dout, q, k, v, out.to(q.dtype), lse, causal, scale, bias)
+        if grads is not None:
+            return grads
     acc, dt = acc_dtype(q), q.dtype
     q, k, v, dout, out = (t.to(acc) for t in (q, k, v, dout, out))
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, h, sq, sk), recomputed
-    if causal:
-        s = s.masked_fill(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    s = _scores(q, k, causal, scale, bias)  # (b, h, sq, sk), recomputed
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # (b, h, sq, sk)
     dv = torch.matmul(p.transpose(-1, -2), dout)
     dp = torch.matmul(dout, v.transpose(-1, -2))
@@ -159,6 +178,50 @@ def _ranges(n: int, block: int) -> list[tuple[int, int]]:
     return [(i, min(i + block, n)) for i in range(0, n, block)]
 
 
+Segment = tuple[int, int, bool, "torch.Tensor | None"]
+"""A key range ``[j0, j1)`` a query block visits, whether it is a causal diagonal, and
+its additive document mask ``(b, 1, sq, j1 - j0)`` (None: no documents)."""
+
+
+def _segments(
+    i0: int,
+    i1: int,
+    sk: int,
+    block: int,
+    causal: bool,
+    coalesce: bool,
+    docs: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> list[Segment]:
+    """The key ranges query block ``[i0, i1)`` visits. The reference visits key blocks of
+    ``block`` keys (its scores are ``(block, block)``); a fused kernel gets the fully
+    visible keys ``[0, i0)`` as one range and the diagonal as another (it tiles them
+    itself). With document ids ``docs`` ``(b, s)`` every range carries its mask (the
+    causal part included), ranges with no visible pair are skipped and a coalesced
+    range starts at its first visible key."""
+    end = i1 if causal else sk
+    if coalesce and docs is None:
+        if not causal:
+            return [(0, sk, False, None)]
+        prefix: list[Segment] = [(0, i0, False, None)] if i0 else []
+        return [*prefix, (i0, i1, True, None)]
+    ranges = [(0, end)] if coalesce else [(j0, min(j1, end)) for j0, j1 in _ranges(end, block)]
+    if docs is None:
+        return [(j0, j1, causal and j1 > i0 + 1, None) for j0, j1 in ranges]
+    out: list[Segment] = []
+    dev = docs.device
+    q_pos = torch.arange(i0, i1, device=dev) if causal else None
+    for j0, j1 in ranges:
+        k_pos = torch.arange(j0, j1, device=dev) if causal else None
+        vis = visible(docs[:, i0:i1], docs[:, j0:j1], q_pos, k_pos)  # (b, 1, sq, sk)
+        cols = vis.any(dim=2).any(dim=1).any(dim=0)  # (sk,)
+        if not bool(cols.any()):
+            continue
+        first = int(cols.nonzero()[0]) if coalesce else 0
+        out.append((j0 + first, j1, False, additive(vis[..., first:], dtype)))
+    return out
+
+
 class _Blockwise(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -170,45 +233,56 @@ class _Blockwise(torch.autograd.Function):
         block: int,
         scale: float,
         impl: Impl,
+        docs: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient
         heads, sq, sk = q.shape[1], q.shape[2], k.shape[2]
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)  # (b, h, sk, d)
+        acc, coalesce = acc_dtype(q), _coalesce(q, impl)
         outs, lses = [], []
         for i0, i1 in _ranges(sq, block):  # query blocks: outer loop
-            o = torch.zeros_like(q[:, :, i0:i1], dtype=acc_dtype(q))
-            lse = torch.full(o.shape[:-1], float("-inf"), dtype=o.dtype, device=q.device)
-            for j0, j1 in _ranges(sk, block):  # key blocks: inner loop, online softmax
-                if causal and j0 > i1 - 1:
-                    break  # every later key block is in the future
-                diag = causal and j1 > i0 + 1
+            o = torch.zeros_like(q[:, :, i0:i1], dtype=acc)
+            lse = torch.full(o.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+            segs = _segments(i0, i1, sk, block, causal, coalesce, docs, acc)
+            for n, (j0, j1, diag, bias) in enumerate(segs):  # key ranges: online softmax
                 ob, lb = block_forward(
-                    q[:, :, i0:i1], ke[:, :, j0:j1], ve[:, :, j0:j1], diag, scale, impl
+                    q[:, :, i0:i1], ke[:, :, j0:j1], ve[:, :, j0:j1], diag, scale, impl, bias
                 )
-                o, lse = merge(o, lse, ob, lb)
+                o, lse = (ob.to(acc), lb) if n == 0 else merge(o, lse, ob, lb)
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.causal, ctx.block, ctx.scale, ctx.impl = causal, block, scale, impl
         return out, lse
 
     @staticmethod
     def backward(
-        ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None
+        ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         causal, block, scale, impl = ctx.causal, ctx.block, ctx.scale, ctx.impl
         heads, sq, sk = q.shape[1], q.shape[2], k.shape[2]
+        dout = torch.zeros_like(out) if dout is None else dout
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)
-        dq = torch.zeros_like(q)
-        dk = torch.zeros_like(ke)
-        dv = torch.zeros_like(ve)
+        none = (None,) * 5
+        coalesce = _coalesce(q, impl)
+        if coalesce and docs is None and dlse is None:
+            # FlashAttention-2's backward is itself blockwise (key blocks outer, query
+            # blocks inner) and needs only the final out and lse: one call over the
+            # whole sequence gives every block's gradient without Python-level
+            # accumulation of dK/dV.
+            grads = kernels.fused_backward(dout, q, ke, ve, out, lse, causal, scale)
+            if grads is not None:
+                dq, dk, dv = grads
+                return dq, reduce_kv(dk, k.shape[1]), reduce_kv(dv, v.shape[1]), *none
+        acc = acc_dtype(q)
+        dq = torch.zeros_like(q, dtype=acc)
+        dk = torch.zeros_like(ke, dtype=acc)
+        dv = torch.zeros_like(ve, dtype=acc)
         for i0, i1 in _ranges(sq, block):
             dl = dlse[:, :, i0:i1] if dlse is not None else None
-            for j0, j1 in _ranges(sk, block):
-                if causal and j0 > i1 - 1:
-                    break
-                diag = causal and j1 > i0 + 1
+            for j0, j1, diag, bias in _segments(i0, i1, sk, block, causal, coalesce, docs, acc):
                 a, b, c = block_backward(
                     dout[:, :, i0:i1],
                     q[:, :, i0:i1],
@@ -220,11 +294,13 @@ class _Blockwise(torch.autograd.Function):
                     scale,
                     impl,
                     dl,
+                    bias,
                 )
                 dq[:, :, i0:i1] += a
                 dk[:, :, j0:j1] += b
                 dv[:, :, j0:j1] += c
-        return dq, reduce_kv(dk, k.shape[1]), reduce_kv(dv, v.shape[1]), None, None, None, None
+        dk, dv = reduce_kv(dk, k.shape[1]), reduce_kv(dv, v.shape[1])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *none
 
 
 def blockwise_attention(
@@ -236,23 +312,36 @@ def blockwise_attention(
     block_size: int = 128,
     scale: float | None = None,
     impl: Impl = "fused",
+    doc_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (grouped-query) attention computed in blocks: ``(out, lse)``.
 
     ``q`` ``(batch, heads, seq_q, head_dim)``, ``k``/``v`` ``(batch, kv_heads, seq_k,
     head_dim)``; ``causal`` needs ``seq_q == seq_k`` (query ``i`` sees keys ``0..i``).
-    ``block_size`` is the query and key block length; ``scale`` defaults to
-    ``1/sqrt(head_dim)``. Differentiable in ``q``, ``k``, ``v`` through both outputs.
+    ``block_size`` is the query block length (and the key block length of the
+    reference; a fused kernel takes the visible keys as one range); ``scale`` defaults
+    to ``1/sqrt(head_dim)``. ``doc_ids`` ``(batch, seq)`` (self-attention: seq_q ==
+    seq_k) restricts attention to tokens of the same document
+    (:mod:`plait.model.documents`). Differentiable in ``q``, ``k``, ``v`` through both
+    outputs.
+
+    The forward runs block by block on every device. The backward of a fused kernel
+    without documents and without a gradient on ``lse`` is one kernel call over the
+    whole sequence (the kernel is blockwise inside); otherwise it runs block by block.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-    if causal and q.shape[2] != k.shape[2]:
+    if (causal or doc_ids is not None) and q.shape[2] != k.shape[2]:
         raise ValueError(
-            f"causal blockwise attention needs as many queries as keys ({q.shape[2]} vs "
-            f"{k.shape[2]})"
+            f"causal or document-masked blockwise attention needs as many queries as keys "
+            f"({q.shape[2]} vs {k.shape[2]})"
         )
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if doc_ids is not None and tuple(doc_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"doc_ids must be (batch, seq) = {(q.shape[0], q.shape[2])}, got {tuple(doc_ids.shape)}"
+        )
     sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _Blockwise.apply(q, k, v, causal, block_size, sc, impl)
+    out, lse = _Blockwise.apply(q, k, v, causal, block_size, sc, impl, doc_ids)
     return out, lse

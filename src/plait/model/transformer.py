@@ -24,6 +24,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
+from plait.model.documents import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
 
 IGNORE_INDEX = -100
@@ -108,11 +109,16 @@ class SDPAttention(nn.Module):
     """Causal grouped-query attention core through torch's fused
     :func:`~torch.nn.functional.scaled_dot_product_attention`:
     ``forward(q, k, v)`` with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``/``v``
-    ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``."""
+    ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``.
+    ``doc_ids`` ``(batch, seq)``: a boolean block-causal mask (same document, not later)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``q`` over ``k``/``v``."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
         groups = q.shape[1] // k.shape[1]
+        if doc_ids is not None:
+            return doc_sdpa(q, k, v, doc_ids)
         if groups == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if _SDPA_HAS_GQA:
@@ -120,6 +126,19 @@ class SDPAttention(nn.Module):
         k = k.repeat_interleave(groups, dim=1)  # torch < 2.5: (batch, heads, seq, head_dim)
         v = v.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def doc_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor
+) -> torch.Tensor:
+    """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` (``(batch, 1, seq,
+    seq)`` bool; every row sees at least itself, so no row is fully masked)."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = visible(doc_ids, doc_ids, pos, pos)  # (batch, 1, seq, seq)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class BlockwiseAttention(nn.Module):
@@ -131,9 +150,13 @@ class BlockwiseAttention(nn.Module):
         super().__init__()
         self.block_size = block_size
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``q`` over ``k``/``v``."""
-        out, _ = blockwise_attention(q, k, v, causal=True, block_size=self.block_size)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
+        out, _ = blockwise_attention(
+            q, k, v, causal=True, block_size=self.block_size, doc_ids=doc_ids
+        )
         return out
 
 
@@ -153,7 +176,8 @@ class Attention(nn.Module):
     wrapper may shard ``wq``/``wk``/``wv`` by output rows (whole heads) and ``wo`` by
     input columns without changing this code. ``core`` computes attention from the
     rotated heads (``model.attention``); context parallelism replaces it from outside
-    with an attention that spans the cp ranks.
+    with an attention that spans the cp ranks. ``doc_ids`` (document masking) are
+    passed to the core only when given, so a core may take ``(q, k, v)`` alone.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -165,8 +189,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.core = attention_core(cfg.attention)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(batch, seq, dim)``, tables ``(seq, head_dim // 2)`` -> ``(batch, seq, dim)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``(batch, seq, dim)``, tables ``(seq, head_dim // 2)`` -> ``(batch, seq, dim)``;
+        ``doc_ids`` ``(batch, seq)`` (``(batch, cp·seq)`` under cp: the whole sequence's)."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)  # (batch, seq, heads, head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
@@ -176,7 +207,8 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (batch, heads, seq, head_dim)
         k = k.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
         v = v.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
-        o = self.core(q, k, v)  # (batch, heads, seq, head_dim)
+        # o: (batch, heads, seq, head_dim)
+        o = self.core(q, k, v) if doc_ids is None else self.core(q, k, v, doc_ids)
         o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, heads * head_dim)
         return self.wo(o)
 
@@ -232,9 +264,15 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -274,6 +312,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, half), persistent=False)
         self.positions: nn.Module = TokenPositions()
+        self.documents: nn.Module = DocumentIds()  # eos_id None: no document masking
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights(seed)
         else:
@@ -329,15 +368,20 @@ class Transformer(nn.Module):
         value = torch.empty(shape, dtype=torch.float32, device="cpu")
         return value.normal_(0.0, std, generator=gen)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
+
+        ``doc_ids`` ``(batch, seq)`` (default: ``self.documents(tokens)``, None unless
+        document masking is on, :mod:`plait.model.documents`) restrict attention to
+        tokens of the same document."""
         seq = tokens.shape[1]
+        docs = doc_ids if doc_ids is not None else self.documents(tokens)
         cos, sin = rope_for(  # (seq, head_dim // 2)
             self.rope_cos, self.rope_sin, self.positions, seq, self.cfg.max_seq_len
         )
         h = self.tok_embeddings(tokens)  # (batch, seq, dim)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if docs is None else layer(h, cos, sin, docs)
         h = self.norm(h)
         return self.output(h)  # (batch, seq, vocab)
 

@@ -47,6 +47,7 @@ from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
+from plait.train.documents import enable_document_mask
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import (
@@ -121,6 +122,7 @@ def start_parallel(
     trainer and ``plait eval`` start a model. ``checkpoints.restore`` then reads each
     rank's own pieces of a checkpoint to resume from."""
     checkpoints.load_weights(base)  # before sharding: every layout starts from them
+    enable_document_mask(base, cfg)  # data.mask_documents: the tokenizer's EOS id
     model = parallelize(base, mesh, cfg)
     prec = cfg.precision
     scaler = (

@@ -8,6 +8,8 @@ modules have a replaceable ``core`` and which has a ``positions`` module):
   the cp group;
 * ``model.positions`` becomes :class:`ShardPositions`, so rotary angles use the
   tokens' global positions;
+* with document masking on (``model.documents.eos_id`` set), ``model.documents``
+  becomes :class:`~.documents.ShardDocuments`: the whole sequence's document ids;
 * :class:`ContextLayout` tells the step which tokens of each sequence this rank feeds
   (:meth:`ContextLayout.shard`).
 
@@ -27,6 +29,7 @@ from plait.config import CP_ATTENTIONS, CPAttention
 from plait.config_checks import check_choice, check_cp_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
+from plait.parallel.context.documents import ShardDocuments
 from plait.parallel.context.layout import SeqLayout, local_positions, shard_sequence
 from plait.parallel.context.ring_attention import RingAttention
 from plait.parallel.context.ulysses_attention import UlyssesAttention
@@ -88,4 +91,7 @@ def apply_context_parallel(
         )
         m.core = core
     model.positions = ShardPositions(layout, cp, index)
+    eos = getattr(getattr(model, "documents", None), "eos_id", None)
+    if eos is not None:
+        model.documents = ShardDocuments(eos, group, layout)
     return ContextLayout(layout, cp, index)

@@ -21,7 +21,12 @@ dK/dV blocks of the same size.
 The local sequence holds two chunks (:mod:`.layout`); a chunk pair (query chunk ``a``,
 key chunk ``b``, global indices) is fully visible when ``b < a``, a causal diagonal when
 ``b == a`` and skipped when ``b > a``. With the zigzag layout every rank computes the same
-number of pairs. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
+number of pairs. :meth:`RingAttention.plan` turns a step's visible chunk pairs into as
+few kernel calls over whole chunks as possible (one per step under both layouts: a
+fused kernel tiles them itself), and with document ids (``doc_ids``: the whole
+sequence's, :mod:`plait.model.documents`) one call per step whose additive mask holds
+the documents and the causal order by global position; steps where no query sees a key
+are skipped. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
 :attr:`RingAttention.events` records (what, step, seconds) when asked, so tests can check
 the balance and the overlap.
 """
@@ -46,9 +51,13 @@ from plait.model.blockwise_attention import (
     merge,
     reduce_kv,
 )
-from plait.parallel.context.layout import SeqLayout, chunk_ids
+from plait.model.documents import additive, visible
+from plait.parallel.context.layout import SeqLayout, chunk_ids, local_positions, shard_sequence
 
 KV_TAG, GRAD_TAG = 0, 1
+Call = tuple[slice, slice, bool, "torch.Tensor | None"]
+"""One kernel call: query rows, key columns (local indices), causal diagonal, additive
+document mask ``(b, 1, rows, cols)`` or None."""
 
 
 class RingAttention(nn.Module):
@@ -83,11 +92,24 @@ class RingAttention(nn.Module):
         if self.record_events:
             self.events.append((what, step, time.perf_counter()))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of the local queries over the whole (cp-sharded) sequence."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the local queries over the whole (cp-sharded) sequence;
+        ``doc_ids`` ``(batch, S)``: the document ids of the *whole* sequence (every rank
+        holds them; each rank's and each block's ids follow the layout)."""
         if q.shape[2] % 2:
             raise ValueError(f"ring attention needs two equal chunks per rank, got {q.shape[2]}")
-        out: torch.Tensor = _Ring.apply(q, k, v, self)
+        if doc_ids is not None and doc_ids.shape[1] != q.shape[2] * self.group.size:
+            raise ValueError(
+                f"doc_ids cover {doc_ids.shape[1]} tokens; the whole sequence has "
+                f"{q.shape[2] * self.group.size}"
+            )
+        out: torch.Tensor = _Ring.apply(q, k, v, self, doc_ids)
         return out
 
     # ------------------------------------------------------------ block pairs
@@ -98,26 +120,79 @@ class RingAttention(nn.Module):
             return "full"
         return "diag" if a == b else "none"
 
+    def plan(
+        self, src: int, local: int, docs: torch.Tensor | None, dtype: torch.dtype
+    ) -> list[Call]:
+        """The kernel calls of the local queries against rank ``src``'s block: as few
+        as the layout allows, each over whole chunks (a fused kernel tiles them itself).
+
+        Chunk pairs (query ``a``, key ``b``) are full, a causal diagonal or none. When
+        the visible pairs fill a rectangle of full pairs (every ring step but one under
+        zigzag), or the block is this rank's own (``diag, none / full, diag``: causal over
+        the local sequence, whose chunks are in increasing order), one call does them;
+        otherwise one call per visible pair. With document ids ``docs`` ``(b, S)`` of
+        the whole sequence, the visible pairs' rectangle is one call whose additive mask
+        holds both documents and causality (global positions); None if nothing is
+        visible.
+        """
+        cp, me, c = self.group.size, self.group.index, local // 2
+        mine, theirs = chunk_ids(self.layout, cp, me), chunk_ids(self.layout, cp, src)
+        how = {
+            (i, j): self._visible(a, b) for i, a in enumerate(mine) for j, b in enumerate(theirs)
+        }
+        seen = [ij for ij, h in how.items() if h != "none"]
+        if not seen:
+            return []
+        rows, cols = sorted({i for i, _ in seen}), sorted({j for _, j in seen})
+        rs, cs = slice(rows[0] * c, (rows[-1] + 1) * c), slice(cols[0] * c, (cols[-1] + 1) * c)
+        if docs is not None:
+            q_doc = shard_sequence(docs, self.layout, cp, me, dim=1)[:, rs]  # (b, rows)
+            k_doc = shard_sequence(docs, self.layout, cp, src, dim=1)[:, cs]
+            q_pos = k_pos = None
+            if self.causal:
+                q_pos = local_positions(self.layout, cp, me, local)[rs]
+                k_pos = local_positions(self.layout, cp, src, local)[cs]
+            vis = visible(q_doc, k_doc, q_pos, k_pos)  # (b, 1, rows, cols)
+            return [(rs, cs, False, additive(vis, dtype))] if bool(vis.any()) else []
+        if all(how[(i, j)] == "full" for i in rows for j in cols):
+            return [(rs, cs, False, None)]
+        if how == {(0, 0): "diag", (0, 1): "none", (1, 0): "full", (1, 1): "diag"}:
+            return [(rs, cs, True, None)]
+        return [
+            (slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), how[(i, j)] == "diag", None)
+            for i, j in seen
+        ]
+
+    def _count(self, q: torch.Tensor, src: int) -> None:
+        cp, me, n = self.group.size, self.group.index, q.shape[2] // 2
+        for a in chunk_ids(self.layout, cp, me):
+            for b in chunk_ids(self.layout, cp, src):
+                how = self._visible(a, b)
+                if how != "none":
+                    per = n * n if how == "full" else n * (n + 1) // 2
+                    self.pairs += q.shape[0] * q.shape[1] * per
+
     def attend(
-        self, q: torch.Tensor, kv: torch.Tensor, src: int, o: torch.Tensor, lse: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        src: int,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        docs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge the local queries' attention over rank ``src``'s block ``kv``
-        ``(2, b, kv_heads, local, d)`` into ``(o, lse)``."""
-        cp, me, heads = self.group.size, self.group.index, q.shape[1]
+        ``(2, b, kv_heads, local, d)`` into ``(o, lse)`` (updated in place)."""
+        heads = q.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qc, oc, lc = q.chunk(2, 2), list(o.chunk(2, 2)), list(lse.chunk(2, 2))
-        kc = expand_kv(kv[0], heads).chunk(2, 2)  # (b, heads, c, d) each
-        vc = expand_kv(kv[1], heads).chunk(2, 2)
-        for i, a in enumerate(chunk_ids(self.layout, cp, me)):
-            for j, b in enumerate(chunk_ids(self.layout, cp, src)):
-                how = self._visible(a, b)
-                if how == "none":
-                    continue
-                ob, lb = block_forward(qc[i], kc[j], vc[j], how == "diag", scale, self.impl)
-                oc[i], lc[i] = merge(oc[i], lc[i], ob, lb)
-                n = qc[i].shape[2]
-                self.pairs += q.shape[0] * heads * (n * n if how == "full" else n * (n + 1) // 2)
-        return torch.cat(oc, 2), torch.cat(lc, 2)
+        ke, ve = expand_kv(kv[0], heads), expand_kv(kv[1], heads)  # (b, heads, local, d)
+        for rs, cs, causal, bias in self.plan(src, q.shape[2], docs, o.dtype):
+            ob, lb = block_forward(
+                q[:, :, rs], ke[:, :, cs], ve[:, :, cs], causal, scale, self.impl, bias
+            )
+            o[:, :, rs], lse[:, :, rs] = merge(o[:, :, rs], lse[:, :, rs], ob, lb)
+        self._count(q, src)
+        return o, lse
 
     def attend_backward(
         self,
@@ -125,38 +200,34 @@ class RingAttention(nn.Module):
         kv: torch.Tensor,
         src: int,
         dq: torch.Tensor,
+        docs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Add the local queries' gradient against block ``kv`` of rank ``src`` into
         ``dq`` and return that block's dK/dV contribution ``(2, b, kv_heads, local, d)``."""
         dout, q, out, lse = saved
-        cp, me, heads, hk = self.group.size, self.group.index, q.shape[1], kv.shape[2]
+        heads, hk = q.shape[1], kv.shape[2]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kc = expand_kv(kv[0], heads).chunk(2, 2)
-        vc = expand_kv(kv[1], heads).chunk(2, 2)
-        dk = [torch.zeros_like(kc[0]), torch.zeros_like(kc[1])]
-        dv = [torch.zeros_like(vc[0]), torch.zeros_like(vc[1])]
-        dqc = dq.chunk(2, 2)
-        parts = [t.chunk(2, 2) for t in (dout, q, out, lse)]
-        for i, a in enumerate(chunk_ids(self.layout, cp, me)):
-            for j, b in enumerate(chunk_ids(self.layout, cp, src)):
-                how = self._visible(a, b)
-                if how == "none":
-                    continue
-                g_q, g_k, g_v = block_backward(
-                    parts[0][i],
-                    parts[1][i],
-                    kc[j],
-                    vc[j],
-                    parts[2][i],
-                    parts[3][i],
-                    how == "diag",
-                    scale,
-                    self.impl,
-                )
-                dqc[i].add_(g_q)
-                dk[j] += g_k
-                dv[j] += g_v
-        return torch.stack((reduce_kv(torch.cat(dk, 2), hk), reduce_kv(torch.cat(dv, 2), hk)))
+        ke, ve = expand_kv(kv[0], heads), expand_kv(kv[1], heads)
+        dk = torch.zeros_like(ke, dtype=dq.dtype)  # (b, heads, local, d), accumulated
+        dv = torch.zeros_like(ve, dtype=dq.dtype)
+        for rs, cs, causal, bias in self.plan(src, q.shape[2], docs, dq.dtype):
+            g_q, g_k, g_v = block_backward(
+                dout[:, :, rs],
+                q[:, :, rs],
+                ke[:, :, cs],
+                ve[:, :, cs],
+                out[:, :, rs],
+                lse[:, :, rs],
+                causal,
+                scale,
+                self.impl,
+                None,
+                bias,
+            )
+            dq[:, :, rs] += g_q
+            dk[:, :, cs] += g_k
+            dv[:, :, cs] += g_v
+        return torch.stack((reduce_kv(dk, hk), reduce_kv(dv, hk))).to(kv.dtype)
 
 
 def _exchange(
@@ -179,7 +250,12 @@ def _wait(ring: RingAttention, handles: list[Handle], step: int) -> None:
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring: RingAttention,
+        docs: torch.Tensor | None,
     ) -> torch.Tensor:
         cp, me = ring.group.size, ring.group.index
         cur = torch.stack((k, v))  # (2, b, kv_heads, local, d): one message per block
@@ -189,26 +265,26 @@ class _Ring(torch.autograd.Function):
         for t in range(cp):
             handles = _exchange(ring, cur, nxt, KV_TAG, t + 1) if t < cp - 1 else []
             ring._event("compute_start", t)
-            o, lse = ring.attend(q, cur, (me - t) % cp, o, lse)
+            o, lse = ring.attend(q, cur, (me - t) % cp, o, lse, docs)
             ring._event("compute_end", t)
             _wait(ring, handles, t + 1)
             cur, nxt = nxt, cur
         o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, docs)
         ctx.ring = ring
         return o
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, docs = ctx.saved_tensors
         ring: RingAttention = ctx.ring
         cp, me = ring.group.size, ring.group.index
         saved = (dout.contiguous(), q, out, lse)
-        dq = torch.zeros_like(q)
+        dq = torch.zeros_like(q, dtype=acc_dtype(q))  # accumulated over the ring steps
         own = torch.stack((k, v))
         if cp == 1:
-            dkv = ring.attend_backward(saved, own, me, dq)
-            return dq, dkv[0], dkv[1], None
+            dkv = ring.attend_backward(saved, own, me, dq, docs)
+            return dq.to(q.dtype), dkv[0], dkv[1], None, None
         cur, nxt = torch.empty_like(own), torch.empty_like(own)
         kv_handles = _exchange(ring, own, cur, KV_TAG, 0)  # block of r - 1 for step 0
         acc_in = torch.empty_like(own)
@@ -219,7 +295,7 @@ class _Ring(torch.autograd.Function):
             kv_handles = _exchange(ring, cur, nxt, KV_TAG, t + 1) if t < cp - 2 else []
             acc_h = [comm.irecv(acc_in, ring.group, (me - 1) % cp, tag=GRAD_TAG)] if t else []
             ring._event("compute_start", t)
-            part = ring.attend_backward(saved, cur, (me - 1 - t) % cp, dq)
+            part = ring.attend_backward(saved, cur, (me - 1 - t) % cp, dq, docs)
             ring._event("compute_end", t)
             for h in sent + acc_h:  # acc_out is free again; the partial sum arrived
                 h.wait()
@@ -229,10 +305,10 @@ class _Ring(torch.autograd.Function):
                 cur, nxt = nxt, cur
         final = comm.irecv(acc_in, ring.group, (me - 1) % cp, tag=GRAD_TAG)
         ring._event("compute_start", cp - 1)
-        mine = ring.attend_backward(saved, own, me, dq)
+        mine = ring.attend_backward(saved, own, me, dq, docs)
         ring._event("compute_end", cp - 1)
         final.wait()
         for h in sent:
             h.wait()
         dkv = mine + acc_in
-        return dq, dkv[0], dkv[1], None
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None

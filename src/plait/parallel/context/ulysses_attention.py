@@ -22,6 +22,7 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.model.blockwise_attention import expand_kv
+from plait.model.documents import visible
 
 
 def seq_to_heads(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
@@ -78,8 +79,15 @@ class UlyssesAttention(nn.Module):
         self.group = group
         self.causal = causal
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """All-to-all to head shards, attention over the whole sequence, and back."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """All-to-all to head shards, attention over the whole sequence, and back;
+        ``doc_ids`` ``(batch, S)`` (the whole sequence's) add the block-causal mask."""
         g, heads, kv_heads = self.group, q.shape[1], k.shape[1]
         if heads % g.size:
             raise ValueError(f"Ulysses attention: {heads} heads are not divisible by cp={g.size}")
@@ -89,6 +97,13 @@ class UlyssesAttention(nn.Module):
         kh = _SeqToHeads.apply(k, g)  # (b, kv_heads/cp, s, d)
         vh = _SeqToHeads.apply(v, g)
         gqa = qh.shape[1] != kh.shape[1]
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal, enable_gqa=gqa)
+        if doc_ids is not None:
+            pos = torch.arange(qh.shape[2], device=qh.device) if self.causal else None
+            mask = visible(doc_ids, doc_ids, pos, pos)  # (b, 1, s, s)
+            heads_l = qh.shape[1]  # the masked CUDA kernels take no GQA: expand K/V
+            kh, vh = expand_kv(kh, heads_l), expand_kv(vh, heads_l)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=self.causal, enable_gqa=gqa)
         out: torch.Tensor = _HeadsToSeq.apply(o, g)  # (b, heads, s/cp, d)
         return out

@@ -1,0 +1,51 @@
+"""``data.mask_documents``: the end-of-document id of the run's tokenizer, given to the
+model before it is parallelised (:mod:`plait.model.documents` explains the mask).
+
+The end-of-document token is the tokenizer's own where it names one (an ``eos_id``
+attribute), tiktoken's end-of-text token (``<|endoftext|>``) for ``tiktoken:NAME``,
+and 0 (the NUL byte, which text never holds) for the byte tokenizer: a corpus that
+separates its documents with NUL bytes gets one document per piece.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from plait.config import Config
+from plait.errors import ConfigError
+from plait.model.documents import DocumentIds
+from plait.train.data import make_tokenizer
+
+BYTE_EOS = 0
+"""The byte tokenizer's end-of-document id: the NUL byte."""
+
+
+def eos_id(tokenizer: str) -> int:
+    """The end-of-document id of the tokenizer ``data.tokenizer`` names."""
+    if tokenizer == "byte":
+        return BYTE_EOS
+    tok = make_tokenizer(tokenizer)
+    own = getattr(tok, "eos_id", None)
+    if own is not None:
+        return int(own)
+    enc = getattr(tok, "_enc", None)
+    eot = getattr(enc, "eot_token", None)
+    if eot is None:
+        raise ConfigError(
+            f"data.mask_documents needs an end-of-document token; the tokenizer "
+            f"{tokenizer!r} has none. Leave data.mask_documents off."
+        )
+    return int(eot)
+
+
+def enable_document_mask(model: nn.Module, cfg: Config) -> None:
+    """Turn on document masking in ``model`` (before ``parallelize``) when
+    ``data.mask_documents`` asks for it."""
+    if not cfg.data.mask_documents:
+        return
+    if not isinstance(getattr(model, "documents", None), DocumentIds):
+        raise ConfigError(
+            f"data.mask_documents needs plait's built-in Transformer (a 'documents' "
+            f"module); {type(model).__name__} has none."
+        )
+    model.documents = DocumentIds(eos_id(cfg.data.tokenizer))
