@@ -185,6 +185,8 @@ class Optimizer:
         if self.zero is not None:
             self.sharded = ShardedMasters(self.zero, optimizer)
             self.inner = self.sharded.inner
+            if self.sharded.host is not None:  # offload: step units during backward?
+                self.sharded.host.eager = max_norm == 0 and scaler is None and nonfinite == "error"
             return
         params = [p for p in self.target.parameters() if p.requires_grad]
         if any(is_low_precision(p.dtype) for p in params):
@@ -239,6 +241,8 @@ class Optimizer:
         if not (math.isfinite(norm) and loss_finite):
             what = "loss" if not loss_finite else "gradient norm"
             self.skipped += 1
+            if self.sharded is not None and self.sharded.host is not None:
+                self.sharded.host.discard()
             if self.scaler is not None:
                 self.scaler.update(found_inf=True)
                 return StepReport(norm, True, scale, f"fp16 overflow ({what} not finite)")

@@ -228,6 +228,7 @@ def parallelize(
             axis=data_axes(mesh),
             bucket_mb=p.bucket_mb if p.zero in (1, 2) else None,  # fused like DP's buckets
             init=init,
+            offload_dir=p.offload_dir,
         )
     pipeline = None
     if pp > 1:
