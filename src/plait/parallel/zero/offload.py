@@ -83,7 +83,8 @@ class HostStep:
         self.store: OffloadStore | None = None
         if offload_dir is not None:
             self._to_files(offload_dir, rank)
-        elif self.cuda:  # page-locked masters: the copy back is asynchronous
+        in_files = self.store is not None and zero.offload == "params"
+        if self.cuda and not in_files:  # page-locked masters: the copy back is asynchronous
             for s in masters.slots:
                 if not s.alias:
                     s.master = s.master.pin_memory()
