@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from plait.config import Config
+from plait.config_checks import check_offload_dir
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
@@ -198,3 +200,18 @@ def format_offload(e: Estimate) -> str:
             f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s",
         ]
     )
+
+
+def refuse_bad_offload_dir(cfg: Config, world_size: int, ranks_per_host: int) -> None:
+    """What ``plait train`` runs before starting with ``parallel.offload_dir``: refuse
+    (:class:`~plait.errors.ConfigError`, exit code 2) a folder that is not writable or
+    has less free space than the files of the host's ranks need (the worst rank's
+    :func:`nvme_bytes` times the ranks per host)."""
+    from plait.plan.fit import plan_inputs
+
+    folder = cfg.parallel.offload_dir
+    if folder is None:
+        return
+    spec, layout, precision, _ = plan_inputs(cfg, world_size)
+    need = nvme_bytes(spec, layout, precision) * min(ranks_per_host, world_size)
+    check_offload_dir(folder, int(need))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.config import ParallelConfig
+from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
 from plait.optim import Optimizer
 from plait.parallel.zero import ZeroDataParallel
@@ -155,11 +155,15 @@ def test_cpu_step_starts_before_backward_ends(pools: Callable[[int], WorkerPool]
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_offload_without_zero_is_refused() -> None:
+def test_offload_without_zero_is_refused(tmp_path: Path) -> None:
+    from tests.tiny import run_plait, tiny_args
+
     with pytest.raises(ConfigError, match="needs ZeRO"):
-        ParallelConfig(offload="optimizer", zero=0)
+        Config(parallel=ParallelConfig(offload="optimizer", zero=0))
     with pytest.raises(ConfigError, match="offload_dir needs"):
-        ParallelConfig(offload_dir="/tmp/x")
+        ParallelConfig(offload_dir=str(tmp_path))
+    res = run_plait(["train", *tiny_args(), "--steps", "1", "--parallel.offload", "optimizer"], tmp_path)
+    assert res.returncode == 2 and "needs ZeRO" in res.stderr, res.stderr
 
 
 def test_unwritable_or_full_offload_dir_is_refused(tmp_path: Path) -> None:

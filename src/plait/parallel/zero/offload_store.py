@@ -18,35 +18,13 @@ created or written, or whose free space is below what the files need
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from plait.errors import ConfigError
+from plait.config_checks import check_offload_dir
 
-
-def check_offload_dir(path: str | os.PathLike[str], needed_bytes: int) -> None:
-    """Raise :class:`ConfigError` unless ``path`` is (or can be made) a writable folder
-    with at least ``needed_bytes`` free."""
-    folder = Path(path)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".plait-probe-"):
-            pass
-    except OSError as e:
-        raise ConfigError(
-            f"parallel.offload_dir = {str(path)!r} is not a writable folder ({e.strerror or e}); "
-            "give a folder on a local disk this user can write, or unset parallel.offload_dir."
-        ) from None
-    free = shutil.disk_usage(folder).free
-    if free < needed_bytes:
-        raise ConfigError(
-            f"parallel.offload_dir = {str(path)!r} has {free / 2**30:.2f} GiB free but the "
-            f"offloaded state needs {needed_bytes / 2**30:.2f} GiB; free space, choose "
-            "another folder, or use more ranks (ZeRO shards the state)."
-        )
+__all__ = ["FileSlot", "OffloadStore", "check_offload_dir", "disk_bytes_needed"]
 
 
 class FileSlot:
