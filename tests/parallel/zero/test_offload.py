@@ -159,7 +159,7 @@ def test_offload_without_zero_is_refused(tmp_path: Path) -> None:
     from tests.tiny import run_plait, tiny_args
 
     with pytest.raises(ConfigError, match="needs ZeRO"):
-        Config(parallel=ParallelConfig(offload="optimizer", zero=0))
+        Config(parallel=ParallelConfig(offload="optimizer", zero=0)).validate(1)
     with pytest.raises(ConfigError, match="offload_dir needs"):
         ParallelConfig(offload_dir=str(tmp_path))
     res = run_plait(["train", *tiny_args(), "--steps", "1", "--parallel.offload", "optimizer"], tmp_path)
