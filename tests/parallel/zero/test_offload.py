@@ -112,6 +112,77 @@ def test_offload_parity(
         assert (b["files"] > 0) == nvme
 
 
+# ----------------------------------------------------------------------------- delayed
+
+
+def _delayed_reference() -> dict[str, Any]:
+    """The one-step-delayed update in plain PyTorch on one process: step k's gradient
+    is taken at the weights the device holds (the masters before the previous update),
+    then the device receives the masters and the masters step with that gradient."""
+    model = _make("builtin")
+    master = _make("builtin")
+    opt = _optimizer(master, "adamw")
+    losses = []
+    for x, y in _batches()[:STEPS]:
+        loss = _loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                m.grad = p.grad.clone()  # type: ignore[union-attr]
+                p.copy_(m)  # the previous update arrives on the device
+                p.grad = None
+        opt.step()
+    return {"losses": losses, "weights": {k: p.detach().clone() for k, p in master.named_parameters()}}
+
+
+def _undelayed_second_loss() -> float:
+    model = _make("builtin")
+    opt = _optimizer(model, "adamw")
+    (x0, y0), (x1, y1) = _batches()[:2]
+    _loss(model(x0), y0).backward()
+    opt.step()
+    return float(_loss(model(x1), y1).item())
+
+
+def _delayed(ctx: WorkerContext, stage: int) -> dict[str, Any]:
+    mesh = ctx.mesh(dp=ctx.world_size)
+    model = _make("builtin")
+    zdp = ZeroDataParallel(model, mesh, stage, offload="optimizer", offload_delay=True)
+    opt = Optimizer(zdp, _optimizer(model, "adamw"))
+    n, r = mesh.size("dp"), mesh.index("dp")
+    losses = []
+    for x, y in _batches()[:STEPS]:
+        per = x.shape[0] // n
+        loss = _loss(zdp(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.flush()  # the last update, still running on the host, reaches the model
+    with zdp.gathered():
+        weights = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 1), (2, 3), (1, 1), (2, 2)])
+def test_delayed_update_is_one_step_stale(
+    pools: Callable[[int], WorkerPool], world: int, stage: int
+) -> None:
+    """offload_delay equals the delayed update written out in plain PyTorch (losses
+    rtol 1e-5: batch split and fused-kernel rounding; weights atol 1e-5 after 5 steps)."""
+    ref = _delayed_reference()
+    for res in [pools(world).run(f"{M}:_delayed", stage)]:
+        for step in range(STEPS):
+            mean = sum(r["losses"][step] for r in res) / world
+            assert mean == pytest.approx(ref["losses"][step], rel=1e-5)
+        for r in res:
+            for k, w in ref["weights"].items():
+                torch.testing.assert_close(r["weights"][k], w, rtol=0, atol=1e-5)
+    # an undelayed run differs: its step-2 loss is taken after the first update
+    assert _undelayed_second_loss() != pytest.approx(ref["losses"][1], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- overlap
 
 
@@ -160,7 +231,7 @@ def test_offload_without_zero_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="needs ZeRO"):
         Config(parallel=ParallelConfig(offload="optimizer", zero=0)).validate(1)
-    with pytest.raises(ConfigError, match="offload_dir needs"):
+    with pytest.raises(ConfigError, match="offload_delay need"):
         ParallelConfig(offload_dir=str(tmp_path))
     res = run_plait(["train", *tiny_args(), "--steps", "1", "--parallel.offload", "optimizer"], tmp_path)
     assert res.returncode == 2 and "needs ZeRO" in res.stderr, res.stderr

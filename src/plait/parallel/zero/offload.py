@@ -89,7 +89,8 @@ class HostStep:
                 if not s.alias:
                     s.master = s.master.pin_memory()
                     masters.rebind(s)
-        if zero.driver is not None:  # autograd drives the reductions: settle them early
+        self.delay = zero.offload_delay  # one-step-delayed update (opt-in)
+        if zero.driver is not None and not self.delay:  # settle the reductions early
             zero.reducer.settle_early = True
         zero.reducer.on_reduced = self.on_reduced
 
@@ -147,7 +148,7 @@ class HostStep:
     def on_reduced(self, u: FlatUnit) -> None:
         """``u``'s gradient shard is final: copy it to the host; step it when eager."""
         k = self._index.get(u.index)
-        if k is None:
+        if k is None or self.delay:  # delayed: the buffers are busy; copied at the step
             return
         g = self.zero.reduced_grad(u)  # (shard_numel,) reduce dtype, on the device
         host = self.grads[k]
@@ -168,13 +169,16 @@ class HostStep:
 
     def _submit(self, k: int) -> None:
         if k not in self._futures:
-            self._futures[k] = self._pool.submit(self._step_slot, k)
+            self._futures[k] = self._pool.submit(self._step_slot, k, True)
 
     # ------------------------------------------------------------------ the step
 
     def grads_for_step(self) -> list[torch.Tensor]:
         """The host gradient buffers, every slot's landed (copied now if a unit's shard
-        was not handed over during backward, e.g. under another driver)."""
+        was not handed over during backward, e.g. under another driver). Delayed: the
+        previous step's host update must finish first (it reads these buffers)."""
+        if self.delay:
+            self._wait()
         for k, s in enumerate(self.masters.slots):
             if k not in self._landed:
                 self.grads[k].copy_(self.zero.reduced_grad(s.unit))
@@ -184,8 +188,9 @@ class HostStep:
                 ev.synchronize()
         return self.grads
 
-    def _step_slot(self, k: int) -> None:
-        """Step slot ``k`` on the host and copy its master back into the device shard."""
+    def _step_slot(self, k: int, copy_back: bool) -> None:
+        """Step slot ``k`` on the host and (``copy_back``) copy its master into the
+        device shard."""
         slot = self.masters.slots[k]
         self._note("step_start", slot.unit.name)
         self.started.set()
@@ -207,7 +212,8 @@ class HostStep:
         finally:
             for seg, _, _ in slot.segments:
                 seg.grad = None
-        self._copy_back(k, slot)
+        if copy_back:
+            self._copy_back(k, slot)
         self._note("step_end", slot.unit.name)
 
     def _copy_back(self, k: int, slot: Slot) -> None:
@@ -226,9 +232,29 @@ class HostStep:
     @torch.no_grad()
     def step(self) -> None:
         """Step every slot not stepped yet (in order, on the worker), wait for them and
-        for the copies back; the device's stream then waits for the copies."""
+        for the copies back; the device's stream then waits for the copies.
+
+        Delayed (``offload_delay``): the previous step's update is complete (see
+        :meth:`grads_for_step`); its masters go to the device now and this step's
+        update starts on the worker and is left running through the next forward and
+        backward (the device computes the next gradients one update behind)."""
+        if self.delay:
+            for k, slot in enumerate(self.masters.slots):
+                self._copy_back(k, slot)
+            self._device_waits()
+            self._submit_all(copy_back=False)
+            self._landed = {}
+            return
+        self._submit_all()
+        self._wait()
+
+    def _submit_all(self, copy_back: bool = True) -> None:
         for k in range(len(self.masters.slots)):
-            self._submit(k)
+            if k not in self._futures:
+                self._futures[k] = self._pool.submit(self._step_slot, k, copy_back)
+
+    def _wait(self) -> None:
+        """Complete every submitted host step and its copy back."""
         try:
             for k in sorted(self._futures):
                 self._futures[k].result()
@@ -237,10 +263,26 @@ class HostStep:
             self._landed = {}
             self.started.clear()
             self._fresh = True
+        self._device_waits()
+
+    def _device_waits(self) -> None:
         if self.cuda:
             stream = torch.cuda.current_stream(self.zero.device)
             for ev in self._back.values():
                 stream.wait_event(ev)
+
+    @torch.no_grad()
+    def flush(self) -> bool:
+        """Delayed: finish the pending update and put its masters on the device (before
+        a checkpoint reads them); returns whether there was one (the caller re-gathers:
+        ZeRO-1/2)."""
+        if not self.delay or not self._futures:
+            return False
+        self._wait()
+        for k, slot in enumerate(self.masters.slots):
+            self._copy_back(k, slot)
+        self._device_waits()
+        return True
 
     def discard(self) -> None:
         """A skipped step: forget the landed gradients (nothing was stepped)."""
@@ -254,5 +296,6 @@ class HostStep:
             self.events.append((kind, name, time.perf_counter()))
 
     def close(self) -> None:
-        """Stop the worker thread."""
+        """Finish a pending update and stop the worker thread."""
+        self.flush()
         self._pool.shutdown(wait=True)

@@ -110,6 +110,8 @@ class ZeroDataParallel(nn.Module):
             construction); buffers and frozen parameters must already have storage.
         offload_dir: with offload: keep the optimizer state (with "params" also the fp32
             masters) in files in this folder (ZeRO-Infinity's NVMe tier).
+        offload_delay: with offload: the one-step-delayed update (the host step runs
+            through the next forward and backward; gradients one update stale).
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class ZeroDataParallel(nn.Module):
         bucket_mb: float | None = None,
         init: Callable[[torch.Tensor], torch.Tensor] | None = None,
         offload_dir: str | None = None,
+        offload_delay: bool = False,
     ) -> None:
         super().__init__()
         check_positive("", bucket_mb=bucket_mb)
@@ -149,6 +152,7 @@ class ZeroDataParallel(nn.Module):
         self.stage = stage
         self.offload: Offload = offload
         self.offload_dir = offload_dir  # the NVMe tier (offload_store); None: host memory
+        self.offload_delay = offload_delay  # one-step-delayed host update (offload.py)
         if offload_dir is not None and offload == "none":
             raise ConfigError("offload_dir needs offload = 'optimizer' or 'params'")
         self.reshard_after_forward = reshard_after_forward
