@@ -178,8 +178,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run(a.child, a)))
         return
     load0 = os.getloadavg()[0]
-    lines = ["Host AdamW over 8 flat fp32 buffers, "
-             f"{a.adam_numel:,} parameters (median of 5 steps):", "", *adam_table(a.adam_numel), ""]  # fmt: skip
+    title = f"Host AdamW over 8 flat fp32 buffers, {a.adam_numel:,} parameters (median of 5):"
+    lines = [title, "", *adam_table(a.adam_numel), ""]
     rows = [_in_child(v) for v in a.variants.split(",")]  # a process each: its own peak
     n = rows[0]["params"]
     lines += [
@@ -187,7 +187,8 @@ def main() -> None:
         f"{a.seq} x accumulation {a.accum}, {a.device}, mean of {a.steps} steps after "
         f"{a.warmup} warm-up:",
         "",
-        "| variant | step (s) | tokens/s | MFU | CPU step (s) | host peak (GiB) | device peak (GiB) | loss |",
+        "| variant | step (s) | tokens/s | MFU | CPU step (s) | host peak (GiB) "
+        "| device peak (GiB) | loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -207,7 +208,10 @@ def main() -> None:
     print(text)
     if a.out:
         with open(a.out, "a", encoding="utf-8") as f:
-            f.write(f"\n<!-- offload:begin -->\n## ZeRO-Offload (issue 30)\n\n{text}\n\n<!-- offload:end -->\n")
+            f.write(
+                "\n<!-- offload:begin -->\n## ZeRO-Offload (issue 30)\n\n"
+                f"{text}\n\n<!-- offload:end -->\n"
+            )
 
 
 if __name__ == "__main__":

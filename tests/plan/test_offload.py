@@ -39,7 +39,9 @@ def _storage_bytes(ts: list[Any]) -> int:
     return sum(seen.values())
 
 
-def _body(ctx: Any, model: str, stage: int, offload: str, dtype: str, folder: str | None) -> dict[str, int]:
+def _body(
+    ctx: Any, model: str, stage: int, offload: str, dtype: str, folder: str | None
+) -> dict[str, int]:
     import torch
 
     from plait.model import Transformer, lm_loss

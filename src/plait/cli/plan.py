@@ -243,8 +243,8 @@ def _list() -> str:
 
 def plan_main(argv: Sequence[str]) -> int:
     """``plait plan``."""
-    from plait.plan.report import estimate_json, format_estimate, format_search, search_json
     from plait.plan.offload import format_offload
+    from plait.plan.report import estimate_json, format_estimate, format_search, search_json
     from plait.plan.search import Query, Space, search, with_layout
 
     ns = _plan_parser().parse_args(list(argv))

@@ -105,7 +105,9 @@ def offload_memory(
     else:
         disk = 0.0
         host = optimizer + 2 * fp32 + shard_weights
-    pinned = (fp32 + (0.0 if layout.offload_nvme and params else fp32) + shard_weights) if cuda else 0.0
+    pinned = (
+        (fp32 + (0.0 if layout.offload_nvme and params else fp32) + shard_weights) if cuda else 0.0
+    )
     device = grads + (0.0 if params else weights)
     return OffloadMemory(float(device), float(host), float(pinned), float(disk))
 

@@ -33,8 +33,8 @@ from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import memory_per_rank
-from plait.plan.offload import offload_count, offload_layouts
 from plait.plan.modelspec import ModelSpec
+from plait.plan.offload import offload_count, offload_layouts
 
 MAX_DEVICES = 1 << 24
 """Most devices a search plans for (16,777,216; bounds the layouts it walks)."""
@@ -278,8 +278,9 @@ def count_layouts(q: Query, space: Space) -> int:
                             len(_shard_factors(q, space, dp, z)) * len(_pp_zero_choices(pp, v, z))
                             for z in zeros
                         )
-                        per = {
-                            z: len(_shard_factors(q, space, dp, z)) * len(_pp_zero_choices(pp, v, z))
+                        per = {  # offloaded variants, per ZeRO stage
+                            z: len(_shard_factors(q, space, dp, z))
+                            * len(_pp_zero_choices(pp, v, z))
                             for z in zeros
                         }
                         variants += offload_count(per, dp, pp, space.offload)

@@ -45,7 +45,10 @@ def test_host_adamw_equals_torch_adamw() -> None:
 
     def run(fast: bool) -> list[torch.Tensor]:
         ps = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [{"params": [ps[0]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
+        groups = [
+            {"params": [ps[0]], "weight_decay": 0.1},
+            {"params": [ps[1]], "weight_decay": 0.0},
+        ]
         ref = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
         opt = host_optimizer(ref, [dict(g) for g in groups]) if fast else ref
         assert bool(opt.param_groups[0].get("fused")) == fast
@@ -62,7 +65,9 @@ def test_host_adamw_equals_torch_adamw() -> None:
 # ----------------------------------------------------------------------------- parity
 
 
-def _train(ctx: WorkerContext, stage: int, offload: str, clip: float, folder: str | None) -> dict[str, Any]:
+def _train(
+    ctx: WorkerContext, stage: int, offload: str, clip: float, folder: str | None
+) -> dict[str, Any]:
     mesh = ctx.mesh(dp=ctx.world_size)
     model = _make("builtin")
     odir = None if folder is None else os.path.join(folder, "state")
@@ -83,8 +88,15 @@ def _train(ctx: WorkerContext, stage: int, offload: str, clip: float, folder: st
     if odir is not None:
         files = sum(f.stat().st_size for f in Path(odir).rglob("*.bin"))
     host = opt.sharded.host if opt.sharded is not None else None
-    return {"losses": losses, "weights": weights, "files": files, "eager": bool(host and host.eager)}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "files": files,
+        "eager": bool(host and host.eager),
+    }
 
+
+_PLAIN: dict[tuple[int, int, float], list[dict[str, Any]]] = {}
 
 CASES = [
     (stage, offload, nvme)
@@ -96,13 +108,21 @@ CASES = [
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize(("stage", "offload", "nvme"), CASES)
 def test_offload_parity(
-    pools: Callable[[int], WorkerPool], tmp_path: Path, world: int, stage: int, offload: str, nvme: bool
+    pools: Callable[[int], WorkerPool],
+    tmp_path: Path,
+    world: int,
+    stage: int,
+    offload: str,
+    nvme: bool,
 ) -> None:
     """Offload (host memory or files) equals no offload: losses every step, weights
     after 5 steps; eager per-unit stepping (no clipping) and after-the-norm (clipping)."""
     clip = CLIP if stage == 2 else 0.0  # stage 2 with clipping: the step after the norm
     folder = str(tmp_path) if nvme else None
-    plain = pools(world).run(f"{M}:_train", stage, "none", clip, None)
+    key = (world, stage, clip)
+    if key not in _PLAIN:  # the no-offload run, once per layout
+        _PLAIN[key] = pools(world).run(f"{M}:_train", stage, "none", clip, None)
+    plain = _PLAIN[key]
     off = pools(world).run(f"{M}:_train", stage, offload, clip, folder)
     for a, b in zip(plain, off, strict=True):
         assert b["eager"] == (clip == 0.0)
@@ -133,7 +153,10 @@ def _delayed_reference() -> dict[str, Any]:
                 p.copy_(m)  # the previous update arrives on the device
                 p.grad = None
         opt.step()
-    return {"losses": losses, "weights": {k: p.detach().clone() for k, p in master.named_parameters()}}
+    return {
+        "losses": losses,
+        "weights": {k: p.detach().clone() for k, p in master.named_parameters()},
+    }
 
 
 def _undelayed_second_loss() -> float:
@@ -165,7 +188,7 @@ def _delayed(ctx: WorkerContext, stage: int) -> dict[str, Any]:
     return {"losses": losses, "weights": weights}
 
 
-@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 1), (2, 3), (1, 1), (2, 2)])
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 1), (2, 3)])
 def test_delayed_update_is_one_step_stale(
     pools: Callable[[int], WorkerPool], world: int, stage: int
 ) -> None:
@@ -209,7 +232,9 @@ def _overlap(ctx: WorkerContext, stage: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_cpu_step_starts_before_backward_ends(pools: Callable[[int], WorkerPool], stage: int) -> None:
+def test_cpu_step_starts_before_backward_ends(
+    pools: Callable[[int], WorkerPool], stage: int
+) -> None:
     """From the recorded events: the first unit (the output head, first in backward) is
     stepped on the host while backward is still running (before the embedding's gradient,
     the last of backward, is handed over)."""
@@ -233,7 +258,9 @@ def test_offload_without_zero_is_refused(tmp_path: Path) -> None:
         Config(parallel=ParallelConfig(offload="optimizer", zero=0)).validate(1)
     with pytest.raises(ConfigError, match="offload_delay need"):
         ParallelConfig(offload_dir=str(tmp_path))
-    res = run_plait(["train", *tiny_args(), "--steps", "1", "--parallel.offload", "optimizer"], tmp_path)
+    res = run_plait(
+        ["train", *tiny_args(), "--steps", "1", "--parallel.offload", "optimizer"], tmp_path
+    )
     assert res.returncode == 2 and "needs ZeRO" in res.stderr, res.stderr
 
 
@@ -253,9 +280,16 @@ def test_cli_refuses_unwritable_offload_dir(tmp_path: Path) -> None:
 
     (tmp_path / "blocked").write_text("a file, not a folder")
     args = [
-        "train", *tiny_args(), "--steps", "1", "--parallel.zero", "1",
-        "--parallel.offload", "optimizer",
-        "--parallel.offload_dir", str(tmp_path / "blocked" / "x"),
+        "train",
+        *tiny_args(),
+        "--steps",
+        "1",
+        "--parallel.zero",
+        "1",
+        "--parallel.offload",
+        "optimizer",
+        "--parallel.offload_dir",
+        str(tmp_path / "blocked" / "x"),
     ]
     res = run_plait(args, tmp_path)
     assert res.returncode == 2, res.stderr

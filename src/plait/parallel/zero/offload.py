@@ -117,7 +117,9 @@ class HostStep:
             m, v = f.parts[-2], f.parts[-1]
             for seg, a, b in s.segments:
                 if adam:  # the state torch's Adam would create, in the file
-                    group = next(g for g in inner.param_groups if any(p is seg for p in g["params"]))
+                    group = next(
+                        g for g in inner.param_groups if any(p is seg for p in g["params"])
+                    )
                     inner.state[seg] = {
                         "step": torch.tensor(0.0, dtype=torch.float32),
                         "exp_avg": m[a:b].zero_(),

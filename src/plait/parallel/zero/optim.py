@@ -110,7 +110,9 @@ class ShardedMasters:
             self.slots.append(Slot(u, master, alias, segments, pieces))
         build = host_optimizer if offload else rebuild  # the host: fused CPU AdamW
         self.inner = (
-            build(optimizer, groups) if isinstance(optimizer, torch.optim.Optimizer) else optimizer(groups)
+            build(optimizer, groups)
+            if isinstance(optimizer, torch.optim.Optimizer)
+            else optimizer(groups)
         )
         # (model parameter, first element within it) -> (slot, segment, shard start, end)
         self._segment_at: dict[tuple[int, int], tuple[Slot, nn.Parameter, int, int]] = {}

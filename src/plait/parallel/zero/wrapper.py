@@ -65,8 +65,8 @@ from torch import nn
 
 from plait.comm import AxisGroup
 from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
-from plait.errors import ConfigError
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.materialize import give_storage, unallocated
