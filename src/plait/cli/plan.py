@@ -19,6 +19,7 @@ from plait.cli.common import ConfigErrorParser
 from plait.config import (
     COMPRESSIONS,
     CP_ATTENTIONS,
+    OFFLOADS,
     PLANNED_SCHEDULES,
     PRESET_STYLES,
     RECOMPUTES,
@@ -170,7 +171,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     lay.add_argument(
         "--offload", "--parallel.offload", dest="offload", default="none",
-        choices=("none", "optimizer", "params"),
+        choices=OFFLOADS,
         help="ZeRO-Offload (zero >= 1; params: zero 3); with --search: also tried",
     )  # fmt: skip
     lay.add_argument("--offload-dir", "--parallel.offload_dir", dest="offload_dir",
