@@ -88,7 +88,7 @@ def run(variant: str, a: argparse.Namespace) -> dict[str, Any]:
     finally:
         zero_optim.host_optimizer = restore
     host = opt.sharded.host if opt.sharded is not None else None
-    if host is not None and variant == "before":  # no overlap: everything after backward
+    if host is not None and variant in ("before", "fused"):  # no overlap: all after backward
         host.eager = False
         zdp.reducer.settle_early = False
     g = torch.Generator().manual_seed(0)
@@ -170,7 +170,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--peak-tflops", type=float, default=0.1, help="MFU denominator per device")
     p.add_argument("--adam-numel", type=int, default=1 << 22)
-    p.add_argument("--variants", default="none,before,after")
+    p.add_argument("--variants", default="none,before,fused,after")
     p.add_argument("--out", help="append the section to this RESULTS.md")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one variant, JSON out
     a = p.parse_args()

@@ -150,7 +150,9 @@ class HostStep:
     def on_reduced(self, u: FlatUnit) -> None:
         """``u``'s gradient shard is final: copy it to the host; step it when eager."""
         k = self._index.get(u.index)
-        if k is None or self.delay:  # delayed: the buffers are busy; copied at the step
+        # delayed: the buffers are busy (copied at the step); under another driver (the
+        # pipeline) a unit may settle once per micro-batch: copied at the step too
+        if k is None or self.delay or self.zero.driver is None:
             return
         g = self.zero.reduced_grad(u)  # (shard_numel,) reduce dtype, on the device
         host = self.grads[k]

@@ -430,6 +430,7 @@ class ZeroDataParallel(nn.Module):
         if self.driver is not None:
             self.driver.close()
             self.driver = None
+        self.reducer.settle_early = False  # offload's early settling is autograd's only
 
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""
