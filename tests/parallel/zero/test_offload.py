@@ -99,9 +99,10 @@ def _train(
 _PLAIN: dict[tuple[int, int, float], list[dict[str, Any]]] = {}
 
 CASES = [
-    (stage, offload, nvme)
-    for stage, offload in [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params")]
-    for nvme in (False, True)
+    *[(stage, off, False) for stage, off in [(1, "optimizer"), (2, "optimizer"), (3, "optimizer")]],
+    (3, "params", False),
+    (2, "optimizer", True),  # the NVMe tier: Adam's state in files
+    (3, "params", True),  # and the masters too
 ]
 
 
