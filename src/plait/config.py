@@ -348,6 +348,15 @@ class ParallelConfig:
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0
     """Every collective raises an error naming rank, axis and operation after this long."""
+    offload_dir: str | None = None
+    """With parallel.offload: keep the offloaded optimizer state (with 'params' also the
+    fp32 masters) in files in this folder on a local disk, ZeRO-Infinity's NVMe tier
+    (None: in host memory). Refused when not writable or too small (docs/offload.md)."""
+    offload_delay: bool = False
+    """With parallel.offload: the one-step-delayed update (DeepSpeed's delayed parameter
+    update): the host step of step t runs while the device computes step t+1's gradients
+    on the weights before it, which hides the CPU step; changes the loss curve (one step
+    of gradient staleness; docs/offload.md)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")
@@ -382,6 +391,11 @@ class ParallelConfig:
                 f"parallel.compression_start must be >= 0, got {self.compression_start}."
             )
         check_compression_warmup(self.compression_warmup_steps, self.compression_ratio)
+        if (self.offload_dir is not None or self.offload_delay) and self.offload == "none":
+            raise ConfigError(
+                "parallel.offload_dir and parallel.offload_delay need parallel.offload = "
+                "'optimizer' or 'params' (they are about the offloaded optimizer state)."
+            )
 
     def resolved_dp(self, world_size: int) -> int:
         """The data-parallel degree for a world of ``world_size`` ranks."""

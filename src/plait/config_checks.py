@@ -13,6 +13,7 @@ the device's dtypes) are in :func:`plait.parallel.checks.validate_run`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from os import PathLike
 
 from plait.errors import ConfigError
 
@@ -398,3 +399,29 @@ def parse_step_window(text: str) -> tuple[int, int]:
             f"1-based, inclusive), e.g. '3-5'; got {text!r}."
         )
     return start, end
+
+
+def check_offload_dir(path: str | PathLike[str], needed_bytes: int) -> None:
+    """Raise :class:`ConfigError` unless ``path`` is (or can be made) a writable folder
+    with at least ``needed_bytes`` free."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".plait-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"parallel.offload_dir = {str(path)!r} is not a writable folder ({e.strerror or e}); "
+            "give a folder on a local disk this user can write, or unset parallel.offload_dir."
+        ) from None
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise ConfigError(
+            f"parallel.offload_dir = {str(path)!r} has {free / 2**30:.2f} GiB free but the "
+            f"offloaded state needs {needed_bytes / 2**30:.2f} GiB; free space, choose "
+            "another folder, or use more ranks (ZeRO shards the state)."
+        )

@@ -192,6 +192,8 @@ class Optimizer:
         if self.zero is not None:
             self.sharded = ShardedMasters(self.zero, optimizer)
             self.inner = self.sharded.inner
+            if self.sharded.host is not None:  # offload: step units during backward?
+                self.sharded.host.eager = max_norm == 0 and scaler is None and nonfinite == "error"
             return
         params = [p for p in self.target.parameters() if p.requires_grad]
         if any(is_low_precision(p.dtype) for p in params):
@@ -246,6 +248,8 @@ class Optimizer:
         if not (math.isfinite(norm) and loss_finite):
             what = "loss" if not loss_finite else "gradient norm"
             self.skipped += 1
+            if self.sharded is not None and self.sharded.host is not None:
+                self.sharded.host.discard()
             if self.scaler is not None:
                 self.scaler.update(found_inf=True)
                 return StepReport(norm, True, scale, f"fp16 overflow ({what} not finite)")
@@ -274,6 +278,14 @@ class Optimizer:
         """The separate fp32 master tensors (empty when the masters are the parameters)."""
         return self.sharded.master_tensors() if self.sharded is not None else []
 
+    def flush(self) -> None:
+        """ZeRO-Offload's one-step-delayed update: finish the host update in flight and
+        put its weights in the model (checkpoints call it; a no-op otherwise)."""
+        if self.sharded is not None and self.sharded.host is not None:
+            self.sharded.zero.wait_params()  # a gather in flight would overwrite the shards
+            if self.sharded.host.flush():
+                self.sharded.zero.sync_params()
+
     @torch.no_grad()
     def publish_masters(self) -> None:
         """After the masters were written in place (a checkpoint load): copy them into
@@ -281,6 +293,7 @@ class Optimizer:
         as the end of :meth:`step` does; nothing to do without sharded masters."""
         if self.sharded is None:
             return
+        self.flush()
         for slot in self.sharded.slots:
             if not slot.alias:
                 self.sharded.zero.param_shard(slot.unit).copy_(slot.master)
@@ -290,6 +303,7 @@ class Optimizer:
         """The model's pieces (:meth:`OptimizerTarget.local_pieces`) that this optimizer
         steps, each with its master values (``value``) and the key of its optimizer
         state (``key``): what a checkpoint saves and restores."""
+        self.flush()
         pieces = self.target.local_pieces()
         if self.sharded is not None:
             described = [self.sharded.describe(p) for p in pieces]

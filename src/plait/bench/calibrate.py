@@ -350,4 +350,7 @@ def calibrate(
     finally:
         if own:
             p.close()
-    return profile_from_results(results, memory_bytes)
+    hw, fits = profile_from_results(results, memory_bytes)
+    from plait.bench.cpu_adam import cpu_adam_params_per_s  # ZeRO-Offload's host step
+
+    return replace(hw, cpu_adam_params_per_s=cpu_adam_params_per_s(quick)), fits

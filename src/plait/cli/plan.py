@@ -13,11 +13,13 @@ import argparse
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 
 from plait.cli.common import ConfigErrorParser
 from plait.config import (
     COMPRESSIONS,
     CP_ATTENTIONS,
+    OFFLOADS,
     PLANNED_SCHEDULES,
     PRESET_STYLES,
     RECOMPUTES,
@@ -167,6 +169,13 @@ def _plan_parser() -> argparse.ArgumentParser:
         default=4,
         help="powersgd: approximation rank",
     )
+    lay.add_argument(
+        "--offload", "--parallel.offload", dest="offload", default="none",
+        choices=OFFLOADS,
+        help="ZeRO-Offload (zero >= 1; params: zero 3); with --search: also tried",
+    )  # fmt: skip
+    lay.add_argument("--offload-dir", "--parallel.offload_dir", dest="offload_dir",
+                     help="NVMe tier: optimizer state in files (the path is not read)")  # fmt: skip
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
     o = p.add_argument_group("output")
@@ -235,8 +244,9 @@ def _list() -> str:
 
 def plan_main(argv: Sequence[str]) -> int:
     """``plait plan``."""
+    from plait.plan.offload import format_offload
     from plait.plan.report import estimate_json, format_estimate, format_search, search_json
-    from plait.plan.search import Query, search, with_layout
+    from plait.plan.search import Query, Space, search, with_layout
 
     ns = _plan_parser().parse_args(list(argv))
     if ns.list:
@@ -265,7 +275,8 @@ def plan_main(argv: Sequence[str]) -> int:
     if ns.search:
         gb = ns.global_batch or devices
         q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom)
-        result = search(q, top=ns.top)
+        space = Space(offload=("none", ns.offload)) if ns.offload != "none" else None
+        result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
         return 0
     tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
@@ -301,6 +312,9 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.compression_rank,
     )
     q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
+    layout = replace(layout, offload=ns.offload, offload_nvme=ns.offload_dir is not None)
     e = with_layout(q, layout)
     print(json.dumps(estimate_json(e), indent=2) if ns.json else format_estimate(e))
+    if layout.offload != "none" and not ns.json:
+        print(format_offload(e))
     return 0

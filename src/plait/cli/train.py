@@ -111,6 +111,10 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
 
         per_host = env.local_world_size if env is not None else world
         refuse_unless_fits(cfg, world, per_host, _cuda_device())
+    if cfg.parallel.offload_dir is not None and cfg.model.factory is None:  # the NVMe tier
+        from plait.plan.offload import refuse_bad_offload_dir
+
+        refuse_bad_offload_dir(cfg, world, env.local_world_size if env is not None else world)
     if cfg.launch.backend != "local" and env is None:
         _check_data(cfg)
         return _launch_backend(cfg, world)

@@ -47,7 +47,9 @@ from plait.plan.network import (
     p2p_time,
     reduce_scatter_time,
 )
+from plait.plan.offload import offload_step_time
 from plait.plan.pipeline_zero import pipeline_zero_comm
+from plait.plan.units import stage_units
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,9 @@ def step_time(
         + (precision.param_bytes if precision.master_bytes else 0)
     )
     optimizer = opt_params * traffic / hw.optimizer_bandwidth
+    if layout.offload != "none":  # the host step, overlapped with backward
+        units = len(stage_units(spec, layout.tp, layout.pp, worst_stage))
+        optimizer = offload_step_time(opt_params, layout, hw, precision, comp_b + rc, units)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):

@@ -159,6 +159,10 @@ def check_fits(
         ]
     if layout.recompute != "full":
         options.append(("train.recompute=full", replace(layout, recompute="full")))
+    if layout.offload == "none":  # ZeRO-Offload: masters and optimizer state on the host
+        z = max(layout.zero, 1)
+        label = "parallel.offload=optimizer" + ("" if layout.zero else " parallel.zero=1")
+        options.append((label, replace(layout, zero=z, offload="optimizer")))
     if layout.micro_batch > 1:
         options.append(
             (

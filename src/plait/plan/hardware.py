@@ -173,6 +173,11 @@ class Hardware:
     """Fraction of the compute window that data-parallel / ZeRO / context-parallel
     traffic can hide under: 1 on GPUs (copy engines and NICs move the bytes), 0 for CPU
     ranks of one core each, whose transport threads need the same cores."""
+    cpu_adam_params_per_s: float = 0.0
+    """Host AdamW parameters per second (ZeRO-Offload's CPU step), measured by ``plait
+    bench calibrate`` (:mod:`plait.bench.cpu_adam`); 0: :mod:`plait.plan.offload`'s default."""
+    host_link_bytes_per_s: float = 0.0
+    """Host<->device bytes/s (PCIe, NVLink-C2C); 0: by device name (plan.offload)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -327,6 +332,8 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"optimizer_bandwidth = {hw.optimizer_bandwidth!r}",
         f"op_overhead_s = {hw.op_overhead_s!r}",
         f"comm_overlap = {hw.comm_overlap!r}",
+        f"cpu_adam_params_per_s = {hw.cpu_adam_params_per_s!r}",
+        f"host_link_bytes_per_s = {hw.host_link_bytes_per_s!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -400,6 +407,8 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             inter=_parse_link("inter", data["inter"]),
             source=str(d.get("source", "")),
             comm_overlap=float(d.get("comm_overlap", 1.0)),
+            cpu_adam_params_per_s=float(d.get("cpu_adam_params_per_s", 0.0)),
+            host_link_bytes_per_s=float(d.get("host_link_bytes_per_s", 0.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None

@@ -20,6 +20,7 @@ from plait.config import (
     Compression,
     Config,
     CPAttention,
+    Offload,
     PlannedSchedule,
     PPGradReduce,
     Recompute,
@@ -29,6 +30,7 @@ from plait.config_checks import (
     check_choice,
     check_chunks,
     check_compression,
+    check_offload,
     check_positive,
     check_shard_size,
     check_world,
@@ -83,6 +85,11 @@ class Layout:
     """ZeRO-3 with pp > 1: free a piece's gathered parameters after every action (one
     piece's held at a time, 2 all-gathers per piece and micro-batch) instead of keeping
     every local piece gathered through the step (one all-gather per step)."""
+    offload: Offload = "none"
+    """ZeRO-Offload: 'optimizer' (masters and optimizer state on the host) or 'params'
+    (ZeRO-3: also the parameter shards); :mod:`plait.plan.offload`."""
+    offload_nvme: bool = False
+    """ZeRO-Infinity's NVMe tier (``parallel.offload_dir``): optimizer state in files."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -90,6 +97,7 @@ class Layout:
         check_choice("layout zero", self.zero, ZERO_STAGES, ZERO_MEANING)
         check_choices(self, "layout ")
         check_compression(self.compression, self.zero)
+        check_offload(self.offload, self.zero)
         check_shard_size(self.zero_shard_size, self.zero, self.dp)
         check_chunks(self.schedule, self.chunks)
         if self.sequence_parallel and self.tp == 1:
@@ -134,6 +142,8 @@ class Layout:
             compression=p.compression,
             compression_ratio=p.compression_ratio,
             compression_rank=p.compression_rank,
+            offload=p.offload,
+            offload_nvme=p.offload_dir is not None,
         )
 
     @property
@@ -173,6 +183,8 @@ class Layout:
             s += " sp"
         if self.compression != "none":
             s += f" {self.compression}"
+        if self.offload != "none":
+            s += f" offload={self.offload}" + ("+nvme" if self.offload_nvme else "")
         return s + f" rc={self.recompute}"
 
 

@@ -50,6 +50,7 @@ from plait.plan.activations import (
 )
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
+from plait.plan.offload import device_state
 from plait.plan.units import stage_layers, stage_units, zero_state_bytes
 
 ZERO2_KEPT_BUCKETS = 3
@@ -273,6 +274,8 @@ def stage_memory(
         weights, grads, master, optimizer = zero_state_bytes(
             units, layout.zero, f, shard_rank % f, precision
         )
+        # ZeRO-Offload: masters and optimizer state (and with params the shards) on the host
+        weights, master, optimizer = device_state(weights, master, optimizer, layout.offload)
     else:
         weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
     flight = in_flight(layout, stage)

@@ -34,6 +34,7 @@ from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
+from plait.plan.offload import offload_count, offload_layouts
 
 MAX_DEVICES = 1 << 24
 """Most devices a search plans for (16,777,216; bounds the layouts it walks)."""
@@ -98,6 +99,8 @@ class Space:
     """v values tried for the interleaved schedule."""
     sequence_parallel: tuple[bool, ...] = (False, True)
     """Sequence parallelism off/on (on only with tp > 1)."""
+    offload: tuple[str, ...] = ("none",)
+    """ZeRO-Offload kinds tried besides none (``plait plan --search --offload``)."""
 
 
 @dataclass
@@ -246,6 +249,7 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                                 for f in _shard_factors(q, space, dp, z)
                                 for g, r in _pp_zero_choices(pp, v, z)
                             ]
+                            group += offload_layouts(base, group, space.offload)
                             if group:
                                 yield group
 
@@ -274,6 +278,12 @@ def count_layouts(q: Query, space: Space) -> int:
                             len(_shard_factors(q, space, dp, z)) * len(_pp_zero_choices(pp, v, z))
                             for z in zeros
                         )
+                        per = {  # offloaded variants, per ZeRO stage
+                            z: len(_shard_factors(q, space, dp, z))
+                            * len(_pp_zero_choices(pp, v, z))
+                            for z in zeros
+                        }
+                        variants += offload_count(per, dp, pp, space.offload)
                         total += sps * len(space.recompute) * variants
     return total
 

@@ -310,15 +310,18 @@ def test_offload_matches_no_offload(
     stage: int,
     offload: str,
 ) -> None:
-    """The CPU-offloaded step (separate fp32 masters and state on the offload device,
-    copies back) gives bit-identical results to the step on the parameter shards."""
+    """The CPU-offloaded step (separate fp32 masters and state on the host, torch's fused
+    CPU AdamW, copies back) equals the step on the parameter shards up to the fused
+    kernel's rounding (it evaluates AdamW's formula in another order: ~1e-8 relative per
+    step): losses and norms rtol 1e-6, weights atol 1e-6 after 5 steps."""
     kw = {"clip": CLIP}
     plain = pools(2).run(f"{M}:_body_train", "builtin", stage, kw)
     off = pools(2).run(f"{M}:_body_train", "builtin", stage, {**kw, "offload": offload})
     for a, b in zip(plain, off, strict=True):
-        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-6)
+        assert b["norms"] == pytest.approx(a["norms"], rel=1e-6)
         for k, w in a["weights"].items():
-            assert torch.equal(b["weights"][k], w), k
+            torch.testing.assert_close(b["weights"][k], w, rtol=0, atol=1e-6)
     _check_parity(reference[("builtin", CLIP, "adamw")], off)
 
 

@@ -138,8 +138,8 @@ class BufferRing:
         if t is None:
             t = torch.empty(self.numel or numel, dtype=self.dtype, device=self.device)
             self._all.append(t)
-        else:
-            self._free.remove(t)
+        else:  # by identity (list.remove would compare the tensors' values)
+            self._free = [x for x in self._free if x is not t]
         return t[:numel]
 
     def give(self, view: torch.Tensor) -> None:

@@ -87,7 +87,8 @@ class UnitGather:
         self._go(GatherState.GATHERING)
         shard = self.unit.shard
         assert shard is not None
-        src = shard if shard.device == device else shard.to(device)
+        # offload="params": the prefetch copies from page-locked host memory (CUDA)
+        src = shard if shard.device == device else shard.to(device, non_blocking=shard.is_pinned())
         self.out, self._handle = comm.all_gather(src, shard_group, async_op=True)
         return self.out
 
@@ -151,6 +152,8 @@ class ParameterGatherer:
         if shard is None:
             shard = u.full[u.lo : u.hi].clone()
         u.shard = shard.to(self.shard_device)  # (shard_numel,)
+        if self.shard_device.type == "cpu" and self.device.type == "cuda":
+            u.shard = u.shard.pin_memory()  # offload="params": asynchronous prefetch
         g = UnitGather(u)
         self.gathers.append(g)
         g.free()  # never counted as gathered

@@ -22,15 +22,19 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from plait.parallel.precision import is_low_precision
+from plait.parallel.zero.cpu_adam import host_optimizer
 from plait.parallel.zero.flat import FlatUnit
 from plait.parallel.zero.wrapper import ZeroDataParallel
 from plait.pieces import LocalPiece
+
+if TYPE_CHECKING:
+    from plait.parallel.zero.offload import HostStep
 
 OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -104,8 +108,9 @@ class ShardedMasters:
                 groups[group]["params"].append(seg)
                 segments.append((seg, start, end))
             self.slots.append(Slot(u, master, alias, segments, pieces))
+        build = host_optimizer if offload else rebuild  # the host: fused CPU AdamW
         self.inner = (
-            rebuild(optimizer, groups)
+            build(optimizer, groups)
             if isinstance(optimizer, torch.optim.Optimizer)
             else optimizer(groups)
         )
@@ -119,9 +124,22 @@ class ShardedMasters:
                 if held is not None:
                     at = u.lo + a - u.offsets[i]
                     self._segment_at[(id(u.params[i]), at)] = (slot, held, a, b)
+        self.host: HostStep | None = None  # ZeRO-Offload's host side
+        if offload:
+            from plait.parallel.zero.offload import HostStep
+
+            self.host = HostStep(self, zero.offload_dir, zero.mesh.rank)
+
+    def rebind(self, slot: Slot) -> None:
+        """Point ``slot``'s optimizer segments at its (moved) ``master`` (before the
+        first step: pinned or file-backed host memory)."""
+        for seg, start, end in slot.segments:
+            seg.data = slot.master[start:end]
 
     def grads(self) -> list[torch.Tensor]:
         """Master-dtype gradients on the master device, one ``(shard_numel,)`` per slot."""
+        if self.host is not None:
+            return self.host.grads_for_step()
         out = []
         for slot in self.slots:
             g = self.zero.reduced_grad(slot.unit)  # (shard_numel,) reduce dtype
@@ -151,6 +169,10 @@ class ShardedMasters:
         launch of the all-gathers of the updated shards (stages 1/2; each completes
         before its unit's next forward)."""
         self.zero.wait_params()  # the shards must not change under a gather in flight
+        if self.host is not None:  # stepped on the host, slot by slot, copied back
+            self.host.step()
+            self.zero.sync_params()
+            return
         for slot, g in zip(self.slots, grads, strict=True):
             for seg, start, end in slot.segments:
                 seg.grad = g[start:end]

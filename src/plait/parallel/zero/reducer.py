@@ -110,6 +110,14 @@ class GradientReducer:
         self.on_launch: Callable[[FlatUnit], None] | None = None
         """Called with a unit once its reduce-scatter is launched (the autograd driver
         frees a stage-3 unit's gathered parameters then); None: nothing."""
+        self.on_reduced: Callable[[FlatUnit], None] | None = None
+        """Called with a unit once its averaged gradient shard of a synchronising
+        backward is final (ZeRO-Offload copies it to the host and may step it then)."""
+        self.settle_early = False
+        """Complete each reduction as soon as its reduce-scatter is waited for (the
+        in-flight cap applies to every stage), so :attr:`on_reduced` fires during
+        backward (ZeRO-Offload's overlap); False: at the end of backward."""
+        self._early: set[int] = set()  # units settled before finish() this backward
         self.sync = True  # False inside no_sync (stages 0/1 accumulate locally)
         self.in_backward = False
         self.grad_buffer_bytes = 0  # stages 2/3: gradient buffers in use, and the peak
@@ -242,7 +250,7 @@ class GradientReducer:
             self._launched.append(r)
             self._note("reduce", r.unit.name)
         b.done.clear()
-        if self.ring is None:
+        if self.ring is None or self.settle_early:  # offload: gradients out during backward
             self._cap()
 
     def _launch(self, r: UnitReduction) -> None:
@@ -262,13 +270,19 @@ class GradientReducer:
         one more completes the oldest, which frees its transient buffer. Stages 0/1 reduce
         from persistent buffers: nothing to free early, nothing to wait for; stage 2 waits
         in backward only when a bucket finds its kept buffers all in use (``_hold``)."""
-        if self.stage <= 1:
+        if self.stage <= 1 and not self.settle_early:
             return
         in_flight = [v for v in self._launched if v.state is ReduceState.SCATTERING]
         for v in in_flight[: max(0, len(in_flight) - self.MAX_REDUCES_IN_FLIGHT)]:
             self._finish_scatter(v)
 
     def _finish_scatter(self, r: UnitReduction) -> None:
+        self._end_scatter(r)
+        if self.settle_early and self.sync:
+            self._settle(r)
+            self._early.add(r.unit.index)
+
+    def _end_scatter(self, r: UnitReduction) -> None:
         r.finish_scatter(self.replicate_group)
         self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
@@ -278,11 +292,13 @@ class GradientReducer:
         """Complete ``r``'s reduction: stages 0/1 keep the averaged shard (REDUCED), 2/3
         add it into the unit's ``grad_shard`` (IDLE again)."""
         if r.state is ReduceState.SCATTERING:
-            self._finish_scatter(r)
+            self._end_scatter(r)
         out = r.finish(keep=self.stage <= 1)
         if self.stage >= 2:
             assert r.unit.grad_shard is not None
             r.unit.grad_shard.add_(out)
+        if self.sync and self.on_reduced is not None:
+            self.on_reduced(r.unit)
 
     def _refuse_unused(self, missing: list[str]) -> None:
         """Parameters with no gradient: zeros are reduced for them with
@@ -323,8 +339,10 @@ class GradientReducer:
             if r.state is ReduceState.SCATTERING:
                 self._finish_scatter(r)
         for r in self._launched:
-            self._settle(r)
+            if r.unit.index not in self._early:
+                self._settle(r)
         self._launched = []
+        self._early = set()
 
     def finish_backward(self) -> None:
         """End of a synchronising backward: reduce what is left (zeros for parameters
@@ -333,13 +351,13 @@ class GradientReducer:
         missing = [
             r.unit.names[i]
             for r in self.units
-            if not r.in_flight
+            if not r.in_flight and r.unit.index not in self._early
             for i in range(len(r.unit.params))
             if i not in r.ready
         ]
         self._refuse_unused(missing)
         for r in self.units:
-            if r.in_flight:  # launched during backward
+            if r.in_flight or r.unit.index in self._early:  # launched during backward
                 continue
             u = r.unit
             if self.ring is not None:  # stage 2: zeros in the bucket's kept buffer
@@ -365,10 +383,13 @@ class GradientReducer:
         """A failed backward or step: complete what is in flight, drop buffers and states."""
         self.in_backward = False
         for r in self._launched:
+            if r.unit.index in self._early:
+                continue
             if r.state is ReduceState.SCATTERING:
                 r.finish_scatter(self.replicate_group)
             r.finish(keep=False)
         self._launched = []
+        self._early = set()
         for r in self.units:
             r.reset()
             self._drop_buffer(r.unit)

@@ -66,6 +66,7 @@ from torch import nn
 from plait.comm import AxisGroup
 from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data import broadcast_module_state
 from plait.parallel.materialize import give_storage, unallocated
@@ -107,6 +108,10 @@ class ZeroDataParallel(nn.Module):
             shard) is then filled one parameter at a time on the mesh's device, and
             nothing is broadcast (the values are the same on every rank by
             construction); buffers and frozen parameters must already have storage.
+        offload_dir: with offload: keep the optimizer state (with "params" also the fp32
+            masters) in files in this folder (ZeRO-Infinity's NVMe tier).
+        offload_delay: with offload: the one-step-delayed update (the host step runs
+            through the next forward and backward; gradients one update stale).
     """
 
     def __init__(
@@ -127,6 +132,8 @@ class ZeroDataParallel(nn.Module):
         axis: str | tuple[str, ...] = "dp",
         bucket_mb: float | None = None,
         init: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        offload_dir: str | None = None,
+        offload_delay: bool = False,
     ) -> None:
         super().__init__()
         check_positive("", bucket_mb=bucket_mb)
@@ -144,6 +151,10 @@ class ZeroDataParallel(nn.Module):
         self.mesh = mesh
         self.stage = stage
         self.offload: Offload = offload
+        self.offload_dir = offload_dir  # the NVMe tier (offload_store); None: host memory
+        self.offload_delay = offload_delay  # one-step-delayed host update (offload.py)
+        if offload_dir is not None and offload == "none":
+            raise ConfigError("offload_dir needs offload = 'optimizer' or 'params'")
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.find_unused_parameters = find_unused_parameters
@@ -419,6 +430,7 @@ class ZeroDataParallel(nn.Module):
         if self.driver is not None:
             self.driver.close()
             self.driver = None
+        self.reducer.settle_early = False  # offload's early settling is autograd's only
 
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""

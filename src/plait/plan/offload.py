@@ -1,0 +1,219 @@
+"""ZeRO-Offload and ZeRO-Infinity in the planner: where the bytes live, what the step costs.
+
+**Memory.** With ``offload = optimizer`` the fp32 masters and the optimizer state of a
+rank's shards leave the device (:func:`device_state`); the host holds, per rank, what
+the runtime (:mod:`plait.parallel.zero.offload`) allocates (:func:`offload_memory`):
+
+* the fp32 master shards (a copy even when the weights are fp32): ``4·S``;
+* the optimizer state of the non-padding elements plus the per-tensor scalars (as on
+  the device without offload);
+* one fp32 gradient buffer per shard, the landing place of the device-to-host copies:
+  ``4·S``;
+* ``offload = params`` (ZeRO-3): the parameter shards too, ``p·S``; the device keeps
+  only the gathered units (the buffers the memory model already counts).
+
+With CUDA the gradient buffers, the masters and (``params``) the parameter shards are
+page-locked (``pinned``). With ``offload_dir`` (the NVMe tier) Adam's m and v (and with
+``params`` the masters) are files instead of host memory (``disk``; the step scalars
+stay in memory). ``S`` is the rank's padded shard (:mod:`plait.plan.units`).
+
+**Time.** The host step costs ``S / r`` seconds at the host's AdamW rate ``r``
+(parameters per second: ``Hardware.cpu_adam_params_per_s`` measured by
+``plait bench calibrate``, else :data:`DEFAULT_CPU_ADAM`); the gradients cross the host
+link in the reduce dtype and the updated weights come back in the parameter dtype
+(``Hardware.host_link_bytes_per_s``, else by device name: :func:`host_link`); with
+``params`` every micro-batch gathers each unit's shard from the host twice (forward and
+backward), prefetched under compute. The CPU step of the first units runs while backward
+goes on (the runtime's eager path), so only ``max(step/U, step + d2h - backward)``
+plus the copy back is exposed (:func:`offload_step_time`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from plait.config import Config
+from plait.config_checks import check_offload_dir
+from plait.plan.hardware import Hardware
+from plait.plan.layout import Layout, Precision
+from plait.plan.modelspec import ModelSpec
+from plait.plan.units import local_pieces, shard_numel, stage_units, zero_state_bytes
+
+if TYPE_CHECKING:
+    from plait.plan.estimate import Estimate
+
+DEFAULT_CPU_ADAM = 1.0e9
+"""Parameters per second of the fused CPU AdamW when not measured: a 16-core host at
+~30 GB/s of the 28 bytes AdamW moves per fp32 parameter (this machine measured ~1e9
+with one thread on a 1M-element shard, benchmarks/RESULTS.md)."""
+
+HOST_LINKS = (("gh200", 450e9), ("gb200", 450e9), ("h200", 50e9), ("h100", 50e9), ("a100", 25e9))
+"""Host<->device bytes/s by device name: NVLink-C2C on Grace parts, PCIe 5 x16 (H100,
+H200), PCIe 4 x16 (A100), pinned memory, one direction."""
+
+
+@dataclass(frozen=True)
+class OffloadMemory:
+    """Bytes of one rank by where they live."""
+
+    device: float
+    """Training state left on the device: weights (unless ``params``) and gradients."""
+    host: float
+    """Host memory: masters, optimizer state, gradient buffers (and parameter shards)."""
+    pinned: float
+    """The page-locked part of ``host`` (CUDA runs; 0 on the CPU)."""
+    disk: float
+    """The NVMe tier's files (``offload_dir``)."""
+
+
+def device_state(
+    weights: float, master: float, optimizer: float, offload: str
+) -> tuple[float, float, float]:
+    """``(weights, master, optimizer)`` bytes left on the device under ``offload``."""
+    if offload == "none":
+        return weights, master, optimizer
+    return (0.0 if offload == "params" else weights), 0.0, 0.0
+
+
+def offload_memory(
+    spec: ModelSpec,
+    layout: Layout,
+    precision: Precision,
+    stage: int = 0,
+    shard_rank: int = 0,
+    cuda: bool = True,
+) -> OffloadMemory:
+    """Where rank ``shard_rank`` of pipeline stage ``stage`` keeps its state (see the
+    module docstring); all on the device without offload."""
+    units = stage_units(spec, layout.tp, layout.pp, stage)
+    f = layout.shard_factor
+    z = max(layout.zero, 1)
+    weights, grads, master, optimizer = zero_state_bytes(units, z, f, shard_rank % f, precision)
+    if layout.offload == "none":
+        return OffloadMemory(weights + grads + master + optimizer, 0.0, 0.0, 0.0)
+    s = sum(shard_numel(u, f) for u in units)  # the padded shard elements
+    valid = sum(local_pieces(u, f, shard_rank % f)[1] for u in units)
+    scalars = optimizer - valid * precision.optimizer_bytes  # per-tensor scalars
+    fp32 = 4 * s
+    params = layout.offload == "params"
+    shard_weights = s * precision.param_bytes if params else 0.0
+    if layout.offload_nvme:
+        # the runtime's files hold m and v for the whole padded shard
+        disk = s * precision.optimizer_bytes + (fp32 if params else 0.0)
+        host = scalars + fp32 + (0.0 if params else fp32) + shard_weights
+    else:
+        disk = 0.0
+        host = optimizer + 2 * fp32 + shard_weights
+    pinned = (
+        (fp32 + (0.0 if layout.offload_nvme and params else fp32) + shard_weights) if cuda else 0.0
+    )
+    device = grads + (0.0 if params else weights)
+    return OffloadMemory(float(device), float(host), float(pinned), float(disk))
+
+
+def host_link(hw: Hardware) -> float:
+    """Host<->device bytes/s: the profile's measurement, else :data:`HOST_LINKS` by name,
+    else PCIe 4."""
+    measured = getattr(hw, "host_link_bytes_per_s", 0.0)
+    if measured:
+        return float(measured)
+    low = hw.name.lower()
+    return next((bw for key, bw in HOST_LINKS if key in low), 25e9)
+
+
+def cpu_adam_rate(hw: Hardware) -> float:
+    """Host AdamW parameters per second: measured, else :data:`DEFAULT_CPU_ADAM`."""
+    measured = getattr(hw, "cpu_adam_params_per_s", 0.0)
+    return float(measured) if measured else DEFAULT_CPU_ADAM
+
+
+def offload_step_time(
+    shard_params: int,
+    layout: Layout,
+    hw: Hardware,
+    precision: Precision,
+    backward_s: float,
+    units: int,
+) -> float:
+    """Seconds the offloaded step adds to one optimizer step (exposed, see the module
+    docstring): ``shard_params`` elements per rank, ``backward_s`` the backward of the last
+    micro-batch, ``units`` ZeRO units (the overlap's grain)."""
+    link = host_link(hw)
+    cpu = shard_params / cpu_adam_rate(hw)
+    d2h = shard_params * precision.grad_bytes / link
+    h2d = shard_params * precision.param_bytes / link
+    exposed = max(cpu / max(units, 1), cpu + d2h - backward_s) + h2d
+    if layout.offload == "params":  # each unit's shard, forward and backward, prefetched
+        per_mb = 2 * shard_params * precision.param_bytes / link / max(units, 1)
+        exposed += layout.microbatches * per_mb
+    return exposed
+
+
+def nvme_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
+    """The NVMe tier's bytes on the worst rank (what ``offload_dir`` must hold per rank)."""
+    worst = 0.0
+    for stage in sorted({0, layout.pp - 1}):
+        worst = max(worst, offload_memory(spec, layout, precision, stage).disk)
+    return worst
+
+
+def _kinds_for(zero: int, kinds: tuple[str, ...]) -> list[str]:
+    """The offload kinds a ZeRO stage can use (``params`` needs stage 3)."""
+    return [k for k in kinds if k != "none" and (k != "params" or zero == 3)]
+
+
+def offload_layouts(base: Layout, group: list[Layout], kinds: tuple[str, ...]) -> list[Layout]:
+    """The offloaded variants ``plait plan --search --offload`` adds to a search group:
+    each ZeRO layout of ``group`` with every kind of ``kinds``; a group without ZeRO on
+    one data-parallel rank (one device: nothing to shard, yet offload pays) gets ZeRO
+    1-3 of ``base`` with offload."""
+    from dataclasses import replace
+
+    zeroed = [x for x in group if x.zero >= 1]
+    if not zeroed and base.dp == 1 and base.pp == 1:
+        zeroed = [replace(base, zero=z) for z in (1, 2, 3)]
+    return [replace(x, offload=k) for x in zeroed for k in _kinds_for(x.zero, kinds)]  # type: ignore[arg-type]
+
+
+def offload_count(variants: dict[int, int], dp: int, pp: int, kinds: tuple[str, ...]) -> int:
+    """How many layouts :func:`offload_layouts` adds, from the group's variants per ZeRO
+    stage (``{stage: count}``), without building them."""
+    if any(z >= 1 for z in variants):
+        return sum(n * len(_kinds_for(z, kinds)) for z, n in variants.items() if z >= 1)
+    if dp == 1 and pp == 1:
+        return sum(len(_kinds_for(z, kinds)) for z in (1, 2, 3))
+    return 0
+
+
+def format_offload(e: Estimate) -> str:
+    """Where the offloaded layout keeps its bytes, per rank, and the host step's cost."""
+    from plait.plan.explain import gib
+
+    m = offload_memory(e.model, e.layout, e.precision, e.memory.stage)
+    t = e.time.optimizer
+    return "\n".join(
+        [
+            f"offload ({e.layout.offload}{', NVMe tier' if e.layout.offload_nvme else ''}) "
+            "per rank:",
+            f"  device state {gib(m.device)}, host {gib(m.host)} (pinned {gib(m.pinned)}), "
+            f"disk {gib(m.disk)}",
+            f"  host AdamW {cpu_adam_rate(e.hardware) / 1e9:.2f} G params/s, host link "
+            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s",
+        ]
+    )
+
+
+def refuse_bad_offload_dir(cfg: Config, world_size: int, ranks_per_host: int) -> None:
+    """What ``plait train`` runs before starting with ``parallel.offload_dir``: refuse
+    (:class:`~plait.errors.ConfigError`, exit code 2) a folder that is not writable or
+    has less free space than the files of the host's ranks need (the worst rank's
+    :func:`nvme_bytes` times the ranks per host)."""
+    from plait.plan.fit import plan_inputs
+
+    folder = cfg.parallel.offload_dir
+    if folder is None:
+        return
+    spec, layout, precision, _ = plan_inputs(cfg, world_size)
+    need = nvme_bytes(spec, layout, precision) * min(ranks_per_host, world_size)
+    check_offload_dir(folder, int(need))
