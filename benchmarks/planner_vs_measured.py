@@ -11,8 +11,11 @@ rates just after; each rate is timed on two clocks, wall and process CPU time. F
 layout the script prints
 
 * rank 0's **state bytes** (weights, gradients, fp32 masters, AdamW state, exactly as
-  :func:`plait.train.memory.memory_report` reads them from the tensors) and plait's
-  data-parallel **bucket** copies, against the planner (pipeline stage 0, shard 0);
+  :func:`plait.train.memory.memory_report` reads them from the tensors; plait's
+  gradients are views into its data-parallel buckets, so the buckets count as the
+  gradients) and the **bucket** bytes beyond the gradients they hold (a runtime whose
+  buckets copy the gradients), against the planner (pipeline stage 0, shard 0), filed
+  the same way on both sides;
 * **activation bytes** of one micro-batch on rank 0's stage, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters and buffers
   excluded), against the planner's list of saved tensors for plait's block (see
@@ -163,7 +166,12 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
         if isinstance(wrapper, DataParallel)
         else None
     )
-    grads = report["grads"] - (buckets or 0)  # memory_report counts buckets as gradients
+    # plait's gradients are views into its buckets: memory_report files the buckets as
+    # gradients, and so does the planner (state); only bucket bytes beyond the
+    # gradients they hold (copies, padding) are "DP buckets", as the planner files them
+    grad_views = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+    extra = max(0, buckets - grad_views) if buckets is not None else None
+    grads = report["grads"] - (extra or 0)
     trainer.optimizer.zero_grad(set_to_none=True)
     return {
         "wrapper": type(trainer.model.module).__name__,
@@ -174,7 +182,7 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
         "grads": grads,
         "master": report["master"],
         "optimizer": report["optimizer"] + report["optimizer_scalars"],
-        "buckets": buckets,
+        "buckets": extra,
         "activations": activations,
     }
 
@@ -459,8 +467,8 @@ def published_runs() -> list[Published]:
     def llama_row(gpus: int, dp: int, per_dp: int, pct: float) -> Published:
         lay = Layout(
             dp=dp, tp=8, pp=16, micro_batch=1, microbatches=per_dp, zero=2,
-            schedule="interleaved", chunks=2, recompute="none",
-            sequence_parallel=True,
+            schedule="interleaved", chunks=8, recompute="none",
+            sequence_parallel=True, pp_grad_reduce="microbatch", edge_trim=1,
         )  # fmt: skip
         return Published(
             f"Llama 3 405B, {gpus} x H100-80GB",
@@ -473,10 +481,13 @@ def published_runs() -> list[Published]:
             pct,
             "mfu",
             f"TP 8, CP 1, PP 16, DP {dp}, {per_dp} sequences of 8192 per DP group as "
-            "stated; micro-batch 1, ZeRO-2, no recomputation as described; interleaved "
-            "v=2 and Megatron sequence parallelism assumed",
-            replace(lay, chunks=4),
-            "v=4",
+            "stated; micro-batch 1, ZeRO-2 with gradients reduce-scattered after each "
+            "backward (FSDP), no recomputation, one block fewer on the first and the last "
+            "stage (126 = 16 x 8 - 2) as described; interleaved with one block per model "
+            "chunk (v=8, the paper does not state v) and Megatron sequence parallelism "
+            "assumed",
+            replace(lay, chunks=2),
+            "v=2",
         )
 
     return [

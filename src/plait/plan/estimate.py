@@ -245,7 +245,9 @@ def step_time(
 
     worst: tuple[float, float, float, float, float, float, float] | None = None
     worst_stage = 0
-    for stage in sorted({0, p - 1}):
+    # the first stage has the embedding, the last the head; with edge_trim the second
+    # (a middle stage) has the most blocks
+    for stage in sorted({0, p - 1} | ({1} if layout.edge_trim and p > 2 else set())):
         sp = stage_params(spec, layout, stage)
         comp_f = sp.layers * blk.forward
         comp_b = sp.layers * blk.backward

@@ -192,7 +192,7 @@ class Hardware:
 
 def _gpu(
     name: str,
-    memory_gb: float,
+    memory_mib: float,
     peak_tflops: float,
     hbm_tbs: float,
     nvlink_gbs: float,
@@ -201,12 +201,15 @@ def _gpu(
     attention_eff: float,
     source: str,
 ) -> Hardware:
-    """A datasheet GPU with the stated achievable fractions (see :data:`PRESETS`)."""
+    """A datasheet GPU with the stated achievable fractions (see :data:`PRESETS`);
+    ``memory_mib`` is the capacity CUDA reports (``nvidia-smi``'s total): the marketed
+    "80 GB" of an A100 or H100 is 80 GiB of HBM (85.9e9 bytes), of which an H100 exposes
+    81,559 MiB (79.6 GiB) and an A100 81,920 MiB, not 80e9 bytes (74.5 GiB)."""
     peak = peak_tflops * 1e12
     hbm = hbm_tbs * 1e12
     return Hardware(
         name=name,
-        memory_bytes=memory_gb * 1e9,
+        memory_bytes=memory_mib * 2**20,
         peak_flops=peak,
         matmul=Curve.constant(peak * matmul_eff),
         attention=Curve.constant(peak * attention_eff),
@@ -233,7 +236,7 @@ IB_ALPHA_S = 8e-6
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": _gpu(
         "a100-40gb",
-        40,
+        40960,
         312,
         1.555,
         300,
@@ -246,7 +249,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "a100-80gb": _gpu(
         "a100-80gb",
-        80,
+        81920,
         312,
         2.039,
         300,
@@ -259,7 +262,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h100-80gb": _gpu(
         "h100-80gb",
-        80,
+        81559,
         989,
         3.35,
         450,
@@ -272,7 +275,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h200": _gpu(
         "h200",
-        141,
+        143771,
         989,
         4.8,
         450,
