@@ -30,7 +30,7 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         "micro_batch": int, "microbatches": int, "recompute": str, "schedule": str,
         "chunks": int, "sequence_parallel": bool, "cp_attention": str, "compression": str,
         "compression_ratio": float, "compression_rank": int, "world": int,
-        "pp_grad_reduce": str, "pp_reshard": bool,
+        "pp_grad_reduce": str, "pp_reshard": bool, "edge_trim": int,
     },
     "global_batch": int,
     "memory_bytes": {
