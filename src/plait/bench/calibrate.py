@@ -273,10 +273,39 @@ def _compute_fields(comp: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def tiny_block_charge(hw: Hardware) -> float:
+    """Seconds the planner charges the tiny block of :data:`plait.bench.measure.TINY_BLOCK`
+    (forward + backward) with ``hw``'s rates and fixed costs."""
+    from plait.bench.measure import TINY_BATCH, tiny_block_config
+    from plait.plan.compute import block_time
+    from plait.plan.layout import PRECISIONS, Layout, Runtime
+    from plait.plan.modelspec import ModelSpec
+
+    cfg = tiny_block_config()
+    spec = ModelSpec.from_config(cfg, "tiny-block")
+    bt = block_time(
+        spec, Layout(micro_batch=TINY_BATCH), Runtime(), PRECISIONS["fp32"], hw, cfg.max_seq_len
+    )
+    return bt.forward + bt.backward
+
+
+def block_overhead(hw: Hardware, measured_s: float) -> float:
+    """The fixed cost of a block: the tiny block's measured seconds minus what ``hw``
+    (without a block overhead) charges for it, at least 0."""
+    return max(0.0, measured_s - tiny_block_charge(replace(hw, block_overhead_s=0.0)))
+
+
+def _with_block_overhead(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
+    if not all("tiny_block" in c for c in comp):
+        return hw
+    tiny = statistics.median(c["tiny_block"] for c in comp)
+    return replace(hw, block_overhead_s=block_overhead(hw, tiny))
+
+
 def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
     """``hw`` with its compute rates replaced by fresh :func:`compute_body` results
     (several runs' results may be pooled: each point is the median over all)."""
-    return replace(hw, **_compute_fields(comp))
+    return _with_block_overhead(replace(hw, **_compute_fields(comp)), comp)
 
 
 def profile_from_results(
@@ -334,7 +363,7 @@ def profile_from_results(
         ),
         **fields,
     )
-    return hw, fits
+    return _with_block_overhead(hw, [_on_clock(r["compute"], clock) for r in results]), fits
 
 
 def calibrate(

@@ -173,6 +173,11 @@ class Hardware:
     """Fraction of the compute window that data-parallel / ZeRO / context-parallel
     traffic can hide under: 1 on GPUs (copy engines and NICs move the bytes), 0 for CPU
     ranks of one core each, whose transport threads need the same cores."""
+    block_overhead_s: float = 0.0
+    """Fixed seconds one transformer block's forward + backward costs beyond what the
+    rates charge (module calls, autograd bookkeeping, views): measured by ``plait bench
+    calibrate`` as a tiny block's time minus the planner's charge for it; 0 on GPUs
+    whose launches run ahead of the device."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -184,6 +189,10 @@ class Hardware:
                 raise ConfigError(f"hardware.{key} must be positive, got {getattr(self, key)}.")
         if self.op_overhead_s < 0:
             raise ConfigError(f"hardware.op_overhead_s must be >= 0, got {self.op_overhead_s}.")
+        if self.block_overhead_s < 0:
+            raise ConfigError(
+                f"hardware.block_overhead_s must be >= 0, got {self.block_overhead_s}."
+            )
 
     def with_memory(self, memory_bytes: float) -> Hardware:
         """The same device with a different memory capacity."""
@@ -330,6 +339,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"optimizer_bandwidth = {hw.optimizer_bandwidth!r}",
         f"op_overhead_s = {hw.op_overhead_s!r}",
         f"comm_overlap = {hw.comm_overlap!r}",
+        f"block_overhead_s = {hw.block_overhead_s!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -403,6 +413,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             inter=_parse_link("inter", data["inter"]),
             source=str(d.get("source", "")),
             comm_overlap=float(d.get("comm_overlap", 1.0)),
+            block_overhead_s=float(d.get("block_overhead_s", 0.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None
