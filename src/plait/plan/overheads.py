@@ -132,9 +132,7 @@ def ring_block_seconds(
     return fwd, bwd
 
 
-def zero3_unit_seconds(
-    unit_bytes: float, tensors: int, units: int, hw: Hardware
-) -> float:
+def zero3_unit_seconds(unit_bytes: float, tensors: int, units: int, hw: Hardware) -> float:
     """Seconds of ZeRO-3's copies and hooks per micro-batch on one rank: ``units`` units
     of ``unit_bytes`` (weights; gradients the same size) holding ``tensors`` parameter
     tensors in all (each swapped in and out at each of the two gathers and the free)."""
