@@ -61,6 +61,7 @@ def test_cuda_calibration_refused_without_a_gpu(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_calibration_on_the_gpu(tmp_path: Path) -> None:
     hw, rates = calibrate_cuda(quick=True)
+    assert rates.launch_s > 0
     assert hw.matmul.peak > 1e13 and hw.attention.peak > 1e12  # bf16 on a data-centre GPU
     assert hw.memory_bytes == pytest.approx(torch.cuda.get_device_properties(0).total_memory)
     out = tmp_path / "gpu.toml"

@@ -168,7 +168,10 @@ def tiny_block_config() -> Any:
     """The :class:`~plait.config.ModelConfig` of :data:`TINY_BLOCK` (one layer)."""
     from plait.config import ModelConfig
 
-    return ModelConfig(n_layers=1, vocab_size=256, **TINY_BLOCK)
+    t = TINY_BLOCK
+    return ModelConfig(
+        n_layers=1, vocab_size=256, dim=t["dim"], n_heads=t["n_heads"], max_seq_len=t["max_seq_len"]
+    )
 
 
 def measure_tiny_block(reps: int, device: str = "cpu") -> dict[str, float]:
