@@ -67,3 +67,15 @@ def test_cuda_calibration_on_the_gpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu.toml"
     assert main(["bench", "calibrate", "--device", "cuda", "--quick", "--out", str(out)]) == 0
     assert load_hardware(str(out)).name == hw.name
+
+
+def test_ring_overhead_reads_back() -> None:
+    """The planner's charge for the tiny ring, with the derived ring overhead, equals
+    what was measured; the charge grows by exactly that overhead."""
+    from plait.bench.calibrate import ring_charge, ring_overhead
+
+    hw = dataclasses.replace(PRESETS["a100-80gb"], op_overhead_s=2e-6)
+    measured = ring_charge(hw) + 2e-3
+    over = ring_overhead(hw, measured)
+    assert over == pytest.approx(2e-3)
+    assert ring_charge(dataclasses.replace(hw, ring_overhead_s=over)) == pytest.approx(measured)

@@ -178,6 +178,10 @@ class Hardware:
     rates charge (module calls, autograd bookkeeping, views): measured by ``plait bench
     calibrate`` as a tiny block's time minus the planner's charge for it; 0 on GPUs
     whose launches run ahead of the device."""
+    ring_overhead_s: float = 0.0
+    """Fixed seconds one layer's ring attention (forward + backward, cp > 1) costs beyond
+    what the rates and the in-step exchanges charge (its per-chunk Python calls):
+    measured by ``plait bench calibrate`` on pairs of ranks at a tiny shape; 0 on GPUs."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -189,6 +193,8 @@ class Hardware:
                 raise ConfigError(f"hardware.{key} must be positive, got {getattr(self, key)}.")
         if self.op_overhead_s < 0:
             raise ConfigError(f"hardware.op_overhead_s must be >= 0, got {self.op_overhead_s}.")
+        if self.ring_overhead_s < 0:
+            raise ConfigError(f"hardware.ring_overhead_s must be >= 0, got {self.ring_overhead_s}.")
         if self.block_overhead_s < 0:
             raise ConfigError(
                 f"hardware.block_overhead_s must be >= 0, got {self.block_overhead_s}."
@@ -340,6 +346,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"op_overhead_s = {hw.op_overhead_s!r}",
         f"comm_overlap = {hw.comm_overlap!r}",
         f"block_overhead_s = {hw.block_overhead_s!r}",
+        f"ring_overhead_s = {hw.ring_overhead_s!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -414,6 +421,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             source=str(d.get("source", "")),
             comm_overlap=float(d.get("comm_overlap", 1.0)),
             block_overhead_s=float(d.get("block_overhead_s", 0.0)),
+            ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None

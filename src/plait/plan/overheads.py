@@ -20,7 +20,8 @@ between barriers. Real steps pay more, in places the measurements of
   ring copies its operands contiguous, merges the partial output by log-sum-exp in
   forward, and accumulates dQ, dK, dV in backward: :data:`RING_FWD_PASSES` and
   :data:`RING_BWD_PASSES` passes over a chunk's ``(b, h, c, d)`` tensor and
-  :data:`RING_FWD_OPS` / :data:`RING_BWD_OPS` operator calls.
+  :data:`RING_FWD_OPS` / :data:`RING_BWD_OPS` operator calls, plus the profile's
+  ``ring_overhead_s`` per layer (its Python calls, calibrated on a tiny ring).
 * **ZeRO-3 unit copies and hooks** (:func:`zero3_unit_seconds`): every gather copies the
   gathered flat buffer into the unit's storage (before forward and again before
   backward), every backward flattens the unit's gradients for the reduce-scatter, and
@@ -127,8 +128,9 @@ def ring_block_seconds(
     chunk = layout.micro_batch * heads * c * spec.head_dim * acc
     rate = hw.elementwise.at(chunk)
     pairs = ring_pairs(layout.cp)
-    fwd = pairs * (RING_FWD_PASSES * chunk / rate + RING_FWD_OPS * hw.op_overhead_s)
-    bwd = pairs * (RING_BWD_PASSES * chunk / rate + RING_BWD_OPS * hw.op_overhead_s)
+    fixed = hw.ring_overhead_s / 3  # the calibrated per-layer calls, a third in forward
+    fwd = pairs * (RING_FWD_PASSES * chunk / rate + RING_FWD_OPS * hw.op_overhead_s) + fixed
+    bwd = pairs * (RING_BWD_PASSES * chunk / rate + RING_BWD_OPS * hw.op_overhead_s) + 2 * fixed
     return fwd, bwd
 
 
