@@ -105,6 +105,10 @@ def calibrate_main(argv: Sequence[str]) -> int:
         f"element-wise: up to {hw.elementwise.peak / 1e9:.1f} GB/s; op overhead "
         f"{hw.op_overhead_s * 1e6:.1f} us; optimizer {hw.optimizer_bandwidth / 1e9:.1f} GB/s"
     )
+    print(
+        f"fixed costs: {hw.block_overhead_s * 1e3:.2f} ms per block (forward + backward), "
+        f"{hw.ring_overhead_s * 1e3:.2f} ms per ring-attention layer"
+    )
     for f in fits:
         print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")
     print(f"wrote {ns.out}", file=sys.stderr)
