@@ -129,3 +129,18 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
     assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     with pytest.raises(ValueError, match="unknown clock"):
         profile_from_results(results, 4e9, clock="sundial")
+    # the fixed costs read back: with the derived overheads the planner charges the tiny
+    # block and the tiny ring exactly what the ranks measured (when above the rates)
+    import statistics
+
+    from plait.bench.calibrate import ring_charge, tiny_block_charge
+
+    for clock, hw in (("wall", wall), ("cpu", cpu)):
+        part = [r["compute"] if clock == "wall" else r["compute"]["cpu"] for r in results]
+        tiny = statistics.median(c["tiny_block"] for c in part)
+        assert tiny_block_charge(hw) == pytest.approx(max(tiny, tiny_block_charge(
+            dataclasses.replace(hw, block_overhead_s=0.0))))  # fmt: skip
+        ring = max(r["ring"][clock] for r in results)
+        assert ring_charge(hw) == pytest.approx(
+            max(ring, ring_charge(dataclasses.replace(hw, ring_overhead_s=0.0)))
+        )

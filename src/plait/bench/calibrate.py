@@ -207,6 +207,70 @@ def measure_in_step(g: Any, sizes: Sequence[int], reps: int) -> dict[str, list[A
     return out
 
 
+TINY_RING = (1, 2, 4, 8)
+"""``(batch, heads, local sequence, head dim)`` of the tiny ring attention whose training
+step on pairs of ranks measures the ring's fixed per-layer cost (:func:`measure_ring`)."""
+
+
+def measure_ring(g: Any, reps: int) -> dict[str, float]:
+    """Seconds of one forward + backward of plait's ring attention over the pair ``g`` at
+    the tiny shape :data:`TINY_RING`, per clock (the median of ``reps``; no barrier in
+    between, as a step runs it)."""
+    import torch
+
+    from plait.parallel.context.ring_attention import RingAttention
+
+    b, h, s, d = TINY_RING
+    ring = RingAttention(g)
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        ring(q, k, v).sum().backward()
+
+    step()
+    comm_barrier(g)
+    samples: dict[str, list[float]] = {c: [] for c in CLOCKS}
+    for _ in range(reps):
+        start = {c: clock() for c, clock in CLOCKS.items()}
+        step()
+        for c, clock in CLOCKS.items():
+            samples[c].append(clock() - start[c])
+    return {c: statistics.median(v) for c, v in samples.items()}
+
+
+def comm_barrier(g: Any) -> None:
+    """A barrier on ``g`` (plait.comm, imported here)."""
+    from plait import comm
+
+    comm.barrier(g)
+
+
+def ring_charge(hw: Hardware) -> float:
+    """Seconds the planner charges the tiny ring of :data:`TINY_RING` on 2 ranks (forward
+    + backward: attention at its chunk rate, merges and copies, in-step exchanges)."""
+    from plait.plan.compute import attention_flops
+    from plait.plan.estimate import cp_layer_time
+    from plait.plan.layout import PRECISIONS, Layout
+    from plait.plan.modelspec import ModelSpec
+    from plait.plan.overheads import attention_length, ring_block_seconds
+
+    b, h, s, d = TINY_RING
+    seq = 2 * s
+    spec = ModelSpec("tiny-ring", 1, h * d, h, h, 4 * h * d, 256, "llama", seq)
+    lay = Layout(cp=2, micro_batch=b)
+    hw = replace(hw, comm_overlap=0.0)
+    attn = 3 * attention_flops(spec, lay, seq) / hw.attention.at(attention_length(lay, seq))
+    fwd, bwd = ring_block_seconds(spec, lay, PRECISIONS["fp32"], hw, seq)
+    msg = b * seq / 2 * spec.hidden * 4
+    return attn + fwd + bwd + cp_layer_time(spec, lay, hw, seq, msg)
+
+
+def ring_overhead(hw: Hardware, measured_s: float) -> float:
+    """The ring's fixed per-layer cost: the tiny ring's measured seconds minus what ``hw``
+    (without a ring overhead) charges for it, at least 0."""
+    return max(0.0, measured_s - ring_charge(replace(hw, ring_overhead_s=0.0)))
+
+
 def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
     """The in-step all-reduce on groups of two ranks (tensor-parallel pairs; all pairs
     at once), labelled with that group size; empty on one rank or an odd world."""
@@ -216,7 +280,8 @@ def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
     g = ctx.mesh(dp=w // 2, tp=2).axis("tp")
     sizes = (IN_STEP_BYTES[0], IN_STEP_BYTES[2]) if quick else IN_STEP_BYTES
     res = measure_in_step(g, sizes, 10 if quick else 20)
-    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}}
+    ring = measure_ring(g, 5 if quick else 15)
+    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}, "ring": ring}
 
 
 def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
@@ -225,9 +290,12 @@ def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     reps = 5 if quick else 15
     comms = _collective_body(ctx, sizes, reps)
     step = _in_step_body(ctx, quick)
-    comms.update({k: v for k, v in step.items() if k != "cpu"})
+    comms.update({k: v for k, v in step.items() if k not in ("cpu", "ring")})
     comms["cpu"].update(step["cpu"])
-    return {"compute": compute_body(ctx, quick), "comm": comms}
+    out = {"compute": compute_body(ctx, quick), "comm": comms}
+    if "ring" in step:
+        out["ring"] = step["ring"]
+    return out
 
 
 def _slowest(comms: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -273,10 +341,39 @@ def _compute_fields(comp: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def tiny_block_charge(hw: Hardware) -> float:
+    """Seconds the planner charges the tiny block of :data:`plait.bench.measure.TINY_BLOCK`
+    (forward + backward) with ``hw``'s rates and fixed costs."""
+    from plait.bench.measure import TINY_BATCH, tiny_block_config
+    from plait.plan.compute import block_time
+    from plait.plan.layout import PRECISIONS, Layout, Runtime
+    from plait.plan.modelspec import ModelSpec
+
+    cfg = tiny_block_config()
+    spec = ModelSpec.from_config(cfg, "tiny-block")
+    bt = block_time(
+        spec, Layout(micro_batch=TINY_BATCH), Runtime(), PRECISIONS["fp32"], hw, cfg.max_seq_len
+    )
+    return bt.forward + bt.backward
+
+
+def block_overhead(hw: Hardware, measured_s: float) -> float:
+    """The fixed cost of a block: the tiny block's measured seconds minus what ``hw``
+    (without a block overhead) charges for it, at least 0."""
+    return max(0.0, measured_s - tiny_block_charge(replace(hw, block_overhead_s=0.0)))
+
+
+def _with_block_overhead(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
+    if not all("tiny_block" in c for c in comp):
+        return hw
+    tiny = statistics.median(c["tiny_block"] for c in comp)
+    return replace(hw, block_overhead_s=block_overhead(hw, tiny))
+
+
 def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
     """``hw`` with its compute rates replaced by fresh :func:`compute_body` results
     (several runs' results may be pooled: each point is the median over all)."""
-    return replace(hw, **_compute_fields(comp))
+    return _with_block_overhead(replace(hw, **_compute_fields(comp)), comp)
 
 
 def profile_from_results(
@@ -334,6 +431,9 @@ def profile_from_results(
         ),
         **fields,
     )
+    hw = _with_block_overhead(hw, [_on_clock(r["compute"], clock) for r in results])
+    if all("ring" in r for r in results):  # the slowest rank's tiny ring, pairs of ranks
+        hw = replace(hw, ring_overhead_s=ring_overhead(hw, max(r["ring"][clock] for r in results)))
     return hw, fits
 
 

@@ -9,7 +9,8 @@ wall and process CPU time), and returns rates per clock:
 * causal fused attention forward + backward;
 * the autograd chain of a block's memory-bound layers (norm, rotary, activation,
   residual), charged as :func:`plait.plan.compute.block_traffic` charges it;
-* the fixed cost of one operator call, and AdamW + clipping.
+* the fixed cost of one operator call, the training step of a tiny transformer block
+  (the fixed cost of a block), and AdamW + clipping.
 
 :func:`compute_body` runs them all on one rank of a pool; :mod:`plait.bench.calibrate`
 adds the collectives and turns the results into a hardware profile. Like it, this module
@@ -157,6 +158,53 @@ def measure_op_overhead(reps: int) -> dict[str, float]:
     return _median_times(lambda: torch.add(x, y), reps, 0.01)
 
 
+TINY_BLOCK = {"dim": 32, "n_heads": 2, "max_seq_len": 8}
+"""The tiny transformer block whose training step measures the fixed cost of a block
+(:func:`measure_tiny_block`); :data:`TINY_BATCH` sequences of its ``max_seq_len``."""
+TINY_BATCH = 1
+
+
+def tiny_block_config() -> Any:
+    """The :class:`~plait.config.ModelConfig` of :data:`TINY_BLOCK` (one layer)."""
+    from plait.config import ModelConfig
+
+    t = TINY_BLOCK
+    return ModelConfig(
+        n_layers=1, vocab_size=256, dim=t["dim"], n_heads=t["n_heads"], max_seq_len=t["max_seq_len"]
+    )
+
+
+def measure_tiny_block(reps: int, device: str = "cpu") -> dict[str, float]:
+    """Seconds of one forward + backward of plait's transformer :class:`Block` at the
+    tiny shape of :data:`TINY_BLOCK`, per clock: almost all of it is the fixed cost of
+    a block's module calls, operator dispatch and autograd bookkeeping."""
+    import torch
+
+    from plait.model.transformer import Block
+
+    cfg = tiny_block_config()
+    blk = Block(cfg).to(device)
+    for p in blk.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    s, d = cfg.max_seq_len, cfg.dim
+    x = torch.randn(TINY_BATCH, s, d, device=device, requires_grad=True)
+    half = d // cfg.n_heads // 2
+    cos, sin = torch.ones(s, half, device=device), torch.zeros(s, half, device=device)
+
+    def step() -> None:
+        blk(x, cos, sin).sum().backward()
+        _sync(device)
+
+    return _median_times(step, reps, 0.01)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def measure_optimizer(params: int, tensors: int, reps: int) -> dict[str, float]:
     """Bytes/s of AdamW + gradient clipping per clock, charged 40 bytes per fp32
     parameter (the traffic :func:`plait.plan.estimate.step_time` uses: weights and two
@@ -191,6 +239,7 @@ def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
     at = measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps)
     ew = measure_elementwise(ELEMENTWISE_ELEMS[:4] if quick else ELEMENTWISE_ELEMS, reps)
     oo = measure_op_overhead(reps)
+    tb = measure_tiny_block(reps)
     op = measure_optimizer(2**19 if quick else 2**21, 16, reps)
     per = {
         c: {
@@ -199,6 +248,7 @@ def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
             "attention": at[c],
             "elementwise": ew[c],
             "op_overhead": oo[c],
+            "tiny_block": tb[c],
             "optimizer": op[c],
         }
         for c in CLOCKS

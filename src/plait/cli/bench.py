@@ -43,7 +43,38 @@ def _calibrate_parser() -> ConfigErrorParser:
     p.add_argument("--nproc", type=int, default=2, help="local processes (ranks)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     p.add_argument("--memory-gb", type=float, help="device memory (default: RAM / cores)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks on this host (default); cuda: the first GPU's bf16 rates over "
+        "its datasheet preset (plait.bench.device)",
+    )
     return p
+
+
+def _calibrate_cuda(out: str, quick: bool) -> int:
+    """``plait bench calibrate --device cuda``: the GPU's rates, written as a profile."""
+    from pathlib import Path
+
+    from plait.bench.device import calibrate_cuda
+    from plait.plan.hardware import dump_hardware
+
+    hw, rates = calibrate_cuda(quick)
+    Path(out).write_text(
+        dump_hardware(hw, comment="written by plait bench calibrate --device cuda"),
+        encoding="utf-8",
+    )
+    print(f"matmul: {', '.join(f'{int(s)}: {r / 1e12:.0f}' for s, r in hw.matmul.points)} TFLOP/s")
+    att = ", ".join(f"s={int(s)}: {r / 1e12:.0f}" for s, r in hw.attention.points)
+    print(f"attention: {att} TFLOP/s")
+    print(
+        f"element-wise: up to {hw.elementwise.peak / 1e9:.0f} GB/s; optimizer "
+        f"{hw.optimizer_bandwidth / 1e9:.0f} GB/s; launch {rates.launch_s * 1e6:.1f} us; "
+        f"tiny block {rates.tiny_block_s * 1e3:.2f} ms"
+    )
+    print(f"wrote {out}", file=sys.stderr)
+    return EXIT_OK
 
 
 def calibrate_main(argv: Sequence[str]) -> int:
@@ -58,6 +89,8 @@ def calibrate_main(argv: Sequence[str]) -> int:
         raise ConfigError(f"--nproc must be at least 2 to measure collectives, got {ns.nproc}.")
     if ns.memory_gb is not None and ns.memory_gb <= 0:
         raise ConfigError(f"--memory-gb must be positive, got {ns.memory_gb}.")
+    if ns.device == "cuda":
+        return _calibrate_cuda(ns.out, ns.quick)
     mem = ns.memory_gb * 1e9 if ns.memory_gb else None
     hw, fits = calibrate(ns.nproc, quick=ns.quick, memory_bytes=mem)
     text = dump_hardware(hw, comment=f"written by plait bench calibrate --nproc {ns.nproc}")
@@ -71,6 +104,10 @@ def calibrate_main(argv: Sequence[str]) -> int:
     print(
         f"element-wise: up to {hw.elementwise.peak / 1e9:.1f} GB/s; op overhead "
         f"{hw.op_overhead_s * 1e6:.1f} us; optimizer {hw.optimizer_bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"fixed costs: {hw.block_overhead_s * 1e3:.2f} ms per block (forward + backward), "
+        f"{hw.ring_overhead_s * 1e3:.2f} ms per ring-attention layer"
     )
     for f in fits:
         print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")

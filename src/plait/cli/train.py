@@ -46,6 +46,17 @@ def _parser() -> argparse.ArgumentParser:
         "train.resume; 'auto': latest if any, else start fresh)",
     )
     t.add_argument(
+        "--layout",
+        choices=("auto",),
+        help="'auto': dp/tp/pp/cp, ZeRO stage, recomputation and micro-batch from the "
+        "planner's search for this world size, device and model (docs/planner.md)",
+    )
+    t.add_argument(
+        "--hardware",
+        metavar="PROFILE",
+        help="with --layout auto: a hardware preset or a profile from `plait bench calibrate`",
+    )
+    t.add_argument(
         "--ray",
         action="store_true",
         help="run the ranks as Ray actors (same as --launch.backend ray; see docs/ray.md)",
@@ -75,6 +86,23 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     _check_device(cfg)
+    if ns.layout == "auto":  # the planner's search picks the layout (plait.cli.layout_auto)
+        from plait.cli.layout_auto import resolve_auto_layout
+
+        def build(sets: list[str]) -> Config:
+            d = load_config_data(ns.config, [*overrides, *sets])
+            run_defaults(d)
+            pretrained_defaults(d)
+            return config_from_dict(d)
+
+        per_host = env.local_world_size if env is not None else world
+        sets, argv = resolve_auto_layout(
+            build, cfg, world, ns.hardware, overrides, argv, per_host, _cuda_device(),
+            say=env is None or env.rank == 0,
+        )  # fmt: skip
+        cfg = build(sets)
+    elif ns.hardware is not None:
+        raise ConfigError("--hardware is read by --layout auto only; add --layout auto.")
     from plait.train.profile import check_memory_snapshot
 
     check_memory_snapshot(cfg.log.memory_snapshot, cfg.launch.device)

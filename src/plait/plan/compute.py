@@ -16,7 +16,9 @@ profile gives for its size:
   loss) as bytes read + written over ``elementwise.at(tensor bytes)``; backward moves
   twice the forward's bytes (it reads the saved inputs and the output gradient and
   writes the input gradients);
-* a fixed ``op_overhead_s`` per operator call (CPU dispatch; 0 for GPUs).
+* a fixed ``op_overhead_s`` per operator call (CPU dispatch; 0 for GPUs);
+* a fixed ``block_overhead_s`` per block's forward + backward (module calls, autograd
+  bookkeeping, views: what a tiny block costs beyond the rates; 0 for GPU presets).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from plait.plan.activations import kv_heads_local
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
+from plait.plan.overheads import attention_length
 
 BACKWARD_FACTOR = 2.0
 """Backward work relative to forward, for GEMMs (dX and dW), attention and memory-bound
@@ -157,13 +160,16 @@ def block_time(
     core_gemm_f = sum(g.seconds(hw) for g in gemms if g.name in ("attn.scores", "attn.values"))
     if runtime.attention == "flash":
         attn_total = (1 + BACKWARD_FACTOR) * attention_flops(spec, layout, seq_len)
-        attn_f = attn_total / hw.attention.at(seq_len) / (1 + BACKWARD_FACTOR)
+        # ring attention runs its kernels on chunks of s/(2cp) keys (plan.overheads)
+        rate = hw.attention.at(attention_length(layout, seq_len))
+        attn_f = attn_total / rate / (1 + BACKWARD_FACTOR)
     else:
         attn_f = 0.0
     traffic, ops = block_traffic(spec, layout, runtime, precision, seq_len)
     tensor = _tokens(layout, seq_len) * spec.hidden * precision.activation_bytes
     ew_f = _elementwise_seconds(traffic, ops, hw, tensor)
-    fwd = gemm_f + attn_f + ew_f
+    # the block's fixed framework cost (a calibrated profile), a third of it in forward
+    fwd = gemm_f + attn_f + ew_f + hw.block_overhead_s / (1 + BACKWARD_FACTOR)
     bwd = BACKWARD_FACTOR * fwd
     if layout.recompute == "full":
         extra = fwd

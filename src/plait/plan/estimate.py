@@ -48,6 +48,12 @@ from plait.plan.network import (
     reduce_scatter_time,
 )
 from plait.plan.offload import offload_step_time
+from plait.plan.overheads import (
+    attention_length,
+    in_step_time,
+    ring_block_seconds,
+    zero3_unit_seconds,
+)
 from plait.plan.pipeline_zero import pipeline_zero_comm
 from plait.plan.units import stage_units
 
@@ -202,8 +208,11 @@ def cp_layer_time(
             per_head * kv, cp_g.size, cp_g.link
         )
         return (fwd_passes + 1) * a2a
-    ring_f = (layout.cp - 1) * p2p_time(2 * per_head * kv, cp_g.link)
-    attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(seq_len)
+    # each exchange is synchronous in the step: its in-step cost (plan.overheads)
+    ring_f = (layout.cp - 1) * in_step_time("p2p", 2 * per_head * kv, 2, cp_g.link)
+    attn_f = attention_flops(spec, layout, seq_len) / hw.attention.at(
+        attention_length(layout, seq_len)
+    )
     return (fwd_passes + 2) * max(0.0, ring_f - hw.comm_overlap * attn_f)
 
 
@@ -241,17 +250,20 @@ def step_time(
     )
 
     cp_exposed = cp_layer_time(spec, layout, hw, seq_len, msg)
+    ring_fwd, ring_bwd = ring_block_seconds(spec, layout, precision, hw, seq_len)
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
 
     worst: tuple[float, float, float, float, float, float, float] | None = None
     worst_stage = 0
-    for stage in sorted({0, p - 1}):
+    # the first stage has the embedding, the last the head; with edge_trim the second
+    # (a middle stage) has the most blocks
+    for stage in sorted({0, p - 1} | ({1} if layout.edge_trim and p > 2 else set())):
         sp = stage_params(spec, layout, stage)
-        comp_f = sp.layers * blk.forward
-        comp_b = sp.layers * blk.backward
-        rc = sp.layers * blk.recompute
+        comp_f = sp.layers * (blk.forward + ring_fwd)
+        comp_b = sp.layers * (blk.backward + ring_bwd)
+        rc = sp.layers * (blk.recompute + (ring_fwd if layout.recompute == "full" else 0.0))
         tp = sp.layers * block_tp
         if stage == 0:
             comp_f += edge.embed_forward
@@ -294,9 +306,15 @@ def step_time(
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):
         other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
+    if layout.zero == 3 and layout.pp == 1 and layout.shard_factor > 1:
+        units = max(1, sp0.layers) + 1
+        other += m * zero3_unit_seconds(
+            sp0.params * precision.param_bytes / units, sp0.tensors, units, hw
+        )
     dpcp = group(layout, hw, "dp+cp")
-    other += runtime.step_collectives * all_reduce_time(8, dpcp.size, dpcp.link)
-    other += all_reduce_time(8, tp_g.size, tp_g.link)  # gradient norm over the tp shards
+    # scalar all-reduces (loss, gradient norm), synchronous in the step
+    other += runtime.step_collectives * in_step_time("all_reduce", 8, dpcp.size, dpcp.link)
+    other += in_step_time("all_reduce", 8, tp_g.size, tp_g.link)  # norm over tp shards
     return StepTime(
         compute=m * (comp_f + comp_b),
         recompute=m * rc,
@@ -336,7 +354,8 @@ def _dp_comm(
             return 0.0, 0.0
         if layout.compression != "none":
             return _compressed_dp_comm(spec, layout, hw, precision, params, nb, window)
-        comm = nb * all_reduce_time(grads / nb, g.size, g.link)
+        # each bucket's all-reduce is waited for in the step (plan.overheads)
+        comm = nb * in_step_time("all_reduce", grads / nb, g.size, g.link)
         return max(comm / nb, comm - window), comm
     shard = group(layout, hw, "dp", size=f)
     replica = group(layout, hw, "dp", size=layout.dp // f, step=f)
@@ -351,10 +370,13 @@ def _dp_comm(
         exposed = max(rs / nb, rs - window) + ag + cross
         return exposed, rs + ag + cross
     units = max(1, layers) + 1
-    ag = all_gather_time(weights, shard.size, shard.link)
-    rs = reduce_scatter_time(grads, shard.size, shard.link)
+    # one gather per unit before its forward and its backward, one reduce-scatter after
+    # its backward, each synchronous in the step (plan.overheads.in_step_time)
+    agu = in_step_time("all_gather", weights / units, shard.size, shard.link)
+    rsu = in_step_time("reduce_scatter", grads / units, shard.size, shard.link)
+    ag, rs = units * agu, units * rsu
     m = layout.microbatches
-    per_mb = max(ag / units, ag - ov * fwd) + max((ag + rs) / units, ag + rs - ov * bwd)
+    per_mb = max(agu, ag - ov * fwd) + max(agu + rsu, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross
 
 

@@ -48,14 +48,18 @@ class FitVerdict:
         return " ".join(self.reasons)
 
 
-def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precision, Runtime]:
-    """The planner's view of ``cfg`` on ``world_size`` ranks."""
-    p = cfg.parallel
-    layout = Layout.from_config(cfg, world_size)
+def precision_runtime(cfg: Config) -> tuple[Precision, Runtime]:
+    """The planner's precision and runtime for a run of ``cfg``."""
     prec_cfg: Any = getattr(cfg, "precision", None)
     dtype = getattr(prec_cfg, "dtype", "fp32")
     precision = precision_preset(_DTYPE_PRECISION.get(dtype, "fp32"))
-    runtime = Runtime(bucket_mb=p.bucket_mb)
+    return precision, Runtime(bucket_mb=cfg.parallel.bucket_mb)
+
+
+def plan_inputs(cfg: Config, world_size: int) -> tuple[ModelSpec, Layout, Precision, Runtime]:
+    """The planner's view of ``cfg`` on ``world_size`` ranks."""
+    layout = Layout.from_config(cfg, world_size)
+    precision, runtime = precision_runtime(cfg)
     return ModelSpec.from_config(cfg.model, "model"), layout, precision, runtime
 
 

@@ -178,6 +178,15 @@ class Hardware:
     bench calibrate`` (:mod:`plait.bench.cpu_adam`); 0: :mod:`plait.plan.offload`'s default."""
     host_link_bytes_per_s: float = 0.0
     """Host<->device bytes/s (PCIe, NVLink-C2C); 0: by device name (plan.offload)."""
+    block_overhead_s: float = 0.0
+    """Fixed seconds one transformer block's forward + backward costs beyond what the
+    rates charge (module calls, autograd bookkeeping, views): measured by ``plait bench
+    calibrate`` as a tiny block's time minus the planner's charge for it; 0 on GPUs
+    whose launches run ahead of the device."""
+    ring_overhead_s: float = 0.0
+    """Fixed seconds one layer's ring attention (forward + backward, cp > 1) costs beyond
+    what the rates and the in-step exchanges charge (its per-chunk Python calls):
+    measured by ``plait bench calibrate`` on pairs of ranks at a tiny shape; 0 on GPUs."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -189,6 +198,12 @@ class Hardware:
                 raise ConfigError(f"hardware.{key} must be positive, got {getattr(self, key)}.")
         if self.op_overhead_s < 0:
             raise ConfigError(f"hardware.op_overhead_s must be >= 0, got {self.op_overhead_s}.")
+        if self.ring_overhead_s < 0:
+            raise ConfigError(f"hardware.ring_overhead_s must be >= 0, got {self.ring_overhead_s}.")
+        if self.block_overhead_s < 0:
+            raise ConfigError(
+                f"hardware.block_overhead_s must be >= 0, got {self.block_overhead_s}."
+            )
 
     def with_memory(self, memory_bytes: float) -> Hardware:
         """The same device with a different memory capacity."""
@@ -197,7 +212,7 @@ class Hardware:
 
 def _gpu(
     name: str,
-    memory_gb: float,
+    memory_mib: float,
     peak_tflops: float,
     hbm_tbs: float,
     nvlink_gbs: float,
@@ -206,12 +221,15 @@ def _gpu(
     attention_eff: float,
     source: str,
 ) -> Hardware:
-    """A datasheet GPU with the stated achievable fractions (see :data:`PRESETS`)."""
+    """A datasheet GPU with the stated achievable fractions (see :data:`PRESETS`);
+    ``memory_mib`` is the capacity CUDA reports (``nvidia-smi``'s total): the marketed
+    "80 GB" of an A100 or H100 is 80 GiB of HBM (85.9e9 bytes), of which an H100 exposes
+    81,559 MiB (79.6 GiB) and an A100 81,920 MiB, not 80e9 bytes (74.5 GiB)."""
     peak = peak_tflops * 1e12
     hbm = hbm_tbs * 1e12
     return Hardware(
         name=name,
-        memory_bytes=memory_gb * 1e9,
+        memory_bytes=memory_mib * 2**20,
         peak_flops=peak,
         matmul=Curve.constant(peak * matmul_eff),
         attention=Curve.constant(peak * attention_eff),
@@ -238,7 +256,7 @@ IB_ALPHA_S = 8e-6
 PRESETS: dict[str, Hardware] = {
     "a100-40gb": _gpu(
         "a100-40gb",
-        40,
+        40960,
         312,
         1.555,
         300,
@@ -251,7 +269,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "a100-80gb": _gpu(
         "a100-80gb",
-        80,
+        81920,
         312,
         2.039,
         300,
@@ -264,7 +282,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h100-80gb": _gpu(
         "h100-80gb",
-        80,
+        81559,
         989,
         3.35,
         450,
@@ -277,7 +295,7 @@ PRESETS: dict[str, Hardware] = {
     ),
     "h200": _gpu(
         "h200",
-        141,
+        143771,
         989,
         4.8,
         450,
@@ -334,6 +352,8 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"comm_overlap = {hw.comm_overlap!r}",
         f"cpu_adam_params_per_s = {hw.cpu_adam_params_per_s!r}",
         f"host_link_bytes_per_s = {hw.host_link_bytes_per_s!r}",
+        f"block_overhead_s = {hw.block_overhead_s!r}",
+        f"ring_overhead_s = {hw.ring_overhead_s!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -409,6 +429,8 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             comm_overlap=float(d.get("comm_overlap", 1.0)),
             cpu_adam_params_per_s=float(d.get("cpu_adam_params_per_s", 0.0)),
             host_link_bytes_per_s=float(d.get("host_link_bytes_per_s", 0.0)),
+            block_overhead_s=float(d.get("block_overhead_s", 0.0)),
+            ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None

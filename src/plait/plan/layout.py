@@ -90,6 +90,11 @@ class Layout:
     (ZeRO-3: also the parameter shards); :mod:`plait.plan.offload`."""
     offload_nvme: bool = False
     """ZeRO-Infinity's NVMe tier (``parallel.offload_dir``): optimizer state in files."""
+    edge_trim: int = 0
+    """Blocks the first and the last pipeline stage each hold fewer than an even split
+    of ``n_layers + 2·edge_trim`` (they also hold the embedding and the head): Llama 3
+    405B's balancing (Dubey et al. 2024, section 3.3.2). plait's runtime splits evenly
+    (0); a planner-only option for published layouts."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -102,6 +107,8 @@ class Layout:
         check_chunks(self.schedule, self.chunks)
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence parallelism needs tp > 1.")
+        if self.edge_trim < 0:
+            raise ConfigError(f"layout edge_trim must be >= 0, got {self.edge_trim}.")
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -181,6 +188,8 @@ class Layout:
                 s += " reshard"
         if self.sequence_parallel:
             s += " sp"
+        if self.edge_trim and self.pp > 1:
+            s += f" edges-{self.edge_trim}"
         if self.compression != "none":
             s += f" {self.compression}"
         if self.offload != "none":

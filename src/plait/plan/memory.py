@@ -90,12 +90,12 @@ class StageParams:
 
 def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> StageParams:
     """Parameters one tensor-parallel rank of pipeline stage ``stage`` holds."""
-    return _stage_params(spec, layout.tp, layout.pp, stage)
+    return _stage_params(spec, layout.tp, layout.pp, stage, layout.edge_trim)
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_params(spec: ModelSpec, t: int, p: int, stage: int) -> StageParams:
-    layers = stage_layers(spec.n_layers, p, stage)
+def _stage_params(spec: ModelSpec, t: int, p: int, stage: int, trim: int = 0) -> StageParams:
+    layers = stage_layers(spec.n_layers, p, stage, trim)
     per_layer = layer_params_per_rank(spec, t)
     n = layers * per_layer
     tensors = layers * spec.layer_tensors()
@@ -269,7 +269,7 @@ def stage_memory(
     of its shard group (rank 0 holds the most non-padding elements)."""
     sp = stage_params(spec, layout, stage)
     if layout.zero >= 1:  # the runtime's padded flat units, exactly
-        units = stage_units(spec, layout.tp, layout.pp, stage)
+        units = stage_units(spec, layout.tp, layout.pp, stage, layout.edge_trim)
         f = layout.shard_factor
         weights, grads, master, optimizer = zero_state_bytes(
             units, layout.zero, f, shard_rank % f, precision
@@ -308,6 +308,8 @@ def memory_per_rank(
     # stage 0 has the most layers, micro-batches in flight and the embedding; the last
     # stage has the head: no other stage can need more
     candidates = {0, layout.pp - 1}
+    if layout.edge_trim and layout.pp > 2:  # the second stage: more blocks, as many in flight
+        candidates.add(1)
     best = None
     for j in sorted(candidates):
         m = stage_memory(spec, layout, precision, runtime, seq_len, j, shard_rank)

@@ -25,9 +25,15 @@ Unit = tuple[int, ...]
 """Element counts of a unit's tensors, in the order they are flattened."""
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> int:
+def stage_layers(n_layers: int, pp: int, stage: int, edge_trim: int = 0) -> int:
     """Blocks on pipeline stage ``stage``: as even as possible, the first stages take
-    the remainder."""
+    the remainder; with ``edge_trim`` k the pipeline is split as if it had ``2k`` more
+    blocks and the first and the last stage each hold k fewer (they also hold the
+    embedding and the head; Llama 3 405B's 126 blocks are 16 stages of 8 less 2)."""
+    if edge_trim and pp > 1:
+        n = n_layers + 2 * edge_trim
+        edge = edge_trim if stage in (0, pp - 1) else 0
+        return max(0, n // pp + (1 if stage < n % pp else 0) - edge)
     return n_layers // pp + (1 if stage < n_layers % pp else 0)
 
 
@@ -45,7 +51,9 @@ def block_tensors(spec: ModelSpec, tp: int) -> Unit:
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_units(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[Unit, ...]:
+def stage_units(
+    spec: ModelSpec, tp: int, pp: int, stage: int, edge_trim: int = 0
+) -> tuple[Unit, ...]:
     """The units of one tensor-parallel rank of pipeline stage ``stage`` (root last)."""
     h = spec.hidden
     vocab = math.ceil(spec.vocab / tp) * h  # vocabulary-parallel rows, padded to t
@@ -56,7 +64,7 @@ def stage_units(spec: ModelSpec, tp: int, pp: int, stage: int) -> tuple[Unit, ..
         units.append((vocab,))
     if first and spec.style == "gpt":
         units.append((spec.max_positions * h,))
-    units += [block_tensors(spec, tp)] * stage_layers(spec.n_layers, pp, stage)
+    units += [block_tensors(spec, tp)] * stage_layers(spec.n_layers, pp, stage, edge_trim)
     root: list[int] = []
     if tied_here:
         root.append(vocab)

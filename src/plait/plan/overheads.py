@@ -1,0 +1,145 @@
+"""Step-time terms the roofline sum leaves out, each named and each measured on CPU ranks.
+
+The compute model (:mod:`plait.plan.compute`) charges GEMMs, attention and memory-bound
+layers; the traffic model (:mod:`plait.plan.network`) charges collectives as measured
+between barriers. Real steps pay more, in places the measurements of
+``benchmarks/planner_vs_measured.py`` point at:
+
+* **in-step collectives** (:func:`in_step_time`): a collective issued synchronously
+  between compute waits for the slower peer and for the transport's wake-ups. The
+  profile measures this once, for an all-reduce on pairs of ranks
+  (:func:`plait.bench.calibrate.measure_in_step`); another collective is charged the
+  in-step cost of the all-reduce that moves the same bytes per rank, when that is more
+  than its own time. Tensor parallelism already used it; now so do ZeRO-3's per-unit
+  gathers and reduce-scatters, the ring's K/V and dK/dV exchanges and the per-step
+  scalar all-reduces. Without an in-step measurement (GPU presets) nothing changes.
+* **ring attention in chunks** (:func:`attention_length`): ring attention computes its
+  queries against key blocks of ``s / (2·cp)`` tokens (two chunks per rank, zigzag), so
+  its attention runs at the rate of that length, not of the whole sequence.
+* **ring merges and copies** (:func:`ring_block_seconds`): per visible chunk pair the
+  ring copies its operands contiguous, merges the partial output by log-sum-exp in
+  forward, and accumulates dQ, dK, dV in backward: :data:`RING_FWD_PASSES` and
+  :data:`RING_BWD_PASSES` passes over a chunk's ``(b, h, c, d)`` tensor and
+  :data:`RING_FWD_OPS` / :data:`RING_BWD_OPS` operator calls, plus the profile's
+  ``ring_overhead_s`` per layer (its Python calls, calibrated on a tiny ring).
+* **ZeRO-3 unit copies and hooks** (:func:`zero3_unit_seconds`): every gather copies the
+  gathered flat buffer into the unit's storage (before forward and again before
+  backward), every backward flattens the unit's gradients for the reduce-scatter, and
+  the hooks swap every parameter in and out.
+"""
+
+from __future__ import annotations
+
+from plait.plan.hardware import IN_STEP, Hardware, Link
+from plait.plan.layout import Layout, Precision
+from plait.plan.modelspec import ModelSpec
+from plait.plan.network import all_gather_time, p2p_time, reduce_scatter_time
+
+RING_FWD_PASSES = 13
+"""Forward passes over one chunk pair's ``(b, h, c, d)`` tensor: q, k, v chunks made
+contiguous (3 x read + write) and the log-sum-exp merge ``w1·o1 + w2·o2`` (two scaled
+copies, read + write each, and their sum, read 2 + write 1)."""
+RING_BWD_PASSES = 19
+"""Backward passes per chunk pair: dO, q, O, k, v made contiguous (5 x 2) and dQ, dK,
+dV accumulated (3 x read 2 + write 1)."""
+RING_FWD_OPS = 14
+"""Operator calls per chunk pair in forward (3 copies, the kernel, 10 of the merge)."""
+RING_BWD_OPS = 9
+"""Operator calls per chunk pair in backward (5 copies, the kernel, 3 accumulations)."""
+ZERO3_COPY_PASSES = 6
+"""Passes over a unit's bytes per micro-batch under ZeRO-3: the gathered buffer copied
+into the unit before forward and before backward (2 x read + write) and the gradients
+flattened for the reduce-scatter (read + write)."""
+ZERO3_UNIT_OPS = 4
+"""Operator calls per unit and micro-batch besides the per-parameter swaps: two gathers'
+copies, the gradient flatten and the shard accumulation."""
+
+
+def equivalent_all_reduce_bytes(op: str, nbytes: float, n: int) -> float:
+    """The all-reduce size that sends as many bytes per rank as ``op`` of ``nbytes``
+    (ring algorithms): all-reduce ``2(n-1)/n·S``, all-gather and reduce-scatter
+    ``(n-1)/n·S`` (S the full tensor), a point-to-point exchange ``S``."""
+    if n <= 1:
+        return 0.0
+    per_rank = {
+        "all_reduce": 2.0 * (n - 1) / n * nbytes,
+        "all_gather": (n - 1) / n * nbytes,
+        "reduce_scatter": (n - 1) / n * nbytes,
+        "p2p": nbytes,
+    }[op]
+    return per_rank * n / (2.0 * (n - 1))
+
+
+def in_step_time(op: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds a synchronous ``op`` of ``nbytes`` over ``n`` ranks adds inside a step: its
+    own time, or the profile's in-step all-reduce of the same bytes per rank when that
+    is more (it includes waiting for the peer)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if op == "all_gather":
+        own = all_gather_time(nbytes, n, link)
+    elif op == "reduce_scatter":
+        own = reduce_scatter_time(nbytes, n, link)
+    elif op == "p2p":
+        own = p2p_time(nbytes, link)
+    else:
+        from plait.plan.network import all_reduce_time
+
+        own = all_reduce_time(nbytes, n, link)
+    seen = in_step_measured(link, n, equivalent_all_reduce_bytes(op, nbytes, n))
+    return own if seen is None else max(own, seen)
+
+
+def in_step_measured(link: Link, n: int, nbytes: float) -> float | None:
+    """The profile's in-step all-reduce on ``n`` ranks at ``nbytes``; a message below the
+    smallest measured one costs that one (latency-bound); None beyond the largest or
+    without a measurement on groups of ``n``."""
+    for name, size, curve in link.measured:
+        if name == IN_STEP and size == n:
+            lo = curve.points[0][0]
+            return link.measured_seconds(IN_STEP, n, max(nbytes, lo))
+    return None
+
+
+def attention_length(layout: Layout, seq_len: int) -> float:
+    """The key length attention kernels run at: ``s / (2·cp)`` for ring attention over
+    cp > 1 ranks (two chunks per rank), else the sequence."""
+    if layout.cp > 1 and layout.cp_attention == "ring":
+        return seq_len / (2 * layout.cp)
+    return float(seq_len)
+
+
+def ring_pairs(cp: int) -> int:
+    """Visible (query chunk, key chunk) pairs per rank per layer under causal zigzag ring
+    attention: the ``2cp(2cp + 1)/2`` causal pairs of ``2cp`` chunks, evenly spread."""
+    return 2 * cp + 1
+
+
+def ring_block_seconds(
+    spec: ModelSpec, layout: Layout, precision: Precision, hw: Hardware, seq_len: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's ring merges, copies and calls for one
+    micro-batch on one rank (0 without ring attention)."""
+    if layout.cp <= 1 or layout.cp_attention != "ring":
+        return 0.0, 0.0
+    heads = spec.n_heads / layout.tp
+    c = seq_len / (2 * layout.cp)
+    acc = max(4, precision.activation_bytes)  # merged in >= fp32
+    chunk = layout.micro_batch * heads * c * spec.head_dim * acc
+    rate = hw.elementwise.at(chunk)
+    pairs = ring_pairs(layout.cp)
+    fixed = hw.ring_overhead_s / 3  # the calibrated per-layer calls, a third in forward
+    fwd = pairs * (RING_FWD_PASSES * chunk / rate + RING_FWD_OPS * hw.op_overhead_s) + fixed
+    bwd = pairs * (RING_BWD_PASSES * chunk / rate + RING_BWD_OPS * hw.op_overhead_s) + 2 * fixed
+    return fwd, bwd
+
+
+def zero3_unit_seconds(unit_bytes: float, tensors: int, units: int, hw: Hardware) -> float:
+    """Seconds of ZeRO-3's copies and hooks per micro-batch on one rank: ``units`` units
+    of ``unit_bytes`` (weights; gradients the same size) holding ``tensors`` parameter
+    tensors in all (each swapped in and out at each of the two gathers and the free)."""
+    if units <= 0:
+        return 0.0
+    copies = units * ZERO3_COPY_PASSES * unit_bytes / hw.elementwise.at(max(unit_bytes, 1.0))
+    calls = (units * ZERO3_UNIT_OPS + 3 * tensors) * hw.op_overhead_s
+    return copies + calls

@@ -1,0 +1,144 @@
+"""Each step-time term of :mod:`plait.plan.overheads` against a hand computation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from plait.parallel.context.layout import chunk_ids
+from plait.plan.compute import block_time
+from plait.plan.estimate import step_time
+from plait.plan.hardware import IN_STEP, PRESETS, Curve, Hardware, Link
+from plait.plan.layout import PRECISIONS, Layout, Runtime
+from plait.plan.modelspec import ModelSpec
+from plait.plan.overheads import (
+    RING_BWD_OPS,
+    RING_BWD_PASSES,
+    RING_FWD_OPS,
+    RING_FWD_PASSES,
+    ZERO3_COPY_PASSES,
+    ZERO3_UNIT_OPS,
+    attention_length,
+    equivalent_all_reduce_bytes,
+    in_step_time,
+    ring_block_seconds,
+    ring_pairs,
+    zero3_unit_seconds,
+)
+
+FP32 = PRECISIONS["fp32"]
+SPEC = ModelSpec("t", 4, 128, 4, 4, 352, 256, "llama", 128)
+IN_STEP_CURVE = Curve(((512.0, 1e-3), (2.0**21, 4e-3)))
+
+
+def _hw(in_step: bool = True, **kw: float) -> Hardware:
+    """A CPU-like profile with round numbers: barrier-separated collectives 1e-4 s +
+    bytes/1e9, an in-step all-reduce curve on pairs."""
+    measured = ((IN_STEP, 2, IN_STEP_CURVE),) if in_step else ()
+    link = Link(1e-4, 1e9, (), measured)
+    unit = Curve.constant(1e9)
+    base = Hardware("cpu-test", 4e9, 1e10, unit, unit, unit, 1e9, 1e-6, 2, link, link)
+    return dataclasses.replace(base, comm_overlap=0.0, **kw)
+
+
+def test_equivalent_all_reduce_bytes() -> None:
+    # an all-reduce of S over n ranks sends 2(n-1)/n·S per rank
+    assert equivalent_all_reduce_bytes("all_reduce", 1000.0, 4) == pytest.approx(1000.0)
+    # all-gather of a 1000-byte output on 2 ranks sends 500 bytes: an all-reduce of 500
+    assert equivalent_all_reduce_bytes("all_gather", 1000.0, 2) == pytest.approx(500.0)
+    assert equivalent_all_reduce_bytes("reduce_scatter", 800.0, 4) == pytest.approx(400.0)
+    # an exchange of S bytes: an all-reduce of S on a pair
+    assert equivalent_all_reduce_bytes("p2p", 1000.0, 2) == pytest.approx(1000.0)
+
+
+def test_in_step_time_by_hand() -> None:
+    hw = _hw()
+    link = hw.intra
+    # 8 bytes is below the smallest in-step point: its cost (1 ms) > 2·1e-4 + 8/1e9
+    assert in_step_time("all_reduce", 8.0, 2, link) == pytest.approx(1e-3)
+    # a 1 MiB all-gather on 2 ranks: 2**19 bytes per rank -> the curve at 2**19
+    want = IN_STEP_CURVE.at(2.0**19)
+    assert in_step_time("all_gather", 2.0**20, 2, link) == pytest.approx(want)
+    # where the barrier-separated time is larger, it is kept: 100 MB over 1e9 B/s
+    assert in_step_time("p2p", 1e8, 2, link) == pytest.approx(1e-4 + 1e8 / 1e9)
+    # no in-step measurement (GPU presets): the op's own time
+    plain = _hw(in_step=False).intra
+    assert in_step_time("all_gather", 2.0**20, 2, plain) == pytest.approx(1e-4 + 2**19 / 1e9)
+    assert in_step_time("all_reduce", 8.0, 1, link) == 0.0
+
+
+def test_attention_length() -> None:
+    assert attention_length(Layout(cp=2), 128) == 32.0  # two chunks of 32 per rank
+    assert attention_length(Layout(cp=2, cp_attention="ulysses"), 128) == 128.0
+    assert attention_length(Layout(), 128) == 128.0
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_pairs_counts_the_runtime_zigzag(cp: int) -> None:
+    """The visible causal chunk pairs of plait's zigzag layout, counted per rank."""
+    for me in range(cp):
+        mine = chunk_ids("zigzag", cp, me)
+        n = sum(b <= a for src in range(cp) for a in mine for b in chunk_ids("zigzag", cp, src))
+        assert n == ring_pairs(cp)
+
+
+def test_ring_block_seconds_by_hand() -> None:
+    hw = _hw()
+    lay = Layout(cp=2, micro_batch=8)
+    fwd, bwd = ring_block_seconds(SPEC, lay, FP32, hw, 128)
+    chunk = 8 * 4 * 32 * 32 * 4  # b·h·c·d·4 bytes, c = 128/4
+    assert fwd == pytest.approx(5 * (RING_FWD_PASSES * chunk / 1e9 + RING_FWD_OPS * 1e-6))
+    assert bwd == pytest.approx(5 * (RING_BWD_PASSES * chunk / 1e9 + RING_BWD_OPS * 1e-6))
+    assert ring_block_seconds(SPEC, Layout(), FP32, hw, 128) == (0.0, 0.0)
+
+
+def test_zero3_unit_seconds_by_hand() -> None:
+    hw = _hw()
+    got = zero3_unit_seconds(1e6, 40, 5, hw)
+    want = 5 * ZERO3_COPY_PASSES * 1e6 / 1e9 + (5 * ZERO3_UNIT_OPS + 3 * 40) * 1e-6
+    assert got == pytest.approx(want)
+
+
+def test_block_overhead_is_charged_once_per_block() -> None:
+    lay, rt = Layout(micro_batch=8), Runtime()
+    a = block_time(SPEC, lay, rt, FP32, _hw(), 128)
+    b = block_time(SPEC, lay, rt, FP32, _hw(block_overhead_s=3e-3), 128)
+    assert (b.forward + b.backward) - (a.forward + a.backward) == pytest.approx(3e-3)
+    assert b.forward - a.forward == pytest.approx(1e-3)
+    # four blocks and two micro-batches: 4 x 2 x 3 ms more in the step
+    two = Layout(micro_batch=4, microbatches=2)
+    ta = step_time(SPEC, two, _hw(), FP32, rt, 128).compute
+    tb = step_time(SPEC, two, _hw(block_overhead_s=3e-3), FP32, rt, 128).compute
+    assert tb - ta == pytest.approx(4 * 2 * 3e-3)
+
+
+def test_zero3_collectives_per_unit_in_step() -> None:
+    """ZeRO-3 on 2 ranks: per micro-batch, each of the 5 units (4 blocks + the rest) is
+    gathered twice and reduce-scattered once, each synchronous (no overlap on CPU)."""
+    hw, rt = _hw(), Runtime()
+    lay = Layout(dp=2, zero=3, micro_batch=8)
+    t = step_time(SPEC, lay, hw, FP32, rt, 128)
+    from plait.plan.memory import stage_params
+
+    sp = stage_params(SPEC, lay, 0)
+    units = sp.layers + 1
+    agu = in_step_time("all_gather", sp.params * 4 / units, 2, hw.intra)
+    rsu = in_step_time("reduce_scatter", sp.params * 4 / units, 2, hw.intra)
+    assert t.dp_comm == pytest.approx(units * (2 * agu + rsu))
+    plain = step_time(SPEC, dataclasses.replace(lay, zero=0), hw, FP32, rt, 128)
+    copies = zero3_unit_seconds(sp.params * 4 / units, sp.tensors, units, hw)
+    assert t.other - plain.other == pytest.approx(copies)
+
+
+def test_gpu_presets_unchanged_by_in_step_terms() -> None:
+    """Without in-step measurements the in-step cost is the collective's own."""
+    hw = PRESETS["h100-80gb"]
+    from plait.plan.network import all_gather_time, all_reduce_time
+
+    assert in_step_time("all_reduce", 2.0**20, 8, hw.intra) == all_reduce_time(
+        2.0**20, 8, hw.intra
+    )
+    want = 7 * hw.intra.latency_s + 7 / 8 * 2**20 / hw.intra.bandwidth
+    assert in_step_time("all_gather", 2.0**20, 8, hw.intra) == pytest.approx(want)
+    assert all_gather_time(2.0**20, 8, hw.intra) == pytest.approx(want)
