@@ -9,7 +9,10 @@
 # torchao comes from wheels/ in the repository root (see docs/gpu.md, "Bringing torchao"),
 # installed with --no-index --no-deps so torch is never touched. Each step has its own
 # time limit, and a failing step does not stop the later ones; the script's exit code is
-# the number of failed steps (0: all passed).
+# the number of failed steps (0: all passed). All steps take about 15 minutes on one
+# H100, more than one device call allows: run them in two calls with ONLY, e.g.
+#   ONLY="pytest_gpu gpu_step" bash benchmarks/gpu_all.sh
+#   ONLY="attention eager_step offload" bash benchmarks/gpu_all.sh
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DRY=0
@@ -28,6 +31,10 @@ log() { echo "[gpu_all $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/gpu_all.log"; }
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then
+        log "skip $name (not in ONLY)"
+        return
+    fi
     log "start $name (limit ${limit}s): $*"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.txt" 2>&1
@@ -74,9 +81,30 @@ else
         --json "$OUT/gpu_step.json"
 fi
 
-# 4. placeholders the lead extends (each a `step NAME LIMIT CMD...` line like the above)
-log "placeholder: attention kernels benchmark (blockwise/ring/Ulysses vs SDPA) goes here"
-log "placeholder: offload benchmark goes here"
+# 4. fused attention kernels: one layer's forward + backward, SDPA vs blockwise and ring
+if [[ $DRY -eq 1 ]]; then
+    step attention 120 "$PY" benchmarks/attention_gpu.py --tiny
+else
+    step attention 240 "$PY" benchmarks/attention_gpu.py
+fi
+
+# 5. plait's eager bf16 step against the plain loop (the mixed-precision path)
+if [[ $DRY -eq 1 ]]; then
+    step eager_step 120 "$PY" benchmarks/eager_step.py --device cpu --dim 32 --layers 2 \
+        --heads 4 --vocab 256 --seq 32 --batch 2 --steps 2 --warmup 1
+else
+    step eager_step 180 "$PY" benchmarks/eager_step.py --device cuda --dtype bf16 --dim 2048 \
+        --layers 16 --heads 16 --vocab 32000 --seq 2048 --batch 4 --steps 10 --warmup 3
+fi
+
+# 6. ZeRO-Offload: the 7B model on one GPU (issue 30's case)
+if [[ $DRY -eq 1 ]]; then
+    step offload 240 "$PY" benchmarks/offload.py --steps 1 --warmup 0
+else
+    step offload 300 "$PY" benchmarks/offload.py --device cuda --dim 4096 --layers 32 \
+        --heads 32 --vocab 32000 --ffn 11008 --seq 2048 --batch 1 --accum 16 --dtype bf16 \
+        --recompute full --peak-tflops 989 --steps 2 --warmup 1
+fi
 
 log "done: $FAILED step(s) failed"
 exit "$FAILED"
