@@ -55,12 +55,13 @@ from typing import Any
 from torch import nn
 
 from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
-from plait.config_checks import check_compression
+from plait.config_checks import check_compression, check_expert_parallel
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
+from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
@@ -152,6 +153,10 @@ def parallelize(
     # 1. tensor (and sequence) parallelism over the tp axis.
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
+    # 1b. expert parallelism: this rank's experts of every MoE layer, all-to-all dispatch.
+    check_expert_parallel(p.ep, mesh.size("dp"), mesh.size("cp"), _experts(model), p.zero, p.compression, pp, tp)
+    data = mesh.axis(*data_axes(mesh))
+    experts = apply_expert_parallel(model, mesh, p.ep, data, values)
     names, aliases = _one_device_names(model)
     init: LocalInit | None = None
     param_names = list(names.values())
@@ -211,6 +216,7 @@ def parallelize(
             axes=data_axes(mesh),
             compressor=compressor,
             broadcast=init is None,  # materialised values are equal on every rank
+            exclude=experts.params if experts is not None and experts.ep > 1 else (),
         )
     else:
         wrapped = ZeroDataParallel(
@@ -243,7 +249,17 @@ def parallelize(
             zero_grad_reduce=p.pp_grad_reduce,
             zero_reshard=p.pp_reshard,
         )
-    return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names, context)
+    if experts is not None and experts.ep > 1:  # expert gradients over their replica group
+        experts.sync = ExpertGradSync(experts.params, experts.replica_group, data.size)
+    return ParallelModel(
+        wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts
+    )
+
+
+def _experts(model: nn.Module) -> int:
+    """The routed experts per MoE layer of the model (0: none)."""
+    cfg = getattr(model, "cfg", None)
+    return int(getattr(cfg, "moe_experts", 0) or 0)
 
 
 def _hidden_dim(model: nn.Module) -> int:

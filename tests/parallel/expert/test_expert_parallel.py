@@ -1,0 +1,159 @@
+"""Expert parallelism against one process (float64), and its all-to-all traffic.
+
+The user's loop of ``tests/parallel/test_parallelize.py`` on an MoE transformer (4
+layers, MoE on every second one, 4 experts top-2, one shared expert): each data rank
+feeds its slice of the global batch; ``parallel.ep`` splits the experts over a sub-axis
+of the data ranks. Compared with plain PyTorch on one process over the whole batch
+(same seed and batches; the aux and z losses enter through the MoE layers themselves):
+the loss and the pre-clip gradient norm at every step on every rank, the router's
+load-balancing loss of every MoE layer at every step (each rank's, averaged over the
+data ranks, is the global batch's), and every weight after the steps, rebuilt from
+``local_pieces()`` (each element written exactly once; the expert weights as blocks
+along the expert dimension). Tolerances as there (rtol 1e-9, atol 1e-11): the layouts
+differ only in summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plait import comm
+from plait.config import ModelConfig, ParallelConfig
+from plait.model import Transformer
+from plait.model.moe import MoE
+from plait.optim import Optimizer
+from plait.parallel.expert import ExpertParallelDispatch, ep_bytes_per_layer
+from plait.parallel.parallelize import parallelize
+from plait.testing import WorkerContext
+from tests.parallel.test_parallelize import ATOL, CLIP, LR, RTOL, Piece, Pools, assemble
+
+STEPS, BATCH, SEQ, VOCAB = 5, 8, 16, 64
+MOE = ModelConfig(
+    vocab_size=VOCAB,
+    dim=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=SEQ,
+    moe_experts=4,
+    moe_top_k=2,
+    moe_every=2,
+    moe_shared_experts=1,
+    moe_hidden_dim=24,
+    moe_aux_loss_coef=0.1,
+    moe_z_loss_coef=0.01,
+)
+
+
+def _model() -> Transformer:
+    return Transformer(MOE, seed=3).double()
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _moes(model: torch.nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, Any]:
+    """Plain PyTorch on one process over the global batch."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms, aux = [], [], []
+    for x, y in _batches():
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))  # float64
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        aux.append([float(m.stats.aux_loss) for m in _moes(model) if m.stats is not None])
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "aux": aux, "weights": weights}
+
+
+def _body(ctx: WorkerContext, ep: int) -> dict[str, Any]:
+    mesh = ctx.mesh(dp=ctx.world_size)
+    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, bucket_mb=0.01))
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
+    per, r = BATCH // ctx.world_size, mesh.index("dp")
+    losses, norms, aux, ep_bytes, formula = [], [], [], [], []
+    dispatchers = [m.dispatcher for m in _moes(pm)]
+    for x, y in _batches():
+        before = mesh.stats.get("ep", "all_to_all").bytes
+        losses.append(float(pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])))
+        ep_bytes.append(mesh.stats.get("ep", "all_to_all").bytes - before)
+        step_formula = 0.0
+        for d in dispatchers:
+            assert isinstance(d, ExpertParallelDispatch)
+            sent, received = d.last_splits if ep > 1 else ([0], [0])
+            step_formula += ep_bytes_per_layer(
+                sent, received, d.ep_group.index, MOE.dim * 8, MOE.moe_experts, ep
+            )
+            if ep > 1:  # what I receive from j is what j sends me
+                every = torch.zeros(ep, ep, dtype=torch.int64)
+                every[d.ep_group.index] = torch.tensor(sent)
+                comm.all_reduce(every, d.ep_group, op="sum")
+                assert every[:, d.ep_group.index].tolist() == received
+        formula.append(step_formula)
+        rank_aux = torch.tensor([float(s.aux_loss) for s in pm.experts.stats()], dtype=torch.float64)
+        comm.all_reduce(rank_aux, mesh.axis("dp"), op="avg")
+        aux.append(rank_aux.tolist())
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad()
+    pieces: list[Piece] = [
+        (p.name, list(p.shape), p.tp, p.start, p.end, p.value.detach().cpu().clone())
+        for p in opt.local_pieces()
+        if p.write
+    ]
+    held = pm.experts.params[0].shape[0]
+    return {
+        "losses": losses,
+        "norms": norms,
+        "aux": aux,
+        "pieces": pieces,
+        "ep_bytes": ep_bytes,
+        "formula": formula,
+        "held": held,
+        "rows_sent": sum(sum(d.last_splits[0]) for d in dispatchers if ep > 1),
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "ep"),
+    [
+        pytest.param(2, 2, id="ep2"),
+        pytest.param(4, 4, id="ep4"),
+        pytest.param(4, 2, id="dp2xep2"),
+        pytest.param(2, 1, id="dp2-ep1"),
+    ],
+)
+def test_matches_one_process(pools: Pools, ref: dict[str, Any], world: int, ep: int) -> None:
+    results = pools(world).run("tests.parallel.expert.test_expert_parallel:_body", ep)
+    for res in results:
+        torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["aux"], ref["aux"], rtol=RTOL, atol=0)
+        assert res["held"] == MOE.moe_experts // ep
+        # traffic: the counted bytes are the formula from the routing counts
+        torch.testing.assert_close(res["ep_bytes"], res["formula"], rtol=0, atol=0)
+        if ep > 1:
+            assert res["rows_sent"] > 0 and all(b > 0 for b in res["ep_bytes"])
+    weights = assemble([p for res in results for p in res["pieces"]])
+    assert sorted(weights) == sorted(ref["weights"])
+    for name, want in ref["weights"].items():
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
