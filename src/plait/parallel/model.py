@@ -244,6 +244,14 @@ class ParallelModel(nn.Module):
             total += micro_loss.detach().double() / micro_batches
         return self._dp_mean(total)
 
+    def moe_summary(self) -> dict[str, float]:
+        """The last step's router figures (load-balancing and z-loss, expert load,
+        dropped tokens; :meth:`ExpertLayout.summary`); empty without MoE layers. A
+        collective over the data ranks when the model has MoE layers."""
+        if self.experts is None:
+            return {}
+        return self.experts.summary(self.mesh.axis(*data_axes(self.mesh)))
+
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch without backward (averaged over dp; float64)."""
@@ -267,6 +275,8 @@ class ParallelModel(nn.Module):
             if self.compressor is not None:
                 note += f", {self.compressor.describe()}"
         tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
+        if self.experts is not None and self.experts.ep > 1:
+            note = f"{note}; expert parallel ep {self.experts.ep} (all-to-all)"
         if cp > 1 and self.context is not None:
             kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
             note = f"context parallel cp {cp} ({kind}); {note}"

@@ -328,6 +328,7 @@ class Trainer:
                 peak_memory_bytes=peak_memory(self.device),
                 memory=mem,
                 stragglers=health.as_metrics(),
+                moe=self.model.moe_summary() or None,
             )
             self.metrics.write(m)
             scalars = scalars_of(dataclasses.asdict(m))

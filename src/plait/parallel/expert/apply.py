@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait import comm
 from plait.comm import AxisGroup
 from plait.mesh import Mesh
 from plait.model.init import InitialValues
@@ -77,6 +78,35 @@ class ExpertLayout:
     def stats(self) -> list[MoEStats]:
         """The last call's statistics of every MoE layer on this rank, in order."""
         return [m.stats for m in self.moes if m.stats is not None]
+
+    def summary(self, data_group: AxisGroup) -> dict[str, float]:
+        """The step's router figures for the metrics (a collective over ``data_group``:
+        every data rank calls it): ``moe_aux_loss`` and ``moe_z_loss`` (mean over the MoE
+        layers of the data ranks' mean, i.e. of the global batch's), ``moe_load_min`` and
+        ``moe_load_max`` (fewest and most assignments of one expert in one layer, over
+        the data ranks) and ``moe_dropped`` (assignments dropped by the capacity factor,
+        summed over layers and data ranks). Of the last micro-batch of the step."""
+        stats = self.stats()
+        if not stats:
+            return {}
+        dev = stats[0].aux_loss.device
+        v = torch.tensor(
+            [
+                sum(float(s.aux_loss) for s in stats) / len(stats),
+                sum(float(s.z_loss) for s in stats) / len(stats),
+                float(sum(s.dropped for s in stats)) * data_group.size,
+            ],
+            dtype=torch.float64,
+            device=dev,
+        )
+        comm.all_reduce(v, data_group, op="avg")
+        return {
+            "moe_aux_loss": float(v[0]),
+            "moe_z_loss": float(v[1]),
+            "moe_load_min": min(float(s.load.min()) for s in stats),
+            "moe_load_max": max(float(s.load.max()) for s in stats),
+            "moe_dropped": float(v[2]),
+        }
 
     def pieces(self, names: dict[int, str], tp_index: int) -> list[LocalPiece]:
         """The expert weights as checkpoint pieces: a block along dim 0 of the one-device
