@@ -56,12 +56,14 @@ from torch import nn
 
 from plait.config import Config, CPAttention, ParallelConfig, PrecisionConfig, Recompute
 from plait.config_checks import check_compression, check_expert_parallel
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.parallel.compression import Compressor, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
+from plait.parallel.expert.tp_plan import moe_tp_plan
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
@@ -139,6 +141,13 @@ def parallelize(
     policy = PrecisionPolicy.from_names(precision.dtype, precision.reduce_dtype)
     tp, pp = mesh.size("tp"), mesh.size("pp")
     sp = p.sequence_parallel and tp > 1
+    if tp > 1 and tp_plan is None:  # MoE layers: routed experts whole on every tp rank
+        tp_plan = moe_tp_plan(model)
+        if tp_plan is not None and sp:
+            raise ConfigError(
+                "parallel.sequence_parallel with MoE layers is not supported yet: the "
+                "router needs every token of a sequence on each tp rank (docs/moe.md)"
+            )
     if loss_fn is None:
         loss_fn = (
             vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index)

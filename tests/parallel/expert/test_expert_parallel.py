@@ -86,11 +86,12 @@ def ref() -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "aux": aux, "weights": weights}
 
 
-def _body(ctx: WorkerContext, ep: int) -> dict[str, Any]:
-    mesh = ctx.mesh(dp=ctx.world_size)
-    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, bucket_mb=0.01))
+def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0) -> dict[str, Any]:
+    dp = ctx.world_size // tp
+    mesh = ctx.mesh(dp=dp, tp=tp)
+    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, bucket_mb=0.01, zero=zero))
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
-    per, r = BATCH // ctx.world_size, mesh.index("dp")
+    per, r = BATCH // dp, mesh.index("dp")
     losses, norms, aux, ep_bytes, formula = [], [], [], [], []
     dispatchers = [m.dispatcher for m in _moes(pm)]
     for x, y in _batches():
@@ -111,7 +112,7 @@ def _body(ctx: WorkerContext, ep: int) -> dict[str, Any]:
                 assert every[:, d.ep_group.index].tolist() == received
         formula.append(step_formula)
         rank_aux = torch.tensor([float(s.aux_loss) for s in pm.experts.stats()], dtype=torch.float64)
-        comm.all_reduce(rank_aux, mesh.axis("dp"), op="avg")
+        comm.all_reduce(rank_aux, mesh.axis("dp"), op="avg")  # over the data ranks
         aux.append(rank_aux.tolist())
         norms.append(opt.step().grad_norm)
         opt.zero_grad()
@@ -134,21 +135,26 @@ def _body(ctx: WorkerContext, ep: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("world", "ep"),
+    ("world", "ep", "tp", "zero"),
     [
-        pytest.param(2, 2, id="ep2"),
-        pytest.param(4, 4, id="ep4"),
-        pytest.param(4, 2, id="dp2xep2"),
-        pytest.param(2, 1, id="dp2-ep1"),
+        pytest.param(2, 2, 1, 0, id="ep2"),
+        pytest.param(4, 4, 1, 0, id="ep4"),
+        pytest.param(4, 2, 1, 0, id="dp2xep2"),
+        pytest.param(4, 2, 2, 0, id="ep2xtp2"),
+        pytest.param(2, 1, 1, 3, id="zero3-dp2-ep1"),
+        pytest.param(2, 1, 2, 0, id="tp2-ep1"),
     ],
 )
-def test_matches_one_process(pools: Pools, ref: dict[str, Any], world: int, ep: int) -> None:
-    results = pools(world).run("tests.parallel.expert.test_expert_parallel:_body", ep)
+def test_matches_one_process(
+    pools: Pools, ref: dict[str, Any], world: int, ep: int, tp: int, zero: int
+) -> None:
+    results = pools(world).run("tests.parallel.expert.test_expert_parallel:_body", ep, tp, zero)
     for res in results:
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["aux"], ref["aux"], rtol=RTOL, atol=0)
-        assert res["held"] == MOE.moe_experts // ep
+        if zero == 0:  # ZeRO-3 frees the gathered weights
+            assert res["held"] == MOE.moe_experts // ep
         # traffic: the counted bytes are the formula from the routing counts
         torch.testing.assert_close(res["ep_bytes"], res["formula"], rtol=0, atol=0)
         if ep > 1:

@@ -109,8 +109,8 @@ class ExpertLayout:
         }
 
     def pieces(self, names: dict[int, str], tp_index: int) -> list[LocalPiece]:
-        """The expert weights as checkpoint pieces: a block along dim 0 of the one-device
-        tensor, written by the first rank of the replica group (tp rank 0)."""
+        """The expert weights (ep > 1) as checkpoint pieces: a block along dim 0 of the
+        one-device tensor, written by the first rank of the replica group (tp rank 0)."""
         out = []
         write = self.replica_group.index == 0 and tp_index == 0
         for p in self.params:
@@ -140,6 +140,10 @@ def apply_expert_parallel(
     params: list[nn.Parameter] = []
     for name, moe in moes:
         full = moe.n_experts
+        moe.dispatcher = ExpertParallelDispatch(ep_group, data_group, full)
+        if ep == 1:  # every expert here: the weights stay as they are
+            params += [moe.experts.w1, moe.experts.w3, moe.experts.w2]
+            continue
         if full % ep:
             raise ValueError(f"{name}: {full} experts do not divide over ep={ep}")
         block = full // ep
@@ -157,5 +161,4 @@ def apply_expert_parallel(
             setattr(new, _ATTR, ExpertSplit(full, ep, index))
             setattr(moe.experts, attr, new)
             params.append(new)
-        moe.dispatcher = ExpertParallelDispatch(ep_group, data_group, full)
     return ExpertLayout([m for _, m in moes], params, ep_group, replica)
