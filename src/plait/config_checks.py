@@ -371,7 +371,8 @@ def check_expert_parallel(
 ) -> None:
     """Expert parallelism over ``ep`` ranks: a sub-axis of the dp x cp ranks (ep divides
     dp * cp), an MoE model whose experts divide by ep, and the layouts it composes with
-    in this version (plain data parallelism: ZeRO stage 0; no gradient compression)."""
+    in this version (plain data parallelism: ZeRO stage 0; no gradient compression;
+    ``pp`` and ``tp`` compose and need no rule here)."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be positive, got {ep}.")
     if ep == 1:
@@ -403,8 +404,4 @@ def check_expert_parallel(
             f"parallel.zero={zero} with parallel.ep={ep} is not supported yet: expert "
             "parameters would need their own ZeRO units over their replica group; use "
             "parallel.zero=0 (docs/moe.md)."
-        )
-    if pp > 1:
-        raise ConfigError(
-            f"parallel.pp={pp} with parallel.ep={ep} is not supported yet (docs/moe.md)."
         )

@@ -283,6 +283,11 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ API
 
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync` (backward passes do not communicate)."""
+        return self._sync
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication."""

@@ -167,12 +167,8 @@ class ParallelModel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without communicating."""
         no_sync = getattr(self.module, "no_sync", None)
-        sync = self.experts.sync if self.experts is not None else None
-        with (
-            no_sync() if no_sync is not None else contextlib.nullcontext(),
-            sync.no_sync() if sync is not None else contextlib.nullcontext(),
-        ):
-            yield
+        with no_sync() if no_sync is not None else contextlib.nullcontext():
+            yield  # expert gradients follow the data wrapper's syncing
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward (not available when pp > 1: use :meth:`step`).

@@ -259,7 +259,14 @@ def parallelize(
             zero_reshard=p.pp_reshard,
         )
     if experts is not None and experts.ep > 1:  # expert gradients over their replica group
-        experts.sync = ExpertGradSync(experts.params, experts.replica_group, data.size)
+        experts.keep_only(inner)  # this pipeline stage's
+        dp_wrapper = wrapped if isinstance(wrapped, DataParallel) else None
+        experts.sync = ExpertGradSync(
+            experts.params,
+            experts.replica_group,
+            data.size,
+            (lambda: dp_wrapper.syncing) if dp_wrapper is not None else None,
+        )
     return ParallelModel(
         wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts
     )

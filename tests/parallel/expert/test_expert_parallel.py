@@ -68,44 +68,62 @@ def _moes(model: torch.nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-@pytest.fixture(scope="module")
-def ref() -> dict[str, Any]:
-    """Plain PyTorch on one process over the global batch."""
+def _reference(dp: int, m: int) -> dict[str, Any]:
+    """Plain PyTorch on one process over the global batch, in the ``m`` micro-batches a
+    pipeline over ``dp`` ranks computes (micro-batch k: every dp rank's k-th slice; the
+    router losses are per micro-batch, so the reference takes the same ones)."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for moe in _moes(model):
+        moe.grad_scale = 1.0 / m  # the aux losses' share, as the loss's
     losses, norms, aux = [], [], []
+    per = BATCH // dp
     for x, y in _batches():
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))  # float64
-        loss.backward()
+        total = 0.0
+        for k in range(m):
+            rows = [r * per + k * per // m + i for r in range(dp) for i in range(per // m)]
+            loss = F.cross_entropy(model(x[rows]).reshape(-1, VOCAB), y[rows].reshape(-1))
+            (loss / m).backward()
+            total += loss.item() / m
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
-        aux.append([float(m.stats.aux_loss) for m in _moes(model) if m.stats is not None])
+        losses.append(total)
+        aux.append([float(m_.stats.aux_loss) for m_ in _moes(model) if m_.stats is not None])
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "aux": aux, "weights": weights}
 
 
-def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0) -> dict[str, Any]:
-    dp = ctx.world_size // tp
-    mesh = ctx.mesh(dp=dp, tp=tp)
-    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, bucket_mb=0.01, zero=zero))
+@pytest.fixture(scope="module")
+def ref() -> dict[str, Any]:
+    """The whole global batch at once."""
+    return _reference(1, 1)
+
+
+def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) -> dict[str, Any]:
+    dp = ctx.world_size // (tp * pp)
+    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp)
+    cfg = ParallelConfig(ep=ep, bucket_mb=0.01, zero=zero, microbatches=2)
+    pm = parallelize(_model(), mesh, cfg)
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
     per, r = BATCH // dp, mesh.index("dp")
     losses, norms, aux, ep_bytes, formula = [], [], [], [], []
-    dispatchers = [m.dispatcher for m in _moes(pm)]
+    dispatchers = [m.dispatcher for m in pm.experts.moes]  # this stage's
     for x, y in _batches():
         before = mesh.stats.get("ep", "all_to_all").bytes
+        for d in dispatchers:
+            assert isinstance(d, ExpertParallelDispatch)
+            d.history.clear()
         losses.append(float(pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])))
         ep_bytes.append(mesh.stats.get("ep", "all_to_all").bytes - before)
         step_formula = 0.0
-        for d in dispatchers:
+        for d in dispatchers:  # every MoE layer of this stage, every micro-batch
             assert isinstance(d, ExpertParallelDispatch)
-            sent, received = d.last_splits if ep > 1 else ([0], [0])
-            step_formula += ep_bytes_per_layer(
-                sent, received, d.ep_group.index, MOE.dim * 8, MOE.moe_experts, ep
-            )
-            if ep > 1:  # what I receive from j is what j sends me
+            for sent, received in d.history:
+                step_formula += ep_bytes_per_layer(
+                    sent, received, d.ep_group.index, MOE.dim * 8, MOE.moe_experts, ep
+                )
+                # what I receive from j is what j sends me
                 every = torch.zeros(ep, ep, dtype=torch.int64)
                 every[d.ep_group.index] = torch.tensor(sent)
                 comm.all_reduce(every, d.ep_group, op="sum")
@@ -135,20 +153,28 @@ def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0) -> dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("world", "ep", "tp", "zero"),
+    ("world", "ep", "tp", "zero", "pp"),
     [
-        pytest.param(2, 2, 1, 0, id="ep2"),
-        pytest.param(4, 4, 1, 0, id="ep4"),
-        pytest.param(4, 2, 1, 0, id="dp2xep2"),
-        pytest.param(4, 2, 2, 0, id="ep2xtp2"),
-        pytest.param(2, 1, 1, 3, id="zero3-dp2-ep1"),
-        pytest.param(2, 1, 2, 0, id="tp2-ep1"),
+        pytest.param(2, 2, 1, 0, 1, id="ep2"),
+        pytest.param(4, 4, 1, 0, 1, id="ep4"),
+        pytest.param(4, 2, 1, 0, 1, id="dp2xep2"),
+        pytest.param(4, 2, 2, 0, 1, id="ep2xtp2"),
+        pytest.param(4, 2, 1, 0, 2, id="ep2xpp2"),
+        pytest.param(2, 1, 1, 3, 1, id="zero3-dp2-ep1"),
+        pytest.param(2, 1, 2, 0, 1, id="tp2-ep1"),
     ],
 )
 def test_matches_one_process(
-    pools: Pools, ref: dict[str, Any], world: int, ep: int, tp: int, zero: int
+    pools: Pools, ref: dict[str, Any], world: int, ep: int, tp: int, zero: int, pp: int
 ) -> None:
-    results = pools(world).run("tests.parallel.expert.test_expert_parallel:_body", ep, tp, zero)
+    body = "tests.parallel.expert.test_expert_parallel:_body"
+    results = pools(world).run(body, ep, tp, zero, pp)
+    if pp > 1:  # two micro-batches; stage s holds MoE layer s
+        ref = _reference(world // pp, 2)
+        for i, res in enumerate(results):
+            ref_aux = [[step[i // (world // pp)]] for step in ref["aux"]]
+            torch.testing.assert_close(res["aux"], ref_aux, rtol=RTOL, atol=0)
+            res["aux"] = ref["aux"]
     for res in results:
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)

@@ -70,6 +70,14 @@ class ExpertLayout:
         """The expert-parallel degree."""
         return self.ep_group.size
 
+    def keep_only(self, module: nn.Module) -> None:
+        """Forget the MoE layers and expert weights that are not in ``module`` (this
+        rank's pipeline pieces)."""
+        held = {id(p) for p in module.parameters()}
+        mods = {id(m) for m in module.modules()}
+        self.params = [p for p in self.params if id(p) in held]
+        self.moes = [m for m in self.moes if id(m) in mods]
+
     def set_grad_scale(self, scale: float) -> None:
         """The factor the training loss is multiplied by (the aux losses get it too)."""
         for m in self.moes:

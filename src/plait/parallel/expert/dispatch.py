@@ -87,6 +87,8 @@ class ExpertParallelDispatch(nn.Module):
         self.n_experts = experts
         self.last_splits: tuple[list[int], list[int]] = ([], [])
         """(rows sent to, rows received from) each ep rank in the last forward."""
+        self.history: list[tuple[list[int], list[int]]] = []
+        """Every forward's splits since the caller last cleared it (traffic checks)."""
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``(E,)`` assignments per expert summed over the data ranks (not differentiable)."""
@@ -107,6 +109,7 @@ class ExpertParallelDispatch(nn.Module):
         recv_m = got.tolist()  # recv_m[j][e]: rows of local expert e from rank j
         recv = [int(sum(r)) for r in recv_m]
         self.last_splits = (send, recv)
+        self.history.append(self.last_splits)
         rows = all_to_all_rows(x, g, send, recv)  # (M, dim) by source, then expert
         # regroup by expert (source order inside an expert): a permutation of the rows
         starts, pos = [], 0

@@ -13,7 +13,7 @@ gradients); inside :meth:`~ExpertGradSync.no_sync` gradients accumulate locally.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -23,18 +23,31 @@ from plait.comm import AxisGroup
 
 
 class ExpertGradSync:
-    """Sum ``params``' gradients over ``replica`` and divide by ``data_ranks``."""
+    """Sum ``params``' gradients over ``replica`` and divide by ``data_ranks``.
 
-    def __init__(self, params: list[nn.Parameter], replica: AxisGroup, data_ranks: int) -> None:
+    ``syncing`` (default: always) tells whether the data-parallel wrapper reduces in
+    this backward (False inside its ``no_sync``, which the pipeline schedule and
+    gradient accumulation use); the expert gradients follow it.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        replica: AxisGroup,
+        data_ranks: int,
+        syncing: Callable[[], bool] | None = None,
+    ) -> None:
         self.params = params
         self.replica = replica
         self.data_ranks = data_ranks
+        self._syncing = syncing
         self._sync = True
         self._queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._sync and not self._queued:
+        wrapper = self._syncing() if self._syncing is not None else True
+        if self._sync and wrapper and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
