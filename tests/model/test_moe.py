@@ -180,7 +180,9 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     moe = ["--model.moe_experts", "4"]
     err = _bad(["--nproc", "4", "--dp", "2", "--tp", "2", "--ep", "4", *moe], capsys)
     assert "parallel.ep (4) must divide" in err and "dp x cp = 2" in err
-    err = _bad(["--nproc", "2", "--ep", "2", "--model.moe_experts", "3", "--model.moe_top_k", "1"], capsys)
+    err = _bad(
+        ["--nproc", "2", "--ep", "2", "--model.moe_experts", "3", "--model.moe_top_k", "1"], capsys
+    )
     assert "moe_experts (3) is not divisible by parallel.ep (2)" in err
     err = _bad(["--nproc", "1", *moe, "--model.moe_top_k", "6"], capsys)
     assert "moe_top_k (6) must be between 1 and model.moe_experts (4)" in err

@@ -73,13 +73,13 @@ class AttachAux(torch.autograd.Function):
     multiplied by: loss scale / micro-batches), so ``aux`` is added to the loss."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
         ctx.scale = scale
         ctx.aux_dtype = aux.dtype
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[no-untyped-def, override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[no-untyped-def]
         g = torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
         return grad, g, None
 
@@ -93,7 +93,9 @@ class Router(nn.Module):
         self.top_k = top_k
         self.kind = kind
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``(T, dim)`` -> (logits ``(T, E)``, probabilities ``(T, E)`` for the
         aux loss, expert ids ``(T, k)``, weights ``(T, k)``)."""
         logits = self.gate(x)
@@ -203,13 +205,15 @@ class MoE(nn.Module):
         self.shared: SharedExperts | None = None
         if cfg.moe_shared_experts > 0:
             self.shared = SharedExperts(cfg.dim, cfg.moe_shared_experts * hidden)
-        self.dispatcher: nn.Module = LocalDispatch()
+        self.dispatcher: LocalDispatch = LocalDispatch()
         self.grad_scale = 1.0
         """The factor the training loss is multiplied by before backward (set by
         ``ParallelModel.step``: loss scale / micro-batches); the aux losses get it too."""
         self.stats: MoEStats | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def route(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """``x`` ``(T, dim)`` -> (sorted rows' token ids ``(N,)``, their weights ``(N,)``,
         rows per expert ``(E,)`` after drops, assignments per expert ``(E,)`` before
         drops, the router's aux term ``()``, dropped count)."""

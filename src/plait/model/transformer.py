@@ -326,7 +326,8 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
         std = self.cfg.init_std
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight", "experts.w2")):
+        residual = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
+        if name.endswith((*residual, "experts.w2")):
             std = std / math.sqrt(2 * self.cfg.n_layers)
         gen = torch.Generator().manual_seed(param_seed(seed, name))
         value = torch.empty(shape, dtype=torch.float32, device="cpu")

@@ -34,9 +34,7 @@ MOE = dict(moe_experts=4, moe_top_k=2, moe_hidden_dim=32)
 def moe_config(root: str | None, ep: int, resume: str | None = None) -> Config:
     cfg = config(root, resume=resume)
     model = dataclasses.asdict(cfg.model) | MOE
-    return dataclasses.replace(
-        cfg, model=ModelConfig(**model), parallel=ParallelConfig(ep=ep)
-    )
+    return dataclasses.replace(cfg, model=ModelConfig(**model), parallel=ParallelConfig(ep=ep))
 
 
 def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -66,7 +64,13 @@ def _train(ctx: WorkerContext | None, cfg: Config, weights_at: int | None = None
 
         tr.checkpoints.after_step = after_step  # type: ignore[method-assign]
     losses = tr.run().losses
-    return {"start": start, "losses": losses, "loaded": loaded, "snap": snap, "final": full_weights(tr)}
+    return {
+        "start": start,
+        "losses": losses,
+        "loaded": loaded,
+        "snap": snap,
+        "final": full_weights(tr),
+    }
 
 
 def _body(ctx: WorkerContext, cfg: Config, weights_at: int | None = None) -> Any:
@@ -101,7 +105,8 @@ def test_resume_is_bit_exact_ep2(pools: Callable[[int], WorkerPool], tmp_path: P
 
 
 @pytest.mark.parametrize(
-    ("src", "dst"), [pytest.param((2, 2), (1, 1), id="ep2->ep1"), pytest.param((1, 1), (4, 4), id="ep1->ep4")]
+    ("src", "dst"),
+    [pytest.param((2, 2), (1, 1), id="ep2->ep1"), pytest.param((1, 1), (4, 4), id="ep1->ep4")],
 )
 def test_reshard_between_ep_degrees(
     pools: Callable[[int], WorkerPool], tmp_path: Path, src: tuple[int, int], dst: tuple[int, int]

@@ -129,7 +129,9 @@ def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) 
                 comm.all_reduce(every, d.ep_group, op="sum")
                 assert every[:, d.ep_group.index].tolist() == received
         formula.append(step_formula)
-        rank_aux = torch.tensor([float(s.aux_loss) for s in pm.experts.stats()], dtype=torch.float64)
+        rank_aux = torch.tensor(
+            [float(s.aux_loss) for s in pm.experts.stats()], dtype=torch.float64
+        )
         comm.all_reduce(rank_aux, mesh.axis("dp"), op="avg")  # over the data ranks
         aux.append(rank_aux.tolist())
         norms.append(opt.step().grad_norm)

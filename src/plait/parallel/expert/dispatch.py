@@ -29,25 +29,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
-from plait.model.moe import Experts
+from plait.model.moe import Experts, LocalDispatch
 
 
 class _AllToAllV(torch.autograd.Function):
     """Differentiable uneven all-to-all: backward sends the gradients back."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, group: AxisGroup, send: list[int], recv: list[int]
     ) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
         return comm.all_to_all_v(x, group, send, recv)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return comm.all_to_all_v(grad, ctx.group, ctx.recv, ctx.send), None, None, None
 
 
@@ -73,7 +72,7 @@ def ep_bytes_per_layer(
     return 2.0 * (away + back) * row_bytes + (ep - 1) / ep * experts * 8
 
 
-class ExpertParallelDispatch(nn.Module):
+class ExpertParallelDispatch(LocalDispatch):
     """Send each row to the rank of its expert, run the local experts, send it back.
 
     ``ep_group``: the ranks that split the experts (size 1: only the counts are summed);
