@@ -741,7 +741,16 @@ class Config:
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
         check_expert_parallel(
-            p.ep, dp, p.cp, m.moe_experts, p.zero, p.compression, p.pp, p.tp
+            p.ep,
+            dp,
+            p.cp,
+            m.moe_experts,
+            p.zero,
+            p.compression,
+            p.pp,
+            p.tp,
+            self.precision.dtype,
+            self.precision.reduce_dtype,
         )
 
     def micro_batch(self, world_size: int) -> int:

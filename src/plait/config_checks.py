@@ -368,11 +368,13 @@ def check_expert_parallel(
     compression: str = "none",
     pp: int = 1,
     tp: int = 1,
+    dtype: str = "fp32",
+    reduce_dtype: str = "auto",
 ) -> None:
     """Expert parallelism over ``ep`` ranks: a sub-axis of the dp x cp ranks (ep divides
     dp * cp), an MoE model whose experts divide by ep, and the layouts it composes with
-    in this version (plain data parallelism: ZeRO stage 0; no gradient compression;
-    ``pp`` and ``tp`` compose and need no rule here)."""
+    in this version (plain data parallelism: ZeRO stage 0 with fp32 parameters and
+    reduction; no gradient compression; ``pp`` and ``tp`` compose and need no rule)."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be positive, got {ep}.")
     if ep == 1:
@@ -398,6 +400,12 @@ def check_expert_parallel(
             f"parallel.compression={compression} is refused with parallel.ep={ep}: expert "
             "gradients are reduced over their own replica groups, which the compressors' "
             "per-bucket state (error feedback, PowerSGD's Q) does not cover."
+        )
+    if dtype != "fp32" or reduce_dtype not in ("auto", "fp32"):
+        raise ConfigError(
+            f"precision.dtype={dtype} (reduce_dtype={reduce_dtype}) with parallel.ep={ep} "
+            "is not supported yet: 16-bit parameters keep their fp32 masters in ZeRO's flat "
+            "units, which do not hold the expert weights yet; use fp32 (docs/moe.md)."
         )
     if zero != 0:
         raise ConfigError(

@@ -190,3 +190,5 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a mixture-of-experts model" in err
     err = _bad(["--nproc", "2", "--ep", "2", *moe, "--parallel.compression", "fp16"], capsys)
     assert "compression=fp16 is refused" in err
+    err = _bad(["--nproc", "2", "--ep", "2", *moe, "--precision.dtype", "bf16"], capsys)
+    assert "precision.dtype=bf16" in err and "parallel.ep=2" in err

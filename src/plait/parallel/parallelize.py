@@ -164,7 +164,10 @@ def parallelize(
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
     # 1b. expert parallelism: this rank's experts of every MoE layer, all-to-all dispatch.
     dp, cp = mesh.size("dp"), mesh.size("cp")
-    check_expert_parallel(p.ep, dp, cp, _experts(model), p.zero, p.compression, pp, tp)
+    check_expert_parallel(
+        p.ep, dp, cp, _experts(model), p.zero, p.compression, pp, tp,
+        precision.dtype, precision.reduce_dtype,
+    )  # fmt: skip
     data = mesh.axis(*data_axes(mesh))
     experts = apply_expert_parallel(model, mesh, p.ep, data, values)
     names, aliases = _one_device_names(model)

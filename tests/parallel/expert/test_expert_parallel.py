@@ -100,11 +100,14 @@ def ref() -> dict[str, Any]:
     return _reference(1, 1)
 
 
-def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) -> dict[str, Any]:
-    dp = ctx.world_size // (tp * pp)
-    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp)
+def _body(
+    ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1, cp: int = 1,
+    rc: str = "none",
+) -> dict[str, Any]:  # fmt: skip
+    dp = ctx.world_size // (tp * pp * cp)
+    mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = ParallelConfig(ep=ep, bucket_mb=0.01, zero=zero, microbatches=2)
-    pm = parallelize(_model(), mesh, cfg)
+    pm = parallelize(_model(), mesh, cfg, recompute=rc)  # type: ignore[arg-type]
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
     per, r = BATCH // dp, mesh.index("dp")
     losses, norms, aux, ep_bytes, formula = [], [], [], [], []
@@ -119,10 +122,13 @@ def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) 
         step_formula = 0.0
         for d in dispatchers:  # every MoE layer of this stage, every micro-batch
             assert isinstance(d, ExpertParallelDispatch)
-            for sent, received in d.history:
-                step_formula += ep_bytes_per_layer(
-                    sent, received, d.ep_group.index, MOE.dim * 8, MOE.moe_experts, ep
-                )
+            for k, (sent, received) in enumerate(d.history):
+                i = d.ep_group.index
+                one = ep_bytes_per_layer(sent, received, i, MOE.dim * 8, MOE.moe_experts, ep)
+                if rc == "full":  # forward, then recompute forward + backward: 3 row
+                    rows = sum(sent) - sent[i] + sum(received) - received[i]  # passes
+                    one -= (k % 2 == 0) * rows * MOE.dim * 8  # and 2 counts exchanges
+                step_formula += one
                 # what I receive from j is what j sends me
                 every = torch.zeros(ep, ep, dtype=torch.int64)
                 every[d.ep_group.index] = torch.tensor(sent)
@@ -132,7 +138,7 @@ def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) 
         rank_aux = torch.tensor(
             [float(s.aux_loss) for s in pm.experts.stats()], dtype=torch.float64
         )
-        comm.all_reduce(rank_aux, mesh.axis("dp"), op="avg")  # over the data ranks
+        comm.all_reduce(rank_aux, mesh.axis("dp", "cp"), op="avg")  # over the data ranks
         aux.append(rank_aux.tolist())
         norms.append(opt.step().grad_norm)
         opt.zero_grad()
@@ -155,22 +161,32 @@ def _body(ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1) 
 
 
 @pytest.mark.parametrize(
-    ("world", "ep", "tp", "zero", "pp"),
+    ("world", "ep", "tp", "zero", "pp", "cp", "rc"),
     [
-        pytest.param(2, 2, 1, 0, 1, id="ep2"),
-        pytest.param(4, 4, 1, 0, 1, id="ep4"),
-        pytest.param(4, 2, 1, 0, 1, id="dp2xep2"),
-        pytest.param(4, 2, 2, 0, 1, id="ep2xtp2"),
-        pytest.param(4, 2, 1, 0, 2, id="ep2xpp2"),
-        pytest.param(2, 1, 1, 3, 1, id="zero3-dp2-ep1"),
-        pytest.param(2, 1, 2, 0, 1, id="tp2-ep1"),
+        pytest.param(2, 2, 1, 0, 1, 1, "none", id="ep2"),
+        pytest.param(4, 4, 1, 0, 1, 1, "none", id="ep4"),
+        pytest.param(4, 2, 1, 0, 1, 1, "none", id="dp2xep2"),
+        pytest.param(4, 2, 2, 0, 1, 1, "none", id="ep2xtp2"),
+        pytest.param(4, 2, 1, 0, 2, 1, "none", id="ep2xpp2"),
+        pytest.param(4, 4, 1, 0, 1, 2, "none", id="dp2xcp2-ep4"),
+        pytest.param(2, 2, 1, 0, 1, 1, "full", id="ep2-recompute-full"),
+        pytest.param(2, 1, 1, 3, 1, 1, "none", id="zero3-dp2-ep1"),
+        pytest.param(2, 1, 2, 0, 1, 1, "none", id="tp2-ep1"),
     ],
 )
 def test_matches_one_process(
-    pools: Pools, ref: dict[str, Any], world: int, ep: int, tp: int, zero: int, pp: int
+    pools: Pools,
+    ref: dict[str, Any],
+    world: int,
+    ep: int,
+    tp: int,
+    zero: int,
+    pp: int,
+    cp: int,
+    rc: str,
 ) -> None:
     body = "tests.parallel.expert.test_expert_parallel:_body"
-    results = pools(world).run(body, ep, tp, zero, pp)
+    results = pools(world).run(body, ep, tp, zero, pp, cp, rc)
     if pp > 1:  # two micro-batches; stage s holds MoE layer s
         ref = _reference(world // pp, 2)
         for i, res in enumerate(results):
