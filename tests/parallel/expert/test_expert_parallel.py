@@ -102,7 +102,7 @@ def ref() -> dict[str, Any]:
 
 def _body(
     ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1, cp: int = 1,
-    rc: str = "none",
+    rc: str = "none", micro: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     dp = ctx.world_size // (tp * pp * cp)
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -117,7 +117,8 @@ def _body(
         for d in dispatchers:
             assert isinstance(d, ExpertParallelDispatch)
             d.history.clear()
-        losses.append(float(pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])))
+        xr, yr = x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]
+        losses.append(float(pm.step(xr, yr, micro_batches=micro)))
         ep_bytes.append(mesh.stats.get("ep", "all_to_all").bytes - before)
         step_formula = 0.0
         for d in dispatchers:  # every MoE layer of this stage, every micro-batch
@@ -205,5 +206,20 @@ def test_matches_one_process(
             assert res["rows_sent"] > 0 and all(b > 0 for b in res["ep_bytes"])
     weights = assemble([p for res in results for p in res["pieces"]])
     assert sorted(weights) == sorted(ref["weights"])
+    for name, want in ref["weights"].items():
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_gradient_accumulation_under_ep(pools: Pools) -> None:
+    """ep2 with 2 micro-batches per step (the first under no_sync): the one-process
+    reference of the same micro-batches (router losses per micro-batch)."""
+    body = "tests.parallel.expert.test_expert_parallel:_body"
+    results = pools(2).run(body, 2, 1, 0, 1, 1, "none", 2)
+    ref = _reference(2, 2)
+    for res in results:
+        torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["ep_bytes"], res["formula"], rtol=0, atol=0)
+    weights = assemble([p for res in results for p in res["pieces"]])
     for name, want in ref["weights"].items():
         torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
