@@ -105,27 +105,20 @@ class ExpertParallelDispatch(LocalDispatch):
         got = comm.all_to_all(per.contiguous(), g)  # (ep, E/ep): from each source rank
         assert isinstance(got, torch.Tensor)
         send = [int(v) for v in per.sum(1).tolist()]
-        recv_m = got.tolist()  # recv_m[j][e]: rows of local expert e from rank j
-        recv = [int(sum(r)) for r in recv_m]
+        recv = [int(v) for v in got.sum(1).tolist()]  # rows from each source rank
         self.last_splits = (send, recv)
         self.history.append(self.last_splits)
         rows = all_to_all_rows(x, g, send, recv)  # (M, dim) by source, then expert
         # regroup by expert (source order inside an expert): a permutation of the rows
-        starts, pos = [], 0
-        for j in range(ep):
-            row_start = []
-            for e in range(local):
-                row_start.append(pos)
-                pos += int(recv_m[j][e])
-            starts.append(row_start)
-        order = [
-            i
-            for e in range(local)
-            for j in range(ep)
-            for i in range(starts[j][e], starts[j][e] + int(recv_m[j][e]))
-        ]
-        perm = torch.tensor(order, dtype=torch.int64, device=x.device)  # (M,)
-        mine = [sum(int(recv_m[j][e]) for j in range(ep)) for e in range(local)]
+        r = got.to(torch.int64)  # (ep, E/ep)
+        flat = r.reshape(-1)
+        start = (torch.cumsum(flat, 0) - flat).reshape(ep, local)  # first row of (j, e)
+        seg_start, seg_len = start.t().reshape(-1), r.t().reshape(-1)  # by (e, j)
+        seg_off = torch.cumsum(seg_len, 0) - seg_len
+        perm = torch.arange(int(flat.sum()), device=x.device) + torch.repeat_interleave(
+            (seg_start - seg_off).to(x.device), seg_len.to(x.device)
+        )  # (M,) received row of each expert-ordered row
+        mine = [int(v) for v in r.sum(0).tolist()]
         y = experts(rows[perm], mine)  # (M, dim) by expert
         back = torch.empty_like(perm)
         back[perm] = torch.arange(perm.numel(), device=x.device)
