@@ -7,7 +7,9 @@ uncompressed run of the same length, and the dp bytes per step averaged over the
 run (plait's comm counters, as the metrics JSONL records them) as a ratio to the
 uncompressed run's: top-k's sparsity warm-up sends more in its first steps, and this
 average includes them. Every run is a separate ``plait train`` process pair with the
-same seed, so the runs see the same batches from the same initial weights.
+same seed, so the runs see the same batches from the same initial weights. Top-k runs
+with Adam's moments before the sparsification (``parallel.compression_adam = before``,
+the default) and after it (error feedback on the raw gradient).
 
 Run from the repository root::
 
@@ -40,23 +42,31 @@ def methods(steps: int) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {"none": []}
     if steps <= 100:  # bf16 is a rounding, not a delay: its short-run figure says it all
         out["bf16"] = ["--parallel.compression", "bf16"]
+    after = ["--parallel.compression_adam", "after"]
     return out | {
         "powersgd r4": ["--parallel.compression", "powersgd"],
-        "topk 1%": ["--parallel.compression", "topk"],
-        f"topk 1%, warm-up {warm}": [
+        "topk 1%, Adam after": ["--parallel.compression", "topk", *after],
+        f"topk 1%, Adam after, warm-up {steps}": [
+            "--parallel.compression",
+            "topk",
+            "--parallel.compression_warmup_steps",
+            str(steps),
+            *after,
+        ],
+        "topk 1%, Adam before": ["--parallel.compression", "topk"],
+        f"topk 1%, Adam before, warm-up {warm}": [
             "--parallel.compression",
             "topk",
             "--parallel.compression_warmup_steps",
             str(warm),
         ],
-        f"topk 1%, warm-up {steps}": [
+        f"topk 1%, Adam before, warm-up {steps}": [
             "--parallel.compression",
             "topk",
             "--parallel.compression_warmup_steps",
             str(steps),
         ],
     }
-
 
 def run(steps: int, flags: list[str], folder: Path) -> tuple[float, float]:
     """(mean loss of the last 5 steps, mean dp bytes per step) of one run."""
@@ -75,6 +85,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, nargs="+", default=[60, 500])
     ap.add_argument("--out", type=Path, help="record the table in this markdown file")
+    ap.add_argument(
+        "--only", nargs="+", default=None, help="run only the methods whose label contains one"
+    )
     a = ap.parse_args()
     load0 = load_average()
     results: dict[int, dict[str, tuple[float, float]]] = {}
@@ -82,6 +95,8 @@ def main() -> int:
         for steps in a.steps:
             results[steps] = {}
             for label, flags in methods(steps).items():
+                if a.only and label != "none" and not any(o in label for o in a.only):
+                    continue
                 results[steps][label] = run(steps, flags, Path(tmp))
                 print(f"  {steps} steps, {label}: {results[steps][label]}", file=sys.stderr)
     lines = [

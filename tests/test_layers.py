@@ -67,6 +67,7 @@ DISTRIBUTED_ALLOWED: dict[str, str] = {
     # @record writes a failing rank's traceback where the elastic agent reports it
     "plait.cli.train": "wraps the entry point in torch.distributed.elastic's @record",
     "plait.cli.eval": "wraps the entry point in torch.distributed.elastic's @record",
+    "plait.cli.generate": "wraps the entry point in torch.distributed.elastic's @record",
 }
 """Modules outside plait.comm allowed to import torch.distributed, and why."""
 

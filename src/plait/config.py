@@ -28,12 +28,14 @@ from plait.config_checks import (
     check_compression_warmup,
     check_cp_sequence,
     check_expert_parallel,
+    check_generation_layout,
     check_moe,
     check_offload,
     check_pipeline,
     check_positive,
     check_pp_reshard,
     check_rope_scaling,
+    check_sample_length,
     check_seq_len,
     check_shard_size,
     check_sp_under_cp,
@@ -60,6 +62,7 @@ RopeScaling = Literal["none", "linear", "llama3"]
 CPAttention = Literal["ring", "ulysses"]
 MoERouter = Literal["softmax", "sigmoid"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
+CompressionAdam = Literal["before", "after"]
 WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
@@ -77,6 +80,7 @@ OFFLOADS: tuple[Offload, ...] = get_args(Offload)
 CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
 PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
+COMPRESSION_ADAMS: tuple[CompressionAdam, ...] = get_args(CompressionAdam)
 NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -372,6 +376,11 @@ class ParallelConfig:
     compression_warmup_steps: int = 0
     """topk: sparsity warm-up (Deep Gradient Compression): over this many compressed
     steps the density decays exponentially from 25 % to compression_ratio (0: none)."""
+    compression_adam: CompressionAdam = "before"
+    """topk with the trainer's AdamW: 'before' runs Adam's moments on each rank's own
+    gradient in front of the sparsification and sends the step direction (the Adam form of
+    DGC's momentum correction; the optimizer becomes plain SGD); 'after' sends the raw
+    gradient and runs AdamW after the exchange (exact at ratio 1)."""
     backend: Backend = "auto"
     """Process-group backend: gloo on CPU, nccl on CUDA, auto picks by device."""
     timeout_s: float = 300.0
@@ -487,6 +496,9 @@ class TrainConfig:
     straggler_factor: float = 2.0
     """Report a rank whose compute time in a step (step time minus communication wait)
     exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (inductor; per block, as
+    torchtitan does); collectives stay outside the graphs. See docs/compile.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")
@@ -626,10 +638,24 @@ class LogConfig:
     """Pipeline runs (parallel.pp > 1): draw the last training step's measured timeline
     (ranks as rows, forward/backward/weight-gradient actions, bubble in the title) into
     this PNG file, the picture `plait pipeline draw` makes of a simulated schedule."""
+    sample_every: int = 0
+    """Every this many steps, rank 0 prints a short greedy continuation of
+    ``log.sample_prompt`` by the model being trained (all ranks decode it; 0: never)."""
+    sample_prompt: str = "def "
+    """The text the ``log.sample_every`` samples continue."""
+    sample_tokens: int = 32
+    """Tokens each ``log.sample_every`` sample generates."""
 
     def __post_init__(self) -> None:
         check_choices(self, "log.")
         check_positive("log.", log_every=self.log_every, peak_tflops=self.peak_tflops)
+        check_positive("log.", sample_tokens=self.sample_tokens)
+        if self.sample_every < 0:
+            raise ConfigError(
+                f"log.sample_every must be 0 (off) or positive, got {self.sample_every}."
+            )
+        if not self.sample_prompt:
+            raise ConfigError("log.sample_prompt must not be empty.")
         if self.timeline is not None and not self.timeline.lower().endswith(".png"):
             raise ConfigError(f"log.timeline must name a .png file, got {self.timeline!r}.")
         if not self.dir:
@@ -752,6 +778,12 @@ class Config:
             self.precision.dtype,
             self.precision.reduce_dtype,
         )
+        if self.log.sample_every:
+            check_generation_layout(
+                p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory, "log.sample_every"
+            )
+            prompt = len(self.log.sample_prompt.encode("utf-8"))
+            check_sample_length(prompt, self.log.sample_tokens, m.max_seq_len)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

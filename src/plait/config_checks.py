@@ -413,3 +413,44 @@ def check_expert_parallel(
             "parameters would need their own ZeRO units over their replica group; use "
             "parallel.zero=0 (docs/moe.md)."
         )
+
+
+def check_generation_layout(
+    pp: int,
+    cp: int,
+    tp: int,
+    sequence_parallel: bool,
+    family: str,
+    factory: str | None,
+    what: str = "generation",
+) -> None:
+    """Text generation (``plait generate``, ``log.sample_every``) decodes on ranks that
+    each hold the whole model or its tp shard: no pipeline stages, no sequence
+    parallelism (one new token cannot be split over tp), and under cp only plait's own
+    transformer (whose cached decode does not use the context-parallel attention)."""
+    if pp > 1:
+        raise ConfigError(
+            f"{what} needs the whole model on each rank; pp = {pp} splits it into stages. "
+            "Use tp (and dp) without pp: any checkpoint loads into that layout."
+        )
+    if sequence_parallel and tp > 1:
+        raise ConfigError(
+            f"{what} decodes one token at a time, which sequence parallelism cannot shard "
+            "over tp; set parallel.sequence_parallel = false."
+        )
+    if cp > 1 and (family != "plait" or factory is not None):
+        raise ConfigError(
+            f"{what} under cp = {cp} needs plait's own transformer (its cached decode does "
+            "not use the context-parallel attention); use cp = 1."
+        )
+
+
+def check_sample_length(prompt_bytes: int, new_tokens: int, max_seq_len: int) -> None:
+    """``log.sample_prompt`` (at most one token per byte) and ``log.sample_tokens`` fit
+    the model's context."""
+    if prompt_bytes + new_tokens > max_seq_len:
+        raise ConfigError(
+            f"log.sample_prompt ({prompt_bytes} bytes, up to as many tokens) + "
+            f"log.sample_tokens ({new_tokens}) exceed model.max_seq_len ({max_seq_len}); "
+            "shorten the prompt or ask for fewer tokens."
+        )

@@ -169,6 +169,13 @@ class Optimizer:
                 )
             if any(optimizer.state.values()):
                 raise ValueError("wrap the optimizer before its first step (it has state)")
+            adam = getattr(getattr(model, "compressor", None), "adam", None)
+            if adam is not None and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                raise ValueError(
+                    "this model's top-k compression runs Adam on each rank before the "
+                    "exchange (compression_adam = 'before'); step it with "
+                    "torch.optim.SGD(momentum=0), or set compression_adam = 'after'"
+                )
         self.model = model
         self.max_norm = max_norm
         self.scaler = scaler

@@ -5,6 +5,7 @@ command     what it does                                     module
 ==========  ===============================================  =========================
 train       train the built-in transformer                   :mod:`plait.cli.train`
 eval        mean next-token loss and perplexity on a file     :mod:`plait.cli.eval`
+generate    continue a prompt (KV cache; greedy or sampled)  :mod:`plait.cli.generate`
 plan        predict memory and step time; search layouts      :mod:`plait.cli.plan`
 calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.bench`
 bench       benchmarks: ``plait bench comm | calibrate``      :mod:`plait.cli.bench`
@@ -44,6 +45,12 @@ def _eval() -> Command:
     from plait.cli.eval import eval_main
 
     return eval_main
+
+
+def _generate() -> Command:
+    from plait.cli.generate import generate_main
+
+    return generate_main
 
 
 def _plan() -> Command:
@@ -97,6 +104,7 @@ def _tune() -> Command:
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
     "eval": (_eval, "mean next-token loss and perplexity of a model on a token file"),
+    "generate": (_generate, "continue a prompt with a checkpoint's model (KV cache)"),
     "plan": (_plan, "predict memory and step time; search layouts"),
     "calibrate": (_calibrate, "alias of `plait bench calibrate`"),
     "bench": (_bench, "benchmarks: `plait bench comm | calibrate`"),

@@ -42,6 +42,10 @@ from plait.comm.group import AxisGroup
 from plait.comm.ops import all_gather, all_reduce, reduce_scatter
 from plait.errors import ConfigError
 
+_eager = torch.compiler.disable
+"""Region boundaries run eagerly under ``torch.compile`` (a graph break: a collective
+counted in Python cannot be traced; see docs/compile.md)."""
+
 # ---------------------------------------------------------------- plain helpers
 
 
@@ -122,11 +126,13 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+@_eager
 def copy_to_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Megatron's ``f``: ``x`` unchanged; its gradient summed over ``g`` in backward."""
     return _CopyToRegion.apply(x, g)
 
 
+@_eager
 def reduce_from_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """Megatron's ``g``: the sum of every rank's ``x``; the gradient passes unchanged."""
     return _ReduceFromRegion.apply(x, g)
@@ -161,11 +167,13 @@ class _ScatterLastDim(torch.autograd.Function):
         return gather_along(grad, ctx.group, grad.dim() - 1), None
 
 
+@_eager
 def gather_from_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``(..., local)`` -> ``(..., size·local)``: every rank's features, in axis order."""
     return _GatherLastDim.apply(x, g)
 
 
+@_eager
 def scatter_to_region(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:
     """``(..., full)`` -> ``(..., full/size)``: this rank's features; gathered in backward."""
     return _ScatterLastDim.apply(x, g)
@@ -213,6 +221,7 @@ class _ScatterSequence(torch.autograd.Function):
         return gather_along(grad, ctx.group, ctx.dim), None, None
 
 
+@_eager
 def gather_from_sequence(x: torch.Tensor, g: AxisGroup, dim: int = 1) -> torch.Tensor:
     """Enter a TP region under sequence parallelism: ``(b, s/N, h)`` -> ``(b, s, h)``.
 
@@ -221,12 +230,14 @@ def gather_from_sequence(x: torch.Tensor, g: AxisGroup, dim: int = 1) -> torch.T
     return _GatherSequence.apply(x, g, dim)
 
 
+@_eager
 def reduce_scatter_to_sequence(x: torch.Tensor, g: AxisGroup, dim: int = 1) -> torch.Tensor:
     """Leave a TP region under sequence parallelism: partial ``(b, s, h)`` -> summed
     ``(b, s/N, h)``. Backward all-gathers the gradient."""
     return _ReduceScatterSequence.apply(x, g, dim)
 
 
+@_eager
 def scatter_to_sequence(x: torch.Tensor, g: AxisGroup, dim: int = 1) -> torch.Tensor:
     """Shard a replicated ``(b, s, h)`` along the sequence (no forward communication);
     backward all-gathers the gradient."""

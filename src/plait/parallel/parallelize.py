@@ -14,6 +14,10 @@ file never changes) in this fixed order (docs/api.md describes it too):
 3. **pipeline split** over pp (when it has several ranks): this rank's pieces
    (:func:`~plait.parallel.pipeline.engine.split_for_pipeline`);
 4. **activation recomputation** (:func:`~plait.parallel.recompute.apply_recompute`);
+   then, with ``compile`` (``train.compile``), **torch.compile per block**
+   (:func:`~plait.parallel.compile.apply_compile`): each block's forward, recompute
+   wrapper included, becomes one compiled graph; the data-parallel / ZeRO hooks applied
+   next stay eager around it (docs/compile.md);
 5. **ZeRO sharding or data parallelism** over dp (over dp x cp when cp > 1: the cp
    ranks hold the same parameters, so gradients and shards span both):
    ``zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`; ``zero = 0``
@@ -59,7 +63,8 @@ from plait.config_checks import check_compression, check_expert_parallel
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
-from plait.parallel.compression import Compressor, make_compressor
+from plait.parallel.compile import apply_compile
+from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
 from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
@@ -99,6 +104,7 @@ def parallelize(
     loss_fn: LossFn | None = None,
     ignore_index: int = IGNORE_INDEX,
     compressor: Compressor | None = None,
+    compile: bool | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -112,7 +118,8 @@ def parallelize(
     full), ``precision`` (a :class:`PrecisionConfig` or a dtype name such as "bf16"),
     ``loss_fn`` (default: cross-entropy, vocabulary-parallel when tp > 1, skipping
     ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
-    default: the one ``parallel.compression`` names). The degrees come from ``mesh``.
+    default: the one ``parallel.compression`` names), ``compile`` (torch.compile each
+    block; default: ``train.compile``). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -135,6 +142,8 @@ def parallelize(
     p = dataclasses.replace(p, **overrides) if overrides else p  # validated again
     if recompute is None:
         recompute = full.train.recompute if full is not None else "none"
+    if compile is None:
+        compile = full.train.compile if full is not None else False
     if isinstance(precision, str):
         precision = PrecisionConfig(dtype=precision)  # type: ignore[arg-type]
     precision = precision or (full.precision if full is not None else PrecisionConfig())
@@ -198,6 +207,9 @@ def parallelize(
     # 4. activation recomputation.
     if recompute != "none":
         apply_recompute(inner, recompute)
+    # 4b. torch.compile per block (after recompute: its wrapper is compiled with the block).
+    if compile:
+        apply_compile(inner)
     # 5. ZeRO sharding or data parallelism over dp.
     plain = (
         p.zero == 0
@@ -216,6 +228,7 @@ def parallelize(
             rank=p.compression_rank,
             start=p.compression_start,
             warmup=p.compression_warmup_steps,
+            **adam_before(p, full),
         )
     if compressor is not None:  # the plain path only (same rule as the config's)
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)

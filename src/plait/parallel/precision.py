@@ -25,6 +25,7 @@ process starts.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,33 @@ class DynamicLossScaler:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+FUSED_DEVICES = ("cpu", "cuda")
+"""Device types where ``torch.optim.AdamW(fused=True)`` has a kernel (one call per step
+for every parameter, instead of a Python loop over parameters)."""
+
+
+def optimizer_kernel(params: Iterable[torch.Tensor]) -> dict[str, bool]:
+    """The fastest kernel choice for an element-wise ``torch.optim`` optimizer (Adam,
+    AdamW, SGD) over ``params``: ``{"fused": True}`` when every parameter is a
+    floating-point tensor on a device of :data:`FUSED_DEVICES`, else
+    ``{"foreach": True}`` (grouped kernels) where every parameter is on a real device,
+    else ``{}`` (torch's default).
+
+    torch's default is ``foreach`` on CUDA only: on the CPU it is the single-tensor
+    loop, a handful of element-wise kernels *per parameter* (add_, mul_, lerp_,
+    addcmul_, sqrt, addcdiv_), which is what made plait's CPU step slower than a plain
+    loop with ``AdamW(fused=True)`` (see benchmarks/eager_step.py). Under ZeRO the
+    optimizer is rebuilt over the fp32 master shards with the same defaults, so the
+    masters get the same kernel.
+    """
+    ps = list(params)
+    if not ps or any(p.is_meta for p in ps):
+        return {}
+    if all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in ps):
+        return {"fused": True}
+    return {"foreach": True}
 
 
 @functools.cache

@@ -93,7 +93,8 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         prec_note += f", dynamic loss scale {prec.loss_scale:g} (K={prec.loss_scale_window})"
     return (
         f"plait: {mesh.describe()}\n"
-        f"plait: {zero_note}; {prec_note}; recompute {t.recompute}\n"
+        f"plait: {zero_note}; {prec_note}; recompute {t.recompute}"
+        f"{'; torch.compile per block' if t.compile else ''}\n"
         f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
         f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
         f"of {t.seq_len} tokens\n"

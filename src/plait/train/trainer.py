@@ -42,9 +42,10 @@ from plait.model.factory import (
 from plait.model.init import has_meta
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
+from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
-from plait.parallel.precision import DynamicLossScaler
+from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
 from plait.train.data import (
     BatchSampler,
     TokenDataset,
@@ -73,6 +74,7 @@ from plait.train.report import (
     summary_line,
     timeline_line,
 )
+from plait.train.sample import TrainingSamples
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -88,19 +90,23 @@ def lr_at(step: int, cfg: Config) -> float:
     return low + 0.5 * (peak - low) * (1.0 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters)."""
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters),
+    fused (or foreach) kernels where the device has them (:func:`optimizer_kernel`);
+    plain SGD with the same decay where top-k compression applies Adam on each rank
+    before the exchange (``parallel.compression_adam``: SGD's coupled decay then equals
+    AdamW's decoupled one)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     t = cfg.train
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr_at(0, cfg),
-        betas=(t.beta1, t.beta2),
-    )
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if adam_in_front(model):
+        return torch.optim.SGD(groups, lr=lr_at(0, cfg), momentum=0.0)
+    kernel = optimizer_kernel(p for p in model.parameters() if p.requires_grad)
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(t.beta1, t.beta2), **kernel)
 
 
 def one_device_model(cfg: Config, device: torch.device) -> nn.Module:
@@ -131,7 +137,7 @@ def start_parallel(
     optimizer = Optimizer(
         model,
         make_optimizer(model, cfg),
-        max_norm=cfg.train.grad_clip,
+        max_norm=0.0 if adam_in_front(model) else cfg.train.grad_clip,  # clipped per rank
         scaler=scaler,
         nonfinite=prec.nonfinite,
     )
@@ -198,6 +204,7 @@ class Trainer:
         show = self.is_main and self.show_progress
         self.progress = Progress(cfg.train.steps, cfg.log.progress, cfg.log.log_every, show)
         self.faults = FaultMonitor(cfg, mesh)  # stop requests, stragglers
+        self.samples = TrainingSamples(cfg) if cfg.log.sample_every else None
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
 
@@ -336,6 +343,10 @@ class Trainer:
             for logger in self.loggers:
                 logger.log(n, scalars)
             self.progress.update(m)
+            if self.samples is not None and self.samples.due(n):  # every rank decodes
+                line = self.samples.line(self.model, n)
+                if self.is_main:
+                    self.progress.message(line)
             if health.stragglers:
                 straggler_steps += 1
                 if straggler_steps == 1 and self.is_main:  # once; the metrics keep them all

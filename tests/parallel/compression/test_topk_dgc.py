@@ -149,14 +149,18 @@ def test_local_clipping_and_state_round_trip() -> None:
 
 
 def test_warmup_converges_within_the_margin_at_dp2(pools: Any, tmp_path: Path) -> None:
-    """60 AdamW steps at dp2 on the built-in corpus (the tiny test model, lr 3e-3, the
-    test config's 2 warm-up steps of the learning rate), mean loss of the last 10 steps:
-    top-k 1 % with a 60-step sparsity warm-up must be within 1.10x of the uncompressed
-    run and better than top-k 1 % without it. Measured: none 3.355, top-k 4.259
-    (1.27x), top-k with the warm-up 3.548 (1.058x). The test's model is the tiny one
-    (dim 32): the built-in default model's 60-step figures are in docs/compression.md."""
+    """60 steps at dp2 on the built-in corpus (the tiny test model, lr 3e-3, the test
+    config's 2 warm-up steps of the learning rate), mean loss of the last 10 steps:
+    top-k 1 % with a 60-step sparsity warm-up and Adam's moments before the
+    sparsification (the default) must be within 1.10x of the uncompressed run, and better
+    than top-k with AdamW after the exchange (error feedback on the raw gradient), with
+    and without the warm-up. Measured (deterministic): none 3.355, after 4.259 (1.27x),
+    after with the warm-up 3.548 (1.058x), before with the warm-up 3.536 (1.054x); on
+    this tiny model the warm-up does most of the work. The default model's figures, where
+    Adam before the sparsification matters more, are in docs/compression.md."""
     finals = {}
-    for label, warmup in (("none", -1), ("topk", 0), ("warm", 60)):
+    runs = (("none", -1, ""), ("after", 0, "after"), ("after, warm", 60, "after"))
+    for label, warmup, adam in (*runs, ("before, warm", 60, "before")):
         cfg = config(None, steps=60)
         cfg.train.eval_every = 0
         cfg.train.lr = 3e-3
@@ -164,7 +168,8 @@ def test_warmup_converges_within_the_margin_at_dp2(pools: Any, tmp_path: Path) -
             cfg.parallel.compression = "topk"
             cfg.parallel.compression_ratio = 0.01
             cfg.parallel.compression_warmup_steps = warmup
+            cfg.parallel.compression_adam = adam  # type: ignore[assignment]
         losses = _pool_run(pools, 2, cfg)["losses"]
         finals[label] = sum(losses[-10:]) / 10
-    assert finals["warm"] <= 1.10 * finals["none"], finals
-    assert finals["warm"] < finals["topk"], finals
+    assert finals["before, warm"] <= 1.10 * finals["none"], finals
+    assert finals["before, warm"] < finals["after, warm"] < finals["after"], finals

@@ -20,7 +20,10 @@ both are refused with compression (see :func:`plait.config_checks.check_compress
 
 from __future__ import annotations
 
-from plait.config import COMPRESSIONS
+from typing import Any
+
+from plait.config import COMPRESSIONS, Config, ParallelConfig
+from plait.parallel.compression.adam_local import LocalAdam
 from plait.parallel.compression.cast import CAST_DTYPES, CastCompressor
 from plait.parallel.compression.compressor import Compressor, Finish
 from plait.parallel.compression.powersgd import PowerSGDCompressor
@@ -37,18 +40,42 @@ def make_compressor(
     start: int = 0,
     seed: int = 0,
     warmup: int = 0,
+    adam: LocalAdam | None = None,
+    clip: float = 0.0,
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
-    ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``)."""
+    ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),
+    ``adam`` its Adam moments in front of the sparsification and ``clip`` its local
+    clipping threshold (``compression_adam = "before"``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start, warmup=warmup)
+        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip)
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")
+
+
+def adam_before(p: ParallelConfig, full: Config | None) -> dict[str, Any]:
+    """``make_compressor``'s ``adam`` and ``clip`` for top-k with ``compression_adam =
+    "before"`` (empty otherwise): Adam's betas and the clipping threshold from the
+    ``train`` section of ``full`` (torch's AdamW betas and no clipping without one)."""
+    if p.compression != "topk" or p.compression_adam != "before":
+        return {}
+    if full is None:
+        return {"adam": LocalAdam()}
+    t = full.train
+    return {"adam": LocalAdam(t.beta1, t.beta2), "clip": t.grad_clip}
+
+
+def adam_in_front(model: Any) -> bool:
+    """Whether ``model``'s gradient compressor applies Adam itself (top-k with
+    ``compression_adam = "before"``): its optimizer must then be plain SGD without
+    momentum, and clipping happens on each rank before the moments."""
+    compressor = getattr(model, "compressor", None)
+    return isinstance(compressor, TopKCompressor) and compressor.adam is not None
 
 
 __all__ = [
@@ -56,7 +83,10 @@ __all__ = [
     "CastCompressor",
     "Compressor",
     "Finish",
+    "LocalAdam",
     "PowerSGDCompressor",
     "TopKCompressor",
+    "adam_before",
+    "adam_in_front",
     "make_compressor",
 ]

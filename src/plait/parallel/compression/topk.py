@@ -36,6 +36,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup
+from plait.parallel.compression.adam_local import LocalAdam
 from plait.parallel.compression.compressor import Compressor, Finish, _done
 
 
@@ -80,6 +81,11 @@ class TopKCompressor(Compressor):
         clip: local gradient clipping (DGC): before it is accumulated, this rank's
             bucket (pre-divided by N) is scaled to an L2 norm of at most
             ``clip / sqrt(N)`` (0: off). ``clip`` is the global clipping threshold.
+        adam: the Adam form of momentum correction (:mod:`.adam_local`): this rank's
+            Adam moments of its own gradient, with error feedback and top-k on the
+            resulting step direction. The optimizer then runs plain SGD (no momentum;
+            its weight decay equals AdamW's). The ``start`` steps then send everything
+            (rho = 1) rather than the raw gradient. Exclusive with ``momentum``.
     """
 
     name = "topk"
@@ -93,6 +99,7 @@ class TopKCompressor(Compressor):
         start_ratio: float = DGC_START_RATIO,
         momentum: float = 0.0,
         clip: float = 0.0,
+        adam: LocalAdam | None = None,
     ) -> None:
         super().__init__(start)
         if not 0.0 < ratio <= 1.0:
@@ -105,7 +112,10 @@ class TopKCompressor(Compressor):
             raise ValueError(
                 f"top-k momentum must be in [0, 1) and clip >= 0, got {momentum}, {clip}"
             )
+        if adam is not None and momentum > 0:
+            raise ValueError("top-k takes momentum correction for SGD or for Adam, not both")
         self.ratio = ratio
+        self.adam = adam
         self.momentum = momentum
         self.clip = clip
         self.velocity: dict[int, torch.Tensor] = {}
@@ -115,8 +125,17 @@ class TopKCompressor(Compressor):
 
     def ratio_at(self, step: int) -> float:
         """The density used at synchronising step ``step`` (0-based, counting the
-        ``start`` plain steps): the warm-up's exponential decay, then ``ratio``."""
+        ``start`` plain steps): the warm-up's exponential decay, then ``ratio``. With
+        Adam's correction the ``start`` steps send everything (density 1)."""
+        if self.adam is not None and step < self.start:
+            return 1.0
         return warmup_ratio(step - self.start, self.ratio, self.warmup, self.start_ratio)
+
+    @property
+    def active(self) -> bool:
+        """With Adam's correction every step runs here (the optimizer is plain SGD and
+        needs Adam's step direction even before compression starts)."""
+        return self.adam is not None or super().active
 
     @property
     def current_ratio(self) -> float:
@@ -143,6 +162,9 @@ class TopKCompressor(Compressor):
             norm = float(flat.norm())
             if norm > limit:
                 flat.mul_(limit / norm)
+        if self.adam is not None:  # Adam in front of the sparsification
+            direction = self.adam.update(key, flat * group.size, self.steps + 1)
+            flat.copy_(direction).div_(group.size)  # (n,) this rank's share of the mean
         err = self.error_of(key, flat)
         u = None
         if self.momentum > 0:  # momentum correction: accumulate the velocity
@@ -190,6 +212,8 @@ class TopKCompressor(Compressor):
         out = super().state_dict()
         for k, u in self.velocity.items():
             out[f"velocity/{k}"] = u
+        if self.adam is not None:
+            out |= self.adam.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -199,6 +223,8 @@ class TopKCompressor(Compressor):
             for k, v in state.items()
             if k.startswith("velocity/")
         }
+        if self.adam is not None:
+            self.adam.load_state_dict(state)
 
     def describe(self) -> str:
         warm = ""
@@ -206,5 +232,6 @@ class TopKCompressor(Compressor):
             rho0 = max(self.start_ratio, self.ratio)
             warm = f", warm-up {rho0:g} -> {self.ratio:g} over {self.warmup} steps"
         extra = f", momentum correction {self.momentum:g}" if self.momentum else ""
+        extra += ", Adam moments before top-k" if self.adam is not None else ""
         extra += f", local clipping {self.clip:g}" if self.clip else ""
         return f"{super().describe()} (ratio {self.ratio:g}{warm}, error feedback{extra})"

@@ -158,8 +158,10 @@ class ShardedMasters:
         for slot in self.slots:
             for seg, _, _ in slot.segments:
                 seg.grad = None
-            if not slot.alias:
-                self.zero.param_shard(slot.unit).copy_(slot.master)
+        copies = [s for s in self.slots if not s.alias]  # 16-bit params or offload
+        if copies:  # one fused cast-and-copy of every master into the model dtype
+            shards = [self.zero.param_shard(s.unit) for s in copies]
+            torch._foreach_copy_(shards, [s.master for s in copies])
         self.zero.sync_params()
 
     def master_tensors(self) -> list[torch.Tensor]:
