@@ -55,7 +55,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.parallel", "plait.optim", "plait.checkpoint"),
     # viz sits beside train, as DESIGN.md and the README draw it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
-    ("plait.train", "plait.ps", "plait.plan", "plait.bench", "plait.testing", "plait.viz"),
+    (
+        "plait.train",
+        "plait.data",
+        "plait.ps",
+        "plait.plan",
+        "plait.bench",
+        "plait.testing",
+        "plait.viz",
+    ),
     ("plait.launch",),
     ("plait.cli", "plait.__main__", ROOT),  # ROOT: the package's lazy table names anything
 ]

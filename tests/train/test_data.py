@@ -159,7 +159,7 @@ def test_sampler_deterministic_and_seeded() -> None:
 def test_sampler_epoch_crossing() -> None:
     n, g = 10, 4
     s = BatchSampler(n, g, 0, 1, seed=0)
-    p0, p1 = s.permutation(0), s.permutation(1)
+    p0, p1 = s.permutation(0).tolist(), s.permutation(1).tolist()
     assert sorted(p0) == list(range(n)) and p0 != p1
     walk = [i for step in range(5) for i in s.global_indices(step)]  # 20 = 2 epochs
     assert walk == p0 + p1

@@ -14,6 +14,7 @@ checkpoint  checkpoint info | consolidate | export           :mod:`plait.cli.che
 pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pipeline`
 plot        draw runs' metrics (loss, val, tokens/s, comm)   :mod:`plait.cli.plot`
 tune        hyperparameter search on Ray Tune                :mod:`plait.cli.tune`
+data        ``plait data prepare | info``: token shards      :mod:`plait.cli.data`
 ==========  ===============================================  =========================
 
 Each sub-command is a function taking the arguments after its name and returning an
@@ -101,6 +102,12 @@ def _tune() -> Command:
     return tune_main
 
 
+def _data() -> Command:
+    from plait.cli.data import data_main
+
+    return data_main
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
     "eval": (_eval, "mean next-token loss and perplexity of a model on a token file"),
@@ -113,6 +120,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "pipeline": (_pipeline, "pipeline schedules: draw | show"),
     "plot": (_plot, "draw runs' metrics (loss, validation loss, tokens/s, comm) into a PNG"),
     "tune": (_tune, "hyperparameter search on Ray Tune (each trial a multi-rank run)"),
+    "data": (_data, "prepare data: `plait data prepare SRC -o DIR --tokenizer SPEC` | info"),
 }
 """Sub-command name -> (the function that imports and returns it, one-line help)."""
 

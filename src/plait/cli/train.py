@@ -174,11 +174,18 @@ def pretrained_defaults(data: dict[str, Any]) -> list[str]:
     model.update({k: v for k, v in fixed.items() if k not in model})
     open_hf(init_from, str(model.get("family", "plait"))).close()
     arch = "the built-in transformer" if model.get("family", "plait") == "plait" else "hf-llama"
-    return [
+    notes = [
         f"model from {init_from}/config.json: {fixed['n_layers']} layers, dim {fixed['dim']}, "
         f"{fixed['n_heads']} heads ({fixed['n_kv_heads']} key/value), vocabulary "
         f"{fixed['vocab_size']}; loaded into {arch}"
     ]
+    from plait.data.tokenizers import hf_tokenizer_file
+
+    section = data.setdefault("data", {})
+    if "tokenizer" not in section and hf_tokenizer_file(init_from) is not None:
+        section["tokenizer"] = f"hf:{init_from}"  # a pretrained model reads its own tokens
+        notes.append(f"data.tokenizer not set: hf:{init_from} (the model folder's tokenizer)")
+    return notes
 
 
 def _check_device(cfg: Config) -> None:
@@ -223,19 +230,11 @@ def _cuda_device() -> tuple[str, float] | None:
 
 def _check_data(cfg: Config) -> None:
     """Refuse a corpus too small for one global batch of training or validation data."""
-    from plait.train.data import (
-        TokenDataset,
-        check_enough,
-        check_vocab,
-        load_tokens,
-        split_train_val,
-    )
+    from plait.data import check_enough, make_datasets
 
-    tokens = load_tokens(cfg.data)
-    check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
-    train, val = split_train_val(tokens, cfg.data.val_fraction)
-    check_enough(TokenDataset(train, cfg.train.seq_len), cfg.train.global_batch, "training")
-    check_enough(TokenDataset(val, cfg.train.seq_len), cfg.train.global_batch, "validation")
+    train, val = make_datasets(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
+    check_enough(train, cfg.train.global_batch, "training")
+    check_enough(val, cfg.train.global_batch, "validation")
 
 
 def _check_outputs(cfg: Config) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
+from plait.data import BackgroundLoader, BatchSampler, check_enough, make_datasets
 from plait.mesh import Mesh
 from plait.model.factory import (
     build_meta_model,
@@ -46,14 +47,6 @@ from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
-from plait.train.data import (
-    BatchSampler,
-    TokenDataset,
-    check_enough,
-    check_vocab,
-    load_tokens,
-    split_train_val,
-)
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.memory import (
@@ -176,11 +169,10 @@ class Trainer:
         world = mesh.world_size
         self.model, self.optimizer = start_parallel(base, cfg, mesh, self.checkpoints)
 
-        tokens = load_tokens(cfg.data)
-        check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
-        train_tokens, val_tokens = split_train_val(tokens, cfg.data.val_fraction)
-        self.train_set = TokenDataset(train_tokens, cfg.train.seq_len)
-        self.val_set = TokenDataset(val_tokens, cfg.train.seq_len)
+        # text read whole, a prepared shard folder (memory-mapped) or a mixture of folders
+        self.train_set, self.val_set = make_datasets(
+            cfg.data, cfg.train.seq_len, cfg.model.vocab_size
+        )
         check_enough(self.train_set, cfg.train.global_batch, "training")
         check_enough(self.val_set, cfg.train.global_batch, "validation")
         dp, dp_rank = mesh.size("dp"), mesh.index("dp")
@@ -189,6 +181,9 @@ class Trainer:
         self.val_sampler = BatchSampler(
             len(self.val_set), cfg.train.global_batch, dp_rank, dp, seed + 1
         )
+        read = self._read_batch
+        pin = self.device.type == "cuda"
+        self.loader = BackgroundLoader(read, cfg.data.prefetch, pin) if cfg.data.prefetch else None
         self.state = TrainState(
             self.model, self.optimizer, self.sampler, mesh, cfg, rank_state=self.model.compressor
         )
@@ -215,11 +210,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def _read_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of step ``step``'s global batch on the host, ``(batch, seq)`` twice."""
+        return self.train_set.batch(self.sampler.rank_indices(step))
+
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of step ``step``'s global batch, ``(batch, seq)`` twice."""
-        idx = self.sampler.rank_indices(step)
-        x, y = self.train_set.batch(idx)  # (per-rank batch, seq), (per-rank batch, seq)
-        return x.to(self.device), y.to(self.device)
+        """This rank's slice of step ``step``'s global batch, ``(batch, seq)`` twice (read
+        ahead by the background loader when ``data.prefetch`` > 0)."""
+        x, y = self.loader.get(step) if self.loader is not None else self._read_batch(step)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> tuple[float, StepReport]:
         """One optimizer step on the data of step ``step``; returns (global mean loss,
@@ -260,6 +259,8 @@ class Trainer:
         try:
             return self._run()
         finally:
+            if self.loader is not None:
+                self.loader.close()
             self.checkpoints.close()
 
     def _run(self) -> RunSummary:

@@ -1,0 +1,83 @@
+"""Fixed-length samples of a token array: sample ``i`` of a :class:`TokenDataset` is the
+window ``tokens[i·seq : i·seq + seq + 1]``: inputs are its first ``seq`` tokens, targets
+the last ``seq``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from plait.errors import ConfigError, DataError
+
+
+class WindowSet(Protocol):
+    """What the trainer needs of a training or validation set (in-memory or sharded)."""
+
+    seq_len: int
+    eos_id: int | None
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the set reads its windows from."""
+        ...
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor."""
+        ...
+
+
+class TokenDataset:
+    """Non-overlapping windows of ``seq_len + 1`` tokens (last token shared with the next)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int | None = None) -> None:
+        if seq_len <= 0:
+            raise ConfigError(f"seq_len must be positive, got {seq_len}.")
+        self.tokens = tokens  # (n_tokens,)
+        self.seq_len = seq_len
+        self.eos_id = eos_id
+        """The end-of-document token of the data, when known (None: unknown)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the windows are cut from."""
+        return len(self.tokens)
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def _window(self, i: int) -> np.ndarray:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
+        start = i * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1])  # (seq + 1,)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(seq_len,)`` LongTensor."""
+        w = torch.from_numpy(self._window(i).astype(np.int64))
+        return w[:-1], w[1:]
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor."""
+        if not len(indices):
+            empty = torch.empty(0, self.seq_len, dtype=torch.long)
+            return empty, empty.clone()
+        windows = np.stack([self._window(int(i)) for i in indices]).astype(np.int64)
+        w = torch.from_numpy(windows)  # (batch, seq + 1)
+        return w[:, :-1], w[:, 1:]
+
+
+def check_enough(dataset: WindowSet, global_batch: int, name: str) -> None:
+    """Raise DataError when ``dataset`` has fewer samples than one global batch."""
+    if len(dataset) < global_batch:
+        raise DataError(
+            f"the {name} set has {len(dataset)} sample(s) of {dataset.seq_len} + 1 tokens "
+            f"({dataset.num_tokens} tokens) but one global batch needs {global_batch}; use "
+            "more data (a larger source or data.max_bytes), a smaller train.global_batch, "
+            "a shorter train.seq_len, or (for validation) a larger data.val_fraction."
+        )

@@ -1,0 +1,109 @@
+"""Weighted mixtures of window sets (Megatron's blended datasets), deterministic.
+
+Source ``s`` with weight ``w_s`` (normalised to sum 1) gives its ``k``-th window at the
+ideal position ``(k + 0.5) / w_s`` of the blend; the blend is every source's windows
+merged by ideal position (ties by source order). So mixture window ``i`` maps to
+``(source, k)`` as a pure function of the weights, and every prefix of the blend holds
+each source within one window or so of ``w_s`` times its length. The ``k``-th window of
+a source is its window ``k mod len(source)`` (a small source repeats, as in Megatron).
+The blend has as many windows as the sources together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from plait.data.dataset import WindowSet
+from plait.errors import ConfigError, DataError
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]] | None:
+    """``"DIR_A:0.7,DIR_B:0.3"`` as ``[(path, weight), ...]``; None when ``spec`` is one
+    source without a weight. Weights must be positive numbers."""
+    parts = [p.strip() for p in spec.split(",")]
+    weighted = []
+    for part in parts:
+        path, sep, weight = part.rpartition(":")
+        try:
+            w = float(weight) if sep else None
+        except ValueError:
+            w = None
+        weighted.append((path, w) if w is not None else (part, None))
+    if all(w is None for _, w in weighted):  # a path (even one with a comma in it)
+        return None
+    out = []
+    for path, w in weighted:
+        if not path or w is None or not w > 0.0 or not np.isfinite(w):
+            raise ConfigError(
+                f"data.source {spec!r}: a mixture is 'DIR_A:0.7,DIR_B:0.3' (prepared folders, "
+                f"positive weights); {path or '?'}:{'' if w is None else w} is not."
+            )
+        out.append((path, w))
+    return out
+
+
+def blend(weights: Sequence[float], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(source, k)`` of mixture windows ``0 .. length-1``: two ``(length,)`` int64 arrays."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    times, srcs, ks = [], [], []
+    for s, ws in enumerate(w):
+        n = int(np.ceil(length * ws)) + 1
+        k = np.arange(n, dtype=np.int64)
+        times.append((k + 0.5) / ws)
+        srcs.append(np.full(n, s, dtype=np.int64))
+        ks.append(k)
+    t, src, kk = np.concatenate(times), np.concatenate(srcs), np.concatenate(ks)
+    order = np.lexsort((src, t))[:length]  # by time, then source
+    return src[order], kk[order]
+
+
+class MixtureDataset:
+    """Windows of several sets blended by weight (see the module's docstring)."""
+
+    def __init__(self, sets: Sequence[WindowSet], weights: Sequence[float]) -> None:
+        if len(sets) != len(weights) or not sets:
+            raise ConfigError("a mixture needs one weight per source.")
+        seqs = {s.seq_len for s in sets}
+        if len(seqs) != 1:
+            raise ConfigError(f"the sources of a mixture cut windows of different lengths {seqs}.")
+        for i, s in enumerate(sets):
+            if len(s) == 0:
+                raise DataError(
+                    f"source {i} of the mixture has no window of {s.seq_len} + 1 tokens."
+                )
+        eos = {s.eos_id for s in sets}
+        self.sets = list(sets)
+        self.seq_len = sets[0].seq_len
+        self.eos_id: int | None = eos.pop() if len(eos) == 1 else None
+        self.source, self.k = blend(weights, sum(len(s) for s in sets))
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of all sources together."""
+        return sum(s.num_tokens for s in self.sets)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """``(source, window in that source)`` of mixture window ``i``."""
+        s = int(self.source[i])
+        return s, int(self.k[i]) % len(self.sets[s])
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor, in order."""
+        if not len(indices):
+            empty = torch.empty(0, self.seq_len, dtype=torch.long)
+            return empty, empty.clone()
+        locs = [self.locate(int(i)) for i in indices]
+        x = torch.empty(len(locs), self.seq_len, dtype=torch.long)  # (batch, seq)
+        y = torch.empty_like(x)
+        for s in sorted({s for s, _ in locs}):  # one read per source
+            rows = [r for r, (src, _) in enumerate(locs) if src == s]
+            sx, sy = self.sets[s].batch([locs[r][1] for r in rows])  # (rows, seq) twice
+            x[rows], y[rows] = sx, sy
+        return x, y

@@ -1,0 +1,87 @@
+"""The training and validation window sets of a run's ``DataConfig``, whatever the source.
+
+* a prepared folder (``plait data prepare``; told by its ``index.json``): memory-mapped
+  shards, validation from the held-out documents (``data.val_fraction`` of them, by a hash
+  of the document number) or from the prepared folder ``data.val``;
+* a mixture ``"DIR_A:0.7,DIR_B:0.3"`` of prepared folders: training windows blended by
+  weight (:mod:`plait.data.mixture`); validation likewise from their held-out documents
+  (or ``data.val``);
+* anything else (the built-in corpus, text, ``.npy``/``.bin``): read whole
+  (:mod:`plait.data.corpus`), the last ``data.val_fraction`` of the tokens held out.
+
+The model's vocabulary must cover the data's (the prepared index's tokenizer, or the
+tokenizer of a text source): refused before any work otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plait.config import DataConfig
+from plait.data.corpus import check_vocab, load_tokens, split_train_val
+from plait.data.dataset import TokenDataset, WindowSet
+from plait.data.index import is_prepared, read_index
+from plait.data.mixture import MixtureDataset, parse_mixture
+from plait.data.shards import open_prepared
+from plait.data.tokenizers import check_covers_vocab, make_tokenizer
+from plait.errors import DataError
+
+
+def _prepared(path: str, what: str, vocab_size: int) -> None:
+    """Refuse ``path`` unless it is a prepared folder whose vocabulary the model covers."""
+    if not is_prepared(path):
+        raise DataError(
+            f"{what} {path!r} is not a prepared folder (no index.json); make one with "
+            "`plait data prepare SRC -o DIR --tokenizer SPEC`."
+        )
+    idx = read_index(path)
+    check_covers_vocab(idx.vocab_size, vocab_size, f"{path} (tokenizer {idx.tokenizer})")
+
+
+def source_kind(cfg: DataConfig) -> str:
+    """``"mixture"``, ``"prepared"`` or ``"tokens"`` (read whole)."""
+    if parse_mixture(cfg.source) is not None:
+        return "mixture"
+    if cfg.source != "stdlib" and is_prepared(cfg.source):
+        return "prepared"
+    return "tokens"
+
+
+def make_datasets(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[WindowSet, WindowSet]:
+    """``(train, val)`` window sets of ``cfg`` for windows of ``seq_len + 1`` tokens."""
+    kind = source_kind(cfg)
+    if cfg.val is not None:
+        _prepared(cfg.val, "data.val", vocab_size)
+    val: WindowSet | None = None
+    if cfg.val is not None:
+        val = open_prepared(cfg.val, seq_len, None)[0]
+    if kind == "tokens":
+        if cfg.val is not None:
+            raise DataError(
+                "data.val is for a prepared folder or mixture as data.source; with "
+                f"{cfg.source!r} the last data.val_fraction of the tokens is held out."
+            )
+        if cfg.tokenizer != "byte" and Path(cfg.source).suffix not in (".npy", ".bin"):
+            tok = make_tokenizer(cfg.tokenizer)
+            check_covers_vocab(tok.vocab_size, vocab_size, f"data.tokenizer {tok.name}")
+        tokens = load_tokens(cfg)
+        check_vocab(tokens, vocab_size, cfg.source)
+        train_tokens, val_tokens = split_train_val(tokens, cfg.val_fraction)
+        return TokenDataset(train_tokens, seq_len), TokenDataset(val_tokens, seq_len)
+    frac = None if cfg.val is not None else cfg.val_fraction
+    if kind == "prepared":
+        _prepared(cfg.source, "data.source", vocab_size)
+        train, held = open_prepared(cfg.source, seq_len, frac)
+        return train, val if val is not None else held  # type: ignore[return-value]
+    mix = parse_mixture(cfg.source) or []
+    trains, helds = [], []
+    for path, _ in mix:
+        _prepared(path, "data.source mixture entry", vocab_size)
+        t, h = open_prepared(path, seq_len, frac)
+        trains.append(t)
+        helds.append(h)
+    weights = [w for _, w in mix]
+    train_mix = MixtureDataset(trains, weights)
+    if val is None:
+        val = MixtureDataset([h for h in helds if h is not None], weights)
+    return train_mix, val
