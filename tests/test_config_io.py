@@ -98,6 +98,7 @@ ALIAS_VALUES: dict[str, tuple[str, Any]] = {
     "tp": ("2", 2),
     "pp": ("2", 2),
     "cp": ("2", 2),
+    "ep": ("2", 2),
     "zero": ("1", 1),
     "steps": ("50", 50),
     "global-batch": ("32", 32),

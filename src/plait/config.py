@@ -28,7 +28,9 @@ from plait.config_checks import (
     check_compression_warmup,
     check_cp_sequence,
     check_document_mask,
+    check_expert_parallel,
     check_generation_layout,
+    check_moe,
     check_offload,
     check_pipeline,
     check_positive,
@@ -60,6 +62,7 @@ AttentionKind = Literal["sdpa", "blockwise"]
 ModelFamily = Literal["plait", "hf-llama"]
 RopeScaling = Literal["none", "linear", "llama3"]
 CPAttention = Literal["ring", "ulysses"]
+MoERouter = Literal["softmax", "sigmoid"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 CompressionAdam = Literal["before", "after"]
 WandbMode = Literal["off", "offline", "online"]
@@ -172,6 +175,32 @@ class ModelConfig:
     torch.manual_seed(train.seed); it returns an nn.Module mapping token ids (batch, seq)
     to logits (batch, seq, vocab) or to an output with .logits. The module must be
     importable (installed, on PYTHONPATH or in the current folder). Overrides family."""
+    moe_experts: int = 0
+    """Routed experts per mixture-of-experts layer (E); 0: every feed-forward is dense
+    (docs/moe.md)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (k <= moe_experts)."""
+    moe_every: int = 1
+    """Layer i uses the MoE feed-forward when (i + 1) % moe_every == 0 (1: every layer,
+    2: every second layer, ...); the others stay dense."""
+    moe_shared_experts: int = 0
+    """Always-on experts (DeepSeek style), computed for every token beside the routed ones
+    (one SwiGLU of width moe_shared_experts * moe_hidden_dim)."""
+    moe_hidden_dim: int | None = None
+    """Hidden width of one expert's SwiGLU (default: the dense hidden width / top-k, so a
+    token's active feed-forward FLOPs match the dense model's)."""
+    moe_router: MoERouter = "softmax"
+    """Router: 'softmax' (softmax over experts, top-k, weights renormalised to sum 1) or
+    'sigmoid' (sigmoid scores, top-k, weights normalised to sum 1; DeepSeek-V3)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i * P_i in the training
+    loss (0: off)."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(logits)^2) in the training loss (0: off)."""
+    moe_capacity_factor: float = 0.0
+    """0: dropless (every routed token is computed). > 0: each expert takes at most
+    ceil(factor * tokens * k / E) of a rank's routed tokens per layer; the overflow is
+    dropped (top-1 choices first, then by token index) and counted."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model.")
@@ -214,6 +243,16 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.factory must be 'package.module:function', got {self.factory!r}."
                 )
+        check_moe(
+            self.moe_experts,
+            self.moe_top_k,
+            self.moe_every,
+            self.moe_shared_experts,
+            self.moe_hidden_dim,
+            self.moe_aux_loss_coef,
+            self.moe_z_loss_coef,
+            self.moe_capacity_factor,
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -357,6 +396,10 @@ class ParallelConfig:
     update): the host step of step t runs while the device computes step t+1's gradients
     on the weights before it, which hides the CPU step; changes the loss curve (one step
     of gradient staleness; docs/offload.md)."""
+    ep: int = 1
+    """Expert-parallel degree: the routed experts of every MoE layer are split over groups
+    of ep consecutive data-parallel ranks (a sub-axis of dp x cp; ep divides dp * cp and
+    model.moe_experts); tokens travel to their experts by all-to-all (docs/moe.md)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")
@@ -366,6 +409,7 @@ class ParallelConfig:
             tp=self.tp,
             pp=self.pp,
             cp=self.cp,
+            ep=self.ep,
             bucket_mb=self.bucket_mb,
             timeout_s=self.timeout_s,
         )
@@ -777,6 +821,18 @@ class Config:
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
+        check_expert_parallel(
+            p.ep,
+            dp,
+            p.cp,
+            m.moe_experts,
+            p.zero,
+            p.compression,
+            p.pp,
+            p.tp,
+            self.precision.dtype,
+            self.precision.reduce_dtype,
+        )
         if self.log.sample_every:
             check_generation_layout(
                 p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory, "log.sample_every"

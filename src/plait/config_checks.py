@@ -344,6 +344,94 @@ def check_pretrained_model(
         )
 
 
+def check_moe(
+    experts: int,
+    top_k: int,
+    every: int,
+    shared: int,
+    hidden: int | None,
+    aux_coef: float,
+    z_coef: float,
+    capacity_factor: float,
+) -> None:
+    """The mixture-of-experts fields of the model (``experts`` 0: dense, nothing else is
+    read): k routed experts out of E, a positive layer period and widths, coefficients
+    and capacity factor >= 0."""
+    if experts < 0:
+        raise ConfigError(f"model.moe_experts must be >= 0 (0: dense), got {experts}.")
+    if experts == 0:
+        return
+    if not 1 <= top_k <= experts:
+        raise ConfigError(
+            f"model.moe_top_k ({top_k}) must be between 1 and model.moe_experts ({experts})."
+        )
+    check_positive("model.", moe_every=every, moe_hidden_dim=hidden)
+    for name, value in (
+        ("moe_shared_experts", shared),
+        ("moe_aux_loss_coef", aux_coef),
+        ("moe_z_loss_coef", z_coef),
+        ("moe_capacity_factor", capacity_factor),
+    ):
+        if value < 0:
+            raise ConfigError(f"model.{name} must be >= 0, got {value}.")
+
+
+def check_expert_parallel(
+    ep: int,
+    dp: int,
+    cp: int,
+    experts: int,
+    zero: int = 0,
+    compression: str = "none",
+    pp: int = 1,
+    tp: int = 1,
+    dtype: str = "fp32",
+    reduce_dtype: str = "auto",
+) -> None:
+    """Expert parallelism over ``ep`` ranks: a sub-axis of the dp x cp ranks (ep divides
+    dp * cp), an MoE model whose experts divide by ep, and the layouts it composes with
+    in this version (plain data parallelism: ZeRO stage 0 with fp32 parameters and
+    reduction; no gradient compression; ``pp`` and ``tp`` compose and need no rule)."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep must be positive, got {ep}.")
+    if ep == 1:
+        return
+    if experts == 0:
+        raise ConfigError(
+            f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_experts."
+        )
+    if (dp * cp) % ep:
+        ok = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+        raise ConfigError(
+            f"parallel.ep ({ep}) must divide the data-parallel ranks dp x cp = {dp * cp} "
+            f"(expert parallelism is a sub-axis of them); choose ep among {ok}."
+        )
+    if experts % ep:
+        ok = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(
+            f"model.moe_experts ({experts}) is not divisible by parallel.ep ({ep}); "
+            f"choose ep among {ok}."
+        )
+    if compression != "none":
+        raise ConfigError(
+            f"parallel.compression={compression} is refused with parallel.ep={ep}: expert "
+            "gradients are reduced over their own replica groups, which the compressors' "
+            "per-bucket state (error feedback, PowerSGD's Q) does not cover."
+        )
+    if dtype != "fp32" or reduce_dtype not in ("auto", "fp32"):
+        raise ConfigError(
+            f"precision.dtype={dtype} (reduce_dtype={reduce_dtype}) with parallel.ep={ep} "
+            "is not supported yet: 16-bit parameters keep their fp32 masters in ZeRO's flat "
+            "units, which do not hold the expert weights yet; use fp32 (docs/moe.md)."
+        )
+    if zero != 0:
+        raise ConfigError(
+            f"parallel.zero={zero} with parallel.ep={ep} is not supported yet: expert "
+            "parameters would need their own ZeRO units over their replica group; use "
+            "parallel.zero=0 (docs/moe.md)."
+        )
+
+
 def check_generation_layout(
     pp: int,
     cp: int,

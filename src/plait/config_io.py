@@ -39,6 +39,7 @@ SHORT_ALIASES: dict[str, str] = {
     "tp": "parallel.tp",
     "pp": "parallel.pp",
     "cp": "parallel.cp",
+    "ep": "parallel.ep",
     "zero": "parallel.zero",
     "steps": "train.steps",
     "global-batch": "train.global_batch",

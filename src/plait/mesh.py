@@ -206,6 +206,29 @@ class Mesh:
             out.append(g)
         return out[0], out[1]
 
+    def expert_axes(self, ep: int) -> tuple[AxisGroup, AxisGroup]:
+        """(ep group, expert replica group) of this rank for expert parallelism of degree
+        ``ep``: the sub-axis of the dp x cp ranks (in their grid order) that splits the
+        experts, blocks of ``ep`` consecutive ranks, and the ranks at the same position
+        in every block, which hold the same experts and reduce their gradients. Named
+        ``ep`` and ``ep_replica`` in the counters; created on first use by their members
+        (ep group first). ``ep`` must divide dp x cp (:class:`ConfigError` otherwise)."""
+        data = self.size("dp") * self.size("cp")
+        if ep < 1 or data % ep:
+            raise ConfigError(
+                f"parallel.ep ({ep}) must divide the data-parallel ranks dp x cp = {data}"
+            )
+        shard, rep = self.layout.split_group_of(self.rank, ("dp", "cp"), ep)
+        out: list[AxisGroup] = []
+        for label, members in (("ep", shard), ("ep_replica", rep)):
+            key = (label, str(ep))
+            g = self._groups.get(key)
+            if g is None:
+                g = comm.new_axis_group(label, members, self.rank, self.timeout_s, self.stats)
+                self._groups[key] = g
+            out.append(g)
+        return out[0], out[1]
+
     def world(self) -> AxisGroup:
         """The group of every rank of the mesh."""
         return self.axis(*AXES)

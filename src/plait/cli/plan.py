@@ -37,6 +37,7 @@ from plait.plan.layout import (
     runtime_preset,
 )
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
+from plait.plan.moe_report import moe_section
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -80,6 +81,13 @@ def _plan_parser() -> argparse.ArgumentParser:
         type=int,
         help="tokens per sequence (default: the model's context)",
     )
+    moe = p.add_argument_group("mixture of experts (docs/moe.md)")
+    moe.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer")
+    moe.add_argument("--top-k", type=int, default=2)
+    moe.add_argument("--expert-ffn", type=int, help="one expert's width (default: ffn / k)")
+    moe.add_argument("--shared-experts", type=int, default=0)
+    moe.add_argument("--moe-every", type=int, default=1, help="every n-th layer is MoE")
+    moe.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
     h = p.add_argument_group("hardware")
     h.add_argument(
         "--hardware",
@@ -278,6 +286,8 @@ def plan_main(argv: Sequence[str]) -> int:
         space = Space(offload=("none", ns.offload)) if ns.offload != "none" else None
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
+        if ns.experts and not ns.json:  # the ep choices of the data ranks
+            print(moe_section(ns, spec, hw, prec, devices, 1, 1, gb, seq, search=True))
         return 0
     tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
     dp = check_world(ns.dp, tp, pp, cp, devices, devices=True)
@@ -317,4 +327,6 @@ def plan_main(argv: Sequence[str]) -> int:
     print(json.dumps(estimate_json(e), indent=2) if ns.json else format_estimate(e))
     if layout.offload != "none" and not ns.json:
         print(format_offload(e))
+    if ns.experts and not ns.json:
+        print(moe_section(ns, spec, hw, prec, dp * cp, tp, pp, q.global_batch, seq))
     return 0

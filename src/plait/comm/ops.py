@@ -12,6 +12,7 @@ return for one rank, and nothing is sent.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -192,6 +193,44 @@ def all_to_all(
             async_op,
         )
     return (out, h) if h is not None else out
+
+
+def all_to_all_v(
+    t: torch.Tensor, g: AxisGroup, send_splits: Sequence[int], recv_splits: Sequence[int]
+) -> torch.Tensor:
+    """Uneven AllToAll along dim 0: the first ``send_splits[0]`` rows of ``t`` go to rank
+    0, the next ``send_splits[1]`` to rank 1, ...; the output stacks the
+    ``recv_splits[i]`` rows received from each rank ``i`` in axis order. Counted as the
+    bytes that leave this rank (the rows sent to the other ranks), which for even splits
+    is the (N-1)/N · S of :func:`all_to_all`."""
+    if len(send_splits) != g.size or len(recv_splits) != g.size:
+        raise ValueError(
+            f"all_to_all_v on axis '{g.name}': {len(send_splits)} send and "
+            f"{len(recv_splits)} receive splits for a group of {g.size}"
+        )
+    if sum(send_splits) != t.shape[0]:
+        raise ValueError(
+            f"all_to_all_v on axis '{g.name}': send splits sum to {sum(send_splits)}, "
+            f"the tensor has {t.shape[0]} rows"
+        )
+    t = t.contiguous()
+    row = t.element_size() * math.prod(t.shape[1:])  # bytes of one row
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    away = (sum(send_splits) - send_splits[g.index]) * row
+    t0 = time.perf_counter()
+    if g.pg is None:
+        out.copy_(t)
+    else:
+        with g.guard("all_to_all"):
+            dist.all_to_all_single(
+                out,
+                t,
+                output_split_sizes=list(recv_splits),
+                input_split_sizes=list(send_splits),
+                group=g.pg,
+            )
+    g.stats.record(g.name, "all_to_all", float(away), time.perf_counter() - t0)
+    return out
 
 
 def broadcast(t: torch.Tensor, g: AxisGroup, src: int = 0, async_op: bool = False) -> Handle | None:

@@ -26,6 +26,7 @@ from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
 from plait.model.documents import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
+from plait.model.moe import MoE, expert_hidden_dim, is_moe_layer
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -257,12 +258,14 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        self.feed_forward: nn.Module = (  # mixture of experts on the layers moe_every picks
+            MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg.dim, cfg.hidden_dim)
+        )
 
     def forward(
         self,
@@ -300,7 +303,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -362,7 +365,8 @@ class Transformer(nn.Module):
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
         std = self.cfg.init_std
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        residual = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
+        if name.endswith((*residual, "experts.w2")):
             std = std / math.sqrt(2 * self.cfg.n_layers)
         gen = torch.Generator().manual_seed(param_seed(seed, name))
         value = torch.empty(shape, dtype=torch.float32, device="cpu")
@@ -407,21 +411,27 @@ def materialize(
     return model
 
 
-def _layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of the linear layers of one block."""
+def _layer_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -> int:
+    """Weights of the linear layers of block ``layer``: of an MoE block, the router, the
+    shared experts and ``k`` routed experts (``active``) or all ``E`` of them."""
     attn = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
-    return attn + 3 * cfg.dim * cfg.hidden_dim
+    if not is_moe_layer(cfg, layer):
+        return attn + 3 * cfg.dim * cfg.hidden_dim
+    one = 3 * cfg.dim * expert_hidden_dim(cfg)
+    routed = cfg.moe_top_k if active else cfg.moe_experts
+    return attn + cfg.dim * cfg.moe_experts + (routed + cfg.moe_shared_experts) * one
 
 
-def param_count(cfg: ModelConfig, include_embeddings: bool = True) -> int:
+def param_count(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:
     """Number of parameters of ``Transformer(cfg)``, computed from the config.
 
     With ``include_embeddings=False`` the vocabulary-sized matrices (token embedding and,
     when untied, the output head) are left out, as in the "non-embedding N" of scaling
-    laws; the norms stay in.
+    laws; the norms stay in. ``active=True`` counts, of each MoE layer, only the
+    parameters one token uses (router, shared experts and ``top_k`` routed experts).
     """
-    per_layer = _layer_matmul_params(cfg) + 2 * cfg.dim  # + two RMSNorm gains
-    body = cfg.n_layers * per_layer + cfg.dim  # + final norm
+    layers = sum(_layer_matmul_params(cfg, i, active) for i in range(cfg.n_layers))
+    body = layers + cfg.n_layers * 2 * cfg.dim + cfg.dim  # + two RMSNorm gains, final norm
     if not include_embeddings:
         return body
     vocab = cfg.vocab_size * cfg.dim
@@ -436,7 +446,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     not it is tied), but not the embedding lookup or the norms. The attention term counts
     ``QKᵀ`` and ``AV`` per layer: forward ``2·2·s·h`` per token, times 3 for
     forward + backward; the causal mask is *not* discounted (half those products are
-    masked), so MFU figures are comparable with PaLM's.
+    masked), so MFU figures are comparable with PaLM's. Of an MoE layer N counts the
+    active weights (router, shared and ``top_k`` routed experts), so MFU counts active
+    parameters.
     """
-    n_matmul = cfg.n_layers * _layer_matmul_params(cfg) + cfg.vocab_size * cfg.dim
+    layers = sum(_layer_matmul_params(cfg, i) for i in range(cfg.n_layers))
+    n_matmul = layers + cfg.vocab_size * cfg.dim
     return float(6 * n_matmul + 12 * cfg.n_layers * seq_len * cfg.dim)

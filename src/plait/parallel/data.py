@@ -103,10 +103,14 @@ def _no_wait() -> None:
 
 
 @torch.no_grad()
-def broadcast_module_state(module: nn.Module, group: AxisGroup) -> None:
+def broadcast_module_state(
+    module: nn.Module, group: AxisGroup, skip: set[int] | None = None
+) -> None:
     """Make every replica's parameters and buffers equal to the group's first rank
-    (one broadcast per dtype and device)."""
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    (one broadcast per dtype and device); parameters whose id is in ``skip`` are left."""
+    skip = skip or set()
+    params = [p.data for p in module.parameters() if id(p) not in skip]
+    tensors = params + list(module.buffers())
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
@@ -136,6 +140,8 @@ class DataParallel(nn.Module):
             plain all-reduce (None: plain).
         broadcast: broadcast the first rank's parameters and buffers (False: they are
             equal by construction, as after ``parallelize``'s meta-device materialisation).
+        exclude: trainable parameters this wrapper neither reduces nor describes (expert
+            weights, reduced over their own replica group by ``plait.parallel.expert``).
     """
 
     def __init__(
@@ -148,6 +154,7 @@ class DataParallel(nn.Module):
         record_events: bool = False,
         compressor: Compressor | None = None,
         broadcast: bool = True,
+        exclude: Sequence[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
@@ -161,7 +168,8 @@ class DataParallel(nn.Module):
         self.events: list[tuple[str, Any]] = []
         self._sync = True
         self._in_backward = False
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._exclude = {id(p) for p in exclude}
+        named = self._held()
         if not named:
             raise ValueError("DataParallel needs a module with at least one trainable parameter")
         self.buckets = _make_buckets(list(reversed(named)), int(bucket_mb * 2**20))
@@ -178,8 +186,16 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ set-up
 
+    def _held(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters this wrapper reduces (all but ``exclude``)."""
+        return [
+            (n, p)
+            for n, p in self.module.named_parameters()
+            if p.requires_grad and id(p) not in self._exclude
+        ]
+
     def _broadcast_state(self) -> None:
-        broadcast_module_state(self.module, self.group)
+        broadcast_module_state(self.module, self.group, self._exclude)
 
     # ------------------------------------------------------------------ hooks
 
@@ -267,6 +283,11 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ API
 
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync` (backward passes do not communicate)."""
+        return self._sync
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication."""
@@ -287,7 +308,7 @@ class DataParallel(nn.Module):
         spread the bytes evenly (largest first, to the replica with the fewest bytes so
         far: every replica computes the same assignment), so a checkpoint save writes
         in parallel."""
-        held = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        held = self._held()
         size, me = self.group.size, self.group.index
         load = [0] * size
         writer: dict[str, int] = {}

@@ -29,6 +29,7 @@ from plait.model.factory import logits_of
 from plait.parallel.compression import Compressor
 from plait.parallel.context.context_parallel import ContextLayout
 from plait.parallel.data import DataParallel
+from plait.parallel.expert import ExpertLayout, expert_split
 from plait.parallel.loss import LossFn, loss_input
 from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.split import PipelineStages
@@ -66,8 +67,13 @@ class ParallelModel(nn.Module):
         names: dict[int, str],
         param_names: list[str],
         context: ContextLayout | None = None,
+        *,
+        experts: ExpertLayout | None = None,
     ) -> None:
         super().__init__()
+        self.experts = experts
+        """The MoE layers and, under expert parallelism (ep > 1), the expert weights,
+        their groups and their gradient reduction (None: no MoE layer)."""
         self.context = context
         """The cp sequence layout (None when cp = 1): :meth:`step` shards by it."""
         self.module = module
@@ -112,6 +118,8 @@ class ParallelModel(nn.Module):
         several ranks. Replicas (dp outside the shard group, cp) are not summed: they
         are equal."""
         groups = self.data_wrapper.norm_groups()
+        if self.experts is not None and self.experts.ep > 1:  # each expert on one ep rank
+            groups.append(self.experts.ep_group)
         if self.mesh.size("pp") > 1:
             groups.append(self.mesh.axis("pp"))
         return groups
@@ -123,6 +131,10 @@ class ParallelModel(nn.Module):
         stages = self.stages
         if stages is not None and p is stages.tied and stages.pp_index > 0:
             return 0.0
+        if self.experts is not None and self.experts.ep > 1:  # summed over ep too
+            if expert_split(p) is not None:  # whole on every tp rank
+                return 1.0 / self.mesh.size("tp")
+            return self.data_wrapper.norm_weight(p) / self.experts.ep
         return self.data_wrapper.norm_weight(p)
 
     def zero_wrapper(self) -> ZeroDataParallel | None:
@@ -145,6 +157,8 @@ class ParallelModel(nn.Module):
             piece = tensor_parallel_piece(piece, tp_index)
             write = piece.write and piece.key is not skip
             out.append(piece.but(name=self._names[id(piece.key)], write=write))
+        if self.experts is not None and self.experts.ep > 1:  # not the data wrapper's
+            out += self.experts.pieces(self._names, tp_index)
         return out
 
     # ------------------------------------------------------------------ step
@@ -154,7 +168,7 @@ class ParallelModel(nn.Module):
         """Backward passes inside accumulate gradients without communicating."""
         no_sync = getattr(self.module, "no_sync", None)
         with no_sync() if no_sync is not None else contextlib.nullcontext():
-            yield
+            yield  # expert gradients follow the data wrapper's syncing
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's forward (not available when pp > 1: use :meth:`step`).
@@ -200,6 +214,9 @@ class ParallelModel(nn.Module):
         """
         if self.context is not None:
             inputs, targets = self.context.shard(inputs), self.context.shard(targets)
+        if self.experts is not None:  # the MoE aux losses' share of the scaled loss
+            m = self.pipeline.schedule.microbatches if self.pipeline is not None else 1
+            self.experts.set_grad_scale(loss_scale / (m if m > 1 else micro_batches))
         if self.pipeline is not None:
             m = self.pipeline.schedule.microbatches
             if micro_batches not in (1, m):
@@ -222,6 +239,14 @@ class ParallelModel(nn.Module):
                 (micro_loss * (loss_scale / micro_batches)).backward()
             total += micro_loss.detach().double() / micro_batches
         return self._dp_mean(total)
+
+    def moe_summary(self) -> dict[str, float]:
+        """The last step's router figures (load-balancing and z-loss, expert load,
+        dropped tokens; :meth:`ExpertLayout.summary`); empty without MoE layers. A
+        collective over the data ranks when the model has MoE layers."""
+        if self.experts is None:
+            return {}
+        return self.experts.summary(self.mesh.axis(*data_axes(self.mesh)))
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -247,6 +272,8 @@ class ParallelModel(nn.Module):
             if self.compressor is not None:
                 note += f", {self.compressor.describe()}"
         tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
+        if self.experts is not None and self.experts.ep > 1:
+            note = f"{note}; expert parallel ep {self.experts.ep} (all-to-all)"
         if cp > 1 and self.context is not None:
             kind = "ring, zigzag" if self.context.layout == "zigzag" else "all-to-all"
             note = f"context parallel cp {cp} ({kind}); {note}"

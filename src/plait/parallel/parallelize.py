@@ -66,13 +66,16 @@ from plait.config import (
     Recompute,
     TrainConfig,
 )
-from plait.config_checks import check_compression
+from plait.config_checks import check_compression, check_expert_parallel
+from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
 from plait.parallel.data import DataParallel
+from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
+from plait.parallel.expert.tp_plan import moe_tp_plan
 from plait.parallel.float8 import apply_float8, check_float8
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
@@ -159,6 +162,13 @@ def parallelize(
     sp = p.sequence_parallel and tp > 1
     if loss_chunk is None:
         loss_chunk = (full.train if full is not None else TrainConfig()).loss_chunk
+    if tp > 1 and tp_plan is None:  # MoE layers: routed experts whole on every tp rank
+        tp_plan = moe_tp_plan(model)
+        if tp_plan is not None and sp:
+            raise ConfigError(
+                "parallel.sequence_parallel with MoE layers is not supported yet: the "
+                "router needs every token of a sequence on each tp rank (docs/moe.md)"
+            )
     if loss_fn is None:
         loss_fn = (
             vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)
@@ -173,6 +183,14 @@ def parallelize(
     # 1. tensor (and sequence) parallelism over the tp axis.
     if tp > 1:
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
+    # 1b. expert parallelism: this rank's experts of every MoE layer, all-to-all dispatch.
+    dp, cp = mesh.size("dp"), mesh.size("cp")
+    check_expert_parallel(
+        p.ep, dp, cp, _experts(model), p.zero, p.compression, pp, tp,
+        precision.dtype, precision.reduce_dtype,
+    )  # fmt: skip
+    data = mesh.axis(*data_axes(mesh))
+    experts = apply_expert_parallel(model, mesh, p.ep, data, values)
     names, aliases = _one_device_names(model)
     init: LocalInit | None = None
     param_names = list(names.values())
@@ -239,6 +257,7 @@ def parallelize(
             axes=data_axes(mesh),
             compressor=compressor,
             broadcast=init is None,  # materialised values are equal on every rank
+            exclude=experts.params if experts is not None and experts.ep > 1 else (),
         )
     else:
         wrapped = ZeroDataParallel(
@@ -273,7 +292,24 @@ def parallelize(
             zero_grad_reduce=p.pp_grad_reduce,
             zero_reshard=p.pp_reshard,
         )
-    return ParallelModel(wrapped, mesh, loss_fn, pipeline, names, param_names, context)
+    if experts is not None and experts.ep > 1:  # expert gradients over their replica group
+        experts.keep_only(inner)  # this pipeline stage's
+        dp_wrapper = wrapped if isinstance(wrapped, DataParallel) else None
+        experts.sync = ExpertGradSync(
+            experts.params,
+            experts.replica_group,
+            data.size,
+            (lambda: dp_wrapper.syncing) if dp_wrapper is not None else None,
+        )
+    return ParallelModel(
+        wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts
+    )
+
+
+def _experts(model: nn.Module) -> int:
+    """The routed experts per MoE layer of the model (0: none)."""
+    cfg = getattr(model, "cfg", None)
+    return int(getattr(cfg, "moe_experts", 0) or 0)
 
 
 def _hidden_dim(model: nn.Module) -> int:

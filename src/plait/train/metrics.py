@@ -114,6 +114,9 @@ class StepMetrics:
     stragglers: list[dict[str, float]] | None = None
     """Ranks whose compute time this step exceeded the median by train.straggler_factor:
     ``{"rank", "factor"}`` each (plait.train.faults)."""
+    moe: dict[str, float] | None = None
+    """Mixture of experts: the step's load-balancing and z-loss, fewest/most assignments
+    per expert, dropped assignments (``ParallelModel.moe_summary``); None: dense model."""
 
     def line(self) -> str:
         """A plain log line."""
@@ -128,6 +131,12 @@ class StepMetrics:
             s += f" | scale {self.loss_scale:g}"
         if self.peak_memory_bytes is not None:
             s += f" | peak {self.peak_memory_bytes / 2**20:.0f} MiB"
+        if self.moe:
+            m = self.moe
+            s += (
+                f" | moe aux {m['moe_aux_loss']:.3f} load {m['moe_load_min']:.0f}-"
+                f"{m['moe_load_max']:.0f} dropped {m['moe_dropped']:.0f}"
+            )
         if self.skipped:
             s += " | SKIPPED"
         if self.val_loss is not None:

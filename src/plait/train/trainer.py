@@ -310,6 +310,7 @@ class Trainer:
                 loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
             self.profiler.after_step(step + 1, peak_memory(self.device))
+            moe = self.model.moe_summary() or None  # the step's router figures, before eval
             if self.model.pipeline is not None and cfg.log.timeline and step == t.steps - 1:
                 self._draw_timeline(cfg.log.timeline)
             health = self.faults.after_step(dt, self.mesh.stats.total_seconds() - secs0)
@@ -343,6 +344,7 @@ class Trainer:
                 peak_memory_bytes=peak_memory(self.device),
                 memory=mem,
                 stragglers=health.as_metrics(),
+                moe=moe,
             )
             self.metrics.write(m)
             scalars = scalars_of(dataclasses.asdict(m))

@@ -1,0 +1,52 @@
+"""The tensor-parallel plan of the built-in transformer with MoE layers.
+
+Attention and the dense feed-forwards are split as in
+:data:`~plait.parallel.tensor.plan.TRANSFORMER_TP_PLAN`; of an MoE layer the router and
+the routed experts stay whole on every tp rank (``replicate``: the tp ranks hold the
+same tokens and compute the same routing, so expert parallelism and its all-to-all are
+unchanged by tp), and the shared experts are one tensor-parallel SwiGLU region like a
+dense feed-forward. Sequence parallelism (tokens split over tp) is refused with MoE
+layers in this version.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from plait.model.moe import MoE
+from plait.parallel.tensor.plan import TRANSFORMER_TP_PLAN, Plan, Style
+
+
+def moe_tp_plan(model: nn.Module) -> Plan | None:
+    """The plan for plait's Transformer with MoE layers (None: no MoE layer, or the
+    model brings its own ``plait_tp_plan``)."""
+    if getattr(model, "plait_tp_plan", None) is not None:
+        return None
+    moes = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    if not moes:
+        return None
+    plan: list[tuple[str, Style]] = [
+        row for row in TRANSFORMER_TP_PLAN if not row[0].startswith("layers.*.feed_forward")
+    ]
+    layers = getattr(model, "layers", None)
+    assert isinstance(layers, nn.ModuleList)
+    for i in range(len(layers)):
+        ff = f"layers.{i}.feed_forward"
+        moe = moes.get(ff)
+        if moe is None:
+            plan += [
+                (ff, "region"),
+                (f"{ff}.w1", "colwise"),
+                (f"{ff}.w3", "colwise"),
+                (f"{ff}.w2", "rowwise"),
+            ]
+            continue
+        plan += [(f"{ff}.router.gate", "replicate"), (f"{ff}.experts", "replicate")]
+        if moe.shared is not None:
+            plan += [
+                (f"{ff}.shared", "region"),
+                (f"{ff}.shared.w1", "colwise"),
+                (f"{ff}.shared.w3", "colwise"),
+                (f"{ff}.shared.w2", "rowwise"),
+            ]
+    return plan

@@ -1,0 +1,160 @@
+"""The planner's mixture-of-experts terms: expert memory per rank, all-to-all traffic and
+time per layer, active vs total parameters and FLOPs. Pure arithmetic, no torch.
+
+An MoE model is a dense :class:`~plait.plan.modelspec.ModelSpec` whose feed-forward, on
+``moe_layers`` of its layers, is replaced by a router ``(E, h)``, ``E`` routed experts
+of width ``f_e`` (each a SwiGLU: ``3·h·f_e`` weights) of which a token uses ``k``, and
+``s`` shared experts. Under expert parallelism of degree ``ep`` (a sub-axis of the
+dp x cp ranks) a rank holds ``E/ep`` routed experts of each MoE layer, whole (tp does not
+split them), with their gradients and optimizer state; everything else is as dense.
+
+Traffic (what :mod:`plait.parallel.expert.dispatch` moves and ``plait.comm`` counts,
+checked by the tests): a rank routes ``T·k`` rows of ``h`` values per MoE layer; with a
+balanced router a fraction ``(ep-1)/ep`` of them leaves the rank on dispatch and as many
+come back on combine, and backward repeats both, so per layer and step a rank sends
+``4 · (ep-1)/ep · T·k·h·b`` bytes plus ``(ep-1)/ep · E · 8`` bytes of counts. The time is
+the alpha-beta cost on the link the ep group spans (intra-node while it fits one node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.config import ModelConfig
+from plait.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The MoE part of a model's shape."""
+
+    hidden: int
+    """h: model width."""
+    experts: int
+    """E: routed experts per MoE layer."""
+    top_k: int
+    """k: routed experts per token."""
+    expert_hidden: int
+    """f_e: one expert's SwiGLU width."""
+    shared: int
+    """s: always-on experts."""
+    moe_layers: int
+    """MoE layers of the model."""
+    dense_hidden: int
+    """f: the dense feed-forward width (of the other layers)."""
+    n_layers: int
+    """L: all layers."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(
+                f"top-k {self.top_k} must be between 1 and the {self.experts} experts."
+            )
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> MoESpec | None:
+        """The MoE shape of a model config (None: dense)."""
+        if cfg.moe_experts == 0:
+            return None
+        hidden = cfg.moe_hidden_dim or max(1, cfg.hidden_dim // cfg.moe_top_k)
+        layers = sum(1 for i in range(cfg.n_layers) if (i + 1) % cfg.moe_every == 0)
+        return cls(
+            cfg.dim,
+            cfg.moe_experts,
+            cfg.moe_top_k,
+            hidden,
+            cfg.moe_shared_experts,
+            layers,
+            cfg.hidden_dim,
+            cfg.n_layers,
+        )
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one routed expert."""
+        return 3 * self.hidden * self.expert_hidden
+
+    @property
+    def routed_params(self) -> int:
+        """Routed-expert weights of the whole model (what ep splits)."""
+        return self.moe_layers * self.experts * self.expert_params
+
+    def params_delta(self, active: bool) -> int:
+        """Parameters of the MoE model minus those of the dense model of the same
+        shape: per MoE layer router, shared and routed experts (``active``: k of them)
+        instead of the dense SwiGLU."""
+        routed = self.top_k if active else self.experts
+        moe = self.hidden * self.experts + (routed + self.shared) * self.expert_params
+        return self.moe_layers * (moe - 3 * self.hidden * self.dense_hidden)
+
+    def flops_delta_per_token(self) -> float:
+        """Training FLOPs per token of the MoE model minus the dense one: ``6 x`` the
+        active weights' difference (MFU counts active parameters)."""
+        return 6.0 * self.params_delta(active=True)
+
+    def expert_params_per_rank(self, ep: int, pp: int = 1) -> float:
+        """Routed-expert weights one rank holds (``E/ep`` per MoE layer of its stage)."""
+        if self.experts % ep:
+            raise ConfigError(f"{self.experts} experts are not divisible by ep={ep}.")
+        return self.routed_params / ep / pp
+
+    def expert_state_bytes_per_rank(self, ep: int, bytes_per_param: float, pp: int = 1) -> float:
+        """Bytes of the routed experts' weights, gradients and optimizer state on one
+        rank (``bytes_per_param``: e.g. 16 for fp32 AdamW, weights + grad + 2 moments)."""
+        return self.expert_params_per_rank(ep, pp) * bytes_per_param
+
+    def a2a_bytes_per_layer(self, tokens: int, ep: int, dtype_bytes: int) -> float:
+        """Bytes one rank sends on the ep axis for one MoE layer in a training step over
+        ``tokens`` tokens, with a balanced router (see the module docstring)."""
+        if ep == 1:
+            return 0.0
+        away = (ep - 1) / ep
+        return (
+            4.0 * away * tokens * self.top_k * self.hidden * dtype_bytes + away * self.experts * 8
+        )
+
+    def a2a_seconds_per_layer(
+        self, tokens: int, ep: int, dtype_bytes: int, latency_s: float, bandwidth: float
+    ) -> float:
+        """The alpha-beta time of one layer's all-to-alls: 5 calls (counts, dispatch and
+        combine forward and backward), each ``ep - 1`` messages deep."""
+        if ep == 1:
+            return 0.0
+        return (
+            5 * (ep - 1) * latency_s + self.a2a_bytes_per_layer(tokens, ep, dtype_bytes) / bandwidth
+        )
+
+
+def ep_table(
+    spec: MoESpec,
+    data_ranks: int,
+    tokens_per_rank: int,
+    dtype_bytes: int,
+    bytes_per_param: float,
+    latency_s: float,
+    bandwidth: float,
+    pp: int = 1,
+) -> list[tuple[int, float, float, float]]:
+    """For every ep that divides both the data ranks and the experts: ``(ep, expert
+    bytes per rank, all-to-all bytes per step, all-to-all seconds per step)`` — the
+    trade ``plait plan`` shows: memory falls as 1/ep, traffic grows as (ep-1)/ep."""
+    out = []
+    for ep in range(1, data_ranks + 1):
+        if data_ranks % ep or spec.experts % ep:
+            continue
+        layers = spec.moe_layers / pp
+        mem = spec.expert_state_bytes_per_rank(ep, bytes_per_param, pp)
+        traffic = layers * spec.a2a_bytes_per_layer(tokens_per_rank, ep, dtype_bytes)
+        secs = layers * spec.a2a_seconds_per_layer(
+            tokens_per_rank, ep, dtype_bytes, latency_s, bandwidth
+        )
+        out.append((ep, mem, traffic, secs))
+    return out
+
+
+def format_ep_table(rows: list[tuple[int, float, float, float]]) -> str:
+    """The rows of :func:`ep_table` as a small text table."""
+    lines = ["  ep   experts GB/rank   all-to-all MB/step   all-to-all ms/step"]
+    for ep, mem, traffic, secs in rows:
+        lines.append(f"  {ep:<4} {mem / 1e9:>15.3f} {traffic / 1e6:>20.2f} {secs * 1e3:>20.3f}")
+    return "\n".join(lines)
