@@ -231,6 +231,8 @@ class Trainer:
         lr = lr_at(self.sched_step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.model.compressor is not None:  # before backward: residuals in step units
+            self.model.compressor.set_lr(lr)
         x, y = self._batch(step)
         loss = self.model.step(x, y, micro_batches=self.accum, loss_scale=self.optimizer.loss_scale)
         mean = float(loss.item())

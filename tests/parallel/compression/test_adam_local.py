@@ -121,3 +121,38 @@ def test_trainer_pairs_it_with_sgd_and_adamw_is_refused() -> None:
     after = parallelize(Transformer(cfg.model, seed=0), mesh, cfg)
     assert not adam_in_front(after)
     assert type(make_optimizer(after, cfg)) is torch.optim.AdamW
+
+
+def test_residual_follows_the_learning_rate() -> None:
+    """With a changing learning rate lr_t, lr_t times what is sent equals the written-out
+    recursion in parameter units (acc = e + lr_t * u, the top-k of acc sent), so a
+    direction held back while the rate decays still arrives in full; and the rate is
+    part of the state."""
+    group = init_mesh().axis("dp")
+    c = TopKCompressor(0.1, adam=LocalAdam(0.9, 0.95, 1e-8))
+    rates = [1e-3, 2e-3, 3e-3, 2e-3, 1e-3, 5e-4]
+    m = torch.zeros(NUMEL, dtype=torch.float64)
+    v = torch.zeros(NUMEL, dtype=torch.float64)
+    e = torch.zeros(NUMEL, dtype=torch.float64)
+    for t, lr in enumerate(rates, start=1):
+        g = _grad(0, t)
+        m = 0.9 * m + 0.1 * g
+        v = 0.95 * v + 0.05 * g * g
+        acc = e + lr * (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
+        mask = torch.zeros(NUMEL, dtype=torch.bool)
+        mask[240:250] = True
+        mask[370:] = True
+        for off, size in MATRICES:
+            mask[acc[off : off + size].abs().topk(topk_count(size, 0.1)).indices + off] = True
+        want = torch.where(mask, acc, torch.zeros_like(acc))
+        e = torch.where(mask, torch.zeros_like(acc), acc)
+        c.set_lr(lr)
+        flat = g.clone()
+        c.reduce(0, flat, SHAPES, group)()
+        c.end_step()
+        torch.testing.assert_close(lr * flat, want, rtol=1e-12, atol=1e-15)
+    state = c.state_dict()
+    assert float(state["lr"]) == rates[-1]
+    d = TopKCompressor(0.1, adam=LocalAdam(0.9, 0.95, 1e-8))
+    d.load_state_dict(state)
+    assert d.lr == rates[-1]

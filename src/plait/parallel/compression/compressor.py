@@ -70,6 +70,13 @@ class Compressor(ABC):
         """Called once after every synchronising backward pass."""
         self.steps += 1
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the step whose gradients are reduced next (call it before
+        that step's backward; the trainer does). Methods whose residual holds *updates*
+        rather than gradients rescale it so that it stays in parameter units; the others
+        ignore it."""
+        del lr  # gradient residuals do not depend on the learning rate
+
     @abstractmethod
     def reduce(
         self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], group: AxisGroup

@@ -116,6 +116,9 @@ class TopKCompressor(Compressor):
             raise ValueError("top-k takes momentum correction for SGD or for Adam, not both")
         self.ratio = ratio
         self.adam = adam
+        self.lr = 0.0
+        """With Adam's correction: the learning rate the residuals are scaled for (0: none
+        given yet); :meth:`set_lr`."""
         self.momentum = momentum
         self.clip = clip
         self.velocity: dict[int, torch.Tensor] = {}
@@ -130,6 +133,19 @@ class TopKCompressor(Compressor):
         if self.adam is not None and step < self.start:
             return 1.0
         return warmup_ratio(step - self.start, self.ratio, self.warmup, self.start_ratio)
+
+    def set_lr(self, lr: float) -> None:
+        """With Adam's correction the residual holds step directions not yet applied,
+        in units of the learning rate that will apply them. When the rate changes from
+        lr_old to lr, the residual is scaled by lr_old / lr, so that what it will move the
+        weights by (lr times what is sent) is what it was accumulated as: a direction held
+        back while the rate decays still arrives in full. No-op without Adam."""
+        if self.adam is None or lr <= 0:
+            return
+        if self.lr > 0 and lr != self.lr:
+            for err in self.errors.values():
+                err.mul_(self.lr / lr)
+        self.lr = lr
 
     @property
     def active(self) -> bool:
@@ -214,6 +230,7 @@ class TopKCompressor(Compressor):
             out[f"velocity/{k}"] = u
         if self.adam is not None:
             out |= self.adam.state_dict()
+            out["lr"] = torch.tensor(self.lr, dtype=torch.float64)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -225,6 +242,7 @@ class TopKCompressor(Compressor):
         }
         if self.adam is not None:
             self.adam.load_state_dict(state)
+            self.lr = float(state["lr"]) if "lr" in state else 0.0
 
     def describe(self) -> str:
         warm = ""
