@@ -17,9 +17,13 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from plait.errors import ConfigError, OutOfMemoryError, PlaitError
+
+if TYPE_CHECKING:
+    from plait.config import Config
+    from plait.launch.local import RankEnv
 
 Command = Callable[[Sequence[str]], int]
 """A sub-command: the arguments after its name -> the exit code."""
@@ -126,3 +130,29 @@ def parse_run_flags(
             )
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return list(overrides), ns
+
+
+def start_checks(cfg: Config) -> tuple[RankEnv | None, int]:
+    """What a command that loads a model (``plait eval``, ``plait generate``) checks before
+    any work: the world it runs in (torchrun's, else ``launch.nproc``), the device, the
+    layout for that world, and that ``train.init_from`` exists. Returns (torchrun's
+    environment or None, the world size)."""
+    from plait.checkpoint import check_start
+    from plait.cli.train import _check_device
+    from plait.launch.local import torchrun_env
+    from plait.parallel.checks import validate_run
+
+    env = torchrun_env()
+    world = env.world_size if env is not None else cfg.launch.nproc
+    _check_device(cfg)
+    validate_run(cfg, world)
+    check_start(cfg, probe_lock=False)  # init_from exists
+    return env, world
+
+
+def leave_torchrun_child(env: RankEnv | None) -> None:
+    """A torchrun child leaves without gloo's exit-time abort (flush, then ``_exit(0)``)."""
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -206,18 +204,12 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
 
 def _eval(rest: Sequence[str]) -> int:
     """Validate, then evaluate here (one process, or a rank) or start the ranks."""
-    from plait.checkpoint import check_start
-    from plait.cli.train import _check_device
-    from plait.launch.local import launch_local, torchrun_env
-    from plait.parallel.checks import validate_run
+    from plait.cli.common import leave_torchrun_child, start_checks
+    from plait.launch.local import launch_local
     from plait.train.data import load_tokens
 
     cfg, batches = _config(rest)
-    env = torchrun_env()
-    world = env.world_size if env is not None else cfg.launch.nproc
-    _check_device(cfg)
-    validate_run(cfg, world)
-    check_start(cfg, probe_lock=False)  # init_from exists
+    env, world = start_checks(cfg)
     tokens = load_tokens(cfg.data)
     windows = check_eval_data(tokens, cfg, batches)
     if env is None and world > 1:
@@ -226,10 +218,7 @@ def _eval(rest: Sequence[str]) -> int:
     if env is None or env.rank == 0:
         dropped = len(tokens) - 1 - windows * cfg.train.seq_len if batches is None else 0
         print(result_line(res, cfg.data.source, dropped), flush=True)
-    if env is not None:  # a torchrun child: leave without gloo's exit-time abort
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_torchrun_child(env)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,21 +174,15 @@ def generate_on(mesh: Mesh, cfg: Config, args: GenerateArgs, prompt: list[int]) 
 
 def _generate(rest: Sequence[str]) -> int:
     """Validate, then generate here (one process, or a rank) or start the ranks."""
-    from plait.checkpoint import check_start
-    from plait.cli.train import _check_device
+    from plait.cli.common import leave_torchrun_child, start_checks
     from plait.config_checks import check_generation_layout
-    from plait.launch.local import launch_local, torchrun_env
-    from plait.parallel.checks import validate_run
+    from plait.launch.local import launch_local
     from plait.train.data import make_tokenizer
 
     cfg, args = _config(rest)
-    env = torchrun_env()
-    world = env.world_size if env is not None else cfg.launch.nproc
-    _check_device(cfg)
-    validate_run(cfg, world)
+    env, world = start_checks(cfg)
     p, m = cfg.parallel, cfg.model
     check_generation_layout(p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory)
-    check_start(cfg, probe_lock=False)  # init_from exists
     prompt = encode_prompt(cfg, args)
     if env is None and world > 1:
         return launch_local(world, ["generate", *rest])
@@ -202,10 +195,7 @@ def _generate(rest: Sequence[str]) -> int:
             f"plait: generated {len(sample.tokens)} tokens in {sample.seconds:.2f} s "
             f"({sample.tokens_per_s:.1f} tokens/s, {how})\n"
         )
-    if env is not None:  # a torchrun child: leave without gloo's exit-time abort
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    leave_torchrun_child(env)
     return 0
 
 
