@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import get_args
+
+from plait.config import TokenDType
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep.add_argument(
         "--dtype",
-        choices=["uint16", "uint32"],
+        choices=get_args(TokenDType),
         default=None,
         help="token dtype (default: uint16 when the vocabulary fits, else uint32)",
     )
