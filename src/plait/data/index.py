@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.config import TOKEN_DTYPES
 from plait.errors import DataError
 
 INDEX_NAME = "index.json"
@@ -155,7 +156,7 @@ def read_index(path: str | Path) -> ShardIndex:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{file}: malformed index ({exc!r}).") from exc
-    if idx.dtype not in ("uint16", "uint32"):
+    if idx.dtype not in TOKEN_DTYPES:
         raise DataError(f"{file}: token dtype {idx.dtype!r} is not uint16 or uint32.")
     if sum(int(s["tokens"]) for s in idx.shards) != idx.tokens:
         raise DataError(f"{file}: the shards' token counts do not add up to {idx.tokens}.")
