@@ -1,6 +1,7 @@
-"""Each allowed-value set is declared once, in :mod:`plait.config` (a ``Literal`` type
-and the tuple derived from it), and every other module imports it; the rules in
-:mod:`plait.config_checks` import nothing of :mod:`plait.config` (no cycle). No torch."""
+"""Each allowed-value set is declared once, in :mod:`plait.config.choices` (a ``Literal``
+type and the tuple derived from it; :mod:`plait.config` re-exports them), and every other
+module imports it; the rules in :mod:`plait.config_checks` import nothing of
+:mod:`plait.config` (no cycle). No torch."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from pathlib import Path
 
 import plait
 from plait import config
+from plait.config import choices
 from plait.plan import search
 from plait.plan.layout import Layout
 
 SRC = Path(plait.__file__).parent
+CHOICES = SRC / "config" / "choices.py"
+"""The one module that spells the allowed-value sets out."""
 
 
 def _value_sets() -> dict[str, tuple[object, ...]]:
-    """Every allowed-value set :mod:`plait.config` declares (its Literal types)."""
+    """Every allowed-value set :mod:`plait.config` exports (its Literal types)."""
     sets = {
         name: typing.get_args(value)
         for name, value in vars(config).items()
@@ -41,13 +45,14 @@ def _spelled_sets(tree: ast.AST) -> Iterator[frozenset[object]]:
 
 
 def test_each_allowed_value_set_is_declared_once() -> None:
-    """No module but plait.config writes one of its sets out again (as a Literal or a
-    tuple, in any order); the others import it (docstrings may name the values)."""
+    """No module but plait.config.choices writes one of its sets out again (as a Literal
+    or a tuple, in any order), not even the package's section modules; the others import
+    it (docstrings may name the values)."""
     sets = {frozenset(values): name for name, values in _value_sets().items()}
     again = sorted(
         f"{path.relative_to(SRC)}: {sets[found]}"
         for path in SRC.rglob("*.py")
-        if path != SRC / "config.py"
+        if path != CHOICES
         for found in set(_spelled_sets(ast.parse(path.read_text())))
         if found in sets
     )
@@ -90,3 +95,13 @@ def test_config_checks_imports_nothing_of_config() -> None:
         for a in n.names
     }
     assert not {m for m in imported if m and m.startswith("plait.config")}, imported
+
+
+def test_the_choices_module_declares_every_set() -> None:
+    """Every Literal plait.config exports is the one its choices module declares, and that
+    module spells each set out (so the test above exempts the right file)."""
+    spelled = set(_spelled_sets(ast.parse(CHOICES.read_text())))
+    for name, values in _value_sets().items():
+        assert frozenset(values) in spelled, name
+        if name != "ZERO_STAGES":
+            assert getattr(config, name) is getattr(choices, name), name

@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any, Literal, Union
 
-from plait import config as _config_module
 from plait.config import Config
 from plait.config_checks import choice_error
 from plait.errors import ConfigError
@@ -384,13 +383,19 @@ def parse_override_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 @cache
 def _source_docs() -> dict[str, str]:
-    """Docstrings under the annotated fields of config.py's classes, keyed Class.field."""
+    """Docstrings under the annotated fields of the config classes, keyed Class.field.
+
+    Read from the source of every module of the :mod:`plait.config` package that defines
+    a section or the root :class:`Config`, in section order.
+    """
+    classes = (*_sections().values(), Config)
+    modules = dict.fromkeys(inspect.getmodule(cls) for cls in classes)
     try:
-        tree = ast.parse(inspect.getsource(_config_module))
+        trees = [ast.parse(inspect.getsource(m)) for m in modules if m is not None]
     except (OSError, TypeError, SyntaxError):  # source not shipped: no docs, still a table
         return {}
     docs: dict[str, str] = {}
-    for node in tree.body:
+    for node in (node for tree in trees for node in tree.body):
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body
@@ -416,7 +421,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     """``(dotted key, type, default, docstring)`` for every config field, in order.
 
     Docstrings are read with :mod:`ast` from the string literal under each field in
-    ``plait/config.py``; a default of ``-`` means "derived" (see the docstring).
+    the ``plait/config/`` package; a default of ``-`` means "derived" (see the docstring).
     """
     docs = _source_docs()
     return [

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import get_args
 
-from plait.config import TokenDType
+from plait.config import TOKEN_DTYPES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     prep.add_argument(
         "--dtype",
-        choices=get_args(TokenDType),
+        choices=TOKEN_DTYPES,
         default=None,
         help="token dtype (default: uint16 when the vocabulary fits, else uint32)",
     )

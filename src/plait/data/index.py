@@ -20,9 +20,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from plait.config import TokenDType
+from plait.config import TOKEN_DTYPES
 from plait.errors import DataError
 
 INDEX_NAME = "index.json"
@@ -156,7 +156,7 @@ def read_index(path: str | Path) -> ShardIndex:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{file}: malformed index ({exc!r}).") from exc
-    if idx.dtype not in get_args(TokenDType):
+    if idx.dtype not in TOKEN_DTYPES:
         raise DataError(f"{file}: token dtype {idx.dtype!r} is not uint16 or uint32.")
     if sum(int(s["tokens"]) for s in idx.shards) != idx.tokens:
         raise DataError(f"{file}: the shards' token counts do not add up to {idx.tokens}.")

@@ -24,11 +24,11 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import numpy as np
 
-from plait.config import TokenDType
+from plait.config import TOKEN_DTYPES
 from plait.data.documents import SourceFile, iter_documents, plan_source
 from plait.data.index import (
     DOCUMENTS_NAME,
@@ -166,7 +166,7 @@ def prepare(
         raise ConfigError("--workers and --shard-tokens must be positive.")
     tok = make_tokenizer(tokenizer)
     dtype = dtype or token_dtype_for(tok.vocab_size)
-    if dtype not in get_args(TokenDType):
+    if dtype not in TOKEN_DTYPES:
         raise ConfigError(f"--dtype must be uint16 or uint32, got {dtype!r}.")
     _check_tokenizer(tok, dtype)
     root = Path(out).expanduser()

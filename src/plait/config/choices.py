@@ -1,0 +1,86 @@
+"""The allowed-value sets of the configuration, and the check that a field holds one.
+
+Each set of allowed values (pipeline schedules, recompute policies, offload kinds, ...)
+is declared here once, as a ``Literal`` type; the tuple of its values is derived from it
+(``typing.get_args``) and every other module imports both from :mod:`plait.config`
+(which re-exports them). :func:`check_choices` checks every ``Literal`` field of a
+section (and of the planner's :class:`~plait.plan.layout.Layout`) against its set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from plait.config_checks import check_choice
+
+Backend = Literal["auto", "gloo", "nccl"]
+Device = Literal["auto", "cpu", "cuda"]
+Progress = Literal["auto", "bar", "lines", "none"]
+Offload = Literal["none", "optimizer", "params"]
+Recompute = Literal["none", "selective", "full"]
+DType = Literal["fp32", "bf16", "fp16"]
+ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
+NonFinite = Literal["error", "skip"]
+PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
+Balance = Literal["equal", "measured"]
+PPGradReduce = Literal["step", "microbatch"]
+AttentionKind = Literal["sdpa", "blockwise"]
+ModelFamily = Literal["plait", "hf-llama"]
+RopeScaling = Literal["none", "linear", "llama3"]
+CPAttention = Literal["ring", "ulysses"]
+MoERouter = Literal["softmax", "sigmoid"]
+Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
+CompressionAdam = Literal["before", "after"]
+WandbMode = Literal["off", "offline", "online"]
+LaunchBackend = Literal["local", "torchrun", "ray"]
+TokenDType = Literal["uint16", "uint32"]
+PresetStyle = Literal["llama", "gpt"]
+"""Block style of a model preset (:mod:`plait.presets`): ``llama`` (plait's built-in
+block) or ``gpt`` (GPT-2/3's block)."""
+PlannedSchedule = Literal["1f1b", "gpipe", "interleaved"]
+"""The pipeline schedules the planner models (:class:`plait.plan.layout.Layout`); it
+counts a run's 'naive' and 'zb' as '1f1b' (a safe over-estimate of their memory)."""
+
+RECOMPUTES: tuple[Recompute, ...] = get_args(Recompute)
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = get_args(PipelineSchedule)
+PLANNED_SCHEDULES: tuple[PlannedSchedule, ...] = get_args(PlannedSchedule)
+OFFLOADS: tuple[Offload, ...] = get_args(Offload)
+CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
+PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
+COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
+COMPRESSION_ADAMS: tuple[CompressionAdam, ...] = get_args(CompressionAdam)
+NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
+PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
+TOKEN_DTYPES: tuple[TokenDType, ...] = get_args(TokenDType)
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+"""The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
+ZERO_MEANING = (
+    "0 = plain data parallel, 1 = optimizer state sharded, 2 = also gradients, "
+    "3 = also parameters (fully sharded)"
+)
+"""What each of :data:`ZERO_STAGES` means, for the refusal of any other."""
+
+
+_CHOICES: dict[type, tuple[tuple[str, tuple[Any, ...]], ...]] = {}
+
+
+def _choices(cls: type) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """(field, allowed values) of each field of the dataclass ``cls`` annotated with a
+    ``Literal`` (worked out once per class)."""
+    if cls not in _CHOICES:
+        hints = get_type_hints(cls)
+        _CHOICES[cls] = tuple(
+            (f.name, get_args(hints[f.name]))
+            for f in fields(cls)
+            if get_origin(hints[f.name]) is Literal
+        )
+    return _CHOICES[cls]
+
+
+def check_choices(obj: object, prefix: str) -> None:
+    """Each field of the dataclass ``obj`` annotated with a set of values (a ``Literal``)
+    holds one of them; ``prefix`` names the owner in the message (``"parallel."``).
+    The config sections and the planner's :class:`~plait.plan.layout.Layout` call it."""
+    for name, allowed in _choices(type(obj)):
+        check_choice(f"{prefix}{name}", getattr(obj, name), allowed)

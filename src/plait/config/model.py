@@ -1,0 +1,177 @@
+"""The model section (``[model]``): size and shape of the transformer, or your own model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from plait.config.choices import AttentionKind, ModelFamily, MoERouter, RopeScaling, check_choices
+from plait.config_checks import check_moe, check_positive, check_rope_scaling
+from plait.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """The model: size and shape of the built-in decoder-only transformer (the same sizes
+    build a Hugging Face Llama with family 'hf-llama'), or your own model (factory)."""
+
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the built-in byte-level tokenizer."""
+    dim: int = 128
+    """Hidden (model) width h."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Number of query heads; dim must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads for grouped-query attention (default: n_heads)."""
+    ffn_dim: int | None = None
+    """Hidden width of the SwiGLU MLP (default: 8/3·dim rounded up to multiple_of)."""
+    multiple_of: int = 32
+    """The default ffn_dim is rounded up to a multiple of this."""
+    max_seq_len: int = 256
+    """Longest sequence the rotary tables are built for."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    rope_scaling: RopeScaling = "none"
+    """Rotary frequency scaling, as Hugging Face's rope_scaling: 'none', 'linear' (every
+    frequency divided by rope_factor) or 'llama3' (Llama 3.1's: wavelengths above
+    rope_original_max_seq_len / rope_low_freq_factor divided by rope_factor, below
+    rope_original_max_seq_len / rope_high_freq_factor kept, smoothed between). Set from
+    config.json by --init-from a Hugging Face folder."""
+    rope_factor: float = 1.0
+    """The rope_scaling factor."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3' scaling's low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3' scaling's high_freq_factor."""
+    rope_original_max_seq_len: int = 8192
+    """'llama3' scaling's original_max_position_embeddings (the pretraining length)."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the token-embedding matrix with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    attention: AttentionKind = "sdpa"
+    """Attention kernel on one device: 'sdpa' (torch's fused scaled_dot_product_attention)
+    or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
+    only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
+    family: ModelFamily = "plait"
+    """Which model the size fields build: 'plait' (the built-in transformer) or
+    'hf-llama' (Hugging Face transformers' LlamaForCausalLM from a LlamaConfig with these
+    sizes, randomly initialised, nothing downloaded; needs the extra plait[hf]).
+    docs/models.md maps the fields."""
+    factory: str | None = None
+    """Your own model: 'package.module:function', called as function(model_config) after
+    torch.manual_seed(train.seed); it returns an nn.Module mapping token ids (batch, seq)
+    to logits (batch, seq, vocab) or to an output with .logits. The module must be
+    importable (installed, on PYTHONPATH or in the current folder). Overrides family."""
+    moe_experts: int = 0
+    """Routed experts per mixture-of-experts layer (E); 0: every feed-forward is dense
+    (docs/moe.md)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (k <= moe_experts)."""
+    moe_every: int = 1
+    """Layer i uses the MoE feed-forward when (i + 1) % moe_every == 0 (1: every layer,
+    2: every second layer, ...); the others stay dense."""
+    moe_shared_experts: int = 0
+    """Always-on experts (DeepSeek style), computed for every token beside the routed ones
+    (one SwiGLU of width moe_shared_experts * moe_hidden_dim)."""
+    moe_hidden_dim: int | None = None
+    """Hidden width of one expert's SwiGLU (default: the dense hidden width / top-k, so a
+    token's active feed-forward FLOPs match the dense model's)."""
+    moe_router: MoERouter = "softmax"
+    """Router: 'softmax' (softmax over experts, top-k, weights renormalised to sum 1) or
+    'sigmoid' (sigmoid scores, top-k, weights normalised to sum 1; DeepSeek-V3)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i * P_i in the training
+    loss (0: off)."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(logits)^2) in the training loss (0: off)."""
+    moe_capacity_factor: float = 0.0
+    """0: dropless (every routed token is computed). > 0: each expert takes at most
+    ceil(factor * tokens * k / E) of a rank's routed tokens per layer; the overflow is
+    dropped (top-1 choices first, then by token index) and counted."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "model.")
+        check_positive(
+            "model.",
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            multiple_of=self.multiple_of,
+            max_seq_len=self.max_seq_len,
+            rope_theta=self.rope_theta,
+            rope_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_max_seq_len=self.rope_original_max_seq_len,
+            norm_eps=self.norm_eps,
+            init_std=self.init_std,
+        )
+        check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})."
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"the head dimension dim/n_heads = {self.dim // self.n_heads} must be even "
+                "for rotary positions."
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads "
+                f"({self.kv_heads}) for grouped-query attention."
+            )
+        if self.factory is not None:
+            module, sep, attr = self.factory.partition(":")
+            if not (sep and module.strip() and attr.strip()):
+                raise ConfigError(
+                    f"model.factory must be 'package.module:function', got {self.factory!r}."
+                )
+        check_moe(
+            self.moe_experts,
+            self.moe_top_k,
+            self.moe_every,
+            self.moe_shared_experts,
+            self.moe_hidden_dim,
+            self.moe_aux_loss_coef,
+            self.moe_z_loss_coef,
+            self.moe_capacity_factor,
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value head count with the default applied."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden width with the default applied."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        raw = (8 * self.dim) // 3
+        return self.multiple_of * ((raw + self.multiple_of - 1) // self.multiple_of)
+
+    def rope_scaling_entries(self) -> dict[str, Any] | None:
+        """The RoPE scaling as Hugging Face's config writes it (``rope_type``, ``factor``
+        and llama3's frequency factors); None: unscaled."""
+        if self.rope_scaling == "none":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_scaling, "factor": self.rope_factor}
+        if self.rope_scaling == "llama3":
+            out["low_freq_factor"] = self.rope_low_freq_factor
+            out["high_freq_factor"] = self.rope_high_freq_factor
+            out["original_max_position_embeddings"] = self.rope_original_max_seq_len
+        return out

@@ -1,0 +1,133 @@
+"""The train section (``[train]``): batch, schedule, optimizer, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.config.choices import Recompute, check_choices
+from plait.config_checks import check_positive
+from plait.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation: batch, schedule, optimizer and evaluation."""
+
+    steps: int = 500
+    """Number of optimizer steps."""
+    global_batch: int = 16
+    """Sequences per optimizer step across all ranks (the invariant of the run)."""
+    micro_batch: int | None = None
+    """Sequences per rank per forward/backward (default: global_batch / dp, no accumulation)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (before the linear scaling rule, if enabled)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr · min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    scale_lr: bool = False
+    """Linear scaling rule: multiply lr by global_batch / base_batch (reported at start)."""
+    base_batch: int = 16
+    """Reference global batch for the linear scaling rule."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    seed: int = 0
+    """Seed for weights, data order and every random generator."""
+    eval_every: int = 100
+    """Compute the validation loss every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Global batches averaged for one validation loss."""
+    recompute: Recompute = "none"
+    """Activation recomputation: 'none', 'selective' (recompute only the attention core
+    of each block in backward), 'full' (recompute each whole block)."""
+    checkpoint_dir: str | None = None
+    """Folder of sharded checkpoints (one step_<n> folder each and a `latest` pointer);
+    must be visible to every rank (one node or a shared filesystem)."""
+    checkpoint_every: int = 0
+    """Save every this many optimizer steps (0: only at the end of the run and on
+    SIGTERM/SIGINT); needs checkpoint_dir."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many verified checkpoints; older ones are deleted after each
+    save (never the one the run resumed from; see docs/reliability.md)."""
+    async_checkpoint: bool = False
+    """Save in the background: at a save the state is copied to host memory and training
+    continues while a writer thread writes the files and commits (``latest`` is replaced
+    only once every rank's files are complete); at most one save is in flight (the next
+    save, and the end of the run, wait for it). See docs/checkpoints.md."""
+    resume: str | None = None
+    """'latest' (what checkpoint_dir's `latest` points to; an unreadable one falls back
+    to the previous checkpoint with a warning), 'auto' (latest if any, else start fresh)
+    or a checkpoint folder. `--resume` alone means 'latest'. A job restarted by
+    torchrun's elastic agent resumes as 'auto' by itself."""
+    init_from: str | None = None
+    """Start from these weights (a consolidated .safetensors file or a checkpoint folder)
+    under any layout; optimizer state, step and data order start fresh."""
+    straggler_factor: float = 2.0
+    """Report a rank whose compute time in a step (step time minus communication wait)
+    exceeds the lower median over all ranks by this factor as a straggler; 0: off."""
+    compile: bool = False
+    """Compile each transformer block with ``torch.compile`` (inductor; per block, as
+    torchtitan does); collectives stay outside the graphs. See docs/compile.md."""
+    loss_chunk: int = 4096
+    """Tokens per chunk of the default cross-entropy (replicated and vocabulary-parallel
+    head): the float32 logits exist one (loss_chunk, vocab) block at a time and the
+    softmax is recomputed in backward; 0: ``F.cross_entropy`` on the whole micro-batch at
+    tp = 1 (one chunk at tp > 1). See docs/gpu.md."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "train.")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"train.loss_chunk must be >= 0 tokens, got {self.loss_chunk}.")
+        check_positive(
+            "train.",
+            steps=self.steps,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            seq_len=self.seq_len,
+            lr=self.lr,
+            base_batch=self.base_batch,
+            eval_batches=self.eval_batches,
+        )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        if self.warmup_steps < 0 or self.eval_every < 0:
+            raise ConfigError("train.warmup_steps and train.eval_every must not be negative.")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("train.weight_decay and train.grad_clip must not be negative.")
+        for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
+        if self.checkpoint_every < 0:
+            raise ConfigError(
+                f"train.checkpoint_every must not be negative, got {self.checkpoint_every}."
+            )
+        if self.keep_checkpoints < 1 or self.straggler_factor < 0 or 0 < self.straggler_factor <= 1:
+            raise ConfigError(
+                f"train.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}) and "
+                f"train.straggler_factor 0 (off) or > 1 (got {self.straggler_factor})."
+            )
+        needs_dir = self.checkpoint_every > 0 or self.resume in ("latest", "auto")
+        if needs_dir and not self.checkpoint_dir:
+            raise ConfigError(
+                "train.checkpoint_every and train.resume = 'latest'/'auto' need "
+                "train.checkpoint_dir (the folder checkpoints are written to / read from)."
+            )
+        if self.resume and self.init_from:
+            raise ConfigError(
+                "train.resume and train.init_from both set: resume continues a run (weights, "
+                "optimizer, step), init_from starts a new one from weights; choose one."
+            )
+
+    def effective_lr(self) -> float:
+        """Peak learning rate with the linear scaling rule applied when enabled."""
+        if self.scale_lr:
+            return self.lr * self.global_batch / self.base_batch
+        return self.lr
