@@ -109,14 +109,15 @@ class HostStep:
         zero.reducer.on_reduced = self.on_reduced
 
     def _landing_buffers(self) -> list[torch.Tensor]:
-        """The fp32 host landing buffers: one per slot (delayed), else the ring
+        """The host landing buffers (the masters' dtype): one per slot (delayed), else the ring
         (``(largest shard_numel,)`` each, :data:`OFFLOAD_RING_BUFFERS` or fewer)."""
         slots = self.masters.slots
+        dtype = slots[0].master.dtype if slots else torch.float32  # fp32 (fp64 kept)
         if self.delay:
-            return [_pinned(s.master.numel(), torch.float32, self.cuda) for s in slots]
+            return [_pinned(s.master.numel(), dtype, self.cuda) for s in slots]
         n = max((s.master.numel() for s in slots), default=0)
         count = min(OFFLOAD_RING_BUFFERS, len(slots))
-        return [_pinned(n, torch.float32, self.cuda) for _ in range(count)]
+        return [_pinned(n, dtype, self.cuda) for _ in range(count)]
 
     def _buffer(self, k: int) -> torch.Tensor:
         """Slot ``k``'s landed gradient: ``(shard_numel,)`` fp32 on the host."""
