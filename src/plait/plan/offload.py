@@ -230,3 +230,44 @@ def refuse_bad_offload_dir(cfg: Config, world_size: int, ranks_per_host: int) ->
     spec, layout, precision, _ = plan_inputs(cfg, world_size)
     need = nvme_bytes(spec, layout, precision) * min(ranks_per_host, world_size)
     check_offload_dir(folder, int(need))
+
+
+def host_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
+    """Host bytes of the worst rank under offload (:func:`offload_memory`'s ``host``;
+    the first and last pipeline stage, the first and last shard rank)."""
+    f = layout.shard_factor
+    return max(
+        offload_memory(spec, layout, precision, stage, shard_rank).host
+        for stage in sorted({0, layout.pp - 1})
+        for shard_rank in sorted({0, f - 1})
+    )
+
+
+def refuse_host_overflow(
+    cfg: Config, world_size: int, ranks_per_host: int, limit: tuple[int, str]
+) -> None:
+    """What ``plait train`` runs before starting with offload: refuse
+    (:class:`~plait.errors.ConfigError`, exit code 2) when the host's ranks would hold
+    more offloaded bytes (the worst rank's :func:`host_bytes` times the ranks per host)
+    than ``limit`` (``(bytes, where from)``: :func:`plait.launch.oom.host_memory_limit`)."""
+    from plait.errors import ConfigError
+    from plait.plan.fit import plan_inputs
+
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+    if cfg.parallel.offload == "none":
+        return
+    spec, layout, precision, _ = plan_inputs(cfg, world_size)
+    ranks = min(ranks_per_host, world_size)
+    per_rank = host_bytes(spec, layout, precision)
+    have, source = limit
+    if have <= 0 or per_rank * ranks <= have:
+        return
+    tier = "" if layout.offload_nvme else "set parallel.offload_dir (the NVMe tier), "
+    raise ConfigError(
+        f"parallel.offload={layout.offload}: the host needs {gib(per_rank * ranks)} "
+        f"({ranks} rank(s) x {gib(per_rank)}: fp32 masters, optimizer state, landing buffers) "
+        f"but has {gib(have)} ({source}); {tier}use more hosts, or set "
+        "launch.check_memory=false."
+    )

@@ -14,6 +14,7 @@ weight after the last step (atol 1e-6 on fp32 masters, i.e. the same 16-bit weig
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +70,18 @@ def test_two_pass_step_equals_no_offload(pools: Callable[[int], WorkerPool], dty
         assert len(a["masters"]) == len(b["masters"]) > 0
         for x, y in zip(a["masters"], b["masters"], strict=True):
             torch.testing.assert_close(y, x, rtol=0, atol=1e-6)
+
+
+def test_cli_refuses_offload_beyond_host_memory(tmp_path: Path) -> None:
+    """``plait train`` exits 2 with one line before starting when the planner's host
+    bytes of the host's ranks exceed the host's memory (here a tiny
+    ``launch.host_memory_gb``; the boundary itself: tests/plan/test_offload.py)."""
+    from tests.tiny import run_plait, tiny_args
+
+    args = ["train", *tiny_args(), "--steps", "1", "--parallel.zero", "1"]
+    args += ["--parallel.offload", "optimizer", "--launch.host_memory_gb", "0.000001"]
+    res = run_plait(args, tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "the host needs" in lines[0] and "launch.host_memory_gb" in lines[0], lines[0]
