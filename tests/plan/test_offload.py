@@ -205,7 +205,7 @@ def test_host_memory_check_refuses_exactly_above_the_planned_bytes() -> None:
     need = int(host_bytes(spec, layout, precision))
     assert 12 * 6.7e9 < need < 1.1 * 12 * 6.8e9  # masters + Adam + a ring of 2 units
     refuse_host_overflow(cfg, 1, 1, (need, "MemTotal"))
-    with pytest.raises(ConfigError, match="parallel.offload_dir"):
+    with pytest.raises(ConfigError, match=r"parallel\.offload_dir"):
         refuse_host_overflow(cfg, 1, 1, (need - 1, "MemTotal"))
     with pytest.raises(ConfigError, match=r"2 rank\(s\)"):  # two ranks on the host
         refuse_host_overflow(cfg, 2, 2, (need, "MemTotal"))

@@ -144,8 +144,8 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
             from plait.plan.offload import refuse_host_overflow
 
             gb = cfg.launch.host_memory_gb
-            limit = host_memory_limit(None if gb is None else int(gb * 2**30))
-            refuse_host_overflow(cfg, world, per_host, limit)
+            ram = host_memory_limit(None if gb is None else int(gb * 2**30))
+            refuse_host_overflow(cfg, world, per_host, ram)
     if cfg.parallel.offload_dir is not None and cfg.model.factory is None:  # the NVMe tier
         from plait.plan.offload import refuse_bad_offload_dir
 
