@@ -11,7 +11,9 @@ Two parts:
    step started by a worker thread as soon as its gradient lands, with no clipping);
    ``before`` reproduces the pre-issue path (the user's optimizer rebuilt as it was,
    i.e. AdamW's per-parameter loop on CPU tensors; every gradient copied and stepped
-   after backward) by switching those two off; ``none`` is no offload. Reported: tokens/s, MFU
+   after backward) by switching those two off; ``clipped`` is ``after`` with gradient
+   clipping (the two-pass step: the norm from the device's shards, then each unit lands in
+   the ring of landing buffers and steps); ``none`` is no offload. Reported: tokens/s, MFU
    (6·N·tokens FLOPs over the device's peak, given by ``--peak-tflops``), the process's
    host peak (``VmHWM``), the device allocator's peak (CUDA only), and the CPU step time
    (the sum of the per-unit host steps, from the recorded events) per optimizer step.
@@ -84,7 +86,10 @@ def run(variant: str, a: argparse.Namespace) -> dict[str, Any]:
         zdp = ZeroDataParallel(
             model, init_mesh(device=a.device), a.zero, param_dtype=a.dtype, offload=offload
         )  # type: ignore[arg-type]
-        opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
+        clip = 1.0 if variant == "clipped" else 0.0  # clipped: the two-pass step after the norm
+        opt = Optimizer(
+            zdp, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), max_norm=clip
+        )
     finally:
         zero_optim.host_optimizer = restore
     host = opt.sharded.host if opt.sharded is not None else None
