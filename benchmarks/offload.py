@@ -11,7 +11,9 @@ Two parts:
    step started by a worker thread as soon as its gradient lands, with no clipping);
    ``before`` reproduces the pre-issue path (the user's optimizer rebuilt as it was,
    i.e. AdamW's per-parameter loop on CPU tensors; every gradient copied and stepped
-   after backward) by switching those two off; ``none`` is no offload. Reported: tokens/s, MFU
+   after backward) by switching those two off; ``clipped`` is ``after`` with gradient
+   clipping (the two-pass step: the norm from the device's shards, then each unit lands in
+   the ring of landing buffers and steps); ``none`` is no offload. Reported: tokens/s, MFU
    (6·N·tokens FLOPs over the device's peak, given by ``--peak-tflops``), the process's
    host peak (``VmHWM``), the device allocator's peak (CUDA only), and the CPU step time
    (the sum of the per-unit host steps, from the recorded events) per optimizer step.
@@ -84,7 +86,10 @@ def run(variant: str, a: argparse.Namespace) -> dict[str, Any]:
         zdp = ZeroDataParallel(
             model, init_mesh(device=a.device), a.zero, param_dtype=a.dtype, offload=offload
         )  # type: ignore[arg-type]
-        opt = Optimizer(zdp, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1))
+        clip = 1.0 if variant == "clipped" else 0.0  # clipped: the two-pass step after the norm
+        opt = Optimizer(
+            zdp, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1), max_norm=clip
+        )
     finally:
         zero_optim.host_optimizer = restore
     host = opt.sharded.host if opt.sharded is not None else None
@@ -112,7 +117,12 @@ def run(variant: str, a: argparse.Namespace) -> dict[str, Any]:
                 starts = {nm: t for k2, nm, t in host.events if k2 == "step_start"}
                 ends = {nm: t for k2, nm, t in host.events if k2 == "step_end"}
                 cpu_steps.append(sum(ends[nm] - starts[nm] for nm in ends if nm in starts))
+    landing = state = 0
     if host is not None:
+        landing = _nbytes(host.grads)
+        state = _nbytes(opt.master_tensors()) + _nbytes(
+            [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+        )
         host.close()
     step_s = sum(times) / len(times)
     tokens = a.batch * a.seq * a.accum
@@ -125,9 +135,17 @@ def run(variant: str, a: argparse.Namespace) -> dict[str, Any]:
         "mfu": 6 * n * tokens / step_s / (a.peak_tflops * 1e12),
         "host_peak": host_peak_bytes(),
         "device_peak": dev_peak,
+        "landing": landing,
+        "host_state": state,
         "cpu_step_s": sum(cpu_steps) / len(cpu_steps) if cpu_steps else 0.0,
         "loss": losses[-1],
     }
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``ts``."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}
+    return sum(seen.values())
 
 
 def _in_child(variant: str) -> dict[str, Any]:
@@ -188,14 +206,16 @@ def main() -> None:
         f"{a.warmup} warm-up:",
         "",
         "| variant | step (s) | tokens/s | MFU | CPU step (s) | host peak (GiB) "
-        "| device peak (GiB) | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| device peak (GiB) | masters + state (MiB) | landing buffers (MiB) | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         dev = "-" if r["device_peak"] is None else f"{r['device_peak'] / 2**30:.2f}"
         lines.append(
             f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['mfu']:.2%} | "
-            f"{r['cpu_step_s']:.3f} | {r['host_peak'] / 2**30:.2f} | {dev} | {r['loss']:.4f} |"
+            f"{r['cpu_step_s']:.3f} | {r['host_peak'] / 2**30:.2f} | {dev} | "
+            f"{r.get('host_state', 0) / 2**20:.1f} | {r.get('landing', 0) / 2**20:.1f} | "
+            f"{r['loss']:.4f} |"
         )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (

@@ -489,6 +489,13 @@ def parse_step_window(text: str) -> tuple[int, int]:
     return start, end
 
 
+OFFLOAD_RING_BUFFERS = 2
+"""ZeRO-Offload's pinned fp32 gradient landing buffers per rank (each the size of the
+largest unit's shard), reused unit after unit: one lands while the previous steps on the
+host (:mod:`plait.parallel.zero.offload`; the planner counts them,
+:mod:`plait.plan.offload`)."""
+
+
 def check_offload_dir(path: str | PathLike[str], needed_bytes: int) -> None:
     """Raise :class:`ConfigError` unless ``path`` is (or can be made) a writable folder
     with at least ``needed_bytes`` free."""

@@ -242,9 +242,14 @@ class Optimizer:
         """Unscale, measure the global norm, skip or clip, step, write back (see above)."""
         scale = self.scaler.scale if self.scaler is not None else None
         grads = self._master_grads()
-        if scale is not None:
+        host = self.sharded.host if self.sharded is not None else None
+        deferred = host is not None and host.scales_on_host  # offload's ring: scaled there
+        if scale is not None and not deferred:
             torch._foreach_mul_(grads, 1.0 / scale)
         norm = self._global_norm(grads)
+        if scale is not None and host is not None and deferred:
+            host.scale(1.0 / scale)
+            norm *= 1.0 / scale
         if not (math.isfinite(norm) and loss_finite):
             what = "loss" if not loss_finite else "gradient norm"
             self.skipped += 1
@@ -263,7 +268,9 @@ class Optimizer:
             return StepReport(norm, True, scale, f"{what} not finite")
         if self.max_norm > 0:
             coef = self.max_norm / (norm + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and host is not None and deferred:
+                host.scale(coef)
+            elif coef < 1.0:
                 torch._foreach_mul_(grads, coef)
         if self.sharded is not None:
             self.sharded.step(grads)
@@ -335,7 +342,9 @@ class Optimizer:
             pieces = [p.grad for p in held if p.grad is not None]
             weights = [self.target.norm_weight(p) for p in held]
         if pieces:
-            norms = torch._foreach_norm(pieces)  # per-tensor norms
+            # per-tensor norms, fp32 at least (offload: bf16 reduced shards on the device)
+            low = any(is_low_precision(p.dtype) for p in pieces)
+            norms = torch._foreach_norm(pieces, 2, dtype=torch.float32 if low else None)
             sq64 = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2)
             if any(w != 1.0 for w in weights):
                 sq64 = sq64 * torch.tensor(weights, dtype=torch.float64, device=device)

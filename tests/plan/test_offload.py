@@ -135,3 +135,80 @@ def test_prelaunch_check_accepts_a_layout_that_fits_only_with_offload() -> None:
     ok = check_fits(_seven_b("optimizer", 2), 1, h100)
     assert ok.fits, ok.message()
     assert ok.estimate.memory.master == 0 and ok.estimate.memory.optimizer == 0
+
+
+DEEP = ModelConfig(vocab_size=64, dim=32, n_layers=12, n_heads=4, max_seq_len=16)
+"""Twelve blocks: 14 ZeRO units, the blocks the largest."""
+
+
+def _ring_body(ctx: Any, delay: bool, clip: float) -> dict[str, int]:
+    import torch
+
+    from plait.model import Transformer, lm_loss
+    from plait.optim import Optimizer
+    from plait.parallel.zero import ZeroDataParallel
+
+    mesh = ctx.mesh(dp=ctx.world_size)
+    base = Transformer(DEEP, seed=0)
+    zdp = ZeroDataParallel(base, mesh, 2, offload="optimizer", offload_delay=delay)
+    opt = Optimizer(zdp, torch.optim.AdamW(base.parameters(), lr=1e-3), max_norm=clip)
+    x = torch.randint(0, DEEP.vocab_size, (2, 8))
+    for _ in range(2):
+        lm_loss(zdp(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    host = opt.sharded.host  # type: ignore[union-attr]
+    assert host is not None
+    masters = _storage_bytes(opt.master_tensors())
+    state = _storage_bytes([v for st in opt.state.values() for v in st.values()])
+    return {
+        "rank": mesh.index("dp"),
+        "units": len(zdp.units),
+        "state": masters + state,
+        "ring": _storage_bytes(host.grads),
+    }
+
+
+@pytest.mark.parametrize(("delay", "clip"), [(False, 0.0), (False, 1.0), (True, 0.0)])
+def test_host_bytes_are_masters_state_and_a_ring(
+    pools: Callable[[int], WorkerPool], delay: bool, clip: float
+) -> None:
+    """Host bytes per rank = masters + optimizer state + the landing buffers, equal to
+    the planner's; the ring (eager or the two-pass step after the norm) keeps the host
+    within 1.1x of masters + state for a model of >= 10 units, the one-step-delayed
+    update holds a full fp32 gradient (4 of 16 bytes: ~1.33x)."""
+    spec = ModelSpec.from_config(DEEP)
+    layout = Layout(dp=2, zero=2, offload="optimizer", offload_delay=delay)
+    for got in pools(2).run(f"{M}:_ring_body", delay, clip):
+        assert got["units"] >= 10
+        want = offload_memory(spec, layout, PRECISIONS["fp32"], shard_rank=got["rank"], cuda=False)
+        assert got["state"] + got["ring"] == want.host, f"rank {got['rank']}"
+        ratio = want.host / got["state"]
+        if delay:
+            assert ratio > 1.3
+        else:
+            assert ratio <= 1.1, ratio
+
+
+def test_host_memory_check_refuses_exactly_above_the_planned_bytes() -> None:
+    """The pre-launch host check: the issue's 7B with optimizer offload on one rank
+    needs the planner's host bytes (masters + state + ring: ~1.0x of 12 B/param); a
+    host with exactly that passes, one byte less is refused naming offload_dir; the NVMe
+    tier needs less host memory."""
+    from plait.errors import ConfigError
+    from plait.plan.fit import plan_inputs
+    from plait.plan.offload import host_bytes, refuse_host_overflow
+
+    cfg = _seven_b("optimizer", 2)
+    spec, layout, precision, _ = plan_inputs(cfg, 1)
+    need = int(host_bytes(spec, layout, precision))
+    assert 12 * 6.7e9 < need < 1.1 * 12 * 6.8e9  # masters + Adam + a ring of 2 units
+    refuse_host_overflow(cfg, 1, 1, (need, "MemTotal"))
+    with pytest.raises(ConfigError, match=r"parallel\.offload_dir"):
+        refuse_host_overflow(cfg, 1, 1, (need - 1, "MemTotal"))
+    with pytest.raises(ConfigError, match=r"2 rank\(s\)"):  # two ranks on the host
+        refuse_host_overflow(cfg, 2, 2, (need, "MemTotal"))
+    cfg.parallel.offload_dir = "/tmp/nvme"
+    spec, layout, precision, _ = plan_inputs(cfg, 1)
+    assert host_bytes(spec, layout, precision) < need / 2  # m and v in files, masters not

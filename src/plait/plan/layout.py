@@ -95,6 +95,10 @@ class Layout:
     of ``n_layers + 2·edge_trim`` (they also hold the embedding and the head): Llama 3
     405B's balancing (Dubey et al. 2024, section 3.3.2). plait's runtime splits evenly
     (0); a planner-only option for published layouts."""
+    offload_delay: bool = False
+    """ZeRO-Offload's one-step-delayed update (``parallel.offload_delay``): the host keeps
+    a full fp32 gradient buffer (the gradients outlive the next backward) instead of the
+    ring of a few units' buffers; :mod:`plait.plan.offload`."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -151,6 +155,7 @@ class Layout:
             compression_rank=p.compression_rank,
             offload=p.offload,
             offload_nvme=p.offload_dir is not None,
+            offload_delay=p.offload_delay,
         )
 
     @property

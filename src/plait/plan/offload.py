@@ -7,12 +7,14 @@ the runtime (:mod:`plait.parallel.zero.offload`) allocates (:func:`offload_memor
 * the fp32 master shards (a copy even when the weights are fp32): ``4·S``;
 * the optimizer state of the non-padding elements plus the per-tensor scalars (as on
   the device without offload);
-* one fp32 gradient buffer per shard, the landing place of the device-to-host copies:
-  ``4·S``;
+* the fp32 gradient landing buffers of the device-to-host copies: a ring of
+  :data:`~plait.config_checks.OFFLOAD_RING_BUFFERS` buffers the size of the largest
+  unit's shard, reused unit after unit (:func:`landing_bytes`; ``4·S``, one per unit,
+  with the one-step-delayed update);
 * ``offload = params`` (ZeRO-3): the parameter shards too, ``p·S``; the device keeps
   only the gathered units (the buffers the memory model already counts).
 
-With CUDA the gradient buffers, the masters and (``params``) the parameter shards are
+With CUDA the landing buffers, the masters and (``params``) the parameter shards are
 page-locked (``pinned``). With ``offload_dir`` (the NVMe tier) Adam's m and v (and with
 ``params`` the masters) are files instead of host memory (``disk``; the step scalars
 stay in memory). ``S`` is the rank's padded shard (:mod:`plait.plan.units`).
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.config import Config
-from plait.config_checks import check_offload_dir
+from plait.config_checks import OFFLOAD_RING_BUFFERS, check_offload_dir
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
@@ -96,20 +98,31 @@ def offload_memory(
     valid = sum(local_pieces(u, f, shard_rank % f)[1] for u in units)
     scalars = optimizer - valid * precision.optimizer_bytes  # per-tensor scalars
     fp32 = 4 * s
+    ring = landing_bytes([shard_numel(u, f) for u in units], layout.offload_delay)
     params = layout.offload == "params"
     shard_weights = s * precision.param_bytes if params else 0.0
     if layout.offload_nvme:
         # the runtime's files hold m and v for the whole padded shard
         disk = s * precision.optimizer_bytes + (fp32 if params else 0.0)
-        host = scalars + fp32 + (0.0 if params else fp32) + shard_weights
+        host = scalars + ring + (0.0 if params else fp32) + shard_weights
     else:
         disk = 0.0
-        host = optimizer + 2 * fp32 + shard_weights
+        host = optimizer + fp32 + ring + shard_weights
     pinned = (
-        (fp32 + (0.0 if layout.offload_nvme and params else fp32) + shard_weights) if cuda else 0.0
+        (ring + (0.0 if layout.offload_nvme and params else fp32) + shard_weights) if cuda else 0.0
     )
     device = grads + (0.0 if params else weights)
     return OffloadMemory(float(device), float(host), float(pinned), float(disk))
+
+
+def landing_bytes(shard_numels: list[int], delay: bool) -> int:
+    """Bytes of the fp32 gradient landing buffers of a rank whose units' shards have
+    ``shard_numels`` elements: a ring of :data:`~plait.config_checks.OFFLOAD_RING_BUFFERS`
+    buffers of the largest shard (fewer with fewer units); with the one-step-delayed
+    update (``delay``) one buffer per unit (the gradients outlive the next backward)."""
+    if delay:
+        return 4 * sum(shard_numels)
+    return 4 * min(OFFLOAD_RING_BUFFERS, len(shard_numels)) * max(shard_numels, default=0)
 
 
 def host_link(hw: Hardware) -> float:
@@ -217,3 +230,44 @@ def refuse_bad_offload_dir(cfg: Config, world_size: int, ranks_per_host: int) ->
     spec, layout, precision, _ = plan_inputs(cfg, world_size)
     need = nvme_bytes(spec, layout, precision) * min(ranks_per_host, world_size)
     check_offload_dir(folder, int(need))
+
+
+def host_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
+    """Host bytes of the worst rank under offload (:func:`offload_memory`'s ``host``;
+    the first and last pipeline stage, the first and last shard rank)."""
+    f = layout.shard_factor
+    return max(
+        offload_memory(spec, layout, precision, stage, shard_rank).host
+        for stage in sorted({0, layout.pp - 1})
+        for shard_rank in sorted({0, f - 1})
+    )
+
+
+def refuse_host_overflow(
+    cfg: Config, world_size: int, ranks_per_host: int, limit: tuple[int, str]
+) -> None:
+    """What ``plait train`` runs before starting with offload: refuse
+    (:class:`~plait.errors.ConfigError`, exit code 2) when the host's ranks would hold
+    more offloaded bytes (the worst rank's :func:`host_bytes` times the ranks per host)
+    than ``limit`` (``(bytes, where from)``: :func:`plait.launch.oom.host_memory_limit`)."""
+    from plait.errors import ConfigError
+    from plait.plan.fit import plan_inputs
+
+    def gib(n: float) -> str:
+        return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+    if cfg.parallel.offload == "none":
+        return
+    spec, layout, precision, _ = plan_inputs(cfg, world_size)
+    ranks = min(ranks_per_host, world_size)
+    per_rank = host_bytes(spec, layout, precision)
+    have, source = limit
+    if have <= 0 or per_rank * ranks <= have:
+        return
+    tier = "" if layout.offload_nvme else "set parallel.offload_dir (the NVMe tier), "
+    raise ConfigError(
+        f"parallel.offload={layout.offload}: the host needs {gib(per_rank * ranks)} "
+        f"({ranks} rank(s) x {gib(per_rank)}: fp32 masters, optimizer state, landing buffers) "
+        f"but has {gib(have)} ({source}); {tier}use more hosts, or set "
+        "launch.check_memory=false."
+    )

@@ -8,18 +8,29 @@ runs the host side of one :class:`~plait.parallel.zero.optim.ShardedMasters`:
   :meth:`HostStep.on_reduced` as soon as a unit's averaged gradient shard of the
   synchronising backward is final (the reducer's early settling, see
   :attr:`~plait.parallel.zero.reducer.GradientReducer.settle_early`); the shard is
-  copied into a persistent fp32 host buffer (pinned, on a side stream, with CUDA);
+  copied into one of a **ring** of fp32 host landing buffers (pinned, on a side stream,
+  with CUDA);
 * **the CPU step of a unit starts as soon as its gradients land** (``eager``): a worker
   thread steps that unit's segments with the fused multi-threaded CPU AdamW
   (:mod:`plait.parallel.zero.cpu_adam`) while backward goes on, then copies the
   updated master into the device shard (non-blocking from pinned memory on a side
   stream with CUDA). Eager stepping needs a step that does not depend on the global
   gradient norm: no clipping (``max_norm = 0``), no fp16 loss scaling, and
-  ``nonfinite = 'error'`` (a skipped step could not be undone). Otherwise the copies
-  still overlap backward and the step runs, slot by slot on the worker, after the norm;
+  ``nonfinite = 'error'`` (a skipped step could not be undone). Otherwise the step
+  runs after the norm in **two passes**: the global norm is taken from the reduced
+  shards still on the device (:meth:`HostStep.grads_for_step`), then unit by unit the
+  shard is copied into a ring buffer, unscaled/clipped there (:meth:`HostStep.scale`)
+  and stepped on the worker, the next unit's copy overlapping this one's step;
 * :meth:`HostStep.step` waits for the worker and the copies back; the caller then
   launches ZeRO-1/2's all-gathers, which complete unit by unit just before each unit's
   next forward (so the parameters' return overlaps the start of the next forward).
+
+**Host memory** is the masters, the optimizer state and the ring: ``OFFLOAD_RING_BUFFERS``
+(:mod:`plait.config_checks`) buffers the size of the largest unit's shard. A buffer is
+reused once the host step of the unit that landed in it has finished (the landing waits
+for it), so at most that many units' gradients are on the host in every mode but one:
+the one-step-delayed update (``offload_delay``) keeps one buffer per unit, because its
+host step reads the gradients while the next backward overwrites the device's.
 
 With ``offload_dir`` the state (and with ``params`` the masters) are file-backed
 (:mod:`plait.parallel.zero.offload_store`), the next slot's file read ahead while one
@@ -36,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.config_checks import OFFLOAD_RING_BUFFERS
 from plait.parallel.zero.flat import FlatUnit
 from plait.parallel.zero.offload_store import OffloadStore, check_offload_dir, disk_bytes_needed
 
@@ -75,9 +87,12 @@ class HostStep:
         self._landed: dict[int, Any] = {}  # slot index -> CUDA event (None on the CPU)
         self._back: dict[int, Any] = {}  # slot index -> CUDA event of the copy back
         self._index = {s.unit.index: k for k, s in enumerate(masters.slots)}
-        self.grads = [
-            _pinned(s.master.numel(), s.master.dtype, self.cuda) for s in masters.slots
-        ]  # (shard_numel,) fp32 host gradient buffer per slot
+        self.delay = zero.offload_delay  # one-step-delayed update (opt-in)
+        self.grads = self._landing_buffers()
+        self._users: list[int | None] = [None] * len(self.grads)  # buffer -> slot in it
+        self._buffer_of: dict[int, int] = {}  # slot -> ring buffer it landed in
+        self._next = 0  # the ring buffer the next landing takes
+        self._factors: list[float] = []  # unscale / clip factors applied after landing
         self._d2h = torch.cuda.Stream(zero.device) if self.cuda else None
         self._h2d = torch.cuda.Stream(zero.device) if self.cuda else None
         self.store: OffloadStore | None = None
@@ -89,10 +104,54 @@ class HostStep:
                 if not s.alias:
                     s.master = s.master.pin_memory()
                     masters.rebind(s)
-        self.delay = zero.offload_delay  # one-step-delayed update (opt-in)
         if zero.driver is not None and not self.delay:  # settle the reductions early
             zero.reducer.settle_early = True
         zero.reducer.on_reduced = self.on_reduced
+
+    def _landing_buffers(self) -> list[torch.Tensor]:
+        """The host landing buffers (the masters' dtype): one per slot (delayed), else the ring
+        (``(largest shard_numel,)`` each, :data:`OFFLOAD_RING_BUFFERS` or fewer)."""
+        slots = self.masters.slots
+        dtype = slots[0].master.dtype if slots else torch.float32  # fp32 (fp64 kept)
+        if self.delay:
+            return [_pinned(s.master.numel(), dtype, self.cuda) for s in slots]
+        n = max((s.master.numel() for s in slots), default=0)
+        count = min(OFFLOAD_RING_BUFFERS, len(slots))
+        return [_pinned(n, dtype, self.cuda) for _ in range(count)]
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        """Slot ``k``'s landed gradient: ``(shard_numel,)`` fp32 on the host."""
+        n = self.masters.slots[k].master.numel()
+        return self.grads[k if self.delay else self._buffer_of[k]][:n]
+
+    def _acquire(self, k: int) -> torch.Tensor:
+        """Take the next ring buffer for slot ``k``, once the host step of the slot that
+        last landed there has finished reading it."""
+        b = self._next % len(self.grads)
+        self._next += 1
+        prev = self._users[b]
+        if prev is not None and prev in self._futures:
+            self._futures[prev].result()
+        self._users[b] = k
+        self._buffer_of[k] = b
+        return self._buffer(k)
+
+    def _land(self, k: int) -> None:
+        """Copy slot ``k``'s reduced gradient shard into a ring buffer (asynchronous on
+        a side stream with CUDA: the step waits for the recorded event)."""
+        g = self.zero.reduced_grad(self.masters.slots[k].unit)  # (shard_numel,) reduce dtype
+        host = self._acquire(k)
+        ev = None
+        if self._d2h is not None:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.zero.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(g, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._d2h)
+            g.record_stream(self._d2h)
+        else:
+            host.copy_(g)
+        self._landed[k] = ev
 
     # ------------------------------------------------------------------ files
 
@@ -150,26 +209,14 @@ class HostStep:
     def on_reduced(self, u: FlatUnit) -> None:
         """``u``'s gradient shard is final: copy it to the host; step it when eager."""
         k = self._index.get(u.index)
-        # delayed: the buffers are busy (copied at the step); under another driver (the
-        # pipeline) a unit may settle once per micro-batch: copied at the step too
-        if k is None or self.delay or self.zero.driver is None:
+        # delayed: the buffers are busy (copied at the step); not eager: landed after the
+        # norm (two passes); under another driver (the pipeline) a unit may settle once
+        # per micro-batch: copied at the step too
+        if k is None or self.delay or not self.eager or self.zero.driver is None:
             return
-        g = self.zero.reduced_grad(u)  # (shard_numel,) reduce dtype, on the device
-        host = self.grads[k]
-        ev = None
-        if self._d2h is not None:
-            self._d2h.wait_stream(torch.cuda.current_stream(self.zero.device))
-            with torch.cuda.stream(self._d2h):
-                host.copy_(g, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._d2h)
-            g.record_stream(self._d2h)
-        else:
-            host.copy_(g)
-        self._landed[k] = ev
+        self._land(k)
         self._note("landed", u.name)
-        if self.eager:
-            self._submit(k)
+        self._submit(k)
 
     def _submit(self, k: int) -> None:
         if k not in self._futures:
@@ -177,12 +224,25 @@ class HostStep:
 
     # ------------------------------------------------------------------ the step
 
+    @property
+    def scales_on_host(self) -> bool:
+        """The gradients :meth:`grads_for_step` returns are the device's reduced shards
+        (the ring): unscale and clip through :meth:`scale`, not in place."""
+        return not self.delay
+
+    def scale(self, factor: float) -> None:
+        """Multiply every slot's gradient by ``factor`` once it has landed (before its
+        host step; the factors apply in the order given)."""
+        self._factors.append(factor)
+
     def grads_for_step(self) -> list[torch.Tensor]:
-        """The host gradient buffers, every slot's landed (copied now if a unit's shard
-        was not handed over during backward, e.g. under another driver). Delayed: the
-        previous step's host update must finish first (it reads these buffers)."""
-        if self.delay:
-            self._wait()
+        """The gradients the global norm is taken from: the reduced shards on the device
+        (``(shard_numel,)`` reduce dtype each; they land in the ring at :meth:`step`).
+        Delayed: the host buffers, every slot's landed (copied now), once the previous
+        step's host update has finished (it reads these buffers)."""
+        if not self.delay:
+            return [self.zero.reduced_grad(s.unit) for s in self.masters.slots]
+        self._wait()
         for k, s in enumerate(self.masters.slots):
             if k not in self._landed:
                 self.grads[k].copy_(self.zero.reduced_grad(s.unit))
@@ -208,7 +268,9 @@ class HostStep:
             self._rebind_state(k)
             if k + 1 < len(self.store.slots):
                 self.store.slots[k + 1].prefetch()  # read the next slot ahead
-        grad = self.grads[k]
+        grad = self._buffer(k)
+        for f in self._factors:  # unscale / clip (after the norm)
+            grad.mul_(f)
         for seg, a, b in slot.segments:
             seg.grad = grad[a:b]
         try:
@@ -249,7 +311,11 @@ class HostStep:
             self._submit_all(copy_back=False)
             self._landed = {}
             return
-        self._submit_all()
+        for k in range(len(self.masters.slots)):  # the rest lands and steps unit by unit
+            if k not in self._futures:
+                self._land(k)
+                self._note("landed", self.masters.slots[k].unit.name)
+                self._submit(k)
         self._wait()
 
     def _submit_all(self, copy_back: bool = True) -> None:
@@ -265,9 +331,16 @@ class HostStep:
         finally:
             self._futures = {}
             self._landed = {}
+            self._reset_ring()
             self.started.clear()
             self._fresh = True
         self._device_waits()
+
+    def _reset_ring(self) -> None:
+        self._users = [None] * len(self.grads)
+        self._buffer_of = {}
+        self._next = 0
+        self._factors = []
 
     def _device_waits(self) -> None:
         if self.cuda:
@@ -291,6 +364,7 @@ class HostStep:
     def discard(self) -> None:
         """A skipped step: forget the landed gradients (nothing was stepped)."""
         self._landed = {}
+        self._reset_ring()
         self._fresh = True
 
     def _note(self, kind: str, name: str) -> None:

@@ -137,7 +137,9 @@ class ShardedMasters:
             seg.data = slot.master[start:end]
 
     def grads(self) -> list[torch.Tensor]:
-        """Master-dtype gradients on the master device, one ``(shard_numel,)`` per slot."""
+        """Master-dtype gradients on the master device, one ``(shard_numel,)`` per slot
+        (offload: :meth:`HostStep.grads_for_step`, the device's reduced shards unless the
+        update is delayed; scale them through ``host.scale``, see ``host.scales_on_host``)."""
         if self.host is not None:
             return self.host.grads_for_step()
         out = []
