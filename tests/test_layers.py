@@ -73,9 +73,8 @@ DISTRIBUTED_ALLOWED: dict[str, str] = {
     # torchrun's elastic agent: the launcher starts and watches the worker processes
     "plait.launch.local": "starts ranks with torch.distributed.launcher.elastic_launch",
     # @record writes a failing rank's traceback where the elastic agent reports it
-    "plait.cli.train": "wraps the entry point in torch.distributed.elastic's @record",
-    "plait.cli.eval": "wraps the entry point in torch.distributed.elastic's @record",
-    "plait.cli.generate": "wraps the entry point in torch.distributed.elastic's @record",
+    "plait.cli.common": "wraps the rank commands' entry points in torch.distributed.elastic's "
+    "@record",
 }
 """Modules outside plait.comm allowed to import torch.distributed, and why."""
 

@@ -73,7 +73,10 @@ def check_output_path(path: str | None, flag: str) -> None:
 
 
 def _format_warning(
-    message: Warning | str, category: type[Warning], filename: str, lineno: int,
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
     line: str | None = None,
 ) -> str:
     """A warning as one line, without the library's source path."""
@@ -156,3 +159,21 @@ def leave_torchrun_child(env: RankEnv | None) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def run_as_rank(body: Callable[..., int | None], *args: object) -> int:
+    """Run a command that may be a rank (``plait train``, ``eval``, ``generate``): under
+    torchrun's elastic agent ``record`` writes a failing rank's error for the parent; a
+    rank of plait's own launcher turns a :class:`PlaitError` into exit 2 (bad config) or 1,
+    since the launcher reports the error once (``record`` wrote it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from plait.launch.local import torchrun_env, under_plait_launcher
+
+    run = record(body) if torchrun_env() is not None else body
+    try:
+        return int(run(*args) or 0)
+    except PlaitError as e:
+        if not under_plait_launcher():
+            raise
+        return 2 if isinstance(e, ConfigError) else 1

@@ -208,15 +208,6 @@ def _run(cfg: Config, env: RankEnv | None, args: GenerateArgs, prompt: list[int]
 
 def generate_main(rest: Sequence[str]) -> int:
     """``plait generate``."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from plait.cli.common import run_as_rank
 
-    from plait.errors import PlaitError
-    from plait.launch.local import torchrun_env, under_plait_launcher
-
-    run = record(_generate) if torchrun_env() is not None else _generate
-    try:
-        return int(run(rest) or 0)
-    except PlaitError as e:
-        if not under_plait_launcher():
-            raise
-        return 2 if isinstance(e, ConfigError) else 1
+    return run_as_rank(_generate, rest)

@@ -289,17 +289,6 @@ def _check_outputs(cfg: Config) -> None:
 
 def train_main(rest: Sequence[str]) -> int:
     """``plait train``."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from plait.cli.common import run_as_rank
 
-    from plait.errors import ConfigError, PlaitError
-    from plait.launch.local import torchrun_env, under_plait_launcher
-
-    # under the elastic agent, record() writes a failing rank's error for the parent
-    train = record(_train) if torchrun_env() is not None else _train
-    try:
-        return int(train(rest, ["train", *rest]) or 0)
-    except PlaitError as e:
-        if not under_plait_launcher():
-            raise
-        # a rank of plait's launcher: the launcher reports the error once (record wrote it)
-        return 2 if isinstance(e, ConfigError) else 1
+    return run_as_rank(_train, rest, ["train", *rest])
