@@ -107,10 +107,13 @@ def test_same_program_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_child_failure_names_rank_and_error(tmp_path: Path) -> None:
     # bypass the parent's checks: each child refuses a CUDA device that is not there; a
-    # bad input found by the ranks is reported once, as the first rank's ConfigError
-    with pytest.raises(ConfigError, match=r"^rank 0: .*no CUDA device") as e:
+    # bad input found by the ranks is reported once, as the lowest failed rank's
+    # ConfigError (usually rank 0; rank 1 when the agent stopped rank 0 before its own
+    # error was written, which a loaded machine can make happen)
+    with pytest.raises(ConfigError, match=r"^rank ([01]): .*no CUDA device") as e:
         launch_local(2, ["train", *TINY, "--steps", "1", "--device", "cuda"])
-    assert not isinstance(e.value, LaunchError) and "rank 1" not in str(e.value)
+    text = str(e.value)
+    assert not isinstance(e.value, LaunchError) and text.count("rank ") == 1, text
 
 
 def _bad(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
