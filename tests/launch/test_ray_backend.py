@@ -7,7 +7,11 @@ chosen step by writing a control file. The command
 runs in this process (``plait.cli.main``), so ``launch_ray`` finds Ray initialised and
 uses that instance. References: the same tiny run on the session's gloo pool (the
 ``--nproc`` code path after the launch: :class:`Trainer` on a mesh of the same layout,
-one thread per rank), compared for exact equality of every step's loss.
+one thread per rank), compared step by step within a relative 1e-4. Not exact: MKL's
+float32 matmul may pick a kernel by the buffers' memory alignment (no ``MKL_CBWR``), so a
+Ray worker process that ran earlier tests can differ from the pool in the last bits
+(CI saw 3e-7 at step 1, 5.5e-6 by step 3 after Adam); a wrong rank order, batch or
+layout moves the loss by 1e-2 or more.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ BASE = [
     *tiny_args(max_bytes=100_000),
     *["--train.warmup_steps", "2", "--launch.threads", "1", "--log.log_every", "1"],
 ]
+LOSS_RTOL = 1e-4  # see the module docstring: last-bit differences, grown by Adam
 LAYOUTS = {"dp2": (2, []), "pp2": (2, ["--pp", "2"]), "dp2xtp2": (4, ["--tp", "2"])}
 
 
@@ -86,7 +91,7 @@ def test_ray_gives_the_losses_of_nproc(
 ) -> None:
     assert plait_main(_args(layout, 3, tmp_path)) == 0
     got = [row["loss"] for row in read_metrics(tmp_path / "m.jsonl")]
-    assert got == _reference(pools, layout, 3)
+    assert got == pytest.approx(_reference(pools, layout, 3), rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
@@ -105,7 +110,7 @@ def test_killed_rank_restarts_and_resumes(
     assert "rank 1 died; restarting every rank (restart 1 of 1), from the latest" in out.out
     rows = read_metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # 5, 6: after the resume
-    assert [r["loss"] for r in rows] == _reference(pools, "dp2", 6)
+    assert [r["loss"] for r in rows] == pytest.approx(_reference(pools, "dp2", 6), rel=LOSS_RTOL)
 
 
 @pytest.mark.slow
