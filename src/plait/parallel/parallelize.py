@@ -247,6 +247,7 @@ def parallelize(
         )
     if compressor is not None:  # the plain path only (same rule as the config's)
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)
+    split = experts if experts is not None and experts.ep > 1 else None  # experts split
     wrapped: nn.Module
     if plain:
         wrapped = DataParallel(
@@ -257,7 +258,7 @@ def parallelize(
             axes=data_axes(mesh),
             compressor=compressor,
             broadcast=init is None,  # materialised values are equal on every rank
-            exclude=experts.params if experts is not None and experts.ep > 1 else (),
+            exclude=split.params if split is not None else (),
         )
     else:
         wrapped = ZeroDataParallel(
@@ -277,6 +278,9 @@ def parallelize(
             init=init,
             offload_dir=p.offload_dir,
             offload_delay=p.offload_delay,
+            # ep > 1: expert weights in units of their own over their replica group
+            expert_params=split.params if split is not None else (),
+            expert_group=split.replica_group if split is not None else None,
         )
     pipeline = None
     if pp > 1:
@@ -294,12 +298,10 @@ def parallelize(
         )
     if experts is not None and experts.ep > 1:  # expert gradients over their replica group
         experts.keep_only(inner)  # this pipeline stage's
-        dp_wrapper = wrapped if isinstance(wrapped, DataParallel) else None
-        experts.sync = ExpertGradSync(
-            experts.params,
-            experts.replica_group,
-            data.size,
-            (lambda: dp_wrapper.syncing) if dp_wrapper is not None else None,
+    if split is not None and isinstance(wrapped, DataParallel):  # (ZeRO: its expert units)
+        dp_wrapper = wrapped
+        split.sync = ExpertGradSync(
+            split.params, split.replica_group, data.size, lambda: dp_wrapper.syncing
         )
     return ParallelModel(
         wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts

@@ -31,6 +31,7 @@ from plait.model.init import InitialValues
 from plait.model.moe import MoE, MoEStats
 from plait.parallel.expert.dispatch import ExpertParallelDispatch
 from plait.parallel.expert.grads import ExpertGradSync
+from plait.parallel.tensor.layers import set_shard_info, shard_info
 from plait.pieces import LocalPiece, TPSplit
 
 _ATTR = "plait_expert_split"
@@ -122,13 +123,23 @@ class ExpertLayout:
         out = []
         write = self.replica_group.index == 0 and tp_index == 0
         for p in self.params:
-            s = expert_split(p)
-            assert s is not None
-            shape = [s.full, *p.shape[1:]]
-            tp = None if s.shards == 1 else TPSplit(0, s.full, s.shards, 1, s.block, s.index)
             flat = p.detach().reshape(-1)
-            out.append(LocalPiece(names[id(p)], shape, tp, 0, p.numel(), flat, p, p.dtype, write))
+            whole = LocalPiece(
+                names[id(p)], list(p.shape), None, 0, p.numel(), flat, p, p.dtype, write
+            )
+            out.append(self.refine(whole))
         return out
+
+    @staticmethod
+    def refine(piece: LocalPiece) -> LocalPiece:
+        """``piece`` of a local expert weight ``(E/ep, ...)`` (a ZeRO shard segment or the
+        whole tensor) in one-device terms: the shape ``(E, ...)`` and the block along
+        dim 0 this ep rank holds; any other piece unchanged."""
+        s = expert_split(piece.key)
+        if s is None or s.shards == 1:
+            return piece
+        tp = TPSplit(0, s.full, s.shards, 1, s.block, s.index)
+        return piece.but(shape=[s.full, *piece.shape[1:]], tp=tp)
 
 
 def apply_expert_parallel(
@@ -167,6 +178,9 @@ def apply_expert_parallel(
                 value = old.detach()[lo:hi].clone()
             new = nn.Parameter(value, requires_grad=old.requires_grad)
             setattr(new, _ATTR, ExpertSplit(full, ep, index))
+            info = shard_info(old)  # whole on every tp rank: weighs 1/tp in a global norm
+            if info is not None:
+                set_shard_info(new, info)
             setattr(moe.experts, attr, new)
             params.append(new)
     return ExpertLayout([m for _, m in moes], params, ep_group, replica)

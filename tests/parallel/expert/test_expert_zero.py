@@ -1,0 +1,212 @@
+"""ZeRO 1-3 and 16-bit precision under expert parallelism, against one process.
+
+The expert weights get ZeRO units of their own (``layers.i:experts``) sharded over the
+expert replica group (``ep_replica``, dp·cp/ep ranks) while every other weight keeps the
+normal units over dp(·cp). The protocol of ``test_expert_parallel.py`` (its body and its
+float64 one-process reference, rtol 1e-9): the loss and the pre-clip global gradient norm
+at every step (clipping at 0.5 bites at every step, so a norm that counted an expert
+shard twice or missed one would change every update), the router's load-balancing loss
+of every MoE layer at every step, and every weight after 5 steps rebuilt from
+``local_pieces()`` (each element written exactly once; expert weights as blocks along
+the expert dimension). Traffic: the expert units' reduce-scatters (stage 3: also their
+all-gathers) are counted on ``ep_replica`` and nowhere else, the other units' on dp.
+
+bf16 (bf16 parameters, compute and gradient reduction, fp32 masters in the ZeRO units,
+the expert units' included): ep2 at ZeRO 0 and 3 against one process running the same
+bf16 model through ``parallelize`` on the whole global batch. Both round every matmul
+and gradient to 8 significant bits, in different orders (half batches per rank; the
+data ranks' gradient sum rounded once more in bf16), so they cannot agree to fp64
+precision: the losses must stay within 0.02 (absolute; they are ~4.2) of the one-process
+bf16 run's at every step and the weights within 0.02 of its weights after 3 AdamW steps
+of lr 1e-2 (an update moves a weight by at most ~lr per step; the bf16 rounding of a
+weight near 0.1 is 4e-4). They must also differ from the fp64 run (the run is bf16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from plait import init_mesh
+from plait.config import ParallelConfig
+from plait.model import Transformer
+from plait.optim import Optimizer
+from plait.parallel.parallelize import parallelize
+from plait.testing import WorkerContext
+from plait.train.memory import memory_report
+from tests.parallel.expert.test_expert_parallel import MOE, _batches, _model, _reference
+from tests.parallel.test_parallelize import ATOL, CLIP, LR, RTOL, Piece, Pools, assemble
+
+M = "tests.parallel.expert.test_expert_zero"
+BODY = "tests.parallel.expert.test_expert_parallel:_body"
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, Any]:
+    """The whole global batch at once (float64, one process)."""
+    return _reference(1, 1)
+
+
+def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    for res in results:
+        torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["aux"], ref["aux"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["ep_bytes"], res["formula"], rtol=0, atol=0)
+    weights = assemble([p for res in results for p in res["pieces"]])
+    assert sorted(weights) == sorted(ref["weights"])
+    for name, want in ref["weights"].items():
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("world", "ep", "zero", "tp", "pp"),
+    [
+        pytest.param(2, 2, 1, 1, 1, id="ep2-zero1"),
+        pytest.param(2, 2, 2, 1, 1, id="ep2-zero2"),
+        pytest.param(2, 2, 3, 1, 1, id="ep2-zero3"),
+        pytest.param(4, 2, 3, 1, 1, id="dp2xep2-zero3"),
+        pytest.param(4, 2, 1, 1, 1, id="dp2xep2-zero1"),
+        pytest.param(4, 2, 3, 2, 1, id="ep2xtp2-zero3"),
+        pytest.param(4, 2, 2, 1, 2, id="ep2xpp2-zero2"),
+    ],
+)
+def test_zero_under_ep_matches_one_process(
+    pools: Pools, ref: dict[str, Any], world: int, ep: int, zero: int, tp: int, pp: int
+) -> None:
+    assert min(ref["norms"]) > CLIP  # clipping bites at every step
+    results = pools(world).run(BODY, ep, tp, zero, pp, 1, "none")
+    if pp > 1:  # two micro-batches; stage s holds MoE layer s
+        ref = _reference(world // pp, 2)
+        for i, res in enumerate(results):
+            ref_aux = [[step[i // (world // pp)]] for step in ref["aux"]]
+            torch.testing.assert_close(res["aux"], ref_aux, rtol=RTOL, atol=0)
+            res["aux"] = ref["aux"]
+    _check(results, ref)
+
+
+def _traffic(ctx: WorkerContext, ep: int, zero: int) -> dict[str, Any]:
+    """One step; bytes per (axis, collective), the expert units' shard sizes."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, zero=zero))
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR))
+    x, y = _batches()[0]
+    per, r = x.shape[0] // ctx.world_size, ctx.rank
+    mesh.stats.reset()
+    pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+    opt.step()
+    zw = pm.zero
+    assert zw is not None
+    experts = [u for u in zw.units if u.groups is not None]
+    others = [u for u in zw.units if u.groups is None]
+    rows = {tuple(k.split("/")): v["bytes"] for k, v in mesh.stats.snapshot().items()}
+    return {
+        "rows": rows,
+        "expert_padded": [u.padded for u in experts],
+        "other_padded": [u.padded for u in others],
+        "expert_names": [u.name for u in experts],
+        "replica": zw.expert_groups[1 if zero == 0 else 0].size if zw.expert_groups else 0,
+    }
+
+
+def test_expert_units_reduce_over_their_replica_group(pools: Pools) -> None:
+    """dp4 x ep2, ZeRO-3, float64: a unit of its own per MoE layer; the expert units'
+    reduce-scatter (bus bytes (R-1)/R of the padded unit, R = 2) and all-gathers are on
+    ep_replica, the dense units' on dp (R = 4), nothing else reduces there."""
+    results = pools(4).run(f"{M}:_traffic", 2, 3)
+    for res in results:
+        assert res["expert_names"] == ["layers.1:experts", "layers.3:experts"]
+        assert res["replica"] == 2
+        rows = res["rows"]
+        expert = sum(res["expert_padded"]) * 8  # float64 gradients
+        dense = sum(res["other_padded"]) * 8
+        assert rows[("ep_replica", "reduce_scatter")] == expert // 2
+        assert rows[("dp", "reduce_scatter")] == dense * 3 // 4
+        # stage 3 gathers each unit for forward and again for backward
+        assert rows[("ep_replica", "all_gather")] == 2 * expert // 2
+        assert rows[("dp", "all_gather")] >= 2 * dense * 3 // 4
+
+
+def _memory(ctx: WorkerContext, ep: int, zero: int) -> dict[str, Any]:
+    """After one step and zero_grad: the memory report's gradient and parameter bytes,
+    and the tensors' own figures."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    pm = parallelize(_model(), mesh, ParallelConfig(ep=ep, zero=zero))
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR))
+    x, y = _batches()[0]
+    per, r = x.shape[0] // ctx.world_size, ctx.rank
+    pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+    opt.step()
+    opt.zero_grad()
+    rep = memory_report(pm, opt, mesh.rank)
+    local = sum(p.numel() for p in pm.parameters() if p.requires_grad)
+    expert = sum(p.numel() for p in pm.experts.params)
+    out = {"grads": rep.bytes["grads"], "local": local, "expert": expert, "numel": rep.numel}
+    if pm.zero is not None:
+        out["shards"] = [(u.groups is not None, u.numel, u.shard_numel) for u in pm.zero.units]
+    return out
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_memory_report_counts_expert_gradients(pools: Pools, zero: int) -> None:
+    """ep2 on 4 ranks (replica groups of 2): plain DP keeps every local gradient (the
+    expert weights' in the expert reduction's buffer, kept across steps like DP's
+    buckets), ZeRO-2 each unit's gradient shard: the dense units' 1/4 of a replica,
+    the expert units' 1/2 of this rank's experts."""
+    results = pools(4).run(f"{M}:_memory", 2, zero)
+    e = MOE.moe_experts
+    for res in results:
+        assert res["expert"] == 2 * (3 * MOE.dim * 24) * e // 2  # 2 MoE layers, E/ep each
+        if zero == 0:
+            assert res["grads"] == res["local"] * 8
+            continue
+        shards = res["shards"]
+        want = 0
+        for is_expert, numel, shard in shards:
+            r = 2 if is_expert else 4
+            assert shard == -(-numel // r)  # padded to a multiple of r, cut in r
+            want += shard * 8
+        assert sum(n for ex, n, _ in shards if ex) == res["expert"]
+        assert res["grads"] == want
+
+
+def _bf16(ctx: WorkerContext | None, ep: int, zero: int, steps: int) -> dict[str, Any]:
+    mesh = init_mesh() if ctx is None else ctx.mesh(dp=ctx.world_size)
+    world = 1 if ctx is None else ctx.world_size
+    model = Transformer(MOE, seed=3)
+    pm = parallelize(model, mesh, ParallelConfig(ep=ep, zero=zero), precision="bf16")
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
+    per, r = _batches()[0][0].shape[0] // world, mesh.rank
+    losses = []
+    for x, y in _batches()[:steps]:
+        losses.append(float(pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])))
+        opt.step()
+        opt.zero_grad()
+    pieces: list[Piece] = [
+        (p.name, list(p.shape), p.tp, p.start, p.end, p.value.detach().float().clone())
+        for p in opt.local_pieces()
+        if p.write
+    ]
+    return {"losses": losses, "pieces": pieces}
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bf16_under_ep_matches_one_process_bf16(
+    pools: Pools, ref: dict[str, Any], zero: int
+) -> None:
+    steps = 3
+    one = _bf16(None, 1, 0, steps)
+    results = pools(2).run(f"{M}:_bf16", 2, zero, steps)
+    want = assemble(one["pieces"])
+    for res in results:
+        diff = max(abs(a - b) for a, b in zip(res["losses"], one["losses"], strict=True))
+        assert diff < 0.02, (res["losses"], one["losses"])
+        # really bf16: away from the fp64 run by more than fp64 noise
+        assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=False)) > 1e-6
+    got = assemble([p for res in results for p in res["pieces"]])
+    assert sorted(got) == sorted(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=0.02, msg=name)
+
