@@ -16,10 +16,9 @@ the expert units' included): ep2 at ZeRO 0 and 3 against one process running the
 bf16 model through ``parallelize`` on the whole global batch. Both round every matmul
 and gradient to 8 significant bits, in different orders (half batches per rank; the
 data ranks' gradient sum rounded once more in bf16), so they cannot agree to fp64
-precision: the losses must stay within 0.02 (absolute; they are ~4.2) of the one-process
-bf16 run's at every step and the weights within 0.02 of its weights after 3 AdamW steps
-of lr 1e-2 (an update moves a weight by at most ~lr per step; the bf16 rounding of a
-weight near 0.1 is 4e-4). They must also differ from the fp64 run (the run is bf16).
+precision; the yardstick is plain data parallelism in bf16 (dp2 at ep1, the existing
+path) against the same one-process run: see the test's docstring for the bounds. The
+losses must also differ from the fp64 run's (the run is bf16).
 """
 
 from __future__ import annotations
@@ -192,21 +191,45 @@ def _bf16(ctx: WorkerContext | None, ep: int, zero: int, steps: int) -> dict[str
     return {"losses": losses, "pieces": pieces}
 
 
+def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor ``|got - want| / |want|`` (Frobenius)."""
+    assert sorted(got) == sorted(want)
+    return {
+        n: float((got[n].double() - w.double()).norm() / w.double().norm()) for n, w in want.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def bf16_ref(pools: Pools) -> dict[str, Any]:
+    """One process bf16, and dp2 at ep1 (the data-parallel bf16 noise) against it."""
+    pools(2)  # the pool starts before this process joins a (one-rank) group
+    one = _bf16(None, 1, 0, BF16_STEPS)
+    want = assemble(one["pieces"])
+    dp2 = pools(2).run(f"{M}:_bf16", 1, 0, BF16_STEPS)
+    noise = _relative(assemble([p for res in dp2 for p in res["pieces"]]), want)
+    return {"losses": one["losses"], "weights": want, "noise": noise}
+
+
+BF16_STEPS = 3
+
+
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bf16_under_ep_matches_one_process_bf16(
-    pools: Pools, ref: dict[str, Any], zero: int
+    pools: Pools, ref: dict[str, Any], bf16_ref: dict[str, Any], zero: int
 ) -> None:
-    steps = 3
-    one = _bf16(None, 1, 0, steps)
-    results = pools(2).run(f"{M}:_bf16", 2, zero, steps)
-    want = assemble(one["pieces"])
+    """ep2 in bf16 against one process in bf16: losses within 2e-3 (observed 2.3e-4;
+    dp2 at ep1: 1.7e-4) and every weight after 3 steps within twice the relative
+    difference dp2 at ep1 (plain data parallelism in bf16, no experts split) has from
+    the same one-process run, + 1e-3 (observed: at most 1.3x; the differences are 1-5%
+    of a tensor: Adam's first steps move a weight by ~lr = 1e-2 whatever the gradient's
+    size, so bf16 noise on a tiny gradient can flip an update)."""
+    results = pools(2).run(f"{M}:_bf16", 2, zero, BF16_STEPS)
     for res in results:
-        diff = max(abs(a - b) for a, b in zip(res["losses"], one["losses"], strict=True))
-        assert diff < 0.02, (res["losses"], one["losses"])
+        diff = max(abs(a - b) for a, b in zip(res["losses"], bf16_ref["losses"], strict=True))
+        assert diff < 2e-3, (res["losses"], bf16_ref["losses"])
         # really bf16: away from the fp64 run by more than fp64 noise
         assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=False)) > 1e-6
     got = assemble([p for res in results for p in res["pieces"]])
-    assert sorted(got) == sorted(want)
-    for name, w in want.items():
-        torch.testing.assert_close(got[name], w, rtol=0, atol=0.02, msg=name)
-
+    rel = _relative(got, bf16_ref["weights"])
+    for name, r in rel.items():
+        assert r <= 2 * bf16_ref["noise"][name] + 1e-3, (name, r, bf16_ref["noise"][name])
