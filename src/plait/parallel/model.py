@@ -275,6 +275,10 @@ class ParallelModel(nn.Module):
                 f"replicated x{zero.replicate_group.size}, {len(zero.units)} units"
                 + (f", offload {zero.offload}" if zero.offload != "none" else "")
             )
+            if zero.expert_groups is not None:  # ep > 1: the expert units' own groups
+                g = zero.expert_groups[0 if zero.stage else 1]
+                verb = "sharded" if zero.stage else "replicated"
+                note += f", expert units {verb} over ep_replica ({g.size})"
         else:
             note = "plain data parallel (bucketed all-reduce)"
             if self.compressor is not None:
