@@ -67,7 +67,6 @@ from plait.config import (
     TrainConfig,
 )
 from plait.config_checks import check_compression, check_expert_parallel
-from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.parallel.compile import apply_compile
@@ -164,11 +163,6 @@ def parallelize(
         loss_chunk = (full.train if full is not None else TrainConfig()).loss_chunk
     if tp > 1 and tp_plan is None:  # MoE layers: routed experts whole on every tp rank
         tp_plan = moe_tp_plan(model)
-        if tp_plan is not None and sp:
-            raise ConfigError(
-                "parallel.sequence_parallel with MoE layers is not supported yet: the "
-                "router needs every token of a sequence on each tp rank (docs/moe.md)"
-            )
     if loss_fn is None:
         loss_fn = (
             vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)
@@ -190,7 +184,8 @@ def parallelize(
         precision.dtype, precision.reduce_dtype,
     )  # fmt: skip
     data = mesh.axis(*data_axes(mesh))
-    experts = apply_expert_parallel(model, mesh, p.ep, data, values)
+    tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
+    experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)
     names, aliases = _one_device_names(model)
     init: LocalInit | None = None
     param_names = list(names.values())
