@@ -86,6 +86,13 @@ def test_zero_under_ep_matches_one_process(
     _check(results, ref)
 
 
+def test_offload_under_ep_matches_one_process(pools: Pools, ref: dict[str, Any]) -> None:
+    """dp2 x ep2, ZeRO-2 with the optimizer offloaded: the host steps the expert units'
+    masters as any other's."""
+    results = pools(4).run(BODY, 2, 1, 2, 1, 1, "none", 1, "optimizer")
+    _check(results, ref)
+
+
 def _traffic(ctx: WorkerContext, ep: int, zero: int) -> dict[str, Any]:
     """One step; bytes per (axis, collective), the expert units' shard sizes."""
     mesh = ctx.mesh(dp=ctx.world_size)
