@@ -86,6 +86,22 @@ def test_zero_under_ep_matches_one_process(
     _check(results, ref)
 
 
+@pytest.mark.parametrize(
+    ("cp", "shard", "zero"),
+    [
+        pytest.param(1, 2, 3, id="dp4-ep2-zero3-hybrid2"),
+        pytest.param(2, None, 2, id="dp2xcp2-ep2-zero2"),
+    ],
+)
+def test_hybrid_and_cp_under_ep_match_one_process(
+    pools: Pools, ref: dict[str, Any], cp: int, shard: int | None, zero: int
+) -> None:
+    """Hybrid sharding of the dense units (groups of 2 of dp 4; the expert units stay
+    sharded over their whole replica group), and ep over dp x cp."""
+    results = pools(4).run(BODY, 2, 1, zero, 1, cp, "none", 1, "none", shard)
+    _check(results, ref)
+
+
 def test_offload_under_ep_matches_one_process(pools: Pools, ref: dict[str, Any]) -> None:
     """dp2 x ep2, ZeRO-2 with the optimizer offloaded: the host steps the expert units'
     masters as any other's."""
