@@ -8,7 +8,9 @@ at every step (clipping at 0.5 bites at every step, so a norm that counted an ex
 shard twice or missed one would change every update), the router's load-balancing loss
 of every MoE layer at every step, and every weight after 5 steps rebuilt from
 ``local_pieces()`` (each element written exactly once; expert weights as blocks along
-the expert dimension). Traffic: the expert units' reduce-scatters (stage 3: also their
+the expert dimension). Layouts: ep2 with ZeRO 1/2/3, dp2 x ep2 with ZeRO 1/3, ep4 with
+ZeRO 2/3 (replica groups of one rank), ep2 x tp2 and ep2 x pp2, hybrid sharding, cp,
+offload. Traffic: the expert units' reduce-scatters (stage 3: also their
 all-gathers) are counted on ``ep_replica`` and nowhere else, the other units' on dp.
 
 bf16 (bf16 parameters, compute and gradient reduction, fp32 masters in the ZeRO units,
@@ -70,6 +72,9 @@ def _check(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
         pytest.param(4, 2, 1, 1, 1, id="dp2xep2-zero1"),
         pytest.param(4, 2, 3, 2, 1, id="ep2xtp2-zero3"),
         pytest.param(4, 2, 2, 1, 2, id="ep2xpp2-zero2"),
+        pytest.param(4, 2, 3, 1, 2, id="ep2xpp2-zero3"),
+        pytest.param(4, 4, 3, 1, 1, id="ep4-zero3"),
+        pytest.param(4, 4, 2, 1, 1, id="ep4-zero2"),
     ],
 )
 def test_zero_under_ep_matches_one_process(
