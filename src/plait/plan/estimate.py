@@ -7,6 +7,7 @@ Step time of the slowest pipeline stage (Narayanan et al. 2021, section 3)::
             2 backward per block, 2 more with full recomputation; Shoeybi et al. 2019)
           + exposed context-parallel traffic    (ring: max(0, comm - attention); all-to-all)
           + pipeline send/receive                           (2·v messages)
+          + the schedule's fixed cost per compute action    (2·v actions; plan.overheads)
     T     = m·t_mb + bubble,  bubble = (p - 1)/v · t_mb     ((p-1)/(m+p-1) of m·t_mb + bubble)
           + exposed data-parallel / ZeRO traffic
           + optimizer step + gradient copies and accumulation
@@ -51,6 +52,8 @@ from plait.plan.offload import offload_step_time
 from plait.plan.overheads import (
     attention_length,
     in_step_time,
+    pipeline_action_seconds,
+    pipeline_loss_seconds,
     ring_block_seconds,
     zero3_unit_seconds,
 )
@@ -71,7 +74,8 @@ class StepTime:
     cp_comm: float
     """Context-parallel traffic not hidden (ring: under attention; Ulysses: all of it)."""
     pp_comm: float
-    """Pipeline point-to-point sends between stages."""
+    """Pipeline point-to-point sends between stages and the schedule's fixed cost per
+    compute action (:func:`plait.plan.overheads.pipeline_action_seconds`)."""
     bubble: float
     """Pipeline fill and drain."""
     dp_comm: float
@@ -254,6 +258,7 @@ def step_time(
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
+    p2p += pipeline_action_seconds(layout, hw)  # the schedule's fixed cost per action
 
     worst: tuple[float, float, float, float, float, float, float] | None = None
     worst_stage = 0
@@ -315,6 +320,7 @@ def step_time(
     # scalar all-reduces (loss, gradient norm), synchronous in the step
     other += runtime.step_collectives * in_step_time("all_reduce", 8, dpcp.size, dpcp.link)
     other += in_step_time("all_reduce", 8, tp_g.size, tp_g.link)  # norm over tp shards
+    other += pipeline_loss_seconds(layout, pp_g.link)  # the loss to every stage
     return StepTime(
         compute=m * (comp_f + comp_b),
         recompute=m * rc,
