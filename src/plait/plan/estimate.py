@@ -39,6 +39,7 @@ from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
+from plait.plan.moe import MoESpec
 from plait.plan.network import (
     all_gather_time,
     all_reduce_time,
@@ -86,6 +87,9 @@ class StepTime:
     """Gradient bucket copies, accumulation, per-step scalar collectives."""
     dp_comm_total: float
     """Data-parallel / ZeRO traffic before overlap (for reference; not in ``total``)."""
+    ep_comm: float = 0.0
+    """Expert-parallel all-to-alls of a mixture-of-experts model (dispatch and combine,
+    forward and backward; :mod:`plait.plan.moe_estimate`), on the critical path."""
 
     @property
     def total(self) -> float:
@@ -100,6 +104,7 @@ class StepTime:
             + self.dp_comm
             + self.optimizer
             + self.other
+            + self.ep_comm
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -131,6 +136,9 @@ class Estimate:
     """Step time by component."""
     usable_bytes: float
     """Device memory minus the headroom."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts part of the model (None: dense); MFU counts its active
+    parameters (:mod:`plait.plan.moe_estimate`)."""
 
     @property
     def fits(self) -> bool:
@@ -151,13 +159,19 @@ class Estimate:
     def mfu(self) -> float:
         """Model FLOPs utilisation: model FLOPs per second over the devices' peak
         (Chowdhery et al. 2022, appendix B)."""
-        flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_s
-        return flops / (self.layout.world * self.hardware.peak_flops)
+        per_tok = self.model.flops_per_token(self.seq_len)
+        if self.moe is not None:
+            per_tok += self.moe.flops_delta_per_token()
+        return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     @property
     def hfu(self) -> float:
         """Hardware FLOPs utilisation: counts the recomputed FLOPs too."""
         per_tok = hardware_flops_per_token(self.model, self.seq_len, self.layout.recompute)
+        if self.moe is not None:
+            per_tok += self.moe.flops_delta_per_token() * (
+                4 / 3 if self.layout.recompute == "full" else 1
+            )
         return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     def as_dict(self) -> dict[str, object]:
