@@ -179,3 +179,24 @@ def test_layout_auto_chooses_ep_when_it_wins() -> None:
     assert choice.estimate.layout.ep > 1
     assert f"parallel.ep={choice.estimate.layout.ep}" in choice.overrides
     assert "parallel.ep=1" not in layout_overrides(Layout())
+
+
+def test_auto_query_of_an_moe_config_and_the_ep_override_round_trip() -> None:
+    """``--layout auto`` plans the config's experts, and ``parallel.ep`` written for a
+    layout gives that layout back."""
+    from plait.config_io import config_from_dict, load_config_data, parse_override_flags
+    from plait.plan.auto import auto_query
+    from tests.tiny import tiny_args
+
+    moe_flags = ["--model.moe_experts", "4", "--model.moe_top_k", "2"]
+    lay = Layout(dp=2, micro_batch=2, microbatches=2, ep=2)
+    flags = [*tiny_args(), *moe_flags, *(f"--{s}" for s in layout_overrides(lay))]
+    overrides, _ = parse_override_flags(flags)
+    cfg = config_from_dict(load_config_data(None, list(overrides)))
+    assert Layout.from_config(cfg, 2).describe() == lay.describe()
+    q = auto_query(cfg, 2, hardware_preset("a100-80gb"))
+    assert q.moe == MoESpec.from_config(cfg.model) and q.moe is not None
+    every = brute_force(q, Space(micro_batch=(2,), recompute=("none",)))
+    assert {e.layout.ep for e in every} == {1, 2}  # both tried on 2 ranks, 4 experts
+    # a tiny model fits replicated: the all-to-alls only cost, so ep 1 wins
+    assert search(q, top=1).ranked[0].layout.ep == 1
