@@ -200,3 +200,17 @@ def test_auto_query_of_an_moe_config_and_the_ep_override_round_trip() -> None:
     assert {e.layout.ep for e in every} == {1, 2}  # both tried on 2 ranks, 4 experts
     # a tiny model fits replicated: the all-to-alls only cost, so ep 1 wins
     assert search(q, top=1).ranked[0].layout.ep == 1
+
+
+def test_the_train_memory_check_counts_the_experts() -> None:
+    """``plait train``'s check (plan.fit) predicts the MoE model's weights at its ep."""
+    from plait.config_io import config_from_dict, load_config_data, parse_override_flags
+    from plait.plan.fit import check_fits
+    from tests.tiny import tiny_args
+
+    flags = [*tiny_args(), "--model.moe_experts", "4", "--model.moe_top_k", "2"]
+    overrides, _ = parse_override_flags(flags)
+    cfg = config_from_dict(load_config_data(None, list(overrides)))
+    assert cfg.precision.dtype == "fp32"
+    e = check_fits(cfg, 1, hardware_preset("a100-80gb")).estimate
+    assert e.moe is not None and e.memory.params == 4 * param_count(cfg.model)

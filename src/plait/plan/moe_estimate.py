@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from plait.errors import ConfigError
 from plait.plan.compute import BACKWARD_FACTOR, Gemm
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware, Link
@@ -108,7 +109,7 @@ def moe_memory(
 ) -> MemoryBreakdown:
     """The worst rank's memory of the MoE model under ``layout`` (module doc)."""
     if check_ep(moe, layout):
-        raise ValueError(check_ep(moe, layout))
+        raise ConfigError(f"layout {layout.describe()}: {check_ep(moe, layout)}.")
     mem = memory_per_rank(spec, layout, pr, rt, seq)
     n = moe_layers_on_stage(moe, layout.pp)
     dense, kept, routed = _ffn_params(spec, moe, layout)
