@@ -348,7 +348,7 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
             after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
             load1 = load_average()
-            ring = {"ring": before[0]["ring"]} if "ring" in before[0] else {}
+            ring = {k: before[0][k] for k in ("ring", "pipeline") if k in before[0]}
             pooled = [*before, *({"compute": c, "comm": before[0]["comm"], **ring} for c in after)]
             prof = {
                 c: profile_from_results(pooled, hw.memory_bytes, hw.name, clock=c)[0]

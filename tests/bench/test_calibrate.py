@@ -144,3 +144,25 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
         assert ring_charge(hw) == pytest.approx(
             max(ring, ring_charge(dataclasses.replace(hw, ring_overhead_s=0.0)))
         )
+        # the pipeline's per-action cost: the slowest rank's solution of its tiny step
+        from plait.bench.calibrate_pipeline import action_overhead, pipeline_comm_charge
+
+        per_mb, loss = pipeline_comm_charge(hw)
+        got = [action_overhead(r["pipeline"][clock]["pipeline"], r["pipeline"][clock]["plain"],
+                               per_mb, loss, clock) for r in results]  # fmt: skip
+        assert hw.pp_action_overhead_s == pytest.approx(max(got))
+        assert all(r["pipeline"][clock]["pipeline"] > 0 for r in results)
+
+
+def test_pipeline_action_overhead_by_hand() -> None:
+    """t_pipeline = n·(t_plain/m + c + 2x) + t_loss, m = 4 (n = 5 on the wall clock)."""
+    from plait.bench.calibrate_pipeline import TINY_PP_MICRO, action_overhead
+
+    assert TINY_PP_MICRO == 4
+    x, plain, c, loss = 3e-4, 8e-3, 1e-4, 5e-4
+    cpu = 4 * (plain / 4 + c + 2 * x) + loss
+    wall = 5 * (plain / 4 + c + 2 * x) + loss
+    assert action_overhead(cpu, plain, c, loss, "cpu") == pytest.approx(x)
+    assert action_overhead(wall, plain, c, loss, "wall") == pytest.approx(x)
+    # a pipeline no slower than its pieces run plainly: no overhead, never negative
+    assert action_overhead(plain, plain, c, loss, "cpu") == 0.0

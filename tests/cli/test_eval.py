@@ -2,8 +2,11 @@
 one-process loop over the same windows with the same weights, and bad input refused
 with exit code 2 and one line before any work.
 
-Tolerance: float32, relative 1e-6 (the layouts differ only in summation order; the mean
-is accumulated in float64).
+Tolerance: float32, relative 1e-6 for the same layout, 1e-5 across layouts (they differ
+only in summation order — tensor parallelism adds row-parallel partial sums, the ring
+merges attention blocks, and MKL's float32 kernels may round by buffer alignment — which
+moves each window's loss by a few ulps; a full run saw 1.7e-6 at tp2; the mean is
+accumulated in float64; a wrong window or shard moves it by 1e-3 or more).
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def test_layouts_equal_one_process(
 ) -> None:
     want = _evaluate(_args(tmp_path)).loss
     for got in pools(2).run(f"{M}:_body_layout", str(tmp_path), layout):
-        assert got == pytest.approx(want, rel=1e-6)
+        assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_launched_tp2_prints_the_one_process_line(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         "chunks": int, "sequence_parallel": bool, "cp_attention": str, "compression": str,
         "compression_ratio": float, "compression_rank": int, "world": int,
         "pp_grad_reduce": str, "pp_reshard": bool, "offload": str, "offload_nvme": bool,
-        "edge_trim": int, "offload_delay": bool,
+        "edge_trim": int, "offload_delay": bool, "ep": int,
     },
     "global_batch": int,
     "memory_bytes": {
@@ -47,7 +47,7 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         k: NUM
         for k in (
             "compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "bubble", "dp_comm",
-            "optimizer", "other", "dp_comm_total", "total",
+            "optimizer", "other", "dp_comm_total", "ep_comm", "total",
         )
     },
     "tokens_per_s": NUM,
@@ -61,6 +61,7 @@ SEARCH_SCHEMA: dict[str, Any] = {
     "query": {
         "model": ESTIMATE_SCHEMA["model"], "hardware": str, "devices": int,
         "global_batch": int, "seq_len": int, "precision": str, "runtime": str, "headroom": NUM,
+        "moe": (dict, type(None)),
     },
     "evaluated": int,
     "rejected": dict,

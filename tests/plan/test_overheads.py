@@ -142,3 +142,34 @@ def test_gpu_presets_unchanged_by_in_step_terms() -> None:
     want = 7 * hw.intra.latency_s + 7 / 8 * 2**20 / hw.intra.bandwidth
     assert in_step_time("all_gather", 2.0**20, 8, hw.intra) == pytest.approx(want)
     assert all_gather_time(2.0**20, 8, hw.intra) == pytest.approx(want)
+
+
+def test_pipeline_action_and_loss_terms_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp2, 4 micro-batches: every micro-batch pays 2·v actions of the profile's fixed
+    cost (in t_mb, so in the bubble too), the step one loss broadcast over pp."""
+    from plait.plan.overheads import pipeline_action_seconds, pipeline_loss_seconds
+
+    x = 2e-4
+    hw, hw0 = _hw(pp_action_overhead_s=x), _hw()
+    lay = Layout(pp=2, micro_batch=2, microbatches=4)
+    assert pipeline_action_seconds(lay, hw) == pytest.approx(2 * x)
+    inter = Layout(pp=2, micro_batch=2, microbatches=4, schedule="interleaved", chunks=2)
+    assert pipeline_action_seconds(inter, hw) == pytest.approx(4 * x)
+    assert pipeline_action_seconds(Layout(), hw) == 0.0
+    # 8 bytes over the pair: below the in-step curve's first point, its 1 ms
+    assert pipeline_loss_seconds(lay, hw.intra) == pytest.approx(1e-3)
+    assert pipeline_loss_seconds(Layout(), hw.intra) == 0.0
+    rt = Runtime()
+    t, t0 = step_time(SPEC, lay, hw, FP32, rt, 128), step_time(SPEC, lay, hw0, FP32, rt, 128)
+    assert t.pp_comm - t0.pp_comm == pytest.approx(4 * 2 * x)  # m·2·x
+    assert t.bubble - t0.bubble == pytest.approx(1 * 2 * x)  # (p-1)·2·x
+    assert t.compute == t0.compute and t.other == t0.other
+    # the loss broadcast is in `other`: 1 ms more than without it
+    import sys
+
+    est = sys.modules["plait.plan.estimate"]  # the module (plait.plan.estimate is a function)
+    monkeypatch.setattr(est, "pipeline_loss_seconds", lambda layout, link: 0.0)
+    without = step_time(SPEC, lay, hw0, FP32, rt, 128)
+    assert t0.other - without.other == pytest.approx(1e-3)
+    # GPU presets: no action cost
+    assert pipeline_action_seconds(lay, PRESETS["h100-80gb"]) == 0.0

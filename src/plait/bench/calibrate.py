@@ -22,7 +22,9 @@ in training, measures
   reduce-scatter; 1 and S for a message);
 * the cost one all-reduce adds *inside a step* (:func:`measure_in_step`: on pairs of
   ranks, interleaved with a linear layer's training work, synchronous, no barrier), the
-  ``all_reduce_in_step`` curve the planner charges tensor-parallel collectives at.
+  ``all_reduce_in_step`` curve the planner charges tensor-parallel collectives at;
+* the fixed cost of a pipeline schedule's compute action, on a tiny two-stage pipeline
+  (:mod:`plait.bench.calibrate_pipeline`).
 
 The compute measurements live in :mod:`plait.bench.measure` (medians, two clocks); a
 collective's time is the slowest rank's, and the profile keeps both the fit and the
@@ -44,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from plait.bench.calibrate_pipeline import measure_pipeline, pipeline_overhead
 from plait.bench.measure import CLOCKS, compute_body
 from plait.plan.hardware import IN_STEP, Curve, Hardware, Link
 
@@ -281,7 +284,8 @@ def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
     sizes = (IN_STEP_BYTES[0], IN_STEP_BYTES[2]) if quick else IN_STEP_BYTES
     res = measure_in_step(g, sizes, 10 if quick else 20)
     ring = measure_ring(g, 5 if quick else 15)
-    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}, "ring": ring}
+    pipe = measure_pipeline(ctx.mesh(dp=w // 2, pp=2), 5 if quick else 15)
+    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}, "ring": ring, "pipeline": pipe}
 
 
 def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
@@ -290,11 +294,12 @@ def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     reps = 5 if quick else 15
     comms = _collective_body(ctx, sizes, reps)
     step = _in_step_body(ctx, quick)
-    comms.update({k: v for k, v in step.items() if k not in ("cpu", "ring")})
+    comms.update({k: v for k, v in step.items() if k not in ("cpu", "ring", "pipeline")})
     comms["cpu"].update(step["cpu"])
     out = {"compute": compute_body(ctx, quick), "comm": comms}
-    if "ring" in step:
-        out["ring"] = step["ring"]
+    for key in ("ring", "pipeline"):
+        if key in step:
+            out[key] = step[key]
     return out
 
 
@@ -434,6 +439,9 @@ def profile_from_results(
     hw = _with_block_overhead(hw, [_on_clock(r["compute"], clock) for r in results])
     if all("ring" in r for r in results):  # the slowest rank's tiny ring, pairs of ranks
         hw = replace(hw, ring_overhead_s=ring_overhead(hw, max(r["ring"][clock] for r in results)))
+    if all("pipeline" in r for r in results):  # the slowest rank's tiny pipeline step
+        pipe = pipeline_overhead(hw, [r["pipeline"] for r in results], clock)
+        hw = replace(hw, pp_action_overhead_s=pipe)
     return hw, fits
 
 

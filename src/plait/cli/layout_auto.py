@@ -21,6 +21,7 @@ LAYOUT_KEYS = (
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.zero",
     "parallel.zero_shard_size", "parallel.sequence_parallel", "parallel.pipeline_schedule",
     "parallel.chunks", "parallel.microbatches", "train.micro_batch", "train.recompute",
+    "parallel.ep",
 )  # fmt: skip
 """Settings ``--layout auto`` chooses (and so refuses to be given as well)."""
 

@@ -37,7 +37,7 @@ from plait.plan.layout import (
     runtime_preset,
 )
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
-from plait.plan.moe_report import moe_section
+from plait.plan.moe_report import moe_from_args, moe_section
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -280,9 +280,12 @@ def plan_main(argv: Sequence[str]) -> int:
     else:
         devices = hw.devices_per_node
     prec, rt = precision_preset(ns.precision), runtime_preset(ns.runtime)
+    if ns.experts < 0 or ns.ep <= 0:
+        raise ConfigError(f"--experts must be >= 0 and --ep positive, got {ns.experts}, {ns.ep}.")
+    moe = moe_from_args(ns, spec) if ns.experts else None
     if ns.search:
         gb = ns.global_batch or devices
-        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom)
+        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe)
         space = Space(offload=("none", ns.offload)) if ns.offload != "none" else None
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
@@ -321,8 +324,16 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.compression_ratio,
         ns.compression_rank,
     )
-    q = Query(spec, hw, devices, ns.global_batch or layout.global_batch, seq, prec, rt, ns.headroom)
+    gb = ns.global_batch or layout.global_batch
+    q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe)
+    if moe is not None and (dp * cp % ns.ep or ns.experts % ns.ep):
+        raise ConfigError(
+            f"--ep {ns.ep} must divide the data ranks dp x cp = {dp * cp} and the "
+            f"{ns.experts} experts."
+        )
     layout = replace(layout, offload=ns.offload, offload_nvme=ns.offload_dir is not None)
+    if moe is not None:
+        layout = replace(layout, ep=ns.ep)
     e = with_layout(q, layout)
     print(json.dumps(estimate_json(e), indent=2) if ns.json else format_estimate(e))
     if layout.offload != "none" and not ns.json:

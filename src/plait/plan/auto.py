@@ -21,9 +21,17 @@ from plait.plan.estimate import Estimate
 from plait.plan.explain import COMPONENTS, _differences, gib, seconds
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout
-from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
-from plait.plan.search import Query, Rejections, SearchResult, Space, candidates, search
+from plait.plan.moe import MoESpec
+from plait.plan.search import (
+    Query,
+    Rejections,
+    SearchResult,
+    Space,
+    candidates,
+    layout_memory,
+    search,
+)
 
 AUTO_TOP = 20
 """Ranked layouts kept by the search: the choice walks them until the runtime accepts
@@ -64,6 +72,7 @@ def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float
         precision,
         runtime,
         headroom,
+        MoESpec.from_config(cfg.model),
     )
 
 
@@ -82,6 +91,8 @@ def layout_overrides(layout: Layout) -> tuple[str, ...]:
     ]
     if lay.zero and lay.shard_factor != lay.dp:
         out.append(f"parallel.zero_shard_size={lay.shard_factor}")
+    if lay.ep > 1:
+        out.append(f"parallel.ep={lay.ep}")
     if lay.cp > 1:
         out.append(f"parallel.cp_attention={lay.cp_attention}")
     if lay.pp > 1:
@@ -100,7 +111,7 @@ def closest(q: Query, space: Space | None = None) -> tuple[Layout, float] | None
     best: tuple[Layout, float] | None = None
     for group in candidates(q, space or Space(), Rejections()):
         for layout in group:
-            mem = memory_per_rank(q.model, layout, q.precision, q.runtime, q.seq_len).total
+            mem = layout_memory(q, layout).total
             if best is None or mem < best[1]:
                 best = (layout, mem)
     return best

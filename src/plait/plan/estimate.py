@@ -7,6 +7,7 @@ Step time of the slowest pipeline stage (Narayanan et al. 2021, section 3)::
             2 backward per block, 2 more with full recomputation; Shoeybi et al. 2019)
           + exposed context-parallel traffic    (ring: max(0, comm - attention); all-to-all)
           + pipeline send/receive                           (2·v messages)
+          + the schedule's fixed cost per compute action    (2·v actions; plan.overheads)
     T     = m·t_mb + bubble,  bubble = (p - 1)/v · t_mb     ((p-1)/(m+p-1) of m·t_mb + bubble)
           + exposed data-parallel / ZeRO traffic
           + optimizer step + gradient copies and accumulation
@@ -38,6 +39,7 @@ from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
+from plait.plan.moe import MoESpec
 from plait.plan.network import (
     all_gather_time,
     all_reduce_time,
@@ -51,6 +53,8 @@ from plait.plan.offload import offload_step_time
 from plait.plan.overheads import (
     attention_length,
     in_step_time,
+    pipeline_action_seconds,
+    pipeline_loss_seconds,
     ring_block_seconds,
     zero3_unit_seconds,
 )
@@ -71,7 +75,8 @@ class StepTime:
     cp_comm: float
     """Context-parallel traffic not hidden (ring: under attention; Ulysses: all of it)."""
     pp_comm: float
-    """Pipeline point-to-point sends between stages."""
+    """Pipeline point-to-point sends between stages and the schedule's fixed cost per
+    compute action (:func:`plait.plan.overheads.pipeline_action_seconds`)."""
     bubble: float
     """Pipeline fill and drain."""
     dp_comm: float
@@ -82,6 +87,9 @@ class StepTime:
     """Gradient bucket copies, accumulation, per-step scalar collectives."""
     dp_comm_total: float
     """Data-parallel / ZeRO traffic before overlap (for reference; not in ``total``)."""
+    ep_comm: float = 0.0
+    """Expert-parallel all-to-alls of a mixture-of-experts model (dispatch and combine,
+    forward and backward; :mod:`plait.plan.moe_estimate`), on the critical path."""
 
     @property
     def total(self) -> float:
@@ -96,6 +104,7 @@ class StepTime:
             + self.dp_comm
             + self.optimizer
             + self.other
+            + self.ep_comm
         )
 
     def as_dict(self) -> dict[str, float]:
@@ -127,6 +136,9 @@ class Estimate:
     """Step time by component."""
     usable_bytes: float
     """Device memory minus the headroom."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts part of the model (None: dense); MFU counts its active
+    parameters (:mod:`plait.plan.moe_estimate`)."""
 
     @property
     def fits(self) -> bool:
@@ -147,13 +159,19 @@ class Estimate:
     def mfu(self) -> float:
         """Model FLOPs utilisation: model FLOPs per second over the devices' peak
         (Chowdhery et al. 2022, appendix B)."""
-        flops = self.model.flops_per_token(self.seq_len) * self.tokens_per_s
-        return flops / (self.layout.world * self.hardware.peak_flops)
+        per_tok = self.model.flops_per_token(self.seq_len)
+        if self.moe is not None:
+            per_tok += self.moe.flops_delta_per_token()
+        return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     @property
     def hfu(self) -> float:
         """Hardware FLOPs utilisation: counts the recomputed FLOPs too."""
         per_tok = hardware_flops_per_token(self.model, self.seq_len, self.layout.recompute)
+        if self.moe is not None:
+            per_tok += self.moe.flops_delta_per_token() * (
+                4 / 3 if self.layout.recompute == "full" else 1
+            )
         return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     def as_dict(self) -> dict[str, object]:
@@ -254,6 +272,7 @@ def step_time(
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
+    p2p += pipeline_action_seconds(layout, hw)  # the schedule's fixed cost per action
 
     worst: tuple[float, float, float, float, float, float, float] | None = None
     worst_stage = 0
@@ -315,6 +334,7 @@ def step_time(
     # scalar all-reduces (loss, gradient norm), synchronous in the step
     other += runtime.step_collectives * in_step_time("all_reduce", 8, dpcp.size, dpcp.link)
     other += in_step_time("all_reduce", 8, tp_g.size, tp_g.link)  # norm over tp shards
+    other += pipeline_loss_seconds(layout, pp_g.link)  # the loss to every stage
     return StepTime(
         compute=m * (comp_f + comp_b),
         recompute=m * rc,

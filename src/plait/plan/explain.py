@@ -19,6 +19,7 @@ COMPONENTS: dict[str, str] = {
     "dp_comm": "exposed data-parallel/ZeRO traffic",
     "optimizer": "the optimizer step",
     "other": "gradient copies and accumulation",
+    "ep_comm": "expert-parallel all-to-alls",
 }
 """Step-time components and how the explanation names them."""
 
@@ -51,6 +52,8 @@ def _differences(a: Estimate, b: Estimate) -> list[str]:
             out.append(f"{key.replace('_', '-')} {va} -> {vb}")
     if la.shard_factor != lb.shard_factor:
         out.append(f"F {la.shard_factor} -> {lb.shard_factor}")
+    if la.ep != lb.ep:
+        out.append(f"ep {la.ep} -> {lb.ep}")
     if la.sequence_parallel != lb.sequence_parallel:
         out.append("sequence parallelism " + ("on" if lb.sequence_parallel else "off"))
     return out

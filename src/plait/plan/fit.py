@@ -17,7 +17,8 @@ from typing import Any
 
 from plait.config import Config
 from plait.errors import ConfigError
-from plait.plan.estimate import Estimate, estimate
+from plait.plan.estimate import Estimate
+from plait.plan.estimate import estimate as dense_estimate
 from plait.plan.explain import gib
 from plait.plan.hardware import PRESETS, Curve, Hardware, Link
 from plait.plan.layout import Layout, Precision, Runtime, precision_preset
@@ -143,9 +144,19 @@ def check_fits(
     When it does not, the reasons name the worst rank's memory by component and list the
     single changes (ZeRO stage, recomputation, micro-batch) predicted to fit.
     """
+    from plait.plan.moe import MoESpec
+    from plait.plan.moe_estimate import moe_estimate
+
     spec, layout, precision, runtime = plan_inputs(cfg, world_size)
     hw = hardware or host_hardware(ranks_per_host or world_size)
     seq = cfg.train.seq_len
+    moe = MoESpec.from_config(cfg.model)  # an MoE model: its experts' memory at its ep
+
+    def estimate(spec: ModelSpec, lay: Layout, *args: Any) -> Estimate:
+        if moe is not None:
+            return moe_estimate(spec, moe, lay, *args)
+        return dense_estimate(spec, lay, *args)
+
     e = estimate(spec, layout, hw, precision, runtime, seq, headroom)
     if e.fits:
         return FitVerdict(True, (), e)

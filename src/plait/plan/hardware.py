@@ -187,6 +187,13 @@ class Hardware:
     """Fixed seconds one layer's ring attention (forward + backward, cp > 1) costs beyond
     what the rates and the in-step exchanges charge (its per-chunk Python calls):
     measured by ``plait bench calibrate`` on pairs of ranks at a tiny shape; 0 on GPUs."""
+    pp_action_overhead_s: float = 0.0
+    """Fixed seconds one pipeline compute action (a piece's forward or backward of one
+    micro-batch) costs beyond what the rates, the point-to-point messages and the loss
+    broadcast charge (the schedule's Python, the piece's module calls, one autograd
+    backward call per action, receive buffers): measured by ``plait bench calibrate`` on
+    a tiny two-stage pipeline (:func:`plait.plan.overheads.pipeline_action_seconds`);
+    0 on GPUs."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -203,6 +210,10 @@ class Hardware:
         if self.block_overhead_s < 0:
             raise ConfigError(
                 f"hardware.block_overhead_s must be >= 0, got {self.block_overhead_s}."
+            )
+        if self.pp_action_overhead_s < 0:
+            raise ConfigError(
+                f"hardware.pp_action_overhead_s must be >= 0, got {self.pp_action_overhead_s}."
             )
 
     def with_memory(self, memory_bytes: float) -> Hardware:
@@ -354,6 +365,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"host_link_bytes_per_s = {hw.host_link_bytes_per_s!r}",
         f"block_overhead_s = {hw.block_overhead_s!r}",
         f"ring_overhead_s = {hw.ring_overhead_s!r}",
+        f"pp_action_overhead_s = {hw.pp_action_overhead_s!r}",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -431,6 +443,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             host_link_bytes_per_s=float(d.get("host_link_bytes_per_s", 0.0)),
             block_overhead_s=float(d.get("block_overhead_s", 0.0)),
             ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
+            pp_action_overhead_s=float(d.get("pp_action_overhead_s", 0.0)),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None

@@ -99,6 +99,10 @@ class Layout:
     """ZeRO-Offload's one-step-delayed update (``parallel.offload_delay``): the host keeps
     a full fp32 gradient buffer (the gradients outlive the next backward) instead of the
     ring of a few units' buffers; :mod:`plait.plan.offload`."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (``parallel.ep``): the routed
+    experts split over groups of ep of the dp x cp ranks (ep divides dp·cp); ignored for
+    a dense model (:mod:`plait.plan.moe_estimate`)."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -113,6 +117,10 @@ class Layout:
             raise ConfigError("sequence parallelism needs tp > 1.")
         if self.edge_trim < 0:
             raise ConfigError(f"layout edge_trim must be >= 0, got {self.edge_trim}.")
+        if self.ep <= 0 or (self.dp * self.cp) % self.ep:
+            raise ConfigError(
+                f"layout ep={self.ep} must be positive and divide dp x cp = {self.dp * self.cp}."
+            )
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -156,6 +164,7 @@ class Layout:
             offload=p.offload,
             offload_nvme=p.offload_dir is not None,
             offload_delay=p.offload_delay,
+            ep=p.ep,
         )
 
     @property
@@ -199,6 +208,8 @@ class Layout:
             s += f" {self.compression}"
         if self.offload != "none":
             s += f" offload={self.offload}" + ("+nvme" if self.offload_nvme else "")
+        if self.ep > 1:
+            s += f" ep{self.ep}"
         return s + f" rc={self.recompute}"
 
 

@@ -11,6 +11,17 @@ from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec, ep_table, format_ep_table
 
 
+def moe_from_args(ns: argparse.Namespace, spec: ModelSpec) -> MoESpec:
+    """The MoE shape of ``--experts --top-k --expert-ffn --shared-experts --moe-every``
+    on the dense ``spec``."""
+    layers = sum(1 for i in range(spec.n_layers) if (i + 1) % ns.moe_every == 0)
+    width = ns.expert_ffn or max(1, spec.ffn_hidden // ns.top_k)
+    return MoESpec(
+        spec.hidden, ns.experts, ns.top_k, width, ns.shared_experts, layers, spec.ffn_hidden,
+        spec.n_layers,
+    )  # fmt: skip
+
+
 def moe_section(
     ns: argparse.Namespace,
     spec: ModelSpec,
@@ -24,14 +35,11 @@ def moe_section(
     search: bool = False,
 ) -> str:
     """Total vs active parameters and FLOPs of the MoE model built from the dense
-    ``spec`` and the ``--experts`` flags, and per ep: expert memory per rank and the
-    all-to-all traffic and time per step (``--search``: every ep of the data ranks)."""
-    layers = sum(1 for i in range(spec.n_layers) if (i + 1) % ns.moe_every == 0)
-    width = ns.expert_ffn or max(1, spec.ffn_hidden // ns.top_k)
-    m = MoESpec(
-        spec.hidden, ns.experts, ns.top_k, width, ns.shared_experts, layers, spec.ffn_hidden,
-        spec.n_layers,
-    )  # fmt: skip
+    ``spec`` and the ``--experts`` flags, and for the layout's ep: expert memory per rank
+    and the all-to-all traffic and time per step (``--search``: the totals only; ep is
+    one of the searched dimensions, its column in the table)."""
+    m = moe_from_args(ns, spec)
+    layers = m.moe_layers
     if not search and (data_ranks % ns.ep or ns.experts % ns.ep):
         raise ConfigError(
             f"--ep {ns.ep} must divide the data ranks dp x cp = {data_ranks} and the "
@@ -46,15 +54,19 @@ def moe_section(
         m, data_ranks, tokens, prec.activation_bytes, prec.state_bytes_per_param,
         link.latency_s, link.bandwidth, pp,
     )  # fmt: skip
-    if not search:
-        rows = [r for r in rows if r[0] == ns.ep]
+    head = [
+        "",
+        f"mixture of experts: {ns.experts} experts top-{ns.top_k} on {layers} of "
+        f"{spec.n_layers} layers; {total / 1e9:.3f} B parameters, {active / 1e9:.3f} B "
+        f"active per token; {flops / 1e9:.3f} GFLOP/token (MFU counts active)",
+    ]
+    if search:
+        return "\n".join([*head, "(the search tried every ep; the layouts above include it)"])
+    rows = [r for r in rows if r[0] == ns.ep]
     return "\n".join(
         [
-            "",
-            f"mixture of experts: {ns.experts} experts top-{ns.top_k} on {layers} of "
-            f"{spec.n_layers} layers; {total / 1e9:.3f} B parameters, {active / 1e9:.3f} B "
-            f"active per token; {flops / 1e9:.3f} GFLOP/token (MFU counts active)",
-            "(the layout's figures above are the dense model's; add the expert rows below)",
+            *head,
+            "(the layout's figures above include the experts at this ep; its expert terms:)",
             format_ep_table(rows),
         ]
     )

@@ -52,6 +52,8 @@ def format_estimate(e: Estimate) -> str:
     lines += ["", "step time"]
     for key, label in COMPONENTS.items():
         v = getattr(t, key)
+        if key == "ep_comm" and e.moe is None:
+            continue  # a dense model has no all-to-alls
         lines.append(f"  {label:<42} {seconds(v):>12}  {100 * v / t.total:5.1f}%")
     lines.append(f"  {'total':<42} {seconds(t.total):>12}")
     lines.append(f"  (data-parallel/ZeRO traffic before overlap: {seconds(t.dp_comm_total)})")
@@ -76,12 +78,16 @@ def format_search(r: SearchResult) -> str:
         "",
     ]
     if r.ranked:
+        ep = q.moe is not None  # a mixture-of-experts model: ep is a searched column
         lines.append(
-            f"{'#':>2}  {'layout':<52} {'step':>10} {'tokens/s':>12} {'MFU':>6} {'GiB/rank':>9}"
+            f"{'#':>2}  {'layout':<52} {'ep':>3} " * ep
+            + f"{'#':>2}  {'layout':<52} " * (not ep)
+            + f"{'step':>10} {'tokens/s':>12} {'MFU':>6} {'GiB/rank':>9}"
         )
         for i, e in enumerate(r.ranked, 1):
+            cols = f"{i:>2}  {e.layout.describe():<52} " + (f"{e.layout.ep:>3} " if ep else "")
             lines.append(
-                f"{i:>2}  {e.layout.describe():<52} {seconds(e.time.total):>10} "
+                f"{cols}{seconds(e.time.total):>10} "
                 f"{e.tokens_per_s:>12,.0f} {100 * e.mfu:>5.1f}% {e.memory.total / 2**30:>9.1f}"
             )
         lines.append("")
@@ -111,6 +117,7 @@ def search_json(r: SearchResult) -> dict[str, Any]:
             "precision": q.precision.name,
             "runtime": q.runtime.name,
             "headroom": q.headroom,
+            "moe": asdict(q.moe) if q.moe is not None else None,
         },
         "evaluated": r.evaluated,
         "rejected": dict(sorted(r.rejections.counts.items())),

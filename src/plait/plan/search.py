@@ -12,6 +12,11 @@ parallelism, recomputation, ZeRO stage and hybrid factor F. A layout is rejected
   also be a multiple of pp);
 * for **memory** when the worst rank does not fit the usable device memory.
 
+For a mixture-of-experts model (``Query.moe``) every layout is also tried at each
+expert-parallel degree ep that divides dp·cp and the expert count, with the MoE model's
+memory and time (:mod:`plait.plan.moe_estimate`: experts per rank E/ep, their ZeRO
+shards over dp·cp/ep ranks, the all-to-alls), each ep its own group for the pruning.
+
 The survivors are ranked by predicted step time (ties: less memory). The walk prunes
 with a sound bound: the part of the step time no ZeRO choice changes (compute, tensor/
 context/pipeline traffic, bubble): once a group's fixed part cannot beat the k-th best
@@ -32,8 +37,10 @@ from plait.errors import ConfigError
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
-from plait.plan.memory import memory_per_rank
+from plait.plan.memory import MemoryBreakdown, memory_per_rank
 from plait.plan.modelspec import ModelSpec
+from plait.plan.moe import MoESpec
+from plait.plan.moe_estimate import ep_choices, moe_estimate, moe_memory
 from plait.plan.offload import offload_count, offload_layouts
 
 MAX_DEVICES = 1 << 24
@@ -63,6 +70,9 @@ class Query:
     """Runtime traits."""
     headroom: float = 0.05
     """Fraction of device memory kept free."""
+    moe: MoESpec | None = None
+    """The mixture-of-experts part of the model (None: dense): the search then also tries
+    every expert-parallel degree ep that divides dp·cp and the experts."""
 
     def __post_init__(self) -> None:
         for key in ("devices", "global_batch", "seq_len"):
@@ -250,7 +260,10 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                                 for g, r in _pp_zero_choices(pp, v, z)
                             ]
                             group += offload_layouts(base, group, space.offload)
-                            if group:
+                            if group and q.moe is not None:  # one group per ep
+                                for ep in ep_choices(q.moe, base):
+                                    yield [replace(lay, ep=ep) for lay in group]
+                            elif group:
                                 yield group
 
 
@@ -284,7 +297,8 @@ def count_layouts(q: Query, space: Space) -> int:
                             for z in zeros
                         }
                         variants += offload_count(per, dp, pp, space.offload)
-                        total += sps * len(space.recompute) * variants
+                        eps = len(ep_choices(q.moe, Layout(dp=dp, cp=cp))) if q.moe else 1
+                        total += sps * len(space.recompute) * variants * eps
     return total
 
 
@@ -334,7 +348,7 @@ def search(q: Query, space: Space | None = None, top: int = 5) -> SearchResult:
     for group in candidates(q, space, rej):
         fixed: float | None = None  # the group's step time that ZeRO does not change
         for layout in group:
-            mem = memory_per_rank(q.model, layout, q.precision, q.runtime, q.seq_len)
+            mem = layout_memory(q, layout)
             usable = q.hardware.memory_bytes * (1 - q.headroom)
             if mem.total > usable:
                 rej.add(
@@ -345,7 +359,7 @@ def search(q: Query, space: Space | None = None, top: int = 5) -> SearchResult:
                 continue
             if fixed is not None and len(best) >= top and fixed >= best[-1].time.total:
                 continue  # cannot enter the top k whatever its ZeRO traffic
-            e = estimate(q.model, layout, q.hardware, q.precision, q.runtime, q.seq_len, q.headroom)
+            e = layout_estimate(q, layout)
             evaluated += 1
             fixed = _fixed_part(e)
             best.append(e)
@@ -362,7 +376,7 @@ def brute_force(q: Query, space: Space | None = None) -> list[Estimate]:
     out = []
     for group in candidates(q, space, Rejections()):
         for layout in group:
-            e = estimate(q.model, layout, q.hardware, q.precision, q.runtime, q.seq_len, q.headroom)
+            e = layout_estimate(q, layout)
             if e.fits:
                 out.append(e)
     out.sort(key=_key)
@@ -381,7 +395,24 @@ def with_layout(q: Query, layout: Layout) -> Estimate:
     problem = mesh_problem(q, layout.tp, layout.pp, layout.cp)
     if problem and problem[0] == "divisibility":
         raise ConfigError(f"layout {layout.describe()}: {problem[1]}.")
-    return estimate(q.model, layout, q.hardware, q.precision, q.runtime, q.seq_len, q.headroom)
+    if q.moe is not None and q.moe.experts % layout.ep:
+        raise ConfigError(f"ep={layout.ep} does not divide the {q.moe.experts} experts.")
+    return layout_estimate(q, layout)
+
+
+def layout_memory(q: Query, layout: Layout) -> MemoryBreakdown:
+    """The worst rank's memory of ``layout`` for ``q`` (the MoE model's when ``q.moe``)."""
+    if q.moe is not None:
+        return moe_memory(q.model, q.moe, layout, q.precision, q.runtime, q.seq_len)
+    return memory_per_rank(q.model, layout, q.precision, q.runtime, q.seq_len)
+
+
+def layout_estimate(q: Query, layout: Layout) -> Estimate:
+    """The estimate of ``layout`` for ``q`` (the MoE model's when ``q.moe``)."""
+    args = (layout, q.hardware, q.precision, q.runtime, q.seq_len, q.headroom)
+    if q.moe is not None:
+        return moe_estimate(q.model, q.moe, *args)
+    return estimate(q.model, *args)
 
 
 def simplest(q: Query) -> Layout:
