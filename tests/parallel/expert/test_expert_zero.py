@@ -261,3 +261,47 @@ def test_bf16_under_ep_matches_one_process_bf16(
     rel = _relative(got, bf16_ref["weights"])
     for name, r in rel.items():
         assert r <= 2 * bf16_ref["noise"][name] + 1e-3, (name, r, bf16_ref["noise"][name])
+
+
+def _state(ctx: WorkerContext, zero: int, dtype: str) -> dict[str, int]:
+    """dp4 x ep2 after one step, then zero_grad: this rank's reported state bytes."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    pm = parallelize(_model().float(), mesh, ParallelConfig(ep=2, zero=zero), precision=dtype)
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR))
+    x, y = _batches()[0]
+    per, r = x.shape[0] // ctx.world_size, ctx.rank
+    pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+    opt.step()
+    opt.zero_grad()
+    b = memory_report(pm, opt, mesh.rank).bytes
+    return {
+        "params": b["params"],
+        "grads": b["grads"],
+        "master": b["master"],
+        "optimizer": b["optimizer"] + b["optimizer_scalars"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("zero", "dtype"), [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
+)
+def test_memory_report_equals_the_planner(pools: Pools, zero: int, dtype: str) -> None:
+    """The runtime's bytes of rank 0 (the largest shards: padding sits on the last ranks)
+    equal the planner's MoE memory (``plait.plan.moe_estimate.moe_memory``: expert state
+    sharded over the dp·cp/ep replicas) exactly, at every ZeRO stage (at stage 0 without
+    the optimizer row: the planner counts the step counters differently there)."""
+    from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
+    from plait.plan.modelspec import ModelSpec
+    from plait.plan.moe import MoESpec
+    from plait.plan.moe_estimate import moe_memory
+
+    got = pools(4).run(f"{M}:_state", zero, dtype)[0]
+    moe = MoESpec.from_config(MOE)
+    assert moe is not None
+    pr = PRECISIONS["fp32" if dtype == "fp32" else "bf16-mixed"]
+    layout = Layout(dp=4, zero=zero, ep=2)
+    mem = moe_memory(ModelSpec.from_config(MOE), moe, layout, pr, RUNTIMES["plait"], 8)
+    want = {"params": mem.params, "grads": mem.grads, "master": mem.master}
+    if zero > 0:
+        want["optimizer"] = mem.optimizer
+    assert {k: got[k] for k in want} == want
