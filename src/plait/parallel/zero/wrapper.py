@@ -63,7 +63,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait import comm
 from plait.comm import AxisGroup
 from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
@@ -75,7 +74,8 @@ from plait.parallel.precision import parse_dtype
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.driver import AutogradDriver
-from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units, split_expert_units
+from plait.parallel.zero.experts import expert_unit_groups, local_experts_as_they_are, make_units
+from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
 from plait.parallel.zero.reducer import GradientReducer
 from plait.pieces import LocalPiece
@@ -188,19 +188,10 @@ class ZeroDataParallel(nn.Module):
         if self._experts:
             if expert_group is None:
                 raise ValueError("ZeroDataParallel: expert_params need their expert_group")
-            specs = split_expert_units(specs, self._experts)
-            self.expert_groups = _expert_unit_groups(expert_group, stage)
-        self.units = []
-        for i, s in enumerate(specs):
-            if id(s.params[0]) in self._experts:
-                assert self.expert_groups is not None and expert_group is not None
-                own = self.expert_groups[0]
-                u = FlatUnit(i, s, own.size, own.index)
-                u.groups = self.expert_groups  # the same tuple: buckets never mix them
-                u.grad_scale = expert_group.size / self.dp_group.size
-            else:
-                u = FlatUnit(i, s, factor, self.shard_group.index)
-            self.units.append(u)
+            self.expert_groups = expert_unit_groups(expert_group, stage)
+        self.units = make_units(
+            specs, factor, self.shard_group.index, self._experts, self.expert_groups, self.dp_group
+        )
         self.reducer = GradientReducer(
             self.units,
             stage,
@@ -233,9 +224,8 @@ class ZeroDataParallel(nn.Module):
             self._sync_hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
             for m in module.modules():  # a state_dict of any part reads full parameters
                 self._sync_hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
-        if meta and init is not None and self._experts:  # expert weights: already local
-            given = init
-            init = lambda p: p.detach().cpu() if not p.is_meta else given(p)  # noqa: E731
+        if meta and init is not None and self._experts:
+            init = local_experts_as_they_are(init)
         for u in self.units:
             self._init_unit(u, init if meta else None)
         # the one driver of the gathers and reductions: autograd's hooks, until another
@@ -504,12 +494,3 @@ class ZeroDataParallel(nn.Module):
         """This wrapper: the optimizer steps fp32 masters of its shards
         (:class:`~plait.parallel.zero.optim.ShardedMasters`)."""
         return self
-
-
-def _expert_unit_groups(replica: AxisGroup, stage: int) -> tuple[AxisGroup, AxisGroup]:
-    """(shard, replicate) groups of the expert units: sharded over the expert replica
-    group at stages 1-3, replicated over it at stage 0; the other is this rank alone."""
-    me = comm.new_axis_group(
-        f"{replica.name}_self", (replica.rank,), replica.rank, replica.timeout_s, replica.stats
-    )
-    return (replica, me) if stage >= 1 else (me, replica)
