@@ -305,3 +305,18 @@ def test_memory_report_equals_the_planner(pools: Pools, zero: int, dtype: str) -
     if zero > 0:
         want["optimizer"] = mem.optimizer
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_gradient_accumulation_under_ep_and_zero(pools: Pools, zero: int) -> None:
+    """ep2 with 2 micro-batches per step (ZeRO-1: the first accumulates locally under
+    no_sync; ZeRO-3: each is reduce-scattered and the shards added): the one-process
+    reference of the same micro-batches (router losses per micro-batch)."""
+    results = pools(2).run(BODY, 2, 1, zero, 1, 1, "none", 2)
+    ref = _reference(2, 2)
+    for res in results:
+        torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
+        torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
+    weights = assemble([p for res in results for p in res["pieces"]])
+    for name, want in ref["weights"].items():
+        torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
