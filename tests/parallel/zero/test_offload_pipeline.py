@@ -1,0 +1,166 @@
+"""ZeRO-Offload under pipeline parallelism against one process.
+
+Protocol (as tests/parallel/pipeline/test_zero_pipeline.py): the built-in transformer
+(4 blocks, float64, one seed); the reference runs STEPS AdamW steps on the whole global
+batch in the pytest process (clipping at CLIP where the case clips, engaged: the first
+step's norm is above it). Each layout is prepared by ``parallelize`` with
+``parallel.offload`` (pipeline split, then ``ZeroDataParallel`` whose masters and Adam
+state live on the host; stages 2/3 driven by the schedule) and stepped by
+:class:`plait.optim.Optimizer`; each dp rank feeds its slice of the global batch.
+Compared: the loss at every step and every weight after the last step. The offloaded
+step runs torch's fused CPU AdamW, which evaluates the same update in another order:
+losses rtol 1e-6 and weights atol 1e-6 after 5 steps (the tolerance of
+tests/parallel/zero/test_offload.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from plait.config import Config, ParallelConfig, TrainConfig
+from plait.model import Transformer
+from plait.optim import Optimizer
+from plait.parallel.parallelize import parallelize
+from plait.testing import WorkerContext, WorkerPool
+from tests.parallel.pipeline.test_runtime import BATCH, SEQ, loss64, model_config
+from tests.parallel.pipeline.test_runtime import batches as runtime_batches
+
+M = "tests.parallel.zero.test_offload_pipeline"
+STEPS, LAYERS, MICRO = 5, 4, 4
+CLIP = 0.5
+RTOL, ATOL = 1e-6, 1e-6
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return runtime_batches(STEPS, seed=11)
+
+
+def reference(clip: float) -> dict[str, Any]:
+    """One process, whole batches, float64, AdamW (clipping at ``clip``; 0: none)."""
+    model = Transformer(model_config(LAYERS), seed=3).double()
+    opt = Optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=clip)
+    losses, norms = [], []
+    for x, y in batches():
+        loss = loss64(model(x), y)
+        loss.backward()
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def _body(
+    ctx: WorkerContext,
+    dp: int,
+    zero: int,
+    offload: str,
+    schedule: str,
+    chunks: int,
+    clip: float,
+    folder: str | None,
+) -> dict[str, Any]:
+    mesh = ctx.mesh(dp=dp, pp=2)
+    odir = None if folder is None else os.path.join(folder, "state")
+    par = ParallelConfig(
+        dp=dp,
+        pp=2,
+        zero=zero,
+        offload=offload,  # type: ignore[arg-type]
+        offload_dir=odir,
+        pipeline_schedule=schedule,
+        chunks=chunks,
+        microbatches=MICRO,
+    )
+    cfg = Config(
+        model=model_config(LAYERS),
+        parallel=par,
+        train=TrainConfig(global_batch=BATCH, seq_len=SEQ, grad_clip=clip),
+    )
+    model = Transformer(cfg.model, seed=3).double()
+    pm = parallelize(model, mesh, cfg)
+    assert pm.pipeline is not None and pm.stages is not None and pm.zero is not None
+    opt = Optimizer(pm, torch.optim.AdamW(model.parameters(), lr=1e-2), max_norm=clip)
+    host = opt.sharded.host if opt.sharded is not None else None
+    assert host is not None
+    per = BATCH // dp
+    r = mesh.index("dp")
+    losses, norms = [], []
+    for x, y in batches():
+        loss = pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        losses.append(float(loss))
+        norms.append(opt.step().grad_norm)
+        opt.zero_grad()
+    weights: dict[str, torch.Tensor] = {}
+    with pm.zero.gathered():
+        for piece in pm.stages.chunks:
+            weights.update({k: v.detach().clone() for k, v in piece.state_dict().items()})
+    files = 0
+    if odir is not None:
+        files = sum(f.stat().st_size for f in Path(odir).rglob("*.bin"))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": weights,
+        "files": files,
+        "events": [(k, n) for k, n, _ in host.events],
+        "eager": host.eager,
+    }
+
+
+_REFS: dict[float, dict[str, Any]] = {}
+
+
+def _ref(clip: float) -> dict[str, Any]:
+    if clip not in _REFS:
+        _REFS[clip] = reference(clip)
+    return _REFS[clip]
+
+
+LAYOUTS = [
+    # (world, dp, zero, offload, schedule, chunks, clip, nvme)
+    (2, 1, 1, "optimizer", "1f1b", 1, 0.0, False),  # pp2 x ZeRO-1: eager path refused?
+    (2, 1, 1, "optimizer", "1f1b", 1, CLIP, False),  # pp2, clipping: two passes
+    (2, 1, 2, "optimizer", "interleaved", 2, CLIP, True),  # + the NVMe tier
+    (4, 2, 2, "optimizer", "1f1b", 1, 0.0, False),  # dp2 x pp2 x ZeRO-2
+    (4, 2, 3, "params", "zb", 1, CLIP, False),  # dp2 x pp2 x ZeRO-3, params offload
+    (4, 2, 1, "optimizer", "gpipe", 1, CLIP, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "zero", "offload", "schedule", "chunks", "clip", "nvme"), LAYOUTS
+)
+def test_offload_pipeline_matches_one_process(
+    pools: Callable[[int], WorkerPool],
+    tmp_path: Path,
+    world: int,
+    dp: int,
+    zero: int,
+    offload: str,
+    schedule: str,
+    chunks: int,
+    clip: float,
+    nvme: bool,
+) -> None:
+    ref = _ref(clip)
+    if clip:
+        assert ref["norms"][0] > clip  # clipping is engaged
+    folder = str(tmp_path) if nvme else None
+    results = pools(world).run(f"{M}:_body", dp, zero, offload, schedule, chunks, clip, folder)
+    for step in range(STEPS):
+        for r in results:
+            assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=RTOL)
+    seen: set[str] = set()
+    for r in results:
+        for k, w in r["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=ATOL)
+            seen.add(k)
+        assert (r["files"] > 0) == nvme
+    assert seen == set(ref["weights"])
