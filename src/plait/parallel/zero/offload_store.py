@@ -66,9 +66,7 @@ class OffloadStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.slots: list[FileSlot] = []
 
-    def add(
-        self, index: int, sizes: list[int], dtype: torch.dtype = torch.float32
-    ) -> FileSlot:
+    def add(self, index: int, sizes: list[int], dtype: torch.dtype = torch.float32) -> FileSlot:
         """The mapped file of slot ``index`` with parts of ``sizes`` elements of ``dtype``."""
         slot = FileSlot(self.folder / f"unit{index}.bin", sizes, dtype)
         self.slots.append(slot)
