@@ -55,7 +55,7 @@ from plait.plan.overheads import (
     zero3_unit_seconds,
 )
 from plait.plan.pipeline_zero import pipeline_zero_comm
-from plait.plan.units import stage_units
+from plait.plan.units import shard_numel, stage_units
 
 
 @dataclass(frozen=True)
@@ -300,8 +300,9 @@ def step_time(
     )
     optimizer = opt_params * traffic / hw.optimizer_bandwidth
     if layout.offload != "none":  # the host step, overlapped with backward
-        units = len(stage_units(spec, layout.tp, layout.pp, worst_stage))
-        optimizer = offload_step_time(opt_params, layout, hw, precision, comp_b + rc, units)
+        rank_units = stage_units(spec, layout.tp, layout.pp, worst_stage, layout.edge_trim)
+        shards = [shard_numel(u, f) for u in rank_units]  # slot order, as the runtime steps
+        optimizer = offload_step_time(shards, layout, hw, precision, comp_b + rc)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):

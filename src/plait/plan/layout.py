@@ -99,6 +99,11 @@ class Layout:
     """ZeRO-Offload's one-step-delayed update (``parallel.offload_delay``): the host keeps
     a full fp32 gradient buffer (the gradients outlive the next backward) instead of the
     ring of a few units' buffers; :mod:`plait.plan.offload`."""
+    offload_two_pass: bool = True
+    """ZeRO-Offload's step depends on the global gradient norm (``train.grad_clip > 0``,
+    the default; fp16 loss scaling; ``precision.nonfinite`` not 'error'): the norm first,
+    then unit by unit copy -> unscale/clip -> host step; False: each unit steps as its
+    gradient lands, under backward (:mod:`plait.plan.offload_time`)."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -156,6 +161,11 @@ class Layout:
             offload=p.offload,
             offload_nvme=p.offload_dir is not None,
             offload_delay=p.offload_delay,
+            offload_two_pass=(  # the step needs the global norm first
+                t.grad_clip > 0
+                or cfg.precision.dtype == "fp16"
+                or cfg.precision.nonfinite != "error"
+            ),
         )
 
     @property
