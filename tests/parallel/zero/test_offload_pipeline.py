@@ -65,6 +65,7 @@ def _body(
     chunks: int,
     clip: float,
     folder: str | None,
+    delay: bool = False,
 ) -> dict[str, Any]:
     mesh = ctx.mesh(dp=dp, pp=2)
     odir = None if folder is None else os.path.join(folder, "state")
@@ -74,6 +75,7 @@ def _body(
         zero=zero,
         offload=offload,  # type: ignore[arg-type]
         offload_dir=odir,
+        offload_delay=delay,
         pipeline_schedule=schedule,
         chunks=chunks,
         microbatches=MICRO,
@@ -97,6 +99,7 @@ def _body(
         losses.append(float(loss))
         norms.append(opt.step().grad_norm)
         opt.zero_grad()
+    opt.flush()  # delayed: the last update, still on the host, reaches the model
     weights: dict[str, torch.Tensor] = {}
     with pm.zero.gathered():
         for piece in pm.stages.chunks:
@@ -164,3 +167,39 @@ def test_offload_pipeline_matches_one_process(
             seen.add(k)
         assert (r["files"] > 0) == nvme
     assert seen == set(ref["weights"])
+
+
+def delayed_reference() -> dict[str, Any]:
+    """The one-step-delayed update in plain PyTorch, one process, float64 (as
+    tests/parallel/zero/test_offload.py): step k's gradient is taken at the weights the
+    device holds, then the device receives the masters and the masters step with it."""
+    model = Transformer(model_config(LAYERS), seed=3).double()
+    master = Transformer(model_config(LAYERS), seed=3).double()
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches():
+        loss = loss64(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master.parameters(), strict=True):
+                m.grad = p.grad.clone()  # type: ignore[union-attr]
+                p.copy_(m)  # the previous update arrives on the device
+                p.grad = None
+        opt.step()
+    return {"losses": losses, "weights": {k: v.detach() for k, v in master.state_dict().items()}}
+
+
+@pytest.mark.parametrize(("world", "dp", "zero"), [(2, 1, 1), (4, 2, 3)])
+def test_delayed_offload_pipeline_is_one_step_stale(
+    pools: Callable[[int], WorkerPool], world: int, dp: int, zero: int
+) -> None:
+    """``offload_delay`` under pp equals the delayed rule written out on one process:
+    losses every step, weights after the last update is flushed (1e-6)."""
+    ref = delayed_reference()
+    offload = "params" if zero == 3 else "optimizer"
+    results = pools(world).run(f"{M}:_body", dp, zero, offload, "1f1b", 1, 0.0, None, True)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL)
+        for k, w in r["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=ATOL)
