@@ -107,3 +107,27 @@ def test_layout_from_config_knows_the_path(
         precision=PrecisionConfig(dtype=dtype, nonfinite=nonfinite),  # type: ignore[arg-type]
     )
     assert Layout.from_config(cfg, 1).offload_two_pass is two_pass
+
+
+def test_estimate_takes_the_slowest_stage_host_step() -> None:
+    """Under pp every stage steps its own shards after the schedule: the estimate's
+    optimizer time is the largest stage's two-pass flow (here the last stage, which holds
+    the head and the final norm besides its blocks)."""
+    from plait.plan.estimate import step_time
+    from plait.plan.layout import RUNTIMES
+    from plait.plan.modelspec import ModelSpec
+    from plait.plan.units import shard_numel, stage_units
+
+    hw = PRESETS["h100-80gb"]
+    spec = ModelSpec.from_params(1_000_000_000, seq=1024)
+    prec = PRECISIONS["bf16-mixed"]
+    layout = Layout(pp=2, zero=1, microbatches=4, offload="optimizer", offload_two_pass=False)
+    t = step_time(spec, layout, hw, prec, RUNTIMES["plait"], 1024)
+    per_stage = [
+        offload_step_time(
+            [shard_numel(u, 1) for u in stage_units(spec, 1, 2, s)], layout, hw, prec, 0.0
+        )
+        for s in (0, 1)
+    ]
+    assert per_stage[0] != per_stage[1]
+    assert t.optimizer == pytest.approx(max(per_stage))

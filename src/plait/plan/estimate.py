@@ -299,10 +299,13 @@ def step_time(
         + (precision.param_bytes if precision.master_bytes else 0)
     )
     optimizer = opt_params * traffic / hw.optimizer_bandwidth
-    if layout.offload != "none":  # the host step, overlapped with backward
-        rank_units = stage_units(spec, layout.tp, layout.pp, worst_stage, layout.edge_trim)
-        shards = [shard_numel(u, f) for u in rank_units]  # slot order, as the runtime steps
-        optimizer = offload_step_time(shards, layout, hw, precision, comp_b + rc)
+    if layout.offload != "none":  # the host step; every stage's, after the schedule (pp)
+        times = []
+        for s in sorted({0, worst_stage, p - 1}):
+            held = stage_units(spec, layout.tp, p, s, layout.edge_trim)
+            shards = [shard_numel(u, f) for u in held]  # slot order, as the runtime steps
+            times.append(offload_step_time(shards, layout, hw, precision, comp_b + rc))
+        optimizer = max(times)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):
