@@ -409,11 +409,20 @@ def main() -> None:
     _emit(a, load0, lines, "offload", "ZeRO-Offload (issue 30)")
 
 
+def _args() -> str:
+    """The command line's flags without ``--out PATH`` (for the header)."""
+    argv = sys.argv[1:]
+    if "--out" in argv:
+        i = argv.index("--out")
+        argv = argv[:i] + argv[i + 2 :]
+    return "".join(f" {x}" for x in argv)
+
+
 def _emit(a: argparse.Namespace, load0: float, lines: list[str], tag: str, title: str) -> None:
     """Print the tables under a header line; with ``--out`` append them as a section."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = (
-        f"Measured by `python benchmarks/offload.py`; {platform.node()} "
+        f"Measured by `python benchmarks/offload.py{_args()}`; {platform.node()} "
         f"({os.cpu_count()} cores, {torch.get_num_threads()} torch threads), load average "
         f"{load0:.1f} -> {os.getloadavg()[0]:.1f}; Date: {stamp}; torch {torch.__version__}; "
         f"Python {platform.python_version()}."
