@@ -7,7 +7,8 @@ step's norm is above it). Each layout is prepared by ``parallelize`` with
 ``parallel.offload`` (pipeline split, then ``ZeroDataParallel`` whose masters and Adam
 state live on the host; stages 2/3 driven by the schedule) and stepped by
 :class:`plait.optim.Optimizer`; each dp rank feeds its slice of the global batch.
-Compared: the loss at every step and every weight after the last step. The offloaded
+Compared: the loss and the gradient norm at every step and every weight after the last
+step. The offloaded
 step runs torch's fused CPU AdamW, which evaluates the same update in another order:
 losses rtol 1e-6 and weights atol 1e-6 after 5 steps (the tolerance of
 tests/parallel/zero/test_offload.py).
@@ -160,6 +161,7 @@ def test_offload_pipeline_matches_one_process(
     for step in range(STEPS):
         for r in results:
             assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=RTOL)
+            assert r["norms"][step] == pytest.approx(ref["norms"][step], rel=RTOL)
     seen: set[str] = set()
     for r in results:
         for k, w in r["weights"].items():
@@ -203,3 +205,24 @@ def test_delayed_offload_pipeline_is_one_step_stale(
         assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL)
         for k, w in r["weights"].items():
             torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=ATOL)
+
+
+def test_cli_pp2_dp2_zero2_offload_matches_one_process(tmp_path: Path) -> None:
+    """`plait train --nproc 4 --pp 2 --dp 2 --zero 2 --parallel.offload optimizer` end to
+    end (the trainer's default clipping: the two-pass host step on every pipeline rank):
+    the losses and clipping norms of one process without offload (fp32, rtol 1e-5)."""
+    from plait.cli import main
+    from tests.tiny import read_metrics, run_plait, tiny_args
+
+    one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
+    tiny = [*tiny_args(), "--steps", "3"]
+    assert main(["train", *tiny, "--nproc", "1", "--metrics", str(one)]) == 0
+    layout = ["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "2"]
+    layout += ["--parallel.offload", "optimizer", "--metrics", str(four)]
+    r = run_plait(["train", *tiny, *layout], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "offload optimizer" in r.stdout and "pipeline 1f1b: pp 2" in r.stdout
+    want, got = read_metrics(one), read_metrics(four)
+    assert len(got) == len(want) == 3
+    for key in ("loss", "grad_norm"):
+        assert [x[key] for x in got] == pytest.approx([x[key] for x in want], rel=1e-5)
