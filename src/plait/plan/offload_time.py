@@ -8,7 +8,9 @@ link ``L`` (bytes/s, one direction):
 * ``d_k = n_k·g / L``: the gradient shard's device-to-host copy (``g``: gradient bytes),
 * ``a_k = n_k / r``: the fused CPU AdamW of the unit's masters,
 * ``z_k = SCALE_COST·n_k / r``: the two-pass path's unscale/clip of the landed shard
-  on the host (one multiply: 8 of the 28 bytes AdamW moves per parameter),
+  on the host (one multiply: 8 of the 28 bytes AdamW moves per parameter; counted on
+  every two-pass step, the worst case: the runtime skips it when the norm is under the
+  threshold and nothing is fp16-scaled),
 * ``u_k = n_k·p / L``: the updated master's host-to-device copy (``p``: parameter bytes).
 
 **Eager** (no clipping, no fp16 scaling, ``nonfinite = 'error'``; pp = 1): each unit
