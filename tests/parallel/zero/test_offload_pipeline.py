@@ -67,6 +67,7 @@ def _body(
     clip: float,
     folder: str | None,
     delay: bool = False,
+    reduce: str = "step",
 ) -> dict[str, Any]:
     mesh = ctx.mesh(dp=dp, pp=2)
     odir = None if folder is None else os.path.join(folder, "state")
@@ -80,6 +81,8 @@ def _body(
         pipeline_schedule=schedule,
         chunks=chunks,
         microbatches=MICRO,
+        pp_grad_reduce=reduce,  # type: ignore[arg-type]
+        pp_reshard=reduce == "microbatch",  # the two go together in these cases
     )
     cfg = Config(
         model=model_config(LAYERS),
@@ -128,18 +131,21 @@ def _ref(clip: float) -> dict[str, Any]:
 
 
 LAYOUTS = [
-    # (world, dp, zero, offload, schedule, chunks, clip, nvme)
-    (2, 1, 1, "optimizer", "1f1b", 1, 0.0, False),  # pp2 x ZeRO-1: eager path refused?
-    (2, 1, 1, "optimizer", "1f1b", 1, CLIP, False),  # pp2, clipping: two passes
-    (2, 1, 2, "optimizer", "interleaved", 2, CLIP, True),  # + the NVMe tier
-    (4, 2, 2, "optimizer", "1f1b", 1, 0.0, False),  # dp2 x pp2 x ZeRO-2
-    (4, 2, 3, "params", "zb", 1, CLIP, False),  # dp2 x pp2 x ZeRO-3, params offload
-    (4, 2, 1, "optimizer", "gpipe", 1, CLIP, False),
+    # (world, dp, zero, offload, schedule, chunks, clip, nvme, pp_grad_reduce)
+    (2, 1, 1, "optimizer", "1f1b", 1, 0.0, False, "step"),  # pp2 x ZeRO-1, eager
+    (2, 1, 1, "optimizer", "1f1b", 1, CLIP, False, "step"),  # clipping: two passes
+    (2, 1, 2, "optimizer", "interleaved", 2, CLIP, True, "step"),  # + the NVMe tier
+    (4, 2, 2, "optimizer", "1f1b", 1, 0.0, False, "step"),  # dp2 x pp2 x ZeRO-2
+    (4, 2, 3, "params", "zb", 1, CLIP, False, "step"),  # dp2 x pp2 x ZeRO-3 params
+    (4, 2, 1, "optimizer", "gpipe", 1, CLIP, False, "step"),
+    # ZeRO-3 params, interleaved: gradients reduce-scattered after every backward action,
+    # the host-resident shards re-gathered for every action (pp_reshard)
+    (4, 2, 3, "params", "interleaved", 2, CLIP, False, "microbatch"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("world", "dp", "zero", "offload", "schedule", "chunks", "clip", "nvme"), LAYOUTS
+    ("world", "dp", "zero", "offload", "schedule", "chunks", "clip", "nvme", "reduce"), LAYOUTS
 )
 def test_offload_pipeline_matches_one_process(
     pools: Callable[[int], WorkerPool],
@@ -152,12 +158,15 @@ def test_offload_pipeline_matches_one_process(
     chunks: int,
     clip: float,
     nvme: bool,
+    reduce: str,
 ) -> None:
     ref = _ref(clip)
     if clip:
         assert ref["norms"][0] > clip  # clipping is engaged
     folder = str(tmp_path) if nvme else None
-    results = pools(world).run(f"{M}:_body", dp, zero, offload, schedule, chunks, clip, folder)
+    results = pools(world).run(
+        f"{M}:_body", dp, zero, offload, schedule, chunks, clip, folder, False, reduce
+    )
     for step in range(STEPS):
         for r in results:
             assert r["losses"][step] == pytest.approx(ref["losses"][step], rel=RTOL)
