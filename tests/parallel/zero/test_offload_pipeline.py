@@ -28,6 +28,7 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
+from plait.parallel.tensor.plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.pipeline.test_runtime import BATCH, SEQ, loss64, model_config
 from tests.parallel.pipeline.test_runtime import batches as runtime_batches
@@ -68,12 +69,14 @@ def _body(
     folder: str | None,
     delay: bool = False,
     reduce: str = "step",
+    tp: int = 1,
 ) -> dict[str, Any]:
-    mesh = ctx.mesh(dp=dp, pp=2)
+    mesh = ctx.mesh(dp=dp, pp=2, tp=tp)
     odir = None if folder is None else os.path.join(folder, "state")
     par = ParallelConfig(
         dp=dp,
         pp=2,
+        tp=tp,
         zero=zero,
         offload=offload,  # type: ignore[arg-type]
         offload_dir=odir,
@@ -96,7 +99,7 @@ def _body(
     host = opt.sharded.host if opt.sharded is not None else None
     assert host is not None
     per = BATCH // dp
-    r = mesh.index("dp")
+    r = mesh.index("dp")  # tp ranks of one dp rank feed the same slice
     losses, norms = [], []
     for x, y in batches():
         loss = pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
@@ -107,7 +110,7 @@ def _body(
     weights: dict[str, torch.Tensor] = {}
     with pm.zero.gathered():
         for piece in pm.stages.chunks:
-            weights.update({k: v.detach().clone() for k, v in piece.state_dict().items()})
+            weights.update(gather_full_state(piece, mesh))  # tp shards gathered
     files = 0
     if odir is not None:
         files = sum(f.stat().st_size for f in Path(odir).rglob("*.bin"))
@@ -235,3 +238,19 @@ def test_cli_pp2_dp2_zero2_offload_matches_one_process(tmp_path: Path) -> None:
     assert len(got) == len(want) == 3
     for key in ("loss", "grad_norm"):
         assert [x[key] for x in got] == pytest.approx([x[key] for x in want], rel=1e-5)
+
+
+def test_offload_pipeline_tensor_parallel_matches_one_process(
+    pools: Callable[[int], WorkerPool],
+) -> None:
+    """tp2 x pp2 x ZeRO-1 (dp 1: the masters unsharded, on the host), clipping: each tp
+    rank offloads its tp shards of its stage's pieces; losses, norms and the gathered
+    weights equal one process (1e-6)."""
+    ref = _ref(CLIP)
+    results = pools(4).run(f"{M}:_body", 1, 1, "optimizer", "1f1b", 1, CLIP, None, False, "step", 2)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=RTOL)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=RTOL)
+        for k, w in r["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][k], rtol=0, atol=ATOL)
+    assert {k for r in results for k in r["weights"]} == set(ref["weights"])
