@@ -1,6 +1,6 @@
 """ZeRO-Offload: tokens/s, MFU, host/device peak, CPU step time, before and after (issue 30).
 
-Two parts:
+Three parts:
 
 1. **The host AdamW** (:func:`plait.bench.cpu_adam.measure_cpu_adam`): parameters per
    second of one AdamW step over flat fp32 buffers with torch's fused CPU kernel,

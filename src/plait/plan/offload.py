@@ -157,6 +157,12 @@ def format_offload(e: Estimate) -> str:
 
     m = offload_memory(e.model, e.layout, e.precision, e.memory.stage)
     t = e.time.optimizer
+    if e.layout.pp > 1:
+        path = "pp: every stage after the schedule"
+    elif e.layout.offload_two_pass:
+        path = "two-pass: after the norm (clipping, fp16)"
+    else:
+        path = "eager: under backward"
     return "\n".join(
         [
             f"offload ({e.layout.offload}{', NVMe tier' if e.layout.offload_nvme else ''}) "
@@ -164,7 +170,7 @@ def format_offload(e: Estimate) -> str:
             f"  device state {gib(m.device)}, host {gib(m.host)} (pinned {gib(m.pinned)}), "
             f"disk {gib(m.disk)}",
             f"  host AdamW {cpu_adam_rate(e.hardware) / 1e9:.2f} G params/s, host link "
-            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s",
+            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s ({path})",
         ]
     )
 
