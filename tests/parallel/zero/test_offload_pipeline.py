@@ -141,6 +141,7 @@ LAYOUTS = [
     (4, 2, 2, "optimizer", "1f1b", 1, 0.0, False, "step"),  # dp2 x pp2 x ZeRO-2
     (4, 2, 3, "params", "zb", 1, CLIP, False, "step"),  # dp2 x pp2 x ZeRO-3 params
     (4, 2, 1, "optimizer", "gpipe", 1, CLIP, False, "step"),
+    (4, 2, 3, "optimizer", "1f1b", 1, 0.0, False, "step"),  # ZeRO-3, shards on the device
     # ZeRO-3 params, interleaved: gradients reduce-scattered after every backward action,
     # the host-resident shards re-gathered for every action (pp_reshard)
     (4, 2, 3, "params", "interleaved", 2, CLIP, False, "microbatch"),
