@@ -222,21 +222,27 @@ def test_delayed_offload_pipeline_is_one_step_stale(
 
 def test_cli_pp2_dp2_zero2_offload_matches_one_process(tmp_path: Path) -> None:
     """`plait train --nproc 4 --pp 2 --dp 2 --zero 2 --parallel.offload optimizer` end to
-    end (the trainer's default clipping: the two-pass host step on every pipeline rank):
-    the losses and clipping norms of one process without offload (fp32, rtol 1e-5)."""
+    end (the trainer's default clipping: the two-pass host step on every pipeline rank),
+    2 steps, a checkpoint, then 2 more steps resumed from it: the losses and clipping norms
+    of 4 steps of one process without offload (fp32, rtol 1e-5)."""
     from plait.cli import main
     from tests.tiny import read_metrics, run_plait, tiny_args
 
     one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
-    tiny = [*tiny_args(), "--steps", "3"]
-    assert main(["train", *tiny, "--nproc", "1", "--metrics", str(one)]) == 0
+    assert main(["train", *tiny_args(), "--steps", "4", "--nproc", "1", "--metrics", str(one)]) == 0
     layout = ["--nproc", "4", "--pp", "2", "--dp", "2", "--zero", "2"]
-    layout += ["--parallel.offload", "optimizer", "--metrics", str(four)]
-    r = run_plait(["train", *tiny, *layout], tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "offload optimizer" in r.stdout and "pipeline 1f1b: pp 2" in r.stdout
-    want, got = read_metrics(one), read_metrics(four)
-    assert len(got) == len(want) == 3
+    layout += ["--parallel.offload", "optimizer", "--train.checkpoint_dir", str(tmp_path / "ck")]
+    got = []
+    for k, extra in enumerate([["--steps", "2"], ["--steps", "4", "--resume"]]):
+        metrics = four.with_suffix(f".{k}.jsonl")
+        r = run_plait(
+            ["train", *tiny_args(), *layout, *extra, "--metrics", str(metrics)], tmp_path, 300
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "offload optimizer" in r.stdout and "pipeline 1f1b: pp 2" in r.stdout
+        got += read_metrics(metrics)
+    want = read_metrics(one)
+    assert [x["step"] for x in got] == [x["step"] for x in want] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
         assert [x[key] for x in got] == pytest.approx([x[key] for x in want], rel=1e-5)
 
