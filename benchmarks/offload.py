@@ -30,6 +30,8 @@ Three parts:
    (every thread's, which on a CPU run is the same work without the overlap:
    ``TwoPass.busy``); wall times (the overlapped prediction, ``TwoPass.total`` /
    ``eager_exposed``) are printed beside it and are only as good as the load allows.
+   Under pp2 (``parallelize``, ZeRO-2, clipping) each stage's ``opt.step()`` (its units
+   land and step after the schedule) is compared with the flow over its own shards.
 
 The small CPU case (default) runs here; the issue's 7B case on one H100 is
 ``--device cuda --dim 4096 --layers 32 --heads 32 --vocab 32000 --ffn 11008 --seq 2048
@@ -267,6 +269,53 @@ def check_body(ctx: Any, kw: dict[str, Any], steps: int) -> dict[str, Any]:
     return out
 
 
+CHECK_PP_BODY = "benchmarks.offload:check_pp_body"
+
+
+def check_pp_body(ctx: Any, kw: dict[str, Any], steps: int) -> dict[str, Any]:
+    """pp2 (ZeRO-2, offload, clipping engaged) through ``parallelize``: each pipeline
+    rank's ``opt.step()`` (its stage's units land and step after the schedule), median
+    wall and process CPU seconds, and the calibration of its own shards."""
+    from plait.config import Config, ParallelConfig, TrainConfig
+    from plait.parallel.parallelize import parallelize
+
+    torch.set_num_threads(1)
+    mesh = ctx.mesh(dp=1, pp=2)
+    m = kw["model"]
+    cfg = Config(
+        model=ModelConfig(**m),
+        parallel=ParallelConfig(pp=2, zero=2, offload="optimizer", microbatches=2),
+        train=TrainConfig(global_batch=2, seq_len=kw["seq"], grad_clip=CHECK_CLIP),
+    )
+    model = Transformer(cfg.model, seed=0)
+    pm = parallelize(model, mesh, cfg)
+    opt = Optimizer(pm, torch.optim.AdamW(model.parameters(), lr=1e-4), max_norm=CHECK_CLIP)
+    host = opt.sharded.host if opt.sharded is not None else None
+    assert host is not None and not host.eager
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, m["vocab_size"], (2, kw["seq"]), generator=g)
+    rows = []
+    for step in range(steps + 1):
+        comm.barrier(mesh.axis("pp"))
+        pm.step(x, x)
+        t0, c0 = time.perf_counter(), time.process_time()
+        opt.step()
+        t1, c1 = time.perf_counter(), time.process_time()
+        opt.zero_grad()
+        if step:
+            rows.append((t1 - t0, c1 - c0))
+    shards = [s.master.numel() for s in host.masters.slots]
+    host.close()
+    mid = len(rows) // 2
+    return {
+        "stage": mesh.index("pp"),
+        "shards": shards,
+        "opt_wall": sorted(r[0] for r in rows)[mid],
+        "opt_cpu": sorted(r[1] for r in rows)[mid],
+        "calibration": _calibrate(shards),
+    }
+
+
 def _predict(r: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """``variant -> (predicted step CPU s, predicted step wall s)`` from the calibration
     and the run without offload, with :mod:`plait.plan.offload_time`."""
@@ -300,7 +349,8 @@ def _measured(m: dict[str, float], alone: bool) -> tuple[float, float]:
 
 
 def model_check(a: argparse.Namespace) -> list[str]:
-    """The planner-vs-measured table (part 3) at 1 and 2 ranks."""
+    """The planner-vs-measured table (part 3) at 1 and 2 data-parallel ranks, and per
+    stage of pp2."""
     from plait.testing import WorkerPool
 
     kw = {
@@ -311,7 +361,8 @@ def model_check(a: argparse.Namespace) -> list[str]:
     lines = [
         f"Planner vs measured, ZeRO-2 offload (optimizer), one torch thread per rank, model "
         f"dim {a.check_dim} x {a.check_layers} layers, vocabulary {a.check_vocab}, batch 1 x "
-        f"{a.check_seq}, median of {a.check_steps} steps after one warm-up; rank 0's figures; "
+        f"{a.check_seq}, median of {a.check_steps} steps after one warm-up; rank 0's figures "
+        "(pp2: each stage's, 2 micro-batches); "
         "a step is forward + backward + opt.step() + the post-step all-gathers, predicted as "
         "those of the run without offload plus the modelled host step. "
         "CPU = process CPU time (all threads); the machine is shared and loaded, so CPU "
@@ -337,6 +388,21 @@ def model_check(a: argparse.Namespace) -> list[str]:
                 f"{c['link'] / 1e9:.1f} | {p_cpu:.3f} | {cpu:.3f} | {cpu / p_cpu:.2f} | "
                 f"{p_wall:.3f} | {wall:.3f} |"
             )
+    from plait.plan.offload_time import two_pass_timeline
+
+    with WorkerPool(2) as pool:  # pp2: each stage's host step, after the schedule
+        stages = pool.run(CHECK_PP_BODY, kw, a.check_steps, timeout_s=1800)
+    for r in sorted(stages, key=lambda r: r["stage"]):
+        c = r["calibration"]
+        flow = two_pass_timeline(
+            r["shards"], c["rate"], c["link"], 4, 4, c["norm_s"], copy_back_on_worker=True
+        )
+        lines.append(
+            f"| pp2, stage {r['stage']} | two-pass: opt.step() alone | "
+            f"{sum(r['shards']) / 1e6:.1f} | {c['rate'] / 1e6:,.0f} | {c['link'] / 1e9:.1f} | "
+            f"{flow.busy:.3f} | {r['opt_cpu']:.3f} | {r['opt_cpu'] / flow.busy:.2f} | "
+            f"{flow.total:.3f} | {r['opt_wall']:.3f} |"
+        )
     return lines
 
 
