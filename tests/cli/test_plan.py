@@ -31,7 +31,7 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         "chunks": int, "sequence_parallel": bool, "cp_attention": str, "compression": str,
         "compression_ratio": float, "compression_rank": int, "world": int,
         "pp_grad_reduce": str, "pp_reshard": bool, "offload": str, "offload_nvme": bool,
-        "edge_trim": int, "offload_delay": bool, "ep": int,
+        "edge_trim": int, "offload_delay": bool, "ep": int, "offload_two_pass": bool,
     },
     "global_batch": int,
     "memory_bytes": {

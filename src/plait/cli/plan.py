@@ -184,6 +184,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     lay.add_argument("--offload-dir", "--parallel.offload_dir", dest="offload_dir",
                      help="NVMe tier: optimizer state in files (the path is not read)")  # fmt: skip
+    lay.add_argument("--grad-clip", "--train.grad_clip", dest="grad_clip", type=float,
+                     default=1.0, help="as train.grad_clip; offload: 0 steps units under "
+                     "backward, else the two-pass step after the norm")  # fmt: skip
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
     o = p.add_argument_group("output")
@@ -331,7 +334,12 @@ def plan_main(argv: Sequence[str]) -> int:
             f"--ep {ns.ep} must divide the data ranks dp x cp = {dp * cp} and the "
             f"{ns.experts} experts."
         )
-    layout = replace(layout, offload=ns.offload, offload_nvme=ns.offload_dir is not None)
+    layout = replace(
+        layout,
+        offload=ns.offload,
+        offload_nvme=ns.offload_dir is not None,
+        offload_two_pass=ns.grad_clip > 0 or prec.name.startswith("fp16"),
+    )
     if moe is not None:
         layout = replace(layout, ep=ns.ep)
     e = with_layout(q, layout)

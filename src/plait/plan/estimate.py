@@ -59,7 +59,7 @@ from plait.plan.overheads import (
     zero3_unit_seconds,
 )
 from plait.plan.pipeline_zero import pipeline_zero_comm
-from plait.plan.units import stage_units
+from plait.plan.units import shard_numel, stage_units
 
 
 @dataclass(frozen=True)
@@ -318,9 +318,13 @@ def step_time(
         + (precision.param_bytes if precision.master_bytes else 0)
     )
     optimizer = opt_params * traffic / hw.optimizer_bandwidth
-    if layout.offload != "none":  # the host step, overlapped with backward
-        units = len(stage_units(spec, layout.tp, layout.pp, worst_stage))
-        optimizer = offload_step_time(opt_params, layout, hw, precision, comp_b + rc, units)
+    if layout.offload != "none":  # the host step; every stage's, after the schedule (pp)
+        times = []
+        for s in sorted({0, worst_stage, p - 1}):
+            held = stage_units(spec, layout.tp, p, s, layout.edge_trim)
+            shards = [shard_numel(u, f) for u in held]  # slot order, as the runtime steps
+            times.append(offload_step_time(shards, layout, hw, precision, comp_b + rc))
+        optimizer = max(times)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):

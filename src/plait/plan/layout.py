@@ -103,6 +103,11 @@ class Layout:
     """Expert-parallel degree of a mixture-of-experts model (``parallel.ep``): the routed
     experts split over groups of ep of the dp x cp ranks (ep divides dp·cp); ignored for
     a dense model (:mod:`plait.plan.moe_estimate`)."""
+    offload_two_pass: bool = True
+    """ZeRO-Offload's step depends on the global gradient norm (``train.grad_clip > 0``,
+    the default; fp16 loss scaling; ``precision.nonfinite`` not 'error'): the norm first,
+    then unit by unit copy -> unscale/clip -> host step; False: each unit steps as its
+    gradient lands, under backward (:mod:`plait.plan.offload_time`)."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -165,6 +170,11 @@ class Layout:
             offload_nvme=p.offload_dir is not None,
             offload_delay=p.offload_delay,
             ep=p.ep,
+            offload_two_pass=(  # the step needs the global norm first
+                t.grad_clip > 0
+                or cfg.precision.dtype == "fp16"
+                or cfg.precision.nonfinite != "error"
+            ),
         )
 
     @property

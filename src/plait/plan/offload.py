@@ -19,15 +19,11 @@ page-locked (``pinned``). With ``offload_dir`` (the NVMe tier) Adam's m and v (a
 ``params`` the masters) are files instead of host memory (``disk``; the step scalars
 stay in memory). ``S`` is the rank's padded shard (:mod:`plait.plan.units`).
 
-**Time.** The host step costs ``S / r`` seconds at the host's AdamW rate ``r``
-(parameters per second: ``Hardware.cpu_adam_params_per_s`` measured by
-``plait bench calibrate``, else :data:`DEFAULT_CPU_ADAM`); the gradients cross the host
-link in the reduce dtype and the updated weights come back in the parameter dtype
-(``Hardware.host_link_bytes_per_s``, else by device name: :func:`host_link`); with
-``params`` every micro-batch gathers each unit's shard from the host twice (forward and
-backward), prefetched under compute. The CPU step of the first units runs while backward
-goes on (the runtime's eager path), so only ``max(step/U, step + d2h - backward)``
-plus the copy back is exposed (:func:`offload_step_time`).
+**Time** is :mod:`plait.plan.offload_time`'s (re-exported here): the eager path (each
+unit's CPU step starts as soon as its gradients land, under backward) and the two-pass
+path of a clipped or fp16-scaled step (the norm first, then per unit copy -> unscale/clip
+-> step, the next unit's copy overlapping this one's step); ``params`` adds the
+parameter shards' trips to the device per micro-batch.
 """
 
 from __future__ import annotations
@@ -37,22 +33,16 @@ from typing import TYPE_CHECKING
 
 from plait.config import Config
 from plait.config_checks import OFFLOAD_RING_BUFFERS, check_offload_dir
-from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
+from plait.plan.offload_time import DEFAULT_CPU_ADAM as DEFAULT_CPU_ADAM
+from plait.plan.offload_time import HOST_LINKS as HOST_LINKS
+from plait.plan.offload_time import cpu_adam_rate, host_link
+from plait.plan.offload_time import offload_step_time as offload_step_time
 from plait.plan.units import local_pieces, shard_numel, stage_units, zero_state_bytes
 
 if TYPE_CHECKING:
     from plait.plan.estimate import Estimate
-
-DEFAULT_CPU_ADAM = 1.0e9
-"""Parameters per second of the fused CPU AdamW when not measured: a 16-core host at
-~30 GB/s of the 28 bytes AdamW moves per fp32 parameter (this machine measured ~1e9
-with one thread on a 1M-element shard, benchmarks/RESULTS.md)."""
-
-HOST_LINKS = (("gh200", 450e9), ("gb200", 450e9), ("h200", 50e9), ("h100", 50e9), ("a100", 25e9))
-"""Host<->device bytes/s by device name: NVLink-C2C on Grace parts, PCIe 5 x16 (H100,
-H200), PCIe 4 x16 (A100), pinned memory, one direction."""
 
 
 @dataclass(frozen=True)
@@ -125,44 +115,6 @@ def landing_bytes(shard_numels: list[int], delay: bool) -> int:
     return 4 * min(OFFLOAD_RING_BUFFERS, len(shard_numels)) * max(shard_numels, default=0)
 
 
-def host_link(hw: Hardware) -> float:
-    """Host<->device bytes/s: the profile's measurement, else :data:`HOST_LINKS` by name,
-    else PCIe 4."""
-    measured = getattr(hw, "host_link_bytes_per_s", 0.0)
-    if measured:
-        return float(measured)
-    low = hw.name.lower()
-    return next((bw for key, bw in HOST_LINKS if key in low), 25e9)
-
-
-def cpu_adam_rate(hw: Hardware) -> float:
-    """Host AdamW parameters per second: measured, else :data:`DEFAULT_CPU_ADAM`."""
-    measured = getattr(hw, "cpu_adam_params_per_s", 0.0)
-    return float(measured) if measured else DEFAULT_CPU_ADAM
-
-
-def offload_step_time(
-    shard_params: int,
-    layout: Layout,
-    hw: Hardware,
-    precision: Precision,
-    backward_s: float,
-    units: int,
-) -> float:
-    """Seconds the offloaded step adds to one optimizer step (exposed, see the module
-    docstring): ``shard_params`` elements per rank, ``backward_s`` the backward of the last
-    micro-batch, ``units`` ZeRO units (the overlap's grain)."""
-    link = host_link(hw)
-    cpu = shard_params / cpu_adam_rate(hw)
-    d2h = shard_params * precision.grad_bytes / link
-    h2d = shard_params * precision.param_bytes / link
-    exposed = max(cpu / max(units, 1), cpu + d2h - backward_s) + h2d
-    if layout.offload == "params":  # each unit's shard, forward and backward, prefetched
-        per_mb = 2 * shard_params * precision.param_bytes / link / max(units, 1)
-        exposed += layout.microbatches * per_mb
-    return exposed
-
-
 def nvme_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
     """The NVMe tier's bytes on the worst rank (what ``offload_dir`` must hold per rank)."""
     worst = 0.0
@@ -205,6 +157,12 @@ def format_offload(e: Estimate) -> str:
 
     m = offload_memory(e.model, e.layout, e.precision, e.memory.stage)
     t = e.time.optimizer
+    if e.layout.pp > 1:
+        path = "pp: every stage after the schedule"
+    elif e.layout.offload_two_pass:
+        path = "two-pass: after the norm (clipping, fp16)"
+    else:
+        path = "eager: under backward"
     return "\n".join(
         [
             f"offload ({e.layout.offload}{', NVMe tier' if e.layout.offload_nvme else ''}) "
@@ -212,7 +170,7 @@ def format_offload(e: Estimate) -> str:
             f"  device state {gib(m.device)}, host {gib(m.host)} (pinned {gib(m.pinned)}), "
             f"disk {gib(m.disk)}",
             f"  host AdamW {cpu_adam_rate(e.hardware) / 1e9:.2f} G params/s, host link "
-            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s",
+            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s ({path})",
         ]
     )
 

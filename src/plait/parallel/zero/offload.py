@@ -159,8 +159,10 @@ class HostStep:
         """Move the state (Adam's m and v; the masters with ``params``) into files."""
         slots = self.masters.slots
         with_masters = self.zero.offload == "params"
+        dtype = slots[0].master.dtype if slots else torch.float32  # fp32 (fp64 kept)
+        item = torch.empty((), dtype=dtype).element_size()
         check_offload_dir(
-            folder, disk_bytes_needed([s.master.numel() for s in slots], with_masters)
+            folder, disk_bytes_needed([s.master.numel() for s in slots], with_masters, item)
         )
         self.store = OffloadStore(folder, rank)
         inner = self.masters.inner
@@ -168,7 +170,7 @@ class HostStep:
         for k, s in enumerate(slots):
             n = s.master.numel()
             parts = [n, n, n] if with_masters else [n, n]
-            f = self.store.add(k, parts)
+            f = self.store.add(k, parts, dtype)
             if with_masters:
                 f.parts[0].copy_(s.master)
                 s.master = f.parts[0]
@@ -185,7 +187,7 @@ class HostStep:
                         "exp_avg_sq": v[a:b].zero_(),
                     }
                     if group.get("amsgrad", False):
-                        inner.state[seg]["max_exp_avg_sq"] = torch.zeros(b - a)
+                        inner.state[seg]["max_exp_avg_sq"] = torch.zeros(b - a, dtype=dtype)
 
     def _rebind_state(self, k: int) -> None:
         """Keep slot ``k``'s Adam state in its file after a checkpoint load replaced the

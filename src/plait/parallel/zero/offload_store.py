@@ -28,14 +28,16 @@ __all__ = ["FileSlot", "OffloadStore", "check_offload_dir", "disk_bytes_needed"]
 
 
 class FileSlot:
-    """One slot's file: fp32 tensors mapped from ``path`` (``sizes`` elements each)."""
+    """One slot's file: tensors of ``dtype`` (the masters': fp32, or fp64 for a float64
+    model) mapped from ``path`` (``sizes`` elements each)."""
 
-    def __init__(self, path: Path, sizes: list[int]) -> None:
+    def __init__(self, path: Path, sizes: list[int], dtype: torch.dtype = torch.float32) -> None:
         self.path = path
         total = sum(sizes)
+        item = torch.empty((), dtype=dtype).element_size()
         with open(path, "wb") as f:  # sparse: nothing is written until the state is
-            f.truncate(total * 4)
-        flat = torch.from_file(str(path), shared=True, size=total, dtype=torch.float32)
+            f.truncate(total * item)
+        flat = torch.from_file(str(path), shared=True, size=total, dtype=dtype)
         self.flat = flat  # (total,) the whole mapping
         self.parts: list[torch.Tensor] = []
         at = 0
@@ -64,20 +66,20 @@ class OffloadStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.slots: list[FileSlot] = []
 
-    def add(self, index: int, sizes: list[int]) -> FileSlot:
-        """The mapped file of slot ``index`` with parts of ``sizes`` fp32 elements."""
-        slot = FileSlot(self.folder / f"unit{index}.bin", sizes)
+    def add(self, index: int, sizes: list[int], dtype: torch.dtype = torch.float32) -> FileSlot:
+        """The mapped file of slot ``index`` with parts of ``sizes`` elements of ``dtype``."""
+        slot = FileSlot(self.folder / f"unit{index}.bin", sizes, dtype)
         self.slots.append(slot)
         return slot
 
     @property
     def disk_bytes(self) -> int:
         """Bytes of every file (their mapped size)."""
-        return sum(s.flat.numel() * 4 for s in self.slots)
+        return sum(s.flat.numel() * s.flat.element_size() for s in self.slots)
 
 
-def disk_bytes_needed(shard_numels: list[int], masters: bool) -> int:
-    """Bytes the files of one rank take: Adam's m and v (and the fp32 master with
-    ``masters``) per element of each slot."""
+def disk_bytes_needed(shard_numels: list[int], masters: bool, item: int = 4) -> int:
+    """Bytes the files of one rank take: Adam's m and v (and the master with
+    ``masters``) per element of each slot, ``item`` bytes each (fp32: 4)."""
     per = 3 if masters else 2
-    return sum(per * n * 4 for n in shard_numels)
+    return sum(per * n * item for n in shard_numels)
