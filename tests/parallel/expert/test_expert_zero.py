@@ -116,6 +116,18 @@ def test_offload_under_ep_matches_one_process(pools: Pools, ref: dict[str, Any])
     _check(results, ref)
 
 
+def test_offload_under_ep_x_pp_matches_one_process(pools: Pools) -> None:
+    """ep2 x pp2, ZeRO-2 with the optimizer offloaded (the pipeline drives the
+    reductions, the host steps the expert units)."""
+    results = pools(4).run(BODY, 2, 1, 2, 2, 1, "none", 1, "optimizer")
+    ref = _reference(2, 2)
+    for i, res in enumerate(results):  # stage s holds MoE layer s
+        ref_aux = [[step[i // 2]] for step in ref["aux"]]
+        torch.testing.assert_close(res["aux"], ref_aux, rtol=RTOL, atol=0)
+        res["aux"] = ref["aux"]
+    _check(results, ref)
+
+
 def _traffic(ctx: WorkerContext, ep: int, zero: int) -> dict[str, Any]:
     """One step; bytes per (axis, collective), the expert units' shard sizes."""
     mesh = ctx.mesh(dp=ctx.world_size)
