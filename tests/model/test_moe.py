@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from plait.cli import main
 from plait.config import ModelConfig
+from plait.config_checks import check_expert_parallel
 from plait.errors import ConfigError
 from plait.model.moe import MoE
 from plait.model.transformer import Transformer, flops_per_token, param_count
@@ -190,8 +191,16 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a mixture-of-experts model" in err
     err = _bad(["--nproc", "2", "--ep", "2", *moe, "--parallel.compression", "fp16"], capsys)
     assert "compression=fp16 is refused" in err
-    err = _bad(["--nproc", "2", "--ep", "2", *moe, "--precision.dtype", "bf16"], capsys)
-    assert "precision.dtype=bf16" in err and "parallel.ep=2" in err
+
+
+def test_zero_and_16_bit_compose_with_ep() -> None:
+    """No longer refused: ZeRO 1-3 and bf16/fp16 with ep > 1 (the expert weights get ZeRO
+    units of their own; tests/parallel/expert/test_expert_zero.py runs them)."""
+    for zero in (0, 1, 2, 3):
+        for dtype in ("fp32", "bf16", "fp16"):
+            check_expert_parallel(2, 4, 1, 4, zero=zero, dtype=dtype, reduce_dtype="auto")
+    with pytest.raises(ConfigError, match="compression=fp16 is refused"):
+        check_expert_parallel(2, 4, 1, 4, zero=3, compression="fp16")
 
 
 @pytest.mark.gpu

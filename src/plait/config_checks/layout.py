@@ -199,9 +199,11 @@ def check_expert_parallel(
     reduce_dtype: str = "auto",
 ) -> None:
     """Expert parallelism over ``ep`` ranks: a sub-axis of the dp x cp ranks (ep divides
-    dp * cp), an MoE model whose experts divide by ep, and the layouts it composes with
-    in this version (plain data parallelism: ZeRO stage 0 with fp32 parameters and
-    reduction; no gradient compression; ``pp`` and ``tp`` compose and need no rule)."""
+    dp * cp), an MoE model whose experts divide by ep, and no gradient compression.
+    ZeRO stages 0-3 (the expert weights in ZeRO units of their own over their replica
+    group), 16-bit precision (their fp32 masters there), ``pp`` and ``tp`` compose and
+    need no rule (``zero``, ``pp``, ``tp``, ``dtype`` and ``reduce_dtype`` are taken so
+    that every layout rule of ep is stated here)."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be positive, got {ep}.")
     if ep == 1:
@@ -227,16 +229,4 @@ def check_expert_parallel(
             f"parallel.compression={compression} is refused with parallel.ep={ep}: expert "
             "gradients are reduced over their own replica groups, which the compressors' "
             "per-bucket state (error feedback, PowerSGD's Q) does not cover."
-        )
-    if dtype != "fp32" or reduce_dtype not in ("auto", "fp32"):
-        raise ConfigError(
-            f"precision.dtype={dtype} (reduce_dtype={reduce_dtype}) with parallel.ep={ep} "
-            "is not supported yet: 16-bit parameters keep their fp32 masters in ZeRO's flat "
-            "units, which do not hold the expert weights yet; use fp32 (docs/moe.md)."
-        )
-    if zero != 0:
-        raise ConfigError(
-            f"parallel.zero={zero} with parallel.ep={ep} is not supported yet: expert "
-            "parameters would need their own ZeRO units over their replica group; use "
-            "parallel.zero=0 (docs/moe.md)."
         )

@@ -252,8 +252,8 @@ class MoE(nn.Module):
         y = self.dispatcher(rows, kept, self.experts)  # (N, dim)
         y = y * weight.to(y.dtype)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token, y)  # (T, dim)
-        if self.shared is not None:
-            out = out + self.shared(flat)
+        if self.shared is not None:  # on (batch, seq, dim): a sequence-parallel region
+            out = out + self.shared(x).reshape(flat.shape)
         out = out.view(shape)
         if self.aux_coef or self.z_coef:
             out = AttachAux.apply(out, term, self.grad_scale)

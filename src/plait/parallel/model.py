@@ -118,8 +118,8 @@ class ParallelModel(nn.Module):
         several ranks. Replicas (dp outside the shard group, cp) are not summed: they
         are equal."""
         groups = self.data_wrapper.norm_groups()
-        if self.experts is not None and self.experts.ep > 1:  # each expert on one ep rank
-            groups.append(self.experts.ep_group)
+        if self._experts_outside:  # each expert on one ep rank
+            groups.append(self.experts.ep_group)  # type: ignore[union-attr]
         if self.mesh.size("pp") > 1:
             groups.append(self.mesh.axis("pp"))
         return groups
@@ -131,11 +131,19 @@ class ParallelModel(nn.Module):
         stages = self.stages
         if stages is not None and p is stages.tied and stages.pp_index > 0:
             return 0.0
-        if self.experts is not None and self.experts.ep > 1:  # summed over ep too
+        if self._experts_outside:  # summed over ep too
+            assert self.experts is not None
             if expert_split(p) is not None:  # whole on every tp rank
                 return 1.0 / self.mesh.size("tp")
             return self.data_wrapper.norm_weight(p) / self.experts.ep
         return self.data_wrapper.norm_weight(p)
+
+    @property
+    def _experts_outside(self) -> bool:
+        """Expert weights split over ep ranks and left out of the data wrapper (plain data
+        parallelism: :class:`~plait.parallel.expert.ExpertGradSync` reduces them); under
+        ZeRO they are the wrapper's own expert units, which answer for themselves."""
+        return self.experts is not None and self.experts.ep > 1 and self.zero is None
 
     def zero_wrapper(self) -> ZeroDataParallel | None:
         """The ZeRO wrapper whose shards the optimizer steps (None under plain data
@@ -154,11 +162,11 @@ class ParallelModel(nn.Module):
         skip = stages.tied if stages is not None and stages.pp_index > 0 else None
         out = []
         for piece in own:
-            piece = tensor_parallel_piece(piece, tp_index)
+            piece = ExpertLayout.refine(tensor_parallel_piece(piece, tp_index))  # ZeRO: ep block
             write = piece.write and piece.key is not skip
             out.append(piece.but(name=self._names[id(piece.key)], write=write))
-        if self.experts is not None and self.experts.ep > 1:  # not the data wrapper's
-            out += self.experts.pieces(self._names, tp_index)
+        if self._experts_outside:  # not the data wrapper's
+            out += self.experts.pieces(self._names, tp_index)  # type: ignore[union-attr]
         return out
 
     # ------------------------------------------------------------------ step
@@ -267,6 +275,10 @@ class ParallelModel(nn.Module):
                 f"replicated x{zero.replicate_group.size}, {len(zero.units)} units"
                 + (f", offload {zero.offload}" if zero.offload != "none" else "")
             )
+            if zero.expert_groups is not None:  # ep > 1: the expert units' own groups
+                g = zero.expert_groups[0 if zero.stage else 1]
+                verb = "sharded" if zero.stage else "replicated"
+                note += f", expert units {verb} over ep_replica ({g.size})"
         else:
             note = "plain data parallel (bucketed all-reduce)"
             if self.compressor is not None:

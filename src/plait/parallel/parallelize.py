@@ -67,7 +67,6 @@ from plait.config import (
     TrainConfig,
 )
 from plait.config_checks import check_compression, check_expert_parallel
-from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.parallel.compile import apply_compile
@@ -164,11 +163,6 @@ def parallelize(
         loss_chunk = (full.train if full is not None else TrainConfig()).loss_chunk
     if tp > 1 and tp_plan is None:  # MoE layers: routed experts whole on every tp rank
         tp_plan = moe_tp_plan(model)
-        if tp_plan is not None and sp:
-            raise ConfigError(
-                "parallel.sequence_parallel with MoE layers is not supported yet: the "
-                "router needs every token of a sequence on each tp rank (docs/moe.md)"
-            )
     if loss_fn is None:
         loss_fn = (
             vocab_parallel_loss(mesh, vocab_size_of(model, tp_plan), ignore_index, loss_chunk)
@@ -190,7 +184,8 @@ def parallelize(
         precision.dtype, precision.reduce_dtype,
     )  # fmt: skip
     data = mesh.axis(*data_axes(mesh))
-    experts = apply_expert_parallel(model, mesh, p.ep, data, values)
+    tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
+    experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)
     names, aliases = _one_device_names(model)
     init: LocalInit | None = None
     param_names = list(names.values())
@@ -247,6 +242,7 @@ def parallelize(
         )
     if compressor is not None:  # the plain path only (same rule as the config's)
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)
+    split = experts if experts is not None and experts.ep > 1 else None  # experts split
     wrapped: nn.Module
     if plain:
         wrapped = DataParallel(
@@ -257,7 +253,7 @@ def parallelize(
             axes=data_axes(mesh),
             compressor=compressor,
             broadcast=init is None,  # materialised values are equal on every rank
-            exclude=experts.params if experts is not None and experts.ep > 1 else (),
+            exclude=split.params if split is not None else (),
         )
     else:
         wrapped = ZeroDataParallel(
@@ -277,6 +273,9 @@ def parallelize(
             init=init,
             offload_dir=p.offload_dir,
             offload_delay=p.offload_delay,
+            # ep > 1: expert weights in units of their own over their replica group
+            expert_params=split.params if split is not None else (),
+            expert_group=split.replica_group if split is not None else None,
         )
     pipeline = None
     if pp > 1:
@@ -294,12 +293,10 @@ def parallelize(
         )
     if experts is not None and experts.ep > 1:  # expert gradients over their replica group
         experts.keep_only(inner)  # this pipeline stage's
-        dp_wrapper = wrapped if isinstance(wrapped, DataParallel) else None
-        experts.sync = ExpertGradSync(
-            experts.params,
-            experts.replica_group,
-            data.size,
-            (lambda: dp_wrapper.syncing) if dp_wrapper is not None else None,
+    if split is not None and isinstance(wrapped, DataParallel):  # (ZeRO: its expert units)
+        dp_wrapper = wrapped
+        split.sync = ExpertGradSync(
+            split.params, split.replica_group, data.size, lambda: dp_wrapper.syncing
         )
     return ParallelModel(
         wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts

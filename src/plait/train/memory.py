@@ -130,7 +130,9 @@ def memory_report(model: nn.Module, optimizer: object | None = None, rank: int =
     """Exact per-rank bytes of ``model``'s training state (and ``optimizer``'s, if given).
 
     ``model`` may be a :class:`~plait.parallel.model.ParallelModel` (its wrapper is
-    counted), a :class:`~plait.parallel.zero.ZeroDataParallel`, a
+    counted, and under expert parallelism with plain data parallelism the expert
+    gradients' buffer, which the wrapper leaves out), a
+    :class:`~plait.parallel.zero.ZeroDataParallel` (expert units included), a
     :class:`~plait.parallel.data.DataParallel` (its bucket buffers count as gradients:
     ``.grad`` are views into them, so each storage is counted once) or any module; ``optimizer`` a
     :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
@@ -138,9 +140,12 @@ def memory_report(model: nn.Module, optimizer: object | None = None, rank: int =
     from plait.parallel.model import ParallelModel
     from plait.parallel.zero import ZeroDataParallel
 
-    if isinstance(model, ParallelModel):
-        model = model.module
     c = _Counter()
+    if isinstance(model, ParallelModel):
+        sync = model.experts.sync if model.experts is not None else None
+        if sync is not None:  # ep > 1 under plain DP: the expert gradients' own buffer
+            c.add("grads", [sync.buffer, *(p.grad for p in sync.params)])
+        model = model.module
     if isinstance(model, ZeroDataParallel):
         numel = sum(u.numel for u in model.units)
         if model.stage == 3:

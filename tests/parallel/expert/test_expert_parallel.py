@@ -102,11 +102,14 @@ def ref() -> dict[str, Any]:
 
 def _body(
     ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1, cp: int = 1,
-    rc: str = "none", micro: int = 1,
+    rc: str = "none", micro: int = 1, offload: str = "none", shard: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     dp = ctx.world_size // (tp * pp * cp)
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
-    cfg = ParallelConfig(ep=ep, bucket_mb=0.01, zero=zero, microbatches=2)
+    cfg = ParallelConfig(
+        ep=ep, bucket_mb=0.01, zero=zero, microbatches=2, offload=offload,  # type: ignore[arg-type]
+        zero_shard_size=shard,
+    )  # fmt: skip
     pm = parallelize(_model(), mesh, cfg, recompute=rc)  # type: ignore[arg-type]
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
     per, r = BATCH // dp, mesh.index("dp")

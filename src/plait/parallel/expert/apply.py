@@ -31,6 +31,7 @@ from plait.model.init import InitialValues
 from plait.model.moe import MoE, MoEStats
 from plait.parallel.expert.dispatch import ExpertParallelDispatch
 from plait.parallel.expert.grads import ExpertGradSync
+from plait.parallel.tensor.sequence import register_grad_sums
 from plait.pieces import LocalPiece, TPSplit
 
 _ATTR = "plait_expert_split"
@@ -64,6 +65,11 @@ class ExpertLayout:
     ep_group: AxisGroup
     replica_group: AxisGroup
     sync: ExpertGradSync | None = None
+    tokens: AxisGroup | None = None
+    """The ranks a layer's tokens are split over, when more than the data ranks
+    (sequence parallelism: dp x cp x tp); None: the data ranks."""
+    seq_split: int = 1
+    """The ranks one sequence's tokens are routed from (sequence parallelism: tp)."""
 
     @property
     def ep(self) -> int:
@@ -79,9 +85,11 @@ class ExpertLayout:
         self.moes = [m for m in self.moes if id(m) in mods]
 
     def set_grad_scale(self, scale: float) -> None:
-        """The factor the training loss is multiplied by (the aux losses get it too)."""
+        """The factor the training loss is multiplied by (the aux losses get it too).
+        Under sequence parallelism each tp rank's aux losses are of its sequence shard,
+        and the global batch's are their mean: each gets ``1/seq_split`` of it."""
         for m in self.moes:
-            m.grad_scale = scale
+            m.grad_scale = scale / self.seq_split
 
     def stats(self) -> list[MoEStats]:
         """The last call's statistics of every MoE layer on this rank, in order."""
@@ -97,6 +105,8 @@ class ExpertLayout:
         stats = self.stats()
         if not stats:
             return {}
+        if self.tokens is not None:  # sequence parallelism: each tp rank's shard too
+            data_group = self.tokens
         dev = stats[0].aux_loss.device
         v = torch.tensor(
             [
@@ -122,13 +132,23 @@ class ExpertLayout:
         out = []
         write = self.replica_group.index == 0 and tp_index == 0
         for p in self.params:
-            s = expert_split(p)
-            assert s is not None
-            shape = [s.full, *p.shape[1:]]
-            tp = None if s.shards == 1 else TPSplit(0, s.full, s.shards, 1, s.block, s.index)
             flat = p.detach().reshape(-1)
-            out.append(LocalPiece(names[id(p)], shape, tp, 0, p.numel(), flat, p, p.dtype, write))
+            whole = LocalPiece(
+                names[id(p)], list(p.shape), None, 0, p.numel(), flat, p, p.dtype, write
+            )
+            out.append(self.refine(whole))
         return out
+
+    @staticmethod
+    def refine(piece: LocalPiece) -> LocalPiece:
+        """``piece`` of a local expert weight ``(E/ep, ...)`` (a ZeRO shard segment or the
+        whole tensor) in one-device terms: the shape ``(E, ...)`` and the block along
+        dim 0 this ep rank holds; any other piece unchanged."""
+        s = expert_split(piece.key)
+        if s is None or s.shards == 1:
+            return piece
+        tp = TPSplit(0, s.full, s.shards, 1, s.block, s.index)
+        return piece.but(shape=[s.full, *piece.shape[1:]], tp=tp)
 
 
 def apply_expert_parallel(
@@ -137,9 +157,13 @@ def apply_expert_parallel(
     ep: int,
     data_group: AxisGroup,
     values: InitialValues | None,
+    tokens: AxisGroup | None = None,
 ) -> ExpertLayout | None:
     """Split every MoE layer's experts over ``ep`` ranks (see the module docstring);
-    None when the model has no MoE layer."""
+    None when the model has no MoE layer. ``tokens``: the ranks a layer's tokens are
+    split over when more than ``data_group``'s (sequence parallelism: dp x cp x tp, each
+    tp rank routing its own sequence shard)."""
+    tokens = tokens if tokens is not None else data_group
     moes = [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
     if not moes:
         return None
@@ -148,7 +172,7 @@ def apply_expert_parallel(
     params: list[nn.Parameter] = []
     for name, moe in moes:
         full = moe.n_experts
-        moe.dispatcher = ExpertParallelDispatch(ep_group, data_group, full)
+        moe.dispatcher = ExpertParallelDispatch(ep_group, tokens, full)
         if ep == 1:  # every expert here: the weights stay as they are
             params += [moe.experts.w1, moe.experts.w3, moe.experts.w2]
             continue
@@ -166,7 +190,14 @@ def apply_expert_parallel(
             else:
                 value = old.detach()[lo:hi].clone()
             new = nn.Parameter(value, requires_grad=old.requires_grad)
+            # what tp noted (whole on every tp rank: 1/tp in a global norm; under
+            # sequence parallelism its gradient summed over tp) carries over
+            new.__dict__.update(old.__dict__)
+            register_grad_sums(new)
             setattr(new, _ATTR, ExpertSplit(full, ep, index))
             setattr(moe.experts, attr, new)
             params.append(new)
-    return ExpertLayout([m for _, m in moes], params, ep_group, replica)
+    split = tokens.size // data_group.size
+    return ExpertLayout(
+        [m for _, m in moes], params, ep_group, replica, tokens=tokens, seq_split=split
+    )

@@ -7,7 +7,8 @@ them. The ranks at the same position of every ep block (the *expert replica grou
 the global batch's mean loss is their sum divided by the number of data ranks
 (dp x cp), as data parallelism divides its own sum. :class:`ExpertGradSync` does that
 at the end of each synchronising backward (one all-reduce of the flattened expert
-gradients); inside :meth:`~ExpertGradSync.no_sync` gradients accumulate locally.
+gradients, in a buffer kept across steps); inside :meth:`~ExpertGradSync.no_sync`
+gradients accumulate locally.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class ExpertGradSync:
         self._sync = True
         self._queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        if len({(p.dtype, p.device) for p in params}) > 1:
+            raise ValueError("ExpertGradSync: the expert weights differ in dtype or device")
+        self.buffer: torch.Tensor | None = None
+        """``(total,)`` the flattened expert gradients the all-reduce runs on, kept across
+        steps (as data parallelism's buckets; the memory report counts it)."""
 
     def _on_grad(self, p: torch.Tensor) -> None:
         wrapper = self._syncing() if self._syncing is not None else True
@@ -60,21 +66,26 @@ class ExpertGradSync:
     @torch.no_grad()
     def reduce(self) -> None:
         """Sum the gradients over the replica group and divide by the data ranks (a
-        missing gradient counts as zeros)."""
-        grads = []
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        if not grads:
+        missing gradient counts as zeros), in :attr:`buffer`: each ``.grad`` becomes a
+        view into it."""
+        if not self.params:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (total,)
-        comm.all_reduce(flat, self.replica, op="sum")
-        flat.div_(self.data_ranks)
+        buf = self.buffer
+        if buf is None:
+            total = sum(p.numel() for p in self.params)
+            p0 = self.params[0]
+            buf = self.buffer = torch.empty(total, dtype=p0.dtype, device=p0.device)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in self.params:
+            view = buf[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+            offset += p.numel()
+        comm.all_reduce(buf, self.replica, op="sum")
+        buf.div_(self.data_ranks)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -5,8 +5,11 @@ Attention and the dense feed-forwards are split as in
 the routed experts stay whole on every tp rank (``replicate``: the tp ranks hold the
 same tokens and compute the same routing, so expert parallelism and its all-to-all are
 unchanged by tp), and the shared experts are one tensor-parallel SwiGLU region like a
-dense feed-forward. Sequence parallelism (tokens split over tp) is refused with MoE
-layers in this version.
+dense feed-forward. Under sequence parallelism the MoE layer is no region: each tp rank
+routes its own sequence shard (the tp ranks then split the tokens like data ranks: the
+ep group of a rank is at its tp index, the router's and experts' gradients are summed
+over tp as any ``replicate`` weight's under SP, the load-balancing counts over dp x cp x
+tp), and only the shared experts gather the sequence (their region).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@
   driver (:class:`plait.parallel.pipeline.zero.PipelineZero`).
 * :mod:`~plait.parallel.zero.wrapper` — :class:`ZeroDataParallel`, stages 0-3.
 * :mod:`~plait.parallel.zero.optim` — the sharded fp32 masters the optimizer steps.
+* :mod:`~plait.parallel.zero.experts` — expert parallelism: the expert weights' units
+  over their replica group.
 """
 
 from plait.parallel.zero.wrapper import ZeroDataParallel

@@ -153,11 +153,15 @@ class BufferRing:
 
 def plan_buckets(units: list[UnitReduction], nbytes: int, element_size: int) -> list[GradBucket]:
     """Greedy buckets over ``units`` in reverse order (backward order, roughly): a
-    bucket closes once it holds at least ``nbytes`` of gradients (as DataParallel's)."""
+    bucket closes once it holds at least ``nbytes`` of gradients (as DataParallel's),
+    or before a unit reduced over other groups (:attr:`FlatUnit.groups`: expert units)."""
     out: list[GradBucket] = []
     cur: list[UnitReduction] = []
     size = 0
     for r in reversed(units):
+        if cur and cur[-1].unit.groups is not r.unit.groups:
+            out.append(GradBucket(cur))
+            cur, size = [], 0
         cur.append(r)
         size += r.unit.padded * element_size
         if size >= nbytes:
@@ -192,6 +196,11 @@ class ParamSync:
         # unit of a bucket maps to the same entry
         self._pending: dict[int, tuple[GradBucket, torch.Tensor, Any]] = {}
 
+    def _group(self, b: GradBucket) -> AxisGroup:
+        """The group ``b``'s units are sharded over (their own, or the wrapper's)."""
+        groups = b.units[0].unit.groups
+        return groups[0] if groups is not None else self.shard_group
+
     @property
     def in_flight(self) -> int:
         """Units whose all-gather is launched and not completed."""
@@ -201,17 +210,18 @@ class ParamSync:
     def launch(self, buckets: list[GradBucket]) -> None:
         """Start every bucket's all-gather, in forward order (first unit first)."""
         for b in sorted(buckets, key=lambda b: min(r.unit.index for r in b.units)):
+            group = self._group(b)
+            if group.size == 1:  # not sharded (an expert unit of a one-rank replica group)
+                continue
             if len(b.units) == 1:  # in place: the shard is this rank's chunk of full
                 u = b.units[0].unit
-                out, h = comm.all_gather(
-                    u.full[u.lo : u.hi], self.shard_group, async_op=True, out=u.full
-                )
+                out, h = comm.all_gather(u.full[u.lo : u.hi], group, async_op=True, out=u.full)
             else:  # the units' shards side by side, as the bucket's columns
                 send = torch.empty(b.width, dtype=self.dtype, device=self.device)
                 for r, col in zip(b.units, b.cols, strict=True):
                     u = r.unit
                     send[col : col + u.shard_numel].copy_(u.full[u.lo : u.hi])
-                out, h = comm.all_gather(send, self.shard_group, async_op=True)  # (F * width,)
+                out, h = comm.all_gather(send, group, async_op=True)  # (F * width,)
             for r in b.units:
                 self._pending[r.unit.index] = (b, out, h)
             self._note("gather", b.names)
@@ -220,13 +230,14 @@ class ParamSync:
     def wait(self, unit: FlatUnit | None = None) -> None:
         """Complete ``unit``'s bucket's all-gather (every one when None)."""
         todo = list(self._pending) if unit is None else [unit.index]
-        me, f = self.shard_group.index, self.shard_group.size
         for index in todo:
             hit = self._pending.get(index)
             if hit is None:
                 continue
             b, out, h = hit
             h.wait()
+            group = self._group(b)
+            me, f = group.index, group.size
             got = out.view(f, b.width)  # (F, width)
             for r, col in zip(b.units, b.cols, strict=True):
                 u = r.unit

@@ -14,6 +14,11 @@ padded with zeros to a multiple of the shard count F and cut into F equal chunks
 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models"). The original ``nn.Parameter`` objects stay in the model; their ``.data``
 becomes a view into the unit's flat buffer, so model code is untouched.
+
+Under expert parallelism the expert weights of a unit form a unit of their own
+(:func:`split_expert_units`, named ``<unit>:experts``, triggered by the same modules):
+its shards, reductions and gathers run over its own groups (:attr:`FlatUnit.groups`, the
+expert replica group), not the wrapper's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from plait.comm import AxisGroup
 
 WrapPolicy = Callable[[str, nn.Module], bool]
 WrapSpec = WrapPolicy | Sequence[type[nn.Module]] | type[nn.Module] | None
@@ -165,6 +172,34 @@ def plan_units(model: nn.Module, wrap: WrapSpec) -> list[UnitSpec]:
     return out
 
 
+EXPERTS = ":experts"
+"""Suffix of the name of a unit holding the expert weights of another (``layers.1:experts``)."""
+
+
+def split_expert_units(specs: list[UnitSpec], experts: set[int]) -> list[UnitSpec]:
+    """``specs`` with the parameters whose id is in ``experts`` moved to a unit of their
+    own right after their unit (same triggers); the order is otherwise kept."""
+    out: list[UnitSpec] = []
+    for s in specs:
+        keep = [(p, n) for p, n in zip(s.params, s.names, strict=True) if id(p) not in experts]
+        moved = [(p, n) for p, n in zip(s.params, s.names, strict=True) if id(p) in experts]
+        if keep:
+            out.append(
+                UnitSpec(s.name, s.module, [p for p, _ in keep], [n for _, n in keep], s.triggers)
+            )
+        if moved:
+            out.append(
+                UnitSpec(
+                    s.name + EXPERTS,
+                    s.module,
+                    [p for p, _ in moved],
+                    [n for _, n in moved],
+                    s.triggers,
+                )
+            )
+    return out
+
+
 class FlatUnit:
     """The flat, padded, evenly sharded layout of one unit's parameters.
 
@@ -204,6 +239,12 @@ class FlatUnit:
         self.grad_full: torch.Tensor | None = None  # (padded,) full-size gradient buffer
         self.grad_shard: torch.Tensor | None = None  # (shard_numel,) reduced gradient shard
         self.fp32_init: torch.Tensor | None = None  # (shard_numel,) fp32 initial master
+        self.groups: tuple[AxisGroup, AxisGroup] | None = None
+        """(shard group, replicate group) of a unit sharded over other ranks than the
+        wrapper's (expert weights: their replica group); None: the wrapper's groups."""
+        self.grad_scale = 1.0
+        """Factor on the averaged gradient shard (expert units: replica ranks / data
+        ranks, as the gradient of the global mean loss is their sum over the data ranks)."""
 
     def flatten(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``(padded,)`` concatenation of the parameters' current values in ``dtype``."""

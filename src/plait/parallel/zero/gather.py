@@ -121,7 +121,8 @@ class ParameterGatherer:
     """The stage-3 parameter path of one ZeRO-wrapped module.
 
     Args:
-        shard_group: the group the parameters are sharded over.
+        shard_group: the group the parameters are sharded over (a unit with groups of
+            its own, :attr:`FlatUnit.groups`, is gathered over those).
         device: where the full parameters live.
         shard_device: where the persistent shards live (the CPU with offload="params").
         note: records an event ``(kind, unit name)`` (tests read the order).
@@ -175,7 +176,8 @@ class ParameterGatherer:
         g = self.gathers[u.index]
         if g.state is not GatherState.FREE:
             return False
-        out = g.start(self.shard_group, self.device)
+        group = u.groups[0] if u.groups is not None else self.shard_group  # expert units: own
+        out = g.start(group, self.device)
         self.gathered_bytes += u.padded * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         self.peak_gathered_units = max(self.peak_gathered_units, self.live_units)

@@ -117,6 +117,8 @@ class UnitReduction:
             self._replicate = None
         out = self.shard
         assert out is not None
+        if self.unit.grad_scale != 1.0:  # expert units: replica ranks / data ranks
+            out.mul_(self.unit.grad_scale)
         self.ready.clear()
         self._go(ReduceState.REDUCED if keep else ReduceState.IDLE)
         if not keep:

@@ -56,7 +56,8 @@ class GradientReducer:
     Args:
         units: the wrapper's flat units.
         stage: the ZeRO stage (0/1 keep full gradient buffers, 2/3 transient ones).
-        shard_group, replicate_group: the hybrid-sharding groups of the dp axis.
+        shard_group, replicate_group: the hybrid-sharding groups of the dp axis (a unit
+            with groups of its own, :attr:`FlatUnit.groups`, is reduced over those).
         reduce_dtype: the dtype gradients are reduced in.
         device: where the transient buffers live.
         find_unused_parameters: reduce zeros for parameters with no gradient.
@@ -229,8 +230,9 @@ class GradientReducer:
             self._launch_bucket(b)
 
     def _launch_bucket(self, b: GradBucket) -> None:
-        """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`)."""
-        f = self.shard_group.size
+        """One reduce-scatter for the units of ``b`` (see :class:`GradBucket`; its units
+        share their groups)."""
+        f = self._shard_group(b.units[0].unit).size
         if self.ring is not None:  # stage 2: the gradients were written into it
             assert b.buffer is not None
             buf = b.buffer
@@ -244,7 +246,9 @@ class GradientReducer:
             b.buffer = buf
             self.grad_buffer_bytes += buf.numel() * buf.element_size()
             self.peak_grad_buffer_bytes = max(self.peak_grad_buffer_bytes, self.grad_buffer_bytes)
-        out, h = comm.reduce_scatter(buf, self.shard_group, op="avg", async_op=True)
+        out, h = comm.reduce_scatter(
+            buf, self._shard_group(b.units[0].unit), op="avg", async_op=True
+        )
         for r, col in zip(b.units, b.cols, strict=True):
             r.joined(out[col : col + r.unit.shard_numel], h, buf)
             self._launched.append(r)
@@ -258,7 +262,7 @@ class GradientReducer:
         u = r.unit
         assert u.grad_full is not None
         buffer = u.grad_full.to(self.reduce_dtype)  # (padded,) a copy only if dtypes differ
-        r.launch(buffer, self.shard_group)
+        r.launch(buffer, self._shard_group(u))
         self._launched.append(r)
         self._note("reduce", u.name)
         if self.on_launch is not None:
@@ -282,8 +286,16 @@ class GradientReducer:
             self._settle(r)
             self._early.add(r.unit.index)
 
+    def _shard_group(self, u: FlatUnit) -> AxisGroup:
+        """The group ``u``'s gradient is reduce-scattered over (its own, or the wrapper's)."""
+        return u.groups[0] if u.groups is not None else self.shard_group
+
+    def _replicate_group(self, u: FlatUnit) -> AxisGroup:
+        """The group ``u``'s gradient shard is all-reduced over (hybrid sharding)."""
+        return u.groups[1] if u.groups is not None else self.replicate_group
+
     def _end_scatter(self, r: UnitReduction) -> None:
-        r.finish_scatter(self.replicate_group)
+        r.finish_scatter(self._replicate_group(r.unit))
         self._note("scattered", r.unit.name)  # its reduce-scatter was waited for
         self._drop_buffer(r.unit)
         self._release(self._bucket_of[r.unit.index])  # the bucket's input is not needed
@@ -386,7 +398,7 @@ class GradientReducer:
             if r.unit.index in self._early:
                 continue
             if r.state is ReduceState.SCATTERING:
-                r.finish_scatter(self.replicate_group)
+                r.finish_scatter(self._replicate_group(r.unit))
             r.finish(keep=False)
         self._launched = []
         self._early = set()

@@ -57,7 +57,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ from plait.parallel.precision import parse_dtype
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
 from plait.parallel.zero.driver import AutogradDriver
+from plait.parallel.zero.experts import expert_unit_groups, local_experts_as_they_are, make_units
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
 from plait.parallel.zero.gather import ParameterGatherer
 from plait.parallel.zero.reducer import GradientReducer
@@ -112,6 +113,14 @@ class ZeroDataParallel(nn.Module):
             masters) in files in this folder (ZeRO-Infinity's NVMe tier).
         offload_delay: with offload: the one-step-delayed update (the host step runs
             through the next forward and backward; gradients one update stale).
+        expert_params: expert parallelism: the expert weights (each ep rank holds other
+            experts), which ``expert_group`` replicates.
+        expert_group: the expert replica group (:meth:`~plait.mesh.Mesh.expert_axes`):
+            the ranks of the axis holding the same experts. The expert weights of every
+            unit form a unit of their own (``<unit>:experts``), sharded over this group
+            at stages 1-3 (replicated over it at stage 0; hybrid sharding does not apply
+            to them); their gradients are reduced over it only, scaled to the average
+            over the axis' ranks (the global batch's mean loss).
     """
 
     def __init__(
@@ -134,6 +143,8 @@ class ZeroDataParallel(nn.Module):
         init: Callable[[torch.Tensor], torch.Tensor] | None = None,
         offload_dir: str | None = None,
         offload_delay: bool = False,
+        expert_params: Sequence[nn.Parameter] = (),
+        expert_group: AxisGroup | None = None,
     ) -> None:
         super().__init__()
         check_positive("", bucket_mb=bucket_mb)
@@ -168,10 +179,19 @@ class ZeroDataParallel(nn.Module):
         self.reduce_dtype = parse_dtype(reduce_dtype) if reduce_dtype else self.param_dtype
         self.dp_group = mesh.axis(*axes)
         self.shard_group, self.replicate_group = mesh.split_axis(axes, factor)
-        if not meta:
-            broadcast_module_state(module, self.dp_group)
+        self._experts = {id(p) for p in expert_params}
+        if not meta:  # (each ep rank holds its own experts)
+            broadcast_module_state(module, self.dp_group, self._experts)
         specs = plan_units(module, wrap)
-        self.units = [FlatUnit(i, s, factor, self.shard_group.index) for i, s in enumerate(specs)]
+        self.expert_groups: tuple[AxisGroup, AxisGroup] | None = None
+        """Expert parallelism: (shard, replicate) groups of the expert units."""
+        if self._experts:
+            if expert_group is None:
+                raise ValueError("ZeroDataParallel: expert_params need their expert_group")
+            self.expert_groups = expert_unit_groups(expert_group, stage)
+        self.units = make_units(
+            specs, factor, self.shard_group.index, self._experts, self.expert_groups, self.dp_group
+        )
         self.reducer = GradientReducer(
             self.units,
             stage,
@@ -195,7 +215,8 @@ class ZeroDataParallel(nn.Module):
             self.shard_group, self.param_dtype, self.device, self._note_event
         )
         self._sync_hooks: list[Any] = []
-        if stage in (1, 2) and self.shard_group.size > 1:
+        sharded = [u for u in self.units if self._groups(u)[0].size > 1]
+        if stage in (1, 2) and sharded:
             for u in self.units:
                 for m in u.triggers or [module]:
                     hook = functools.partial(self._before_forward, u)
@@ -203,6 +224,8 @@ class ZeroDataParallel(nn.Module):
             self._sync_hooks.append(self.register_state_dict_pre_hook(self._before_state_dict))
             for m in module.modules():  # a state_dict of any part reads full parameters
                 self._sync_hooks.append(m.register_state_dict_pre_hook(self._before_state_dict))
+        if meta and init is not None and self._experts:
+            init = local_experts_as_they_are(init)
         for u in self.units:
             self._init_unit(u, init if meta else None)
         # the one driver of the gathers and reductions: autograd's hooks, until another
@@ -256,6 +279,10 @@ class ZeroDataParallel(nn.Module):
                 p.grad = u.view(i, u.grad_full)
         else:
             u.grad_shard = torch.zeros(u.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+    def _groups(self, u: FlatUnit) -> tuple[AxisGroup, AxisGroup]:
+        """(shard, replicate) groups of ``u``: its own (expert units) or the wrapper's."""
+        return u.groups if u.groups is not None else (self.shard_group, self.replicate_group)
 
     # ------------------------------------------------------------------ callbacks
 
@@ -383,7 +410,7 @@ class ZeroDataParallel(nn.Module):
         in flight: each unit's is completed by a forward pre-hook just before the unit
         computes, so communication overlaps the forward of the units before it.
         ``wait=True`` (or :meth:`wait_params`) completes them now."""
-        if self.stage == 3 or self.shard_group.size == 1:
+        if self.stage == 3 or all(self._groups(u)[0].size == 1 for u in self.units):
             return
         self.wait_params()  # a previous step's gathers (a step with no forward between)
         self._param_sync.launch(self.reducer.buckets)
@@ -408,9 +435,9 @@ class ZeroDataParallel(nn.Module):
         after the step, so only the first replicate rank writes."""
         self.wait_params()
         names = {id(p): n for n, p in self.module.named_parameters()}
-        first = self.replicate_group.index == 0
         out: list[LocalPiece] = []
         for u in self.units:
+            first = self._groups(u)[1].index == 0
             shard = self.param_shard(u)  # (shard_numel,) model dtype
             for i, a, b in u.local_segments():
                 p, at = u.params[i], u.lo + a - u.offsets[i]  # at: first element in p
@@ -442,16 +469,26 @@ class ZeroDataParallel(nn.Module):
     def norm_groups(self) -> list[AxisGroup]:
         """The groups a global gradient norm's local square is summed over: the shard
         group (each element of a replica on exactly one rank) and the mesh's tp axis,
-        each when it has several ranks. Replicas of a shard hold equal gradients."""
-        groups = [self.shard_group] if self.shard_group.size > 1 else []
+        each when it has several ranks. Replicas of a shard hold equal gradients. With
+        expert units: the whole axis (each rank's experts are others; every piece is
+        weighted by 1/its replicas, :meth:`norm_weight`)."""
+        if self.expert_groups is not None:
+            groups = [self.dp_group] if self.dp_group.size > 1 else []
+        else:
+            groups = [self.shard_group] if self.shard_group.size > 1 else []
         if self.mesh.size("tp") > 1:
             groups.append(self.mesh.axis("tp"))
         return groups
 
     def norm_weight(self, p: torch.Tensor) -> float:
         """Weight of ``p``'s squared gradient norm in the global norm: 1/k for a tensor
-        held identically by k tp ranks, else 1."""
-        return tp_norm_weight(p)
+        held identically by k tp ranks, else 1; with expert units also 1/r for a shard
+        held identically by the r ranks of its replicate group (the norm is summed over
+        the whole axis)."""
+        if self.expert_groups is None:
+            return tp_norm_weight(p)
+        rep = self.expert_groups[1] if id(p) in self._experts else self.replicate_group
+        return tp_norm_weight(p) / rep.size
 
     def zero_wrapper(self) -> ZeroDataParallel:
         """This wrapper: the optimizer steps fp32 masters of its shards
