@@ -85,6 +85,7 @@ def _reverify(folder: str) -> str:
         ["--parallel.compression", "topk", "--parallel.compression_warmup_steps", "-1"],
         ["--parallel.compression", "topk", "--parallel.zero", "2"],
         ["--parallel.compression", "bf16", "--precision.dtype", "bf16"],
+        ["--parallel.compression", "topk", "--parallel.compression_topk_scope", "layer"],
     ],
 )
 def test_bad_values_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.config import COMPRESSIONS, Config, ParallelConfig
+from plait.config import COMPRESSIONS, Config, ParallelConfig, TopKScope
 from plait.parallel.compression.adam_local import LocalAdam
 from plait.parallel.compression.cast import CAST_DTYPES, CastCompressor
 from plait.parallel.compression.compressor import Compressor, Finish
@@ -42,17 +42,19 @@ def make_compressor(
     warmup: int = 0,
     adam: LocalAdam | None = None,
     clip: float = 0.0,
+    scope: TopKScope = "tensor",
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
     ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),
     ``adam`` its Adam moments in front of the sparsification and ``clip`` its local
-    clipping threshold (``compression_adam = "before"``)."""
+    clipping threshold (``compression_adam = "before"``), ``scope`` where top-k picks
+    (``compression_topk_scope``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip)
+        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip, scope=scope)
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")
