@@ -9,7 +9,10 @@ exchange the k = sum k_i ``(index, value)`` pairs with one AllGather
 gradient's dtype, both packed into one byte message). Every rank then adds all ranks'
 pairs into a zero bucket in rank order, so the result (the sum, i.e. the mean of the
 pre-divided gradients) is identical on every rank. What a rank did not send stays in
-its error buffer and is added next step.
+its error buffer and is added next step. With ``scope = "bucket"``
+(``parallel.compression_topk_scope``) the same total count is picked as one top-k over
+all matrix entries of the bucket instead, so the budget goes to the matrices whose
+residual is largest (vectors still go whole; :meth:`TopKCompressor.select`).
 
 Sparsity warm-up (Deep Gradient Compression, Lin et al. 2018): over the first
 ``warmup`` compressed steps the density decays exponentially from ``start_ratio``
