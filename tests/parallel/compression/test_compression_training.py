@@ -4,8 +4,9 @@ convergence on the built-in corpus, and bad values refused through the CLI.
 Resume: the protocol of ``tests/checkpoint/test_checkpoint.py`` (6 steps, a checkpoint at
 step 3, a second run resumes from it): with PowerSGD and top-k (error-feedback buffers
 and PowerSGD's warm-start Q saved per rank) the resumed run's losses and final weights
-equal the uninterrupted run's bit for bit (top-k also with one top-k per bucket). Without restoring that state they would not
-(checked: the same resume with the state dropped differs).
+equal the uninterrupted run's bit for bit (top-k also with one top-k per bucket). Without
+restoring that state they would not (checked: the same resume with the state dropped
+differs).
 """
 
 from __future__ import annotations
