@@ -7,7 +7,8 @@
 * ``topk`` (:mod:`.topk`): the ``compression_ratio`` largest entries of each matrix as
   (index, value) pairs over an AllGather, error feedback, Deep Gradient Compression's
   sparsity warm-up (``compression_warmup_steps``), momentum correction and local
-  clipping;
+  clipping; ``compression_topk_scope = "bucket"`` picks the same count as one top-k
+  over a bucket's matrices;
 * ``powersgd`` (:mod:`.powersgd`): rank-``compression_rank`` power iteration per matrix,
   warm-started, error feedback.
 
