@@ -9,7 +9,8 @@ uncompressed run's: top-k's sparsity warm-up sends more in its first steps, and 
 average includes them. Every run is a separate ``plait train`` process pair with the
 same seed, so the runs see the same batches from the same initial weights. Top-k runs
 with Adam's moments before the sparsification (``parallel.compression_adam = before``,
-the default) and after it (error feedback on the raw gradient).
+the default) and after it (error feedback on the raw gradient), picking per tensor (the
+default) or with one top-k over each bucket (``parallel.compression_topk_scope``).
 
 Run from the repository root::
 
@@ -43,6 +44,7 @@ def methods(steps: int) -> dict[str, list[str]]:
     if steps <= 100:  # bf16 is a rounding, not a delay: its short-run figure says it all
         out["bf16"] = ["--parallel.compression", "bf16"]
     after = ["--parallel.compression_adam", "after"]
+    bucket = ["--parallel.compression", "topk", "--parallel.compression_topk_scope", "bucket"]
     return out | {
         "powersgd r4": ["--parallel.compression", "powersgd"],
         "topk 1%, Adam after": ["--parallel.compression", "topk", *after],
@@ -66,7 +68,14 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_warmup_steps",
             str(steps),
         ],
+        "topk 1%, Adam before, per bucket": [*bucket],
+        f"topk 1%, Adam before, per bucket, warm-up {warm}": [
+            *bucket,
+            "--parallel.compression_warmup_steps",
+            str(warm),
+        ],
     }
+
 
 def run(steps: int, flags: list[str], folder: Path) -> tuple[float, float]:
     """(mean loss of the last 5 steps, mean dp bytes per step) of one run."""

@@ -32,6 +32,8 @@ CPAttention = Literal["ring", "ulysses"]
 MoERouter = Literal["softmax", "sigmoid"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]
 CompressionAdam = Literal["before", "after"]
+TopKScope = Literal["tensor", "bucket"]
+"""Where top-k picks its largest entries: within each matrix, or across a bucket's matrices."""
 WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
@@ -50,6 +52,7 @@ CP_ATTENTIONS: tuple[CPAttention, ...] = get_args(CPAttention)
 PP_GRAD_REDUCES: tuple[PPGradReduce, ...] = get_args(PPGradReduce)
 COMPRESSIONS: tuple[Compression, ...] = get_args(Compression)
 COMPRESSION_ADAMS: tuple[CompressionAdam, ...] = get_args(CompressionAdam)
+TOPK_SCOPES: tuple[TopKScope, ...] = get_args(TopKScope)
 NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 TOKEN_DTYPES: tuple[TokenDType, ...] = get_args(TokenDType)

@@ -16,6 +16,7 @@ from plait.config.choices import (
     Offload,
     PipelineSchedule,
     PPGradReduce,
+    TopKScope,
     check_choices,
 )
 from plait.config_checks import (
@@ -142,6 +143,11 @@ class ParallelConfig:
     """Expert-parallel degree: the routed experts of every MoE layer are split over groups
     of ep consecutive data-parallel ranks (a sub-axis of dp x cp; ep divides dp * cp and
     model.moe_experts); tokens travel to their experts by all-to-all (docs/moe.md)."""
+    compression_topk_scope: TopKScope = "tensor"
+    """topk: where the largest entries are picked: 'tensor' (ceil(rho * n) per matrix, as
+    in DGC) or 'bucket' (one top-k over all matrix entries of a gradient bucket, the same
+    count in total, so a matrix whose residual is larger gets more of the budget; vectors
+    go whole either way); see docs/compression.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")

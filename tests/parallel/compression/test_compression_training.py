@@ -4,8 +4,9 @@ convergence on the built-in corpus, and bad values refused through the CLI.
 Resume: the protocol of ``tests/checkpoint/test_checkpoint.py`` (6 steps, a checkpoint at
 step 3, a second run resumes from it): with PowerSGD and top-k (error-feedback buffers
 and PowerSGD's warm-start Q saved per rank) the resumed run's losses and final weights
-equal the uninterrupted run's bit for bit. Without restoring that state they would not
-(checked: the same resume with the state dropped differs).
+equal the uninterrupted run's bit for bit (top-k also with one top-k per bucket). Without
+restoring that state they would not (checked: the same resume with the state dropped
+differs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ Pools = Any
 
 def _cfg(root: str, method: str, resume: str | None = None) -> Any:
     cfg = config(root, resume=resume)
-    cfg.parallel.compression = method
+    cfg.parallel.compression = method.removesuffix("-bucket")  # type: ignore[assignment]
+    if method.endswith("-bucket"):  # one top-k per bucket: no state of its own
+        cfg.parallel.compression_topk_scope = "bucket"
     cfg.parallel.compression_ratio = 0.05
     cfg.parallel.compression_rank = 2
     cfg.parallel.compression_start = 1
@@ -33,7 +36,7 @@ def _cfg(root: str, method: str, resume: str | None = None) -> Any:
     return cfg
 
 
-@pytest.mark.parametrize("method", ["powersgd", "topk"])
+@pytest.mark.parametrize("method", ["powersgd", "topk", "topk-bucket"])
 def test_resume_with_compression_state_is_bit_exact(
     pools: Pools, tmp_path: Path, method: str
 ) -> None:
@@ -85,6 +88,7 @@ def _reverify(folder: str) -> str:
         ["--parallel.compression", "topk", "--parallel.compression_warmup_steps", "-1"],
         ["--parallel.compression", "topk", "--parallel.zero", "2"],
         ["--parallel.compression", "bf16", "--precision.dtype", "bf16"],
+        ["--parallel.compression", "topk", "--parallel.compression_topk_scope", "layer"],
     ],
 )
 def test_bad_values_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,8 @@
 * ``topk`` (:mod:`.topk`): the ``compression_ratio`` largest entries of each matrix as
   (index, value) pairs over an AllGather, error feedback, Deep Gradient Compression's
   sparsity warm-up (``compression_warmup_steps``), momentum correction and local
-  clipping;
+  clipping; ``compression_topk_scope = "bucket"`` picks the same count as one top-k
+  over a bucket's matrices;
 * ``powersgd`` (:mod:`.powersgd`): rank-``compression_rank`` power iteration per matrix,
   warm-started, error feedback.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.config import COMPRESSIONS, Config, ParallelConfig
+from plait.config import COMPRESSIONS, Config, ParallelConfig, TopKScope
 from plait.parallel.compression.adam_local import LocalAdam
 from plait.parallel.compression.cast import CAST_DTYPES, CastCompressor
 from plait.parallel.compression.compressor import Compressor, Finish
@@ -42,17 +43,19 @@ def make_compressor(
     warmup: int = 0,
     adam: LocalAdam | None = None,
     clip: float = 0.0,
+    scope: TopKScope = "tensor",
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
     ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),
     ``adam`` its Adam moments in front of the sparsification and ``clip`` its local
-    clipping threshold (``compression_adam = "before"``)."""
+    clipping threshold (``compression_adam = "before"``), ``scope`` where top-k picks
+    (``compression_topk_scope``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip)
+        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip, scope=scope)
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")

@@ -9,7 +9,10 @@ exchange the k = sum k_i ``(index, value)`` pairs with one AllGather
 gradient's dtype, both packed into one byte message). Every rank then adds all ranks'
 pairs into a zero bucket in rank order, so the result (the sum, i.e. the mean of the
 pre-divided gradients) is identical on every rank. What a rank did not send stays in
-its error buffer and is added next step.
+its error buffer and is added next step. With ``scope = "bucket"``
+(``parallel.compression_topk_scope``) the same total count is picked as one top-k over
+all matrix entries of the bucket instead, so the budget goes to the matrices whose
+residual is largest (vectors still go whole; :meth:`TopKCompressor.select`).
 
 Sparsity warm-up (Deep Gradient Compression, Lin et al. 2018): over the first
 ``warmup`` compressed steps the density decays exponentially from ``start_ratio``
@@ -36,6 +39,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup
+from plait.config import TOPK_SCOPES, TopKScope
 from plait.parallel.compression.adam_local import LocalAdam
 from plait.parallel.compression.compressor import Compressor, Finish, _done
 
@@ -86,6 +90,9 @@ class TopKCompressor(Compressor):
             resulting step direction. The optimizer then runs plain SGD (no momentum;
             its weight decay equals AdamW's). The ``start`` steps then send everything
             (rho = 1) rather than the raw gradient. Exclusive with ``momentum``.
+        scope: ``"tensor"``: ``ceil(rho * n_i)`` entries of each matrix (DGC);
+            ``"bucket"``: the same total count, picked as one top-k over every matrix
+            entry of the bucket (:meth:`select`; ``parallel.compression_topk_scope``).
     """
 
     name = "topk"
@@ -100,6 +107,7 @@ class TopKCompressor(Compressor):
         momentum: float = 0.0,
         clip: float = 0.0,
         adam: LocalAdam | None = None,
+        scope: TopKScope = "tensor",
     ) -> None:
         super().__init__(start)
         if not 0.0 < ratio <= 1.0:
@@ -114,6 +122,9 @@ class TopKCompressor(Compressor):
             )
         if adam is not None and momentum > 0:
             raise ValueError("top-k takes momentum correction for SGD or for Adam, not both")
+        if scope not in TOPK_SCOPES:
+            raise ValueError(f"top-k scope must be one of {', '.join(TOPK_SCOPES)}, got {scope!r}")
+        self.scope = scope
         self.ratio = ratio
         self.adam = adam
         self.lr = 0.0
@@ -169,6 +180,34 @@ class TopKCompressor(Compressor):
             out.append(topk_count(numel, rho) if len(shape) >= 2 else numel)
         return out
 
+    def select(self, corrected: torch.Tensor, shapes: Sequence[torch.Size]) -> torch.Tensor:
+        """The bucket offsets ``(k,)`` (int64, unique) this rank sends of ``corrected``
+        ``(numel,)``: every entry of a vector; of the matrices, per tensor its
+        ``k_i = ceil(rho * n_i)`` largest magnitudes (scope ``"tensor"``), or (scope
+        ``"bucket"``) the ``sum_i k_i`` largest magnitudes over all matrix entries of the
+        bucket together: the same count, spent where the residual is largest."""
+        counts = self.counts(shapes)
+        dense = [len(s) < 2 or k_i == math.prod(s) for s, k_i in zip(shapes, counts, strict=True)]
+        if self.scope == "bucket" and not all(dense):
+            score = corrected.abs()  # (numel,) with every entry sent whole marked +inf
+            offset = 0
+            for shape, whole in zip(shapes, dense, strict=True):
+                size = math.prod(shape)
+                if whole:
+                    score[offset : offset + size] = math.inf
+                offset += size
+            return score.topk(sum(counts), sorted=False).indices
+        picks, offset = [], 0
+        for shape, k_i, whole in zip(shapes, counts, dense, strict=True):
+            size = math.prod(shape)
+            if whole:  # a vector, or rho * numel rounds up to all of it
+                picks.append(torch.arange(offset, offset + size, device=corrected.device))
+            else:  # (k_i,) the tensor's largest-magnitude entries, as bucket offsets
+                part = corrected[offset : offset + size].abs()
+                picks.append(part.topk(k_i, sorted=False).indices + offset)
+            offset += size
+        return torch.cat(picks)
+
     def reduce(
         self, key: int, flat: torch.Tensor, shapes: Sequence[torch.Size], group: AxisGroup
     ) -> Finish:
@@ -191,16 +230,7 @@ class TopKCompressor(Compressor):
             corrected = err + u  # (n,) v: the accumulated velocity
         else:
             corrected = flat + err  # (n,) gradient plus what earlier steps did not send
-        picks, offset = [], 0
-        for shape, k_i in zip(shapes, self.counts(shapes), strict=True):
-            size = math.prod(shape)
-            if k_i == size:  # a vector, or rho * numel rounds up to all of it
-                picks.append(torch.arange(offset, offset + size, device=flat.device))
-            else:  # (k_i,) the tensor's largest-magnitude entries, as bucket offsets
-                part = corrected[offset : offset + size].abs()
-                picks.append(part.topk(k_i, sorted=False).indices + offset)
-            offset += size
-        idx = torch.cat(picks)  # (k,) int64, unique
+        idx = self.select(corrected, shapes)  # (k,) int64, unique
         k = idx.numel()
         vals = corrected[idx]  # (k,)
         err.copy_(corrected)
@@ -251,5 +281,6 @@ class TopKCompressor(Compressor):
             warm = f", warm-up {rho0:g} -> {self.ratio:g} over {self.warmup} steps"
         extra = f", momentum correction {self.momentum:g}" if self.momentum else ""
         extra += ", Adam moments before top-k" if self.adam is not None else ""
+        extra += ", one top-k per bucket" if self.scope == "bucket" else ""
         extra += f", local clipping {self.clip:g}" if self.clip else ""
         return f"{super().describe()} (ratio {self.ratio:g}{warm}, error feedback{extra})"
