@@ -109,19 +109,27 @@ def _mesh(ctx: WorkerContext | None, cfg: Config) -> Any:
     return ctx.mesh(dp=ctx.world_size // (tp * pp), tp=tp, pp=pp)
 
 
-def _train(ctx: WorkerContext | None, cfg: Config, *, weights_at: int | None = None) -> Any:
+def _train(
+    ctx: WorkerContext | None,
+    cfg: Config,
+    *,
+    weights_at: int | None = None,
+    weights: Callable[[Trainer], dict[str, torch.Tensor]] | None = None,
+) -> Any:
     """Run ``cfg``; returns losses, val losses, final full weights (and, with
-    ``weights_at``, the full weights after that many steps)."""
+    ``weights_at``, the full weights after that many steps); ``weights`` reads the
+    one-device weights (default :func:`full_weights`)."""
+    read = weights or full_weights
     tr = Trainer(cfg, _mesh(ctx, cfg), show_progress=False)
     start = tr.start_step
-    loaded = full_weights(tr)
+    loaded = read(tr)
     snap: dict[str, torch.Tensor] = {}
     if weights_at is not None:  # snapshot the full weights when step weights_at is done
         after = tr.checkpoints.after_step
 
         def after_step(state: TrainState, done: int, last: int, stop: bool) -> Any:
             if done == weights_at:
-                snap.update(full_weights(tr))
+                snap.update(read(tr))
             return after(state, done, last, stop)
 
         tr.checkpoints.after_step = after_step  # type: ignore[method-assign]
@@ -131,7 +139,7 @@ def _train(ctx: WorkerContext | None, cfg: Config, *, weights_at: int | None = N
         "losses": losses,
         "loaded": loaded,
         "snap": snap,
-        "final": full_weights(tr),
+        "final": read(tr),
     }
 
 

@@ -22,13 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from plait import comm, init_mesh
-from plait.checkpoint import TrainState, step_dirname
+from plait import comm
+from plait.checkpoint import step_dirname
 from plait.config import Config, ModelConfig, ParallelConfig
 from plait.parallel.expert import expert_split
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.trainer import Trainer
 from tests.checkpoint.test_checkpoint import SAVE_AT, config
+from tests.checkpoint.test_checkpoint import _train as train_and_snapshot
 
 M = "tests.parallel.expert.test_expert_checkpoint"
 MOE = dict(moe_experts=4, moe_top_k=2, moe_hidden_dim=32)
@@ -58,26 +59,7 @@ def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
 
 
 def _train(ctx: WorkerContext | None, cfg: Config, weights_at: int | None = None) -> Any:
-    mesh = init_mesh() if ctx is None else ctx.mesh(dp=ctx.world_size)
-    tr = Trainer(cfg, mesh, show_progress=False)
-    start, loaded, snap = tr.start_step, full_weights(tr), {}
-    if weights_at is not None:
-        after = tr.checkpoints.after_step
-
-        def after_step(state: TrainState, done: int, last: int, stop: bool) -> Any:
-            if done == weights_at:
-                snap.update(full_weights(tr))
-            return after(state, done, last, stop)
-
-        tr.checkpoints.after_step = after_step  # type: ignore[method-assign]
-    losses = tr.run().losses
-    return {
-        "start": start,
-        "losses": losses,
-        "loaded": loaded,
-        "snap": snap,
-        "final": full_weights(tr),
-    }
+    return train_and_snapshot(ctx, cfg, weights_at=weights_at, weights=full_weights)
 
 
 def _body(ctx: WorkerContext, cfg: Config, weights_at: int | None = None) -> Any:
