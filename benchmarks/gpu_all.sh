@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of plait, in order, in one go (about 9 minutes on one H100).
+# Every GPU check and benchmark of plait, in order (about 15 minutes on one H100: two device calls).
 #
 #   bash benchmarks/gpu_all.sh          # on the GPU machine
 #   bash benchmarks/gpu_all.sh --dry    # anywhere (CPU): each step in its smallest form

@@ -95,3 +95,22 @@ def test_a_failing_kernel_is_disabled_and_the_reference_takes_over(
     assert kernels.choose(q, k, k, True, None) is None
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_running_out_of_memory_in_a_kernel_propagates_and_keeps_it_enabled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of memory is not the kernel's fault: the plain fallback would need more (full
+    score blocks), so the error reaches the caller (the launcher names it) and the kernel
+    is not disabled for the rest of the run."""
+    monkeypatch.setattr(kernels, "_DISABLED", {})
+
+    def oom(kernel: kernels.Kernel, *args: object, **kw: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(kernels, "forward", oom)
+    q = torch.randn(1, 2, 9, 8, dtype=torch.float64)
+    with pytest.raises(torch.OutOfMemoryError):
+        blockwise_attention(q, q, q, causal=True, block_size=4)
+    assert kernels.disabled() == {}
+    assert kernels.choose(q, q, q, True, None) == "cpu"

@@ -99,3 +99,30 @@ def test_float8_training_tracks_bf16() -> None:
         losses[f8] = run
     assert losses[True][-1] < losses[True][0] - 0.5
     assert abs(losses[True][-1] - losses[False][-1]) < 0.1 * losses[False][-1], losses
+
+
+def test_the_output_head_stays_in_high_precision_whatever_its_name() -> None:
+    """plait's ``output``, Hugging Face's ``lm_head``, and a head only
+    ``get_output_embeddings`` names are all kept out of float8; the blocks' layers are not."""
+    from plait.config import ModelConfig
+    from plait.model import Transformer
+
+    class Named(torch.nn.Module):  # a model plait did not write, HF naming
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+            self.lm_head = torch.nn.Linear(32, 64)
+
+    class Getter(torch.nn.Module):  # its head under another name, as HF's API reports it
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+            self.unembed = torch.nn.Linear(32, 64)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.unembed
+
+    assert float8.high_precision_names(Named()) == {"lm_head"}
+    assert float8.high_precision_names(Getter()) == {"unembed"}
+    plait_model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2))
+    assert float8.high_precision_names(plait_model) == {"output"}

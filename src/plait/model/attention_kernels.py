@@ -32,10 +32,13 @@ kernels' own value for such rows varies: the CPU kernel returns lse 0).
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+T = TypeVar("T")
 
 Kernel = Literal["cpu", "flash", "efficient", "cudnn"]
 KERNELS: tuple[Kernel, ...] = ("cpu", "flash", "efficient", "cudnn")
@@ -126,12 +129,9 @@ def fused_forward(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`forward` with the kernel :func:`choose` picks; None when none applies.
     A kernel that raises is disabled and the next choice is tried."""
-    while (kernel := choose(q, k, v, causal, bias)) is not None:
-        try:
-            return forward(kernel, q, k, v, causal, scale, bias)
-        except RuntimeError as exc:
-            _disable(kernel, exc)
-    return None
+    return _first_working(
+        q, k, v, causal, bias, lambda kn: forward(kn, q, k, v, causal, scale, bias)
+    )
 
 
 def fused_backward(
@@ -146,9 +146,28 @@ def fused_backward(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`backward` with the kernel :func:`choose` picks; None when none applies."""
+    return _first_working(
+        q, k, v, causal, bias, lambda kn: backward(kn, dout, q, k, v, out, lse, causal, scale, bias)
+    )
+
+
+def _first_working(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    bias: torch.Tensor | None,
+    call: Callable[[Kernel], T],
+) -> T | None:
+    """``call(kernel)`` for the kernels :func:`choose` picks in turn: one that raises is
+    disabled and the next is tried; None when none applies. Running out of memory is
+    not the kernel's fault (the plain fallback needs more): it propagates, and the
+    kernel stays enabled."""
     while (kernel := choose(q, k, v, causal, bias)) is not None:
         try:
-            return backward(kernel, dout, q, k, v, out, lse, causal, scale, bias)
+            return call(kernel)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as exc:
             _disable(kernel, exc)
     return None

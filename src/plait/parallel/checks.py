@@ -26,6 +26,7 @@ import dataclasses
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.model.factory import check_model
+from plait.parallel.compile import check_compile
 from plait.parallel.float8 import check_float8
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.precision import check_device_supports
@@ -55,6 +56,7 @@ def validate_run(cfg: Config, world_size: int) -> None:
         build_schedule(p.pipeline_schedule, p.pp, m, p.chunks)  # its own checks, with numbers
     check_device_supports(cfg.precision.dtype, cfg.launch.device)
     check_float8(cfg.precision.float8, cfg.launch.device)
+    check_compile(cfg.train.compile, cfg.launch.device)
     setattr(cfg, _MARK, (world_size, dataclasses.astuple(cfg)))
 
 

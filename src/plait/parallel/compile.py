@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.errors import ConfigError
 from plait.parallel.zero.flat import default_block_classes
 
 COMPILED_ATTR = "_plait_compiled"
@@ -94,3 +95,24 @@ def apply_compile(
             "pass block_classes"
         )
     return names
+
+
+def check_compile(enabled: bool, device: str) -> None:
+    """Raise :class:`~plait.errors.ConfigError` (one line) when ``train.compile`` is on
+    for the CPU and inductor's C++ backend has no working compiler (``CXX`` or g++ on
+    the PATH): otherwise the first step would fail inside every rank."""
+    if not enabled:
+        return
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # inductor's InvalidCxxCompiler (no public import path)
+        raise ConfigError(
+            "train.compile on the CPU needs a C++ compiler for inductor (set CXX or put "
+            f"g++ on the PATH): {str(exc).splitlines()[0]}. Or leave train.compile false."
+        ) from None

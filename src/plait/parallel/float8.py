@@ -39,8 +39,9 @@ from plait.parallel.tensor.layers import ColumnParallelLinear, LocalMatmul, RowP
 MIN_CAPABILITY = (8, 9)
 """The first CUDA compute capability with float8 tensor cores (Ada; Hopper is 9.0)."""
 
-SKIP_NAMES = ("output",)
-"""Modules (last name component) kept in high precision: the output head."""
+SKIP_NAMES = ("output", "lm_head")
+"""Modules (last name component) kept in high precision: the output head (plait's
+``output``, Hugging Face's ``lm_head``); see :func:`high_precision_names`."""
 
 
 def float8_problem(
@@ -106,6 +107,18 @@ def float8_matmul(in_features: int, out_features: int, config: Any = None) -> Lo
     return matmul
 
 
+def high_precision_names(model: nn.Module) -> set[str]:
+    """Names of ``model``'s modules that stay in high precision: the output head, found
+    by name (:data:`SKIP_NAMES`) or as the module ``model.get_output_embeddings()``
+    returns (Hugging Face models name their head as they like)."""
+    names = {n for n, _ in model.named_modules() if n and n.rsplit(".", 1)[-1] in SKIP_NAMES}
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if isinstance(head, nn.Module):
+        names |= {n for n, m in model.named_modules() if m is head}
+    return names
+
+
 def apply_float8(model: nn.Module) -> int:
     """Convert ``model``'s linear layers to float8 in place (see the module docstring);
     returns how many were converted."""
@@ -113,9 +126,9 @@ def apply_float8(model: nn.Module) -> int:
 
     config = Float8LinearConfig()  # dynamic tensorwise scaling; no FSDP2 float8 gather
     count = 0
+    skip = high_precision_names(model)
     for name, mod in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in SKIP_NAMES:
+        if name in skip:
             continue
         if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
             rows, cols = mod.weight.shape  # (local out, local in)
@@ -127,7 +140,7 @@ def apply_float8(model: nn.Module) -> int:
         nonlocal count
         ok = (
             isinstance(mod, nn.Linear)
-            and fqn.rsplit(".", 1)[-1] not in SKIP_NAMES
+            and fqn not in skip
             and _fits(mod.in_features, mod.out_features)
         )
         count += int(ok)
