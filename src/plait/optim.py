@@ -293,6 +293,12 @@ class Optimizer:
             if self.sharded.host.flush():
                 self.sharded.zero.sync_params()
 
+    def close(self) -> None:
+        """Stop ZeRO-Offload's host worker (call :meth:`flush` first to keep a pending
+        delayed update). A no-op without offload."""
+        if self.sharded is not None and self.sharded.host is not None:
+            self.sharded.host.close()
+
     @torch.no_grad()
     def publish_masters(self) -> None:
         """After the masters were written in place (a checkpoint load): copy them into

@@ -84,7 +84,14 @@ class Config:
         # ZeRO shards over dp x cp (the ranks that hold the same parameters)
         check_shard_size(p.zero_shard_size, p.zero, dp * p.cp)
         check_offload(p.offload, p.zero)
-        check_compression(p.compression, p.zero, self.precision.dtype, self.precision.reduce_dtype)
+        check_compression(
+            p.compression,
+            p.zero,
+            self.precision.dtype,
+            self.precision.reduce_dtype,
+            p.compression_adam,
+            self.precision.nonfinite,
+        )
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)

@@ -29,12 +29,20 @@ def check_document_mask(pp: int, family: str, factory: str | None) -> None:
 
 
 def check_compression(
-    method: str, zero: int, dtype: str | None = None, reduce_dtype: str | None = None
+    method: str,
+    zero: int,
+    dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    adam: str | None = None,
+    nonfinite: str | None = None,
 ) -> None:
     """Gradient compression needs plain data parallelism: the ZeRO wrapper (stages 1-3,
     and stage 0 under mixed precision) reduce-scatters flat shards to their owners, which
     a top-k or low-rank message cannot feed. ``dtype``/``reduce_dtype`` None: not known
-    (the planner's layout has no precision)."""
+    (the planner's layout has no precision). Top-k with Adam's moments before the
+    exchange (``adam`` 'before') cannot skip a non-finite step (``nonfinite`` 'skip'):
+    the rank's moments take the bad gradient during backward, before any skip decision,
+    and stay non-finite for the rest of the run."""
     if method == "none":
         return
     if zero > 0:
@@ -51,6 +59,14 @@ def check_compression(
             f"{reduce_dtype!r}): mixed precision reduces through the ZeRO wrapper. For "
             "half-precision gradients on the wire use parallel.compression = 'bf16' with "
             "precision.dtype = 'fp32'."
+        )
+    if method == "topk" and adam == "before" and nonfinite == "skip":
+        raise ConfigError(
+            "precision.nonfinite = 'skip' cannot be used with parallel.compression = 'topk' "
+            "and parallel.compression_adam = 'before': each rank's Adam moments take a "
+            "non-finite gradient during backward, before the step could be skipped, and "
+            "stay non-finite. Use precision.nonfinite = 'error', or compression_adam = "
+            "'after'."
         )
 
 

@@ -264,8 +264,11 @@ class Trainer:
         """Train for ``train.steps`` steps; returns losses and throughput. Releases the
         checkpoint folder's lock however it ends."""
         try:
-            return self._run()
+            summary = self._run()
+            self.optimizer.flush()  # a delayed offload update: the model ends updated
+            return summary
         finally:
+            self.optimizer.close()
             if self.loader is not None:
                 self.loader.close()
             self.checkpoints.close()

@@ -347,3 +347,26 @@ def test_gpu_offload_parity_pinned_side_streams(
     assert off["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     for k, w in plain["weights"].items():
         torch.testing.assert_close(off["weights"][k], w, rtol=0, atol=1e-5)
+
+
+def test_a_run_with_the_delayed_update_ends_with_it_applied() -> None:
+    """``Trainer.run`` with ``offload_delay``: the last step's host update, still in flight
+    when the loop ends, is put in the model (the weights equal the fp32 masters), and the
+    host worker is stopped. Without the flush the weights are one update behind."""
+    from plait import init_mesh
+    from plait.train.trainer import Trainer
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config(steps=3, parallel={"zero": 1, "offload": "optimizer", "offload_delay": True})
+    cfg.train.eval_every = 0
+    tr = Trainer(cfg, init_mesh(), show_progress=False)
+    tr.run()
+    weights = {n: p.detach().clone() for n, p in tr.base.named_parameters()}  # as left
+    host = tr.optimizer.sharded.host  # type: ignore[union-attr]
+    assert host is not None and not host.flush()  # nothing left pending
+    with pytest.raises(RuntimeError, match="shutdown"):
+        host._pool.submit(int)
+    for piece in tr.optimizer.local_pieces():  # the fp32 masters, after every update
+        torch.testing.assert_close(
+            weights[piece.name].reshape(-1), piece.value.reshape(-1), rtol=0, atol=0
+        )

@@ -376,6 +376,6 @@ class HostStep:
             self.events.append((kind, name, time.perf_counter()))
 
     def close(self) -> None:
-        """Finish a pending update and stop the worker thread."""
-        self.flush()
-        self._pool.shutdown(wait=True)
+        """Stop the worker thread once its current task ends (the trainer calls it however
+        the run ends; a pending delayed update is kept only if :meth:`flush` ran first)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
