@@ -95,3 +95,36 @@ def byte_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def byte_folder_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second, smaller folder (other text), for mixtures."""
     return prepared_byte_folder(tmp_path_factory.mktemp("bytes_b"), 60_000, 200_000, 7_000)
+
+
+def prepared_bpe_folder(root: Path) -> Path:
+    """A folder prepared with a small BPE whose end-of-document token is id 1 (a padding
+    token is id 0), so an eos id taken from the byte tokenizer (0) would be wrong."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from plait.data.prepare import prepare
+
+    text = read_corpus(DataConfig(max_bytes=100_000)).decode("utf-8", "replace")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.split("\n\n"), trainer)
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    src = root / "docs.jsonl"
+    docs = [text[i : i + 800] for i in range(0, len(text), 800)]
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    prepare(str(src), str(root / "out"), f"hf:{root / 'tokenizer.json'}", shard_tokens=5_000)
+    return root / "out"
+
+
+@pytest.fixture(scope="session")
+def bpe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder prepared with a BPE whose eos id is 1 (see :func:`prepared_bpe_folder`)."""
+    return prepared_bpe_folder(tmp_path_factory.mktemp("bpe_eos1"))

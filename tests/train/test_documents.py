@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from torch import nn
 
 from plait import init_mesh
 from plait.config import Config, DataConfig, ModelConfig, ParallelConfig
@@ -81,3 +82,27 @@ def test_refusals(tmp_path: Path) -> None:
     )
     assert r.returncode == 2, r.stderr
     assert "data.mask_documents" in r.stderr
+
+
+def test_mask_uses_prepared_index_eos(tmp_path: Path) -> None:
+    """A folder prepared with a BPE whose eos id is 1: the mask takes the index's id,
+    not the byte tokenizer's 0 that ``data.tokenizer``'s default would give."""
+    from plait.train.documents import enable_document_mask
+    from tests.data.conftest import prepared_bpe_folder
+
+    folder = prepared_bpe_folder(tmp_path / "bpe")
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.documents = DocumentIds()
+
+    model = Model()
+    base = tiny_config(steps=1)
+    cfg = replace(
+        base,
+        model=replace(base.model, vocab_size=512),
+        data=replace(base.data, source=str(folder), mask_documents=True),
+    )
+    enable_document_mask(model, cfg)
+    assert model.documents.eos_id == 1

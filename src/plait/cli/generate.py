@@ -77,9 +77,28 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _saved_tokenizer(saved: dict[str, Any]) -> str | None:
+    """The tokenizer a checkpoint was trained with: its prepared data's index's (when that
+    folder is still here), else its saved ``data.tokenizer``."""
+    from plait.config import DataConfig
+    from plait.data.sources import data_tokenizer
+
+    spec = saved.get("tokenizer")
+    source = saved.get("source")
+    if not isinstance(source, str):
+        return spec if isinstance(spec, str) else None
+    try:
+        val = saved.get("val")
+        data = DataConfig(source=source, tokenizer=spec or "byte", val=val)
+        return data_tokenizer(data)
+    except ConfigError:  # the data folder moved or gone: the saved spec
+        return spec if isinstance(spec, str) else None
+
+
 def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
     """``train.init_from`` a run's checkpoint folder: its ``latest`` checkpoint; a plait
-    checkpoint: the model section and ``data.tokenizer`` of its saved config, where the
+    checkpoint: the model section and tokenizer of its saved config (its prepared data's,
+    where that folder is still here; else ``data.tokenizer``), where the
     raw config ``data`` does not set them. Returns what was done, in words."""
     from plait.checkpoint import read_latest
     from plait.checkpoint.format import read_metadata
@@ -102,7 +121,7 @@ def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
     known = {f.name for f in dataclasses.fields(ModelConfig)}  # a newer writer's extras: no
     filled = {k: v for k, v in saved.get("model", {}).items() if k in known and k not in model}
     model.update(filled)
-    tokenizer = saved.get("data", {}).get("tokenizer")
+    tokenizer = _saved_tokenizer(saved.get("data", {}))
     if tokenizer and "tokenizer" not in data.setdefault("data", {}):
         data["data"]["tokenizer"] = tokenizer
     if filled:

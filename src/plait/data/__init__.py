@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from plait.data.mixture import MixtureDataset, blend, parse_mixture
     from plait.data.sampler import BatchSampler
     from plait.data.shards import SegmentDataset, ShardStream, open_prepared
-    from plait.data.sources import make_datasets, source_kind
+    from plait.data.sources import data_eos_id, data_tokenizer, make_datasets, source_kind
     from plait.data.tokenizers import (
         ByteTokenizer,
         HFTokenizer,
@@ -69,6 +69,8 @@ _WHERE: dict[str, str] = {
     "check_covers_vocab": "plait.data.tokenizers",
     "check_enough": "plait.data.dataset",
     "check_vocab": "plait.data.corpus",
+    "data_eos_id": "plait.data.sources",
+    "data_tokenizer": "plait.data.sources",
     "is_prepared": "plait.data.index",
     "load_tokens": "plait.data.corpus",
     "make_datasets": "plait.data.sources",
@@ -102,6 +104,8 @@ __all__ = [
     "check_covers_vocab",
     "check_enough",
     "check_vocab",
+    "data_eos_id",
+    "data_tokenizer",
     "is_prepared",
     "load_tokens",
     "make_datasets",

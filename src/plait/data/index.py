@@ -154,10 +154,13 @@ def read_index(path: str | Path) -> ShardIndex:
             document_ends=dict(raw["document_ends"]),
             source=dict(raw.get("source", {})),
         )
+        shard_tokens = sum(int(s["tokens"]) for s in idx.shards)
+        for entry in [*idx.shards, idx.document_ends]:
+            str(entry["file"]), str(entry["sha256"])
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{file}: malformed index ({exc!r}).") from exc
     if idx.dtype not in TOKEN_DTYPES:
         raise DataError(f"{file}: token dtype {idx.dtype!r} is not uint16 or uint32.")
-    if sum(int(s["tokens"]) for s in idx.shards) != idx.tokens:
+    if shard_tokens != idx.tokens:
         raise DataError(f"{file}: the shards' token counts do not add up to {idx.tokens}.")
     return idx

@@ -20,7 +20,7 @@ from pathlib import Path
 from plait.config import DataConfig
 from plait.data.corpus import check_vocab, load_tokens, split_train_val
 from plait.data.dataset import TokenDataset, WindowSet
-from plait.data.index import is_prepared, read_index
+from plait.data.index import ShardIndex, is_prepared, read_index
 from plait.data.mixture import MixtureDataset, parse_mixture
 from plait.data.shards import open_prepared
 from plait.data.tokenizers import check_covers_vocab, make_tokenizer
@@ -36,6 +36,66 @@ def _prepared(path: str, what: str, vocab_size: int) -> None:
         )
     idx = read_index(path)
     check_covers_vocab(idx.vocab_size, vocab_size, f"{path} (tokenizer {idx.tokenizer})")
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer specs name the same tokenizer (``hf:`` paths resolved)."""
+    if a.startswith("hf:") and b.startswith("hf:"):
+        return _same_path(a[3:], b[3:])
+    return a == b
+
+
+def data_index(cfg: DataConfig) -> ShardIndex | None:
+    """The index of the prepared data of ``cfg`` (a prepared folder, or a mixture's first
+    entry), ``None`` for a source read whole. Every mixture entry and ``data.val`` must have
+    been prepared with the same tokenizer (and end-of-document id): DataError otherwise."""
+    kind = source_kind(cfg)
+    if kind == "tokens":
+        return None
+    paths = [p for p, _ in parse_mixture(cfg.source) or []] if kind == "mixture" else [cfg.source]
+    if cfg.val is not None:
+        paths.append(cfg.val)
+    first: ShardIndex | None = None
+    for path in paths:
+        if not is_prepared(path):
+            continue  # refused with its own message by make_datasets
+        idx = read_index(path)
+        if first is None:
+            first = idx
+        elif not _same_tokenizer(idx.tokenizer, first.tokenizer) or idx.eos_id != first.eos_id:
+            raise DataError(
+                f"{first.root} was prepared with tokenizer {first.tokenizer!r} (eos id "
+                f"{first.eos_id}) but {idx.root} with {idx.tokenizer!r} (eos id {idx.eos_id}); "
+                "the sources of one run (mixture entries and data.val) must share a tokenizer."
+            )
+    return first
+
+
+def data_tokenizer(cfg: DataConfig) -> str:
+    """The tokenizer spec the run's tokens are in: the prepared index's for a prepared
+    folder or mixture (``data.tokenizer`` may be left at ``'byte'`` or name the same one;
+    another is refused with DataError), else ``data.tokenizer``."""
+    idx = data_index(cfg)
+    if idx is None:
+        return cfg.tokenizer
+    if cfg.tokenizer != "byte" and not _same_tokenizer(cfg.tokenizer, idx.tokenizer):
+        raise DataError(
+            f"data.tokenizer {cfg.tokenizer!r} differs from the tokenizer {idx.root} was "
+            f"prepared with, {idx.tokenizer!r}; leave data.tokenizer unset or set it to that."
+        )
+    return idx.tokenizer
+
+
+def data_eos_id(cfg: DataConfig) -> int | None:
+    """The end-of-document id recorded by the prepared data of ``cfg``; ``None`` for a
+    source read whole (then the tokenizer's own applies)."""
+    data_tokenizer(cfg)  # refuses a contradicting data.tokenizer
+    idx = data_index(cfg)
+    return None if idx is None else idx.eos_id
 
 
 def source_kind(cfg: DataConfig) -> str:
@@ -68,6 +128,18 @@ def make_datasets(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[Windo
         check_vocab(tokens, vocab_size, cfg.source)
         train_tokens, val_tokens = split_train_val(tokens, cfg.val_fraction)
         return TokenDataset(train_tokens, seq_len), TokenDataset(val_tokens, seq_len)
+    data_tokenizer(cfg)  # one tokenizer across the sources, and data.tokenizer agrees
+    if cfg.val is not None:
+        entries = (
+            [cfg.source] if kind == "prepared" else [p for p, _ in parse_mixture(cfg.source) or []]
+        )
+        for path in entries:
+            if _same_path(path, cfg.val):
+                raise DataError(
+                    f"data.val {cfg.val!r} is also a training source; validate on a prepared "
+                    "folder that is not trained on (or leave data.val unset to hold out "
+                    "data.val_fraction of the documents)."
+                )
     frac = None if cfg.val is not None else cfg.val_fraction
     if kind == "prepared":
         _prepared(cfg.source, "data.source", vocab_size)

@@ -4,7 +4,8 @@ model before it is parallelised (:mod:`plait.model.documents` explains the mask)
 The end-of-document token is the tokenizer's own where it names one (an ``eos_id``
 attribute), tiktoken's end-of-text token (``<|endoftext|>``) for ``tiktoken:NAME``,
 and 0 (the NUL byte, which text never holds) for the byte tokenizer: a corpus that
-separates its documents with NUL bytes gets one document per piece.
+separates its documents with NUL bytes gets one document per piece. A prepared folder
+(or mixture) uses the ``eos_id`` its ``index.json`` records.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from plait.config import Config
+from plait.data.sources import data_eos_id, data_tokenizer
 from plait.errors import ConfigError
 from plait.model.documents import DocumentIds
 from plait.train.data import make_tokenizer
@@ -48,4 +50,5 @@ def enable_document_mask(model: nn.Module, cfg: Config) -> None:
             f"data.mask_documents needs plait's built-in Transformer (a 'documents' "
             f"module); {type(model).__name__} has none."
         )
-    model.documents = DocumentIds(eos_id(cfg.data.tokenizer))
+    own = data_eos_id(cfg.data)  # a prepared folder's recorded id comes first
+    model.documents = DocumentIds(own if own is not None else eos_id(data_tokenizer(cfg.data)))

@@ -136,11 +136,12 @@ class TrainingSamples:
     model being trained, as one console line (every rank decodes; rank 0 prints it)."""
 
     def __init__(self, cfg: Config) -> None:
+        from plait.data.sources import data_tokenizer
         from plait.train.data import check_vocab, make_tokenizer
 
         log = cfg.log
         self.every = log.sample_every
-        self.tokenizer = make_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = make_tokenizer(data_tokenizer(cfg.data))
         ids = self.tokenizer.encode(log.sample_prompt)
         check_vocab(ids, cfg.model.vocab_size, "log.sample_prompt")
         self.prompt = [int(i) for i in ids]
