@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.bench.timing import slowest_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the pool's workers resolve the bodies by module name
     sys.path.insert(0, str(ROOT))
@@ -160,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             ("MoE 8 experts top-2", EXPERTS, 4),
         ):
             res = pool.run(f"{M}:ep_body", experts, ep, args.repeats, timeout_s=900.0)
-            per_step = [max(ts) for ts in zip(*(r["times"] for r in res), strict=True)]
-            t = statistics.median(per_step)
+            t = statistics.median(slowest_ms([r["times"] for r in res])) / 1e3  # seconds
             ep_rows.append(
                 f"| {label} | {ep} | {tokens_step / t:,.0f} | "
                 f"{max(r['ep'] for r in res):,.0f} | {max(r['dp'] for r in res):,.0f} |"

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.bench.timing import slowest_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the pool's workers resolve the bodies by module name
     sys.path.insert(0, str(ROOT))
@@ -102,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             res = pool.run(f"{M}:body", 2, zero, dtype, args.repeats, timeout_s=900.0)
             r0 = res[0]
             b = r0["rep"]
-            per_step = [max(ts) for ts in zip(*(r["times"] for r in res), strict=True)]
-            t = statistics.median(per_step)
+            t = statistics.median(slowest_ms([r["times"] for r in res])) / 1e3  # seconds
             ax = r0["axes"]
             rows.append(
                 f"| {zero} | {dtype} | {b['params']:,} | {b['grads']:,} | "
