@@ -161,6 +161,8 @@ def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "small", "--precision", "fp8"], "unknown precision 'fp8'"),
         (["--model", "small", "--hardware", "/nonexistent/x.toml"], "cannot read hardware"),
         (["--model", "small", "--model", "tiny", "--params", "1B"], "exactly one model"),
+        (["--model", "small", "--devices", "4", "--dp", "4", "--ep", "2"], "needs a mixture-of"),
+        (["--model", "small", "--search", "--ep", "2"], "needs a mixture-of-experts model"),
     ],
 )
 def test_bad_input_exits_2_with_one_paragraph(

@@ -285,6 +285,8 @@ def plan_main(argv: Sequence[str]) -> int:
     prec, rt = precision_preset(ns.precision), runtime_preset(ns.runtime)
     if ns.experts < 0 or ns.ep <= 0:
         raise ConfigError(f"--experts must be >= 0 and --ep positive, got {ns.experts}, {ns.ep}.")
+    if ns.ep > 1 and not ns.experts:  # as `plait train` refuses parallel.ep on a dense model
+        raise ConfigError(f"--ep {ns.ep} needs a mixture-of-experts model: set --experts.")
     moe = moe_from_args(ns, spec) if ns.experts else None
     if ns.search:
         gb = ns.global_batch or devices
@@ -293,7 +295,7 @@ def plan_main(argv: Sequence[str]) -> int:
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
         if ns.experts and not ns.json:  # the ep choices of the data ranks
-            print(moe_section(ns, spec, hw, prec, devices, 1, 1, gb, seq, search=True))
+            print(moe_section(ns, spec, hw, prec, seq))
         return 0
     tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
     dp = check_world(ns.dp, tp, pp, cp, devices, devices=True)
@@ -347,5 +349,5 @@ def plan_main(argv: Sequence[str]) -> int:
     if layout.offload != "none" and not ns.json:
         print(format_offload(e))
     if ns.experts and not ns.json:
-        print(moe_section(ns, spec, hw, prec, dp * cp, tp, pp, q.global_batch, seq))
+        print(moe_section(ns, spec, hw, prec, seq, layout))
     return 0

@@ -175,3 +175,15 @@ class ModelConfig:
             out["high_freq_factor"] = self.rope_high_freq_factor
             out["original_max_position_embeddings"] = self.rope_original_max_seq_len
         return out
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer`` (0-based) uses the MoE feed-forward."""
+    return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def expert_hidden_dim(cfg: ModelConfig) -> int:
+    """One expert's hidden width (default: the dense width divided by top-k)."""
+    if cfg.moe_hidden_dim is not None:
+        return cfg.moe_hidden_dim
+    return max(1, cfg.hidden_dim // cfg.moe_top_k)

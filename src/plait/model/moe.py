@@ -38,18 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
-
-
-def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block ``layer`` (0-based) uses the MoE feed-forward."""
-    return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
-
-
-def expert_hidden_dim(cfg: ModelConfig) -> int:
-    """One expert's hidden width (default: the dense width divided by top-k)."""
-    if cfg.moe_hidden_dim is not None:
-        return cfg.moe_hidden_dim
-    return max(1, cfg.hidden_dim // cfg.moe_top_k)
+from plait.config.model import expert_hidden_dim as expert_hidden_dim  # re-exported
+from plait.config.model import is_moe_layer as is_moe_layer
 
 
 @dataclass

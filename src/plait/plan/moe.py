@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.config import ModelConfig
+from plait.config.model import expert_hidden_dim, is_moe_layer
 from plait.errors import ConfigError
 
 
@@ -56,8 +57,8 @@ class MoESpec:
         """The MoE shape of a model config (None: dense)."""
         if cfg.moe_experts == 0:
             return None
-        hidden = cfg.moe_hidden_dim or max(1, cfg.hidden_dim // cfg.moe_top_k)
-        layers = sum(1 for i in range(cfg.n_layers) if (i + 1) % cfg.moe_every == 0)
+        hidden = expert_hidden_dim(cfg)
+        layers = sum(1 for i in range(cfg.n_layers) if is_moe_layer(cfg, i))
         return cls(
             cfg.dim,
             cfg.moe_experts,
@@ -92,17 +93,6 @@ class MoESpec:
         active weights' difference (MFU counts active parameters)."""
         return 6.0 * self.params_delta(active=True)
 
-    def expert_params_per_rank(self, ep: int, pp: int = 1) -> float:
-        """Routed-expert weights one rank holds (``E/ep`` per MoE layer of its stage)."""
-        if self.experts % ep:
-            raise ConfigError(f"{self.experts} experts are not divisible by ep={ep}.")
-        return self.routed_params / ep / pp
-
-    def expert_state_bytes_per_rank(self, ep: int, bytes_per_param: float, pp: int = 1) -> float:
-        """Bytes of the routed experts' weights, gradients and optimizer state on one
-        rank (``bytes_per_param``: e.g. 16 for fp32 AdamW, weights + grad + 2 moments)."""
-        return self.expert_params_per_rank(ep, pp) * bytes_per_param
-
     def a2a_bytes_per_layer(self, tokens: int, ep: int, dtype_bytes: int) -> float:
         """Bytes one rank sends on the ep axis for one MoE layer in a training step over
         ``tokens`` tokens, with a balanced router (see the module docstring)."""
@@ -125,35 +115,9 @@ class MoESpec:
         )
 
 
-def ep_table(
-    spec: MoESpec,
-    data_ranks: int,
-    tokens_per_rank: int,
-    dtype_bytes: int,
-    bytes_per_param: float,
-    latency_s: float,
-    bandwidth: float,
-    pp: int = 1,
-) -> list[tuple[int, float, float, float]]:
-    """For every ep that divides both the data ranks and the experts: ``(ep, expert
-    bytes per rank, all-to-all bytes per step, all-to-all seconds per step)`` — the
-    trade ``plait plan`` shows: memory falls as 1/ep, traffic grows as (ep-1)/ep."""
-    out = []
-    for ep in range(1, data_ranks + 1):
-        if data_ranks % ep or spec.experts % ep:
-            continue
-        layers = spec.moe_layers / pp
-        mem = spec.expert_state_bytes_per_rank(ep, bytes_per_param, pp)
-        traffic = layers * spec.a2a_bytes_per_layer(tokens_per_rank, ep, dtype_bytes)
-        secs = layers * spec.a2a_seconds_per_layer(
-            tokens_per_rank, ep, dtype_bytes, latency_s, bandwidth
-        )
-        out.append((ep, mem, traffic, secs))
-    return out
-
-
 def format_ep_table(rows: list[tuple[int, float, float, float]]) -> str:
-    """The rows of :func:`ep_table` as a small text table."""
+    """``(ep, expert bytes per rank, all-to-all bytes per step, all-to-all seconds per
+    step)`` rows (:func:`plait.plan.moe_estimate.ep_row`) as a small text table."""
     lines = ["  ep   experts GB/rank   all-to-all MB/step   all-to-all ms/step"]
     for ep, mem, traffic, secs in rows:
         lines.append(f"  {ep:<4} {mem / 1e9:>15.3f} {traffic / 1e6:>20.2f} {secs * 1e3:>20.3f}")

@@ -84,12 +84,16 @@ def _held(params: float, shards: int, zero: int, pr: Precision) -> tuple[float, 
     )
 
 
+def _routed(moe: MoESpec, layout: Layout) -> int:
+    """Routed-expert weights of one MoE layer on one rank: its ``E/ep`` experts, whole."""
+    return moe.experts // layout.ep * moe.expert_params
+
+
 def _ffn_params(spec: ModelSpec, moe: MoESpec, layout: Layout) -> tuple[float, float, float]:
     """Per MoE layer on one rank: (dense SwiGLU replaced, router + shared, routed experts)."""
     dense = spec.mlp_mats * spec.hidden * (spec.ffn_hidden // layout.tp)
     kept = moe.hidden * moe.experts + moe.shared * moe.expert_params
-    routed = moe.experts // layout.ep * moe.expert_params
-    return float(dense), float(kept), float(routed)
+    return float(dense), float(kept), float(_routed(moe, layout))
 
 
 def _act_delta(
@@ -104,6 +108,14 @@ def _act_delta(
     return tokens * per_token * pr.activation_bytes
 
 
+def expert_held(moe: MoESpec, layout: Layout, pr: Precision) -> tuple[float, ...]:
+    """(weights, gradients, master, optimizer) bytes of the routed experts on the worst
+    stage's rank: its ``E/ep`` experts of each of its MoE layers, ZeRO-sharded over the
+    ``dp·cp/ep`` expert replicas (the expert terms of :func:`moe_memory`)."""
+    n = moe_layers_on_stage(moe, layout.pp)
+    return _held(n * _routed(moe, layout), expert_replicas(layout), layout.zero, pr)
+
+
 def moe_memory(
     spec: ModelSpec, moe: MoESpec, layout: Layout, pr: Precision, rt: Runtime, seq: int
 ) -> MemoryBreakdown:
@@ -112,11 +124,11 @@ def moe_memory(
         raise ConfigError(f"layout {layout.describe()}: {check_ep(moe, layout)}.")
     mem = memory_per_rank(spec, layout, pr, rt, seq)
     n = moe_layers_on_stage(moe, layout.pp)
-    dense, kept, routed = _ffn_params(spec, moe, layout)
+    dense, kept, _ = _ffn_params(spec, moe, layout)
     f = layout.shard_factor
     minus = _held(n * dense, f, layout.zero, pr)
     plus = _held(n * kept, f, layout.zero, pr)
-    experts = _held(n * routed, expert_replicas(layout), layout.zero, pr)
+    experts = expert_held(moe, layout, pr)
     w, g, m, o = (plus[i] + experts[i] - minus[i] for i in range(4))
     act = n * mem.in_flight * _act_delta(spec, moe, layout, pr, rt, seq)
     return replace(
@@ -168,6 +180,21 @@ def a2a_layer_seconds(
     return moe.a2a_seconds_per_layer(
         tokens, layout.ep, pr.activation_bytes, link.latency_s, link.bandwidth
     )
+
+
+def ep_row(
+    moe: MoESpec, layout: Layout, hw: Hardware, pr: Precision, seq: int
+) -> tuple[int, float, float, float]:
+    """``(ep, expert bytes per rank, all-to-all bytes per step, all-to-all seconds per
+    step)`` of ``layout`` on the worst stage: the expert terms :func:`moe_memory` and
+    :func:`moe_estimate` (its ``ep_comm``) charge, for ``plait plan``'s MoE section."""
+    if check_ep(moe, layout):
+        raise ConfigError(f"layout {layout.describe()}: {check_ep(moe, layout)}.")
+    n, m = moe_layers_on_stage(moe, layout.pp), layout.microbatches
+    tokens = int(layout.micro_batch * seq / layout.cp)
+    traffic = m * n * moe.a2a_bytes_per_layer(tokens, layout.ep, pr.activation_bytes)
+    secs = m * n * a2a_layer_seconds(moe, layout, hw, pr, seq)
+    return layout.ep, sum(expert_held(moe, layout, pr)), traffic, secs
 
 
 def _ring(n: int) -> float:

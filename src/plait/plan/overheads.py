@@ -167,7 +167,13 @@ def pipeline_action_seconds(layout: Layout, hw: Hardware) -> float:
 
 def pipeline_loss_seconds(layout: Layout, link: Link) -> float:
     """Seconds of the per-step broadcast of the last stage's mean loss (one float64) to
-    the other pipeline stages, synchronous in the step (0 without pipeline parallelism)."""
+    the other pipeline stages, synchronous in the step (0 without pipeline parallelism).
+
+    A :class:`~plait.plan.hardware.Link` carries no broadcast cost (neither a fit nor a
+    measurement), so an all-reduce of the same 8 bytes over the pp ranks stands in for
+    it: both are one latency-bound scalar collective, and the profile's in-step
+    all-reduce measurement (:func:`in_step_time`) is what prices it on a calibrated
+    profile."""
     if layout.pp <= 1:
         return 0.0
     return in_step_time("all_reduce", 8, layout.pp, link)
