@@ -89,6 +89,26 @@ def test_step_time_picks_the_path() -> None:
     assert offload_step_time(shards, piped, hw, prec, backward) == pytest.approx(flat.total)
 
 
+def test_the_delayed_update_hides_under_the_next_step() -> None:
+    """``offload_delay``: the host's whole flow (gradients down, AdamW, weights up; with
+    the norm and the unscale/clip pass when two-pass) runs under the next step's device
+    work ``step_s``; only what exceeds it is exposed (0 when the device step is longer)."""
+    hw = replace(PRESETS["h100-80gb"], cpu_adam_params_per_s=2e9, host_link_bytes_per_s=40e9)
+    prec = PRECISIONS["bf16-mixed"]
+    shards = [100_000_000, 200_000_000, 200_000_000, 150_000_000]
+    s = sum(shards)
+    delayed = Layout(zero=2, offload="optimizer", offload_two_pass=False, offload_delay=True)
+    host = s / 2e9 + s * (2 + 2) / 40e9  # 0.325 + 0.065
+    assert offload_step_time(shards, delayed, hw, prec, 0.2, 0.1) == pytest.approx(host - 0.1)
+    assert offload_step_time(shards, delayed, hw, prec, 0.2, 1.0) == 0.0
+    clipped = replace(delayed, offload_two_pass=True)
+    extra = s * 2 / hw.optimizer_bandwidth + SCALE_COST * s / 2e9
+    got = offload_step_time(shards, clipped, hw, prec, 0.2, 0.1)
+    assert got == pytest.approx(host + extra - 0.1)
+    eager = replace(delayed, offload_delay=False)
+    assert got < offload_step_time(shards, replace(eager, offload_two_pass=True), hw, prec, 0.2)
+
+
 @pytest.mark.parametrize(
     ("clip", "dtype", "nonfinite", "two_pass"),
     [

@@ -323,7 +323,8 @@ def step_time(
         for s in sorted({0, worst_stage, p - 1}):
             held = stage_units(spec, layout.tp, p, s, layout.edge_trim)
             shards = [shard_numel(u, f) for u in held]  # slot order, as the runtime steps
-            times.append(offload_step_time(shards, layout, hw, precision, comp_b + rc))
+            step_s = m * (comp_f + comp_b + rc)  # the device work a delayed update hides under
+            times.append(offload_step_time(shards, layout, hw, precision, comp_b + rc, step_s))
         optimizer = max(times)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)

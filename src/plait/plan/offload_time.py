@@ -151,14 +151,24 @@ def offload_step_time(
     hw: Hardware,
     precision: Precision,
     backward_s: float,
+    step_s: float = 0.0,
 ) -> float:
     """Seconds the offloaded step adds to one optimizer step (exposed): ``shards`` the
     elements of each ZeRO unit's shard on the rank (slot order), ``backward_s`` the
-    backward of the last micro-batch. Eager when ``layout.offload_two_pass`` is off and
-    pp = 1, else the two-pass flow (:func:`two_pass_timeline`); with ``params`` every
-    micro-batch also gathers each unit's shard from the host twice (forward, backward)."""
+    backward of the last micro-batch, ``step_s`` the device's forward and backward of
+    the whole step. Eager when ``layout.offload_two_pass`` is off and pp = 1, else the
+    two-pass flow (:func:`two_pass_timeline`); with ``layout.offload_delay`` the host's
+    whole flow (copies, step, copy back) runs under the next step's device work, and only
+    what exceeds ``step_s`` is exposed. With ``params`` every micro-batch also gathers
+    each unit's shard from the host twice (forward, backward)."""
     link, rate = host_link(hw), cpu_adam_rate(hw)
-    if layout.offload_two_pass or layout.pp > 1:
+    if layout.offload_delay:  # DeepSpeed's delayed parameter update: one step stale
+        n = sum(shards)
+        host = n / rate + n * (precision.grad_bytes + precision.param_bytes) / link
+        if layout.offload_two_pass:  # the norm first, and the host's unscale/clip pass
+            host += n * precision.grad_bytes / hw.optimizer_bandwidth + SCALE_COST * n / rate
+        exposed = max(0.0, host - step_s)
+    elif layout.offload_two_pass or layout.pp > 1:
         norm_s = sum(shards) * precision.grad_bytes / hw.optimizer_bandwidth
         flow = two_pass_timeline(
             shards, rate, link, precision.grad_bytes, precision.param_bytes, norm_s,
