@@ -95,18 +95,7 @@ class Config:
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
-        check_expert_parallel(
-            p.ep,
-            dp,
-            p.cp,
-            m.moe_experts,
-            p.zero,
-            p.compression,
-            p.pp,
-            p.tp,
-            self.precision.dtype,
-            self.precision.reduce_dtype,
-        )
+        check_expert_parallel(p.ep, dp, p.cp, m.moe_experts, p.compression)
         if self.log.sample_every:
             check_generation_layout(
                 p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory, "log.sample_every"

@@ -187,30 +187,21 @@ def check_pipeline(
 
 
 def check_expert_parallel(
-    ep: int,
-    dp: int,
-    cp: int,
-    experts: int,
-    zero: int = 0,
-    compression: str = "none",
-    pp: int = 1,
-    tp: int = 1,
-    dtype: str = "fp32",
-    reduce_dtype: str = "auto",
+    ep: int, dp: int, cp: int, experts: int, compression: str = "none"
 ) -> None:
     """Expert parallelism over ``ep`` ranks: a sub-axis of the dp x cp ranks (ep divides
-    dp * cp), an MoE model whose experts divide by ep, and no gradient compression.
-    ZeRO stages 0-3 (the expert weights in ZeRO units of their own over their replica
-    group), 16-bit precision (their fp32 masters there), ``pp`` and ``tp`` compose and
-    need no rule (``zero``, ``pp``, ``tp``, ``dtype`` and ``reduce_dtype`` are taken so
-    that every layout rule of ep is stated here)."""
+    dp * cp), an MoE model whose ``experts`` (routed experts per MoE layer) divide by
+    ep, and no gradient compression. ZeRO stages 0-3 (the expert weights in ZeRO units
+    of their own over their replica group), 16-bit precision (their fp32 masters there),
+    pp and tp compose with it and need no rule."""
     if ep < 1:
         raise ConfigError(f"parallel.ep must be positive, got {ep}.")
     if ep == 1:
         return
     if experts == 0:
         raise ConfigError(
-            f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_experts."
+            f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_experts "
+            "(or, for a model of your own, use plait.model.moe.MoE layers)."
         )
     if (dp * cp) % ep:
         ok = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]

@@ -69,6 +69,7 @@ from plait.config import (
 from plait.config_checks import check_compression, check_expert_parallel
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
+from plait.model.moe import MoE
 from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
@@ -179,10 +180,8 @@ def parallelize(
         apply_tensor_parallel(model, mesh, sequence_parallel=sp, plan=tp_plan)
     # 1b. expert parallelism: this rank's experts of every MoE layer, all-to-all dispatch.
     dp, cp = mesh.size("dp"), mesh.size("cp")
-    check_expert_parallel(
-        p.ep, dp, cp, _experts(model), p.zero, p.compression, pp, tp,
-        precision.dtype, precision.reduce_dtype,
-    )  # fmt: skip
+    for n_experts in _experts(model):  # of every MoE layer
+        check_expert_parallel(p.ep, dp, cp, n_experts, p.compression)
     data = mesh.axis(*data_axes(mesh))
     tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
     experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)
@@ -304,10 +303,11 @@ def parallelize(
     )
 
 
-def _experts(model: nn.Module) -> int:
-    """The routed experts per MoE layer of the model (0: none)."""
-    cfg = getattr(model, "cfg", None)
-    return int(getattr(cfg, "moe_experts", 0) or 0)
+def _experts(model: nn.Module) -> list[int]:
+    """The distinct routed-expert counts of the model's MoE layers (``[0]``: none);
+    found by scanning its modules, as :func:`apply_expert_parallel` does."""
+    found = sorted({m.n_experts for m in model.modules() if isinstance(m, MoE)})
+    return found or [0]
 
 
 def _hidden_dim(model: nn.Module) -> int:

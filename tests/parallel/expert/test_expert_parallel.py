@@ -91,7 +91,17 @@ def _reference(dp: int, m: int) -> dict[str, Any]:
         losses.append(total)
         aux.append([float(m_.stats.aux_loss) for m_ in _moes(model) if m_.stats is not None])
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "aux": aux, "weights": weights}
+    stats = [m_.stats for m_ in _moes(model) if m_.stats is not None]  # last micro-batch
+    summary = {
+        "moe_aux_loss": sum(float(s.aux_loss) for s in stats) / len(stats),
+        "moe_z_loss": sum(float(s.z_loss) for s in stats) / len(stats),
+        "moe_load_min": min(float(s.load.min()) for s in stats),
+        "moe_load_max": max(float(s.load.max()) for s in stats),
+        "moe_dropped": float(sum(s.dropped for s in stats)),
+    }
+    return {
+        "losses": losses, "norms": norms, "aux": aux, "weights": weights, "summary": summary,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +129,14 @@ def _body(
         before = mesh.stats.get("ep", "all_to_all").bytes
         for d in dispatchers:
             assert isinstance(d, ExpertParallelDispatch)
-            d.history.clear()
+            d.history = []  # collect this step's splits
         xr, yr = x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]
         losses.append(float(pm.step(xr, yr, micro_batches=micro)))
         ep_bytes.append(mesh.stats.get("ep", "all_to_all").bytes - before)
         step_formula = 0.0
         for d in dispatchers:  # every MoE layer of this stage, every micro-batch
             assert isinstance(d, ExpertParallelDispatch)
+            assert d.history is not None
             for k, (sent, received) in enumerate(d.history):
                 i = d.ep_group.index
                 one = ep_bytes_per_layer(sent, received, i, MOE.dim * 8, MOE.moe_experts, ep)
@@ -161,6 +172,7 @@ def _body(
         "formula": formula,
         "held": held,
         "rows_sent": sum(sum(d.last_splits[0]) for d in dispatchers if ep > 1),
+        "summary": pm.moe_summary(),  # every stage's MoE layers, on every rank
     }
 
 
@@ -172,6 +184,7 @@ def _body(
         pytest.param(4, 2, 1, 0, 1, 1, "none", id="dp2xep2"),
         pytest.param(4, 2, 2, 0, 1, 1, "none", id="ep2xtp2"),
         pytest.param(4, 2, 1, 0, 2, 1, "none", id="ep2xpp2"),
+        pytest.param(2, 1, 1, 0, 2, 1, "none", id="ep1xpp2"),
         pytest.param(4, 4, 1, 0, 1, 2, "none", id="dp2xcp2-ep4"),
         pytest.param(2, 2, 1, 0, 1, 1, "full", id="ep2-recompute-full"),
         pytest.param(2, 1, 1, 3, 1, 1, "none", id="zero3-dp2-ep1"),
@@ -201,6 +214,10 @@ def test_matches_one_process(
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["aux"], ref["aux"], rtol=RTOL, atol=0)
+        # the metrics' figures: every MoE layer's (all stages'), the one process's
+        assert res["summary"].keys() == ref["summary"].keys()
+        for key, want_v in ref["summary"].items():
+            assert res["summary"][key] == pytest.approx(want_v, rel=RTOL, abs=ATOL), key
         if zero == 0:  # ZeRO-3 frees the gathered weights
             assert res["held"] == MOE.moe_experts // ep
         # traffic: the counted bytes are the formula from the routing counts
@@ -226,3 +243,26 @@ def test_gradient_accumulation_under_ep(pools: Pools) -> None:
     weights = assemble([p for res in results for p in res["pieces"]])
     for name, want in ref["weights"].items():
         torch.testing.assert_close(weights[name], want, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _history(ctx: WorkerContext) -> list[Any]:
+    """Three ep2 steps with nobody collecting the splits: what each dispatcher kept."""
+    mesh = ctx.mesh(dp=ctx.world_size)
+    pm = parallelize(_model(), mesh, ParallelConfig(ep=2, bucket_mb=0.01))
+    per, r = BATCH // ctx.world_size, mesh.index("dp")
+    for x, y in _batches()[:3]:
+        pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        pm.zero_grad()
+    out = []
+    for m in pm.experts.moes:
+        d = m.dispatcher
+        assert isinstance(d, ExpertParallelDispatch)
+        out.append(d.history)
+    return out
+
+
+def test_dispatch_keeps_no_history_by_default(pools: Pools) -> None:
+    """The splits of every forward are kept only when a caller asks (a list in
+    ``history``): a training run leaves nothing growing per step."""
+    for res in pools(2).run("tests.parallel.expert.test_expert_parallel:_history"):
+        assert res and all(h is None for h in res)

@@ -70,6 +70,11 @@ class ExpertLayout:
     (sequence parallelism: dp x cp x tp); None: the data ranks."""
     seq_split: int = 1
     """The ranks one sequence's tokens are routed from (sequence parallelism: tp)."""
+    device: torch.device | None = None
+    """The mesh's device (for the figures' collectives on a stage without MoE layers)."""
+    stages: AxisGroup | None = None
+    """The pipeline stages (pp > 1), over which :meth:`summary` also reduces: each
+    stage holds its own MoE layers; None: no pipeline."""
 
     @property
     def ep(self) -> int:
@@ -96,33 +101,53 @@ class ExpertLayout:
         return [m.stats for m in self.moes if m.stats is not None]
 
     def summary(self, data_group: AxisGroup) -> dict[str, float]:
-        """The step's router figures for the metrics (a collective over ``data_group``:
-        every data rank calls it): ``moe_aux_loss`` and ``moe_z_loss`` (mean over the MoE
-        layers of the data ranks' mean, i.e. of the global batch's), ``moe_load_min`` and
-        ``moe_load_max`` (fewest and most assignments of one expert in one layer, over
-        the data ranks) and ``moe_dropped`` (assignments dropped by the capacity factor,
-        summed over layers and data ranks). Of the last micro-batch of the step."""
+        """The step's router figures for the metrics (a collective over ``data_group``
+        and the pipeline stages: every rank calls it): ``moe_aux_loss`` and
+        ``moe_z_loss`` (mean over every MoE layer of the model, of all stages, of the data
+        ranks' mean, i.e. of the global batch's), ``moe_load_min`` and ``moe_load_max``
+        (fewest and most assignments of one expert in one layer, over the data ranks and
+        stages) and ``moe_dropped`` (assignments dropped by the capacity factor, summed
+        over layers and data ranks). Of the last micro-batch of the step."""
         stats = self.stats()
-        if not stats:
+        if not stats and self.stages is None:
             return {}
         if self.tokens is not None:  # sequence parallelism: each tp rank's shard too
             data_group = self.tokens
-        dev = stats[0].aux_loss.device
+        dev = stats[0].aux_loss.device if stats else self.device
         v = torch.tensor(
             [
-                sum(float(s.aux_loss) for s in stats) / len(stats),
-                sum(float(s.z_loss) for s in stats) / len(stats),
+                sum(float(s.aux_loss) for s in stats),
+                sum(float(s.z_loss) for s in stats),
                 float(sum(s.dropped for s in stats)) * data_group.size,
+                float(len(stats)),
             ],
             dtype=torch.float64,
             device=dev,
         )
-        comm.all_reduce(v, data_group, op="avg")
+        comm.all_reduce(v, data_group, op="avg")  # the layer count: the same on each
+        inf = float("inf")
+        lo = torch.tensor(
+            [min((float(s.load.min()) for s in stats), default=inf)],
+            dtype=torch.float64,
+            device=dev,
+        )
+        hi = torch.tensor(
+            [max((float(s.load.max()) for s in stats), default=-inf)],
+            dtype=torch.float64,
+            device=dev,
+        )
+        if self.stages is not None:  # every stage's layers
+            comm.all_reduce(v, self.stages, op="sum")
+            comm.all_reduce(lo, self.stages, op="min")
+            comm.all_reduce(hi, self.stages, op="max")
+        layers = float(v[3])
+        if layers == 0:
+            return {}
         return {
-            "moe_aux_loss": float(v[0]),
-            "moe_z_loss": float(v[1]),
-            "moe_load_min": min(float(s.load.min()) for s in stats),
-            "moe_load_max": max(float(s.load.max()) for s in stats),
+            "moe_aux_loss": float(v[0]) / layers,
+            "moe_z_loss": float(v[1]) / layers,
+            "moe_load_min": float(lo[0]),
+            "moe_load_max": float(hi[0]),
             "moe_dropped": float(v[2]),
         }
 
@@ -198,6 +223,8 @@ def apply_expert_parallel(
             setattr(moe.experts, attr, new)
             params.append(new)
     split = tokens.size // data_group.size
+    stages = mesh.axis("pp") if mesh.size("pp") > 1 else None
     return ExpertLayout(
-        [m for _, m in moes], params, ep_group, replica, tokens=tokens, seq_split=split
-    )
+        [m for _, m in moes], params, ep_group, replica, tokens=tokens, seq_split=split,
+        device=mesh.device, stages=stages,
+    )  # fmt: skip

@@ -86,8 +86,9 @@ class ExpertParallelDispatch(LocalDispatch):
         self.n_experts = experts
         self.last_splits: tuple[list[int], list[int]] = ([], [])
         """(rows sent to, rows received from) each ep rank in the last forward."""
-        self.history: list[tuple[list[int], list[int]]] = []
-        """Every forward's splits since the caller last cleared it (traffic checks)."""
+        self.history: list[tuple[list[int], list[int]]] | None = None
+        """None (default: nothing kept), or a list a caller sets to collect every
+        forward's splits into (traffic checks); it grows until the caller clears it."""
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """``(E,)`` assignments per expert summed over the data ranks (not differentiable)."""
@@ -107,7 +108,8 @@ class ExpertParallelDispatch(LocalDispatch):
         send = [int(v) for v in per.sum(1).tolist()]
         recv = [int(v) for v in got.sum(1).tolist()]  # rows from each source rank
         self.last_splits = (send, recv)
-        self.history.append(self.last_splits)
+        if self.history is not None:
+            self.history.append(self.last_splits)
         rows = all_to_all_rows(x, g, send, recv)  # (M, dim) by source, then expert
         # regroup by expert (source order inside an expert): a permutation of the rows
         r = got.to(torch.int64)  # (ep, E/ep)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from plait.errors import ConfigError
 from plait.model.moe import MoE
 from plait.parallel.tensor.plan import TRANSFORMER_TP_PLAN, Plan, Style
 
@@ -32,7 +33,13 @@ def moe_tp_plan(model: nn.Module) -> Plan | None:
         row for row in TRANSFORMER_TP_PLAN if not row[0].startswith("layers.*.feed_forward")
     ]
     layers = getattr(model, "layers", None)
-    assert isinstance(layers, nn.ModuleList)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(
+            f"tensor parallelism of {type(model).__name__}: its MoE layers "
+            f"({', '.join(moes)}) are not in the built-in transformer's `layers` list, so "
+            "plait has no plan for it; give the model a `plait_tp_plan` (name pattern, "
+            "style) list (or pass tp_plan= to parallelize), or run it with parallel.tp=1."
+        )
     for i in range(len(layers)):
         ff = f"layers.{i}.feed_forward"
         moe = moes.get(ff)
