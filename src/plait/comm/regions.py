@@ -34,7 +34,9 @@ goes through :mod:`plait.comm.ops` and is counted on the group's axis.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,9 +44,27 @@ from plait.comm.group import AxisGroup
 from plait.comm.ops import all_gather, all_reduce, reduce_scatter
 from plait.errors import ConfigError
 
-_eager = torch.compiler.disable
-"""Region boundaries run eagerly under ``torch.compile`` (a graph break: a collective
-counted in Python cannot be traced; see docs/compile.md)."""
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _eager(fn: F) -> F:
+    """Run a region boundary eagerly under ``torch.compile`` (a graph break: a collective
+    counted in Python cannot be traced; see docs/compile.md).
+
+    The same as ``torch.compiler.disable`` but without importing ``torch._dynamo`` (about
+    1 s of every process's start-up) unless something is being compiled: outside
+    compilation ``fn`` runs directly; under it dynamo meets ``torch._disable_dynamo``'s
+    wrapper, which it skips (the graph break), and that wrapper runs ``fn`` with dynamo off.
+    """
+    skipped = torch._disable_dynamo(fn)
+
+    @functools.wraps(fn)
+    def boundary(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return skipped(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return boundary  # type: ignore[return-value]
 
 # ---------------------------------------------------------------- plain helpers
 

@@ -20,8 +20,9 @@ collectives go through :mod:`plait.comm`, which counts every byte in Python and 
 * **tensor / sequence parallelism**: each region boundary — the differentiable
   collectives of :mod:`plait.comm.regions` (``copy_to_region``,
   ``reduce_from_region``, ``gather_from_sequence``, ``reduce_scatter_to_sequence``, ...)
-  are ``torch.compiler.disable``d there — so a block compiles into the pieces between
-  them (with sequence parallelism: norm | attention | residual + norm | MLP | residual);
+  run eagerly under compilation (``regions._eager``: dynamo skips them) — so a block
+  compiles into the pieces between them (with sequence parallelism: norm | attention |
+  residual + norm | MLP | residual);
 * **context parallelism**: the ring or Ulysses attention core (point-to-point or
   all-to-all on the cp group) runs eagerly (:func:`_keep_eager`); the norms, projections
   and rotary before it and the rest of the block after it are compiled.
