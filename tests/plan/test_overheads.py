@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from plait.plan.overheads import (
     ZERO3_COPY_PASSES,
     ZERO3_UNIT_OPS,
     attention_length,
+    block_scale,
     equivalent_all_reduce_bytes,
     in_step_time,
     ring_block_seconds,
@@ -32,7 +34,7 @@ SPEC = ModelSpec("t", 4, 128, 4, 4, 352, 256, "llama", 128)
 IN_STEP_CURVE = Curve(((512.0, 1e-3), (2.0**21, 4e-3)))
 
 
-def _hw(in_step: bool = True, **kw: float) -> Hardware:
+def _hw(in_step: bool = True, **kw: Any) -> Hardware:
     """A CPU-like profile with round numbers: barrier-separated collectives 1e-4 s +
     bytes/1e9, an in-step all-reduce curve on pairs."""
     measured = ((IN_STEP, 2, IN_STEP_CURVE),) if in_step else ()
@@ -113,6 +115,52 @@ def test_block_overhead_is_charged_once_per_block() -> None:
     assert tb - ta == pytest.approx(4 * 2 * 3e-3)
 
 
+GRID = ((64.0, 256.0, 1.2), (64.0, 2048.0, 0.9), (256.0, 256.0, 1.5), (256.0, 2048.0, 1.0))
+
+
+def test_block_scale_by_hand() -> None:
+    """Log-bilinear between the grid's four points, clamped outside; 1 without a grid."""
+    hw = _hw(block_scale=GRID)
+    for d, t, r in GRID:  # the grid points themselves
+        assert block_scale(hw, d, t) == pytest.approx(r)
+    # the centre in log space (hidden 128 = sqrt(64·256), tokens sqrt(256·2048)):
+    # the geometric mean of the four ratios
+    centre = (1.2 * 0.9 * 1.5 * 1.0) ** 0.25
+    assert block_scale(hw, 128.0, (256 * 2048) ** 0.5) == pytest.approx(centre)
+    # hidden 128, tokens 1024: w_d = 1/2, w_t = log(4)/log(8) = 2/3
+    want = (1.2 ** (1 / 3) * 0.9 ** (2 / 3)) ** 0.5 * (1.5 ** (1 / 3) * 1.0 ** (2 / 3)) ** 0.5
+    assert block_scale(hw, 128.0, 1024.0) == pytest.approx(want)
+    # clamped: below the smallest hidden size and beyond the most tokens
+    assert block_scale(hw, 16.0, 256.0) == pytest.approx(1.2)
+    assert block_scale(hw, 64.0, 10**6) == pytest.approx(0.9)
+    assert block_scale(_hw(), 128.0, 1024.0) == 1.0
+
+
+def test_block_scale_multiplies_the_block() -> None:
+    """The block's forward, backward and a full recomputation are charged the ratio at
+    the block's hidden size and tokens per micro-batch and rank."""
+    rt = Runtime()
+    for lay in (Layout(micro_batch=8), Layout(micro_batch=8, recompute="full")):
+        a = block_time(SPEC, lay, rt, FP32, _hw(block_overhead_s=3e-3), 128)
+        b = block_time(
+            SPEC,
+            lay,
+            rt,
+            FP32,
+            _hw(block_overhead_s=3e-3, block_scale=GRID),
+            128,
+        )
+        r = block_scale(_hw(block_scale=GRID), 128.0, 1024.0)
+        assert b.forward == pytest.approx(r * a.forward)
+        assert b.backward == pytest.approx(r * a.backward)
+        assert b.recompute == pytest.approx(r * a.recompute)
+    # tensor parallelism keeps the hidden size; context parallelism halves the tokens
+    cp = Layout(cp=2, micro_batch=8, cp_attention="ulysses")
+    a = block_time(SPEC, cp, rt, FP32, _hw(), 128)
+    b = block_time(SPEC, cp, rt, FP32, _hw(block_scale=GRID), 128)
+    assert b.forward / a.forward == pytest.approx(block_scale(_hw(block_scale=GRID), 128.0, 512.0))
+
+
 def test_zero3_collectives_per_unit_in_step() -> None:
     """ZeRO-3 on 2 ranks: per micro-batch, each of the 5 units (4 blocks + the rest) is
     gathered twice and reduce-scattered once, each synchronous (no overlap on CPU)."""
@@ -136,9 +184,7 @@ def test_gpu_presets_unchanged_by_in_step_terms() -> None:
     hw = PRESETS["h100-80gb"]
     from plait.plan.network import all_gather_time, all_reduce_time
 
-    assert in_step_time("all_reduce", 2.0**20, 8, hw.intra) == all_reduce_time(
-        2.0**20, 8, hw.intra
-    )
+    assert in_step_time("all_reduce", 2.0**20, 8, hw.intra) == all_reduce_time(2.0**20, 8, hw.intra)
     want = 7 * hw.intra.latency_s + 7 / 8 * 2**20 / hw.intra.bandwidth
     assert in_step_time("all_gather", 2.0**20, 8, hw.intra) == pytest.approx(want)
     assert all_gather_time(2.0**20, 8, hw.intra) == pytest.approx(want)
