@@ -138,8 +138,17 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
     for clock, hw in (("wall", wall), ("cpu", cpu)):
         part = [r["compute"] if clock == "wall" else r["compute"]["cpu"] for r in results]
         tiny = statistics.median(c["tiny_block"] for c in part)
-        assert tiny_block_charge(hw) == pytest.approx(max(tiny, tiny_block_charge(
-            dataclasses.replace(hw, block_overhead_s=0.0))))  # fmt: skip
+        # (the overhead is derived before the grid's ratio, so without it)
+        unscaled = dataclasses.replace(hw, block_scale=())
+        assert tiny_block_charge(unscaled) == pytest.approx(max(tiny, tiny_block_charge(
+            dataclasses.replace(unscaled, block_overhead_s=0.0))))  # fmt: skip
+        # the block grid (one point when quick): charged exactly its median measurement
+        from plait.bench.calibrate import block_grid_charge
+
+        ((d, t, _),) = part[0]["block_grid"]
+        grid = statistics.median(c["block_grid"][0][2] for c in part)
+        assert [(d, t)] == [p[:2] for p in hw.block_scale]
+        assert block_grid_charge(hw, d, t) == pytest.approx(grid)
         ring = max(r["ring"][clock] for r in results)
         assert ring_charge(hw) == pytest.approx(
             max(ring, ring_charge(dataclasses.replace(hw, ring_overhead_s=0.0)))
