@@ -67,6 +67,12 @@ __all__ = [
 MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 IN_STEP_BYTES = (2**9, 2**16, 2**19, 2**21)
 """Message sizes of the in-step all-reduce measurement (tensor-parallel activations)."""
+IN_STEP_PAIRS = 5
+"""Alternating (with, without all-reduces) loop pairs per message size of the in-step
+measurement; its cost is the median of the pairs' differences. Each pair sees about the
+same background load, so a difference of paired loops varies less than a difference of
+medians taken over the two kinds separately (three of each before: on a shared machine
+the TP cost of one run moved by up to 3x between neighbouring layouts)."""
 IN_STEP_WORK = (1024, 128, 256)
 """``(M, K, N)`` of the linear layer (forward + both gradients, ~2 ms on one x86 core) run
 between two in-step all-reduces: about the work a tensor-parallel rank of the validated
@@ -199,15 +205,11 @@ def measure_in_step(g: Any, sizes: Sequence[int], reps: int) -> dict[str, list[A
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
         loop(t)  # warm-up
-        # alternate, so that a change of background load hits both loops alike
-        with_ar, without = [], []
-        for _ in range(3):
-            with_ar.append(loop(t))
-            without.append(loop(None))
+        # alternate, so that a change of background load hits both loops of a pair
+        # alike, and take the median of the pairs' differences
+        pairs = [(loop(t), loop(None)) for _ in range(IN_STEP_PAIRS)]
         for c in CLOCKS:
-            extra = statistics.median(a[c] for a in with_ar) - statistics.median(
-                b[c] for b in without
-            )
+            extra = statistics.median(a[c] - b[c] for a, b in pairs)
             out[c].append((4.0 * t.numel(), max(extra, 1e-9) / reps))
     return out
 
