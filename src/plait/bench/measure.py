@@ -209,8 +209,11 @@ BLOCK_GRID_BATCHES = (2, 16)
 tokens, a factor 8 apart."""
 BLOCK_GRID_SEQ = 128
 """Sequence length of the block grid."""
-BLOCK_GRID_HEADS = 4
-"""Attention heads of the grid's blocks."""
+BLOCK_GRID_HEAD_DIM = ATTN_HEAD_DIM
+"""Head dimension of the grid's blocks (``hidden / 32`` heads): the one the attention rate
+is calibrated at, so that the grid's ratio measures how a block's operators compose,
+not how attention's rate changes with the head dimension (which its curve, a function
+of the sequence length, does not model)."""
 BLOCK_GRID_DEPTH = 2
 """Blocks in the timed stack: each block's inputs come from the previous block, as in a
 model, not from a cache that one block keeps warm."""
@@ -224,7 +227,7 @@ def block_grid_config(dim: int) -> Any:
         n_layers=BLOCK_GRID_DEPTH,
         vocab_size=256,
         dim=dim,
-        n_heads=BLOCK_GRID_HEADS,
+        n_heads=max(1, dim // BLOCK_GRID_HEAD_DIM),
         max_seq_len=BLOCK_GRID_SEQ,
     )
 
