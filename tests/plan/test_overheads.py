@@ -26,8 +26,10 @@ from plait.plan.overheads import (
     in_step_time,
     ring_block_seconds,
     ring_pairs,
+    zero3_unit_numels,
     zero3_unit_seconds,
 )
+from plait.plan.units import stage_units
 
 FP32 = PRECISIONS["fp32"]
 SPEC = ModelSpec("t", 4, 128, 4, 4, 352, 256, "llama", 128)
@@ -97,8 +99,8 @@ def test_ring_block_seconds_by_hand() -> None:
 
 def test_zero3_unit_seconds_by_hand() -> None:
     hw = _hw()
-    got = zero3_unit_seconds(1e6, 40, 5, hw)
-    want = 5 * ZERO3_COPY_PASSES * 1e6 / 1e9 + (5 * ZERO3_UNIT_OPS + 3 * 40) * 1e-6
+    got = zero3_unit_seconds([1e6, 2e6], 40, hw)
+    want = ZERO3_COPY_PASSES * 3e6 / 1e9 + (2 * ZERO3_UNIT_OPS + 3 * 40) * 1e-6
     assert got == pytest.approx(want)
 
 
@@ -162,21 +164,33 @@ def test_block_scale_multiplies_the_block() -> None:
 
 
 def test_zero3_collectives_per_unit_in_step() -> None:
-    """ZeRO-3 on 2 ranks: per micro-batch, each of the 5 units (4 blocks + the rest) is
-    gathered twice and reduce-scattered once, each synchronous (no overlap on CPU)."""
+    """ZeRO-3 on 2 ranks: per micro-batch, each of the runtime's 7 units (the embedding,
+    4 blocks, the head, the root with the final norm) is gathered twice and
+    reduce-scattered once, each synchronous (no overlap on CPU)."""
     hw, rt = _hw(), Runtime()
     lay = Layout(dp=2, zero=3, micro_batch=8)
     t = step_time(SPEC, lay, hw, FP32, rt, 128)
     from plait.plan.memory import stage_params
 
     sp = stage_params(SPEC, lay, 0)
-    units = sp.layers + 1
-    agu = in_step_time("all_gather", sp.params * 4 / units, 2, hw.intra)
-    rsu = in_step_time("reduce_scatter", sp.params * 4 / units, 2, hw.intra)
-    assert t.dp_comm == pytest.approx(units * (2 * agu + rsu))
+    emb, block = 256 * 128, 128 + 4 * 128 * 128 + 128 + 3 * 128 * 352
+    units = [emb, block, block, block, block, emb, 128]  # elements, all even (F = 2)
+    assert sum(units) == sp.params
+    assert zero3_unit_numels(SPEC, lay, sp.params) == pytest.approx(units)
+    want = sum(
+        2 * in_step_time("all_gather", 4 * u, 2, hw.intra)
+        + in_step_time("reduce_scatter", 4 * u, 2, hw.intra)
+        for u in units
+    )
+    assert t.dp_comm == pytest.approx(want)
     plain = step_time(SPEC, dataclasses.replace(lay, zero=0), hw, FP32, rt, 128)
-    copies = zero3_unit_seconds(sp.params * 4 / units, sp.tensors, units, hw)
+    copies = zero3_unit_seconds([4.0 * u for u in units], sp.tensors, hw)
     assert t.other - plain.other == pytest.approx(copies)
+    # a unit is padded to a multiple of the shard factor: 129 elements over F = 2 -> 130
+    odd = ModelSpec("odd", 1, 129, 3, 3, 256, 7, "llama", 16)
+    got = zero3_unit_numels(odd, Layout(dp=2, zero=3), 10**6)
+    held = sum(sum(u) for u in stage_units(odd, 1, 1, 0))
+    assert got[-1] == pytest.approx(130 * 10**6 / held)
 
 
 def test_gpu_presets_unchanged_by_in_step_terms() -> None:

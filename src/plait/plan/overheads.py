@@ -22,7 +22,10 @@ between barriers. Real steps pay more, in places the measurements of
   :data:`RING_BWD_PASSES` passes over a chunk's ``(b, h, c, d)`` tensor and
   :data:`RING_FWD_OPS` / :data:`RING_BWD_OPS` operator calls, plus the profile's
   ``ring_overhead_s`` per layer (its Python calls, calibrated on a tiny ring).
-* **ZeRO-3 unit copies and hooks** (:func:`zero3_unit_seconds`): every gather copies the
+* **ZeRO-3 unit copies and hooks** (:func:`zero3_unit_seconds`), per unit the runtime
+  really has (:func:`zero3_unit_numels`: the embedding and the head are units of their
+  own, and so is the root with the final norm: 7 for a 4-block model, not 5; each
+  unit's gathers and reduce-scatter pay their in-step latency): every gather copies the
   gathered flat buffer into the unit's storage (before forward and again before
   backward), every backward flattens the unit's gradients for the reduce-scatter, and
   the hooks swap every parameter in and out.
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 
 from plait.plan.hardware import IN_STEP, Hardware, Link
 from plait.plan.layout import Layout, Precision
@@ -157,15 +161,30 @@ def ring_block_seconds(
     return fwd, bwd
 
 
-def zero3_unit_seconds(unit_bytes: float, tensors: int, units: int, hw: Hardware) -> float:
-    """Seconds of ZeRO-3's copies and hooks per micro-batch on one rank: ``units`` units
-    of ``unit_bytes`` (weights; gradients the same size) holding ``tensors`` parameter
+def zero3_unit_seconds(unit_bytes: Sequence[float], tensors: int, hw: Hardware) -> float:
+    """Seconds of ZeRO-3's copies and hooks per micro-batch on one rank: units of
+    ``unit_bytes`` each (weights; gradients the same size) holding ``tensors`` parameter
     tensors in all (each swapped in and out at each of the two gathers and the free)."""
-    if units <= 0:
+    if not unit_bytes:
         return 0.0
-    copies = units * ZERO3_COPY_PASSES * unit_bytes / hw.elementwise.at(max(unit_bytes, 1.0))
-    calls = (units * ZERO3_UNIT_OPS + 3 * tensors) * hw.op_overhead_s
+    rate = hw.elementwise.at
+    copies = sum(ZERO3_COPY_PASSES * b / rate(max(b, 1.0)) for b in unit_bytes)
+    calls = (len(unit_bytes) * ZERO3_UNIT_OPS + 3 * tensors) * hw.op_overhead_s
     return copies + calls
+
+
+def zero3_unit_numels(spec: ModelSpec, layout: Layout, params: float) -> list[float]:
+    """Gathered elements of each ZeRO-3 unit of a one-stage model on one tensor-parallel
+    rank, as the runtime wraps it (:func:`plait.plan.units.stage_units`: the embedding,
+    each block, the head, the root with the final norm), each padded to a multiple of
+    the shard factor, scaled so that they hold ``params`` parameters (the stage's)."""
+    from plait.plan.units import shard_numel, stage_units
+
+    units = stage_units(spec, layout.tp, 1, 0, layout.edge_trim)
+    f = layout.shard_factor
+    held = sum(sum(u) for u in units)
+    scale = params / held if held else 1.0
+    return [scale * shard_numel(u, f) * f for u in units]
 
 
 def pipeline_action_seconds(layout: Layout, hw: Hardware) -> float:
