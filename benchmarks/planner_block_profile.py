@@ -5,9 +5,11 @@ Calibrates this machine's compute rates in this process (one thread,
 :class:`~plait.model.transformer.Block` in training (median of 11 steps, process CPU
 time) and profiles it (``torch.profiler``, 3 steps) into three parts: the GEMMs
 (``aten::mm``), fused attention (``scaled_dot_product*``), and the rest (memory-bound
-operators, autograd nodes, gradient sums, views). Beside each part it prints what
-:func:`plait.plan.compute.block_time` charges for it: the GEMMs at the linear-layer
-rate, attention at its rate, and the memory-bound traffic, operator calls and block
+operators, autograd nodes, gradient sums, views): the profiler's own total less the two,
+so that the three parts are on one clock (the profiler's, wall time per operator; on a
+loaded machine that differs from the CPU-time total, which the ratio uses). Beside each
+part it prints what :func:`plait.plan.compute.block_time` charges for it: the GEMMs at
+the linear-layer rate, attention at its rate, and the memory-bound traffic, operator calls and block
 overhead; the last column is the block composition ratio the calibrated profile
 charges at that shape (``Hardware.block_scale``, from its grid).
 
@@ -72,11 +74,13 @@ def profile_block(hw: Any, dim: int, heads: int, seq: int, mb: int) -> str:
     ev = prof.key_averages()
     mm = sum(e.self_cpu_time_total for e in ev if e.key in ("aten::mm", "aten::bmm")) / 3e6
     sd = sum(e.self_cpu_time_total for e in ev if "scaled_dot_product" in e.key) / 3e6
+    total = sum(e.self_cpu_time_total for e in ev) / 3e6  # the profiler's clock throughout
     ms = lambda v: f"{1e3 * v:.2f}"  # noqa: E731
     charged = bt.forward + bt.backward
     return (
         f"| {dim} x {mb * seq} (h{heads}) | {ms(meas)} / {ms(charged)} | {meas / charged:.3f} | "
-        f"{ms(mm)} / {ms(gemm)} | {ms(sd)} / {ms(attn)} | {ms(meas - mm - sd)} / {ms(rest)} | "
+        f"{ms(total)} | {ms(mm)} / {ms(gemm)} | {ms(sd)} / {ms(attn)} | "
+        f"{ms(total - mm - sd)} / {ms(rest)} | "
         f"{block_scale(hw, dim, mb * seq):.3f} |"
     )
 
@@ -92,10 +96,11 @@ def main() -> int:
     comp = compute_body(None, False)
     hw, _ = profile_from_results([{"compute": comp, "comm": {"cpu": {}}}], 4e9, clock="cpu")
     print(
-        "| hidden x tokens | block ms meas / charged | ratio | GEMM ms meas / charged | "
-        "attention | rest (memory-bound, autograd, overhead) | profile's block ratio |"
+        "| hidden x tokens | block ms meas / charged | ratio | profiled | "
+        "GEMM ms prof / charged | attention | rest (memory-bound, autograd, overhead) | "
+        "profile's block ratio |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for shape in SHAPES:
         print(profile_block(hw, *shape), flush=True)
     return 0
