@@ -42,13 +42,13 @@ between barriers. Real steps pay more, in places the measurements of
   cost, and the loss broadcast about 0.5 ms of CPU time per step.
 * **block composition** (:func:`block_scale`): a block's operators run together cost
   more (or less) than each at its own calibrated rate: on the benchmark's block (hidden
-  128, 1024 tokens, CPU) the GEMMs ran about 10 % faster than the linear-layer rate and
-  the memory-bound remainder (norms, rotary, SwiGLU, residuals, the gradient sums of
-  tensors with several consumers, autograd's nodes) about 1.8x slower than the chain's
-  rate, by an amount that varies with the shape. The profile's ``block_scale`` is the
-  measured over charged time of a stack of plait's blocks on a grid of shapes, and the
-  block's compute is charged that ratio, interpolated log-bilinearly in (hidden,
-  tokens) and clamped at the grid's edges.
+  128, 1024 tokens, CPU, a quiet machine) the GEMMs ran about 10 % faster than the
+  linear-layer rate and the memory-bound remainder (norms, rotary, SwiGLU, residuals,
+  the gradient sums of tensors with several consumers, autograd's nodes) about 1.8x
+  slower than the chain's rate, by amounts that vary with the shape and the moment.
+  The profile's ``block_scale`` is the measured over charged time of a stack of
+  plait's blocks on a grid of shapes, and the block's compute is charged that ratio,
+  interpolated log-bilinearly in (hidden, tokens) and clamped at the grid's edges.
 """
 
 from __future__ import annotations
