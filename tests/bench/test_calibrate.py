@@ -97,6 +97,8 @@ def test_calibration_on_two_ranks_feeds_the_planner(
     assert hw.peak_flops > 1e8 and hw.matmul.peak > 1e8  # any CPU does > 0.1 GFLOP/s
     # the matmul curve is a linear layer in training at sizes (4n·n·n)^(1/3)
     assert [round(s**3 / 4) for s, _ in hw.matmul.points] == [n**3 for n in (32, 64, 128, 256)]
+    # attention from sequence 32: ring attention's chunks at cp = 2, s = 128
+    assert [s for s, _ in hw.attention.points] == [32.0, 64.0, 128.0, 256.0]
     assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for f in fits:
         assert f.alpha >= 0 and f.bandwidth > 0
