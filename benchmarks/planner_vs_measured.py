@@ -50,7 +50,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +307,15 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
     return here, res
 
 
+def _block_ratio(e: Any) -> float:
+    """The profile's block composition ratio at ``e``'s block (hidden size, tokens per
+    micro-batch and rank): what the planner multiplies the block's rates' sum by."""
+    from plait.plan.overheads import block_scale
+
+    lay = e.layout
+    return block_scale(e.hardware, e.model.hidden, lay.micro_batch * SEQ / lay.cp)
+
+
 def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
     """Run every available row and format the comparison."""
     from plait.bench.calibrate import profile_from_results
@@ -323,8 +332,8 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
     parts = [
         "| layout | compute | TP comm | CP comm | PP comm + bubble | "
         "DP/ZeRO comm exposed (total) | optimizer | other | predicted (no bubble) | "
-        "measured |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "measured | block ratio | predicted without it (err) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     pools: dict[int, Any] = {}
     try:
@@ -359,6 +368,9 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             # a rank idle in its pipeline bubble sleeps in the transport's receive: process
             # CPU time does not advance, so the CPU-time prediction leaves the bubble out
             cpu_pred = e_cpu.time.total - e_cpu.time.bubble
+            # the same profile without the block composition ratio, for comparison
+            e_plain = predict(row, replace(prof["cpu"], block_scale=()))
+            plain_pred = e_plain.time.total - e_plain.time.bubble
             r0 = next(r for r in res if r["rank"] == 0)
             state_meas = r0["params"] + r0["grads"] + r0["master"] + r0["optimizer"]
             step_meas = statistics.median(
@@ -396,12 +408,21 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
                 f"| {row.name} | {ms(t.compute + t.recompute)} | {ms(t.tp_comm)} | "
                 f"{ms(t.cp_comm)} | {ms(t.pp_comm)} + {ms(t.bubble)} | "
                 f"{ms(t.dp_comm)} ({ms(t.dp_comm_total)}) | "
-                f"{ms(t.optimizer)} | {ms(t.other)} | {ms(cpu_pred)} | {ms(cpu_meas)} |"
+                f"{ms(t.optimizer)} | {ms(t.other)} | {ms(cpu_pred)} | {ms(cpu_meas)} | "
+                f"{_block_ratio(e_cpu):.3f} | {ms(plain_pred)} ({_err(plain_pred, cpu_meas)}) |"
             )
     finally:
         for pool in pools.values():
             pool.close()
-    return [*lines, "", "Predicted CPU time per step by component (ms):", "", *parts]
+    return [
+        *lines,
+        "",
+        "Predicted CPU time per step by component (ms); block ratio: the calibrated "
+        "block composition ratio the blocks are charged (`Hardware.block_scale`, "
+        "interpolated at the row's hidden size and tokens per micro-batch):",
+        "",
+        *parts,
+    ]
 
 
 # --------------------------------------------------------------------------- published

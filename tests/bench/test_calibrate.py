@@ -97,6 +97,8 @@ def test_calibration_on_two_ranks_feeds_the_planner(
     assert hw.peak_flops > 1e8 and hw.matmul.peak > 1e8  # any CPU does > 0.1 GFLOP/s
     # the matmul curve is a linear layer in training at sizes (4n·n·n)^(1/3)
     assert [round(s**3 / 4) for s, _ in hw.matmul.points] == [n**3 for n in (32, 64, 128, 256)]
+    # attention from sequence 32: ring attention's chunks at cp = 2, s = 128
+    assert [s for s, _ in hw.attention.points] == [32.0, 64.0, 128.0, 256.0]
     assert {f.op for f in fits} == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for f in fits:
         assert f.alpha >= 0 and f.bandwidth > 0
@@ -138,8 +140,17 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
     for clock, hw in (("wall", wall), ("cpu", cpu)):
         part = [r["compute"] if clock == "wall" else r["compute"]["cpu"] for r in results]
         tiny = statistics.median(c["tiny_block"] for c in part)
-        assert tiny_block_charge(hw) == pytest.approx(max(tiny, tiny_block_charge(
-            dataclasses.replace(hw, block_overhead_s=0.0))))  # fmt: skip
+        # (the overhead is derived before the grid's ratio, so without it)
+        unscaled = dataclasses.replace(hw, block_scale=())
+        assert tiny_block_charge(unscaled) == pytest.approx(max(tiny, tiny_block_charge(
+            dataclasses.replace(unscaled, block_overhead_s=0.0))))  # fmt: skip
+        # the block grid (one point when quick): charged exactly its median measurement
+        from plait.bench.calibrate import block_grid_charge
+
+        ((d, t, _),) = part[0]["block_grid"]
+        grid = statistics.median(c["block_grid"][0][2] for c in part)
+        assert [(d, t)] == [p[:2] for p in hw.block_scale]
+        assert block_grid_charge(hw, d, t) == pytest.approx(grid)
         ring = max(r["ring"][clock] for r in results)
         assert ring_charge(hw) == pytest.approx(
             max(ring, ring_charge(dataclasses.replace(hw, ring_overhead_s=0.0)))

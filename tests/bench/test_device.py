@@ -79,3 +79,50 @@ def test_ring_overhead_reads_back() -> None:
     over = ring_overhead(hw, measured)
     assert over == pytest.approx(2e-3)
     assert ring_charge(dataclasses.replace(hw, ring_overhead_s=over)) == pytest.approx(measured)
+
+
+def test_block_scale_reads_back() -> None:
+    """With the grid's ratios derived, the planner charges each grid block exactly what
+    was measured, and the ratios are measured / charged without a scale."""
+    from plait.bench.calibrate import block_grid_charge, block_scale_points
+
+    hw = dataclasses.replace(PRESETS["a100-80gb"], op_overhead_s=2e-6, block_overhead_s=1e-4)
+    factors = {(64.0, 256.0): 1.3, (64.0, 2048.0): 0.8, (256.0, 256.0): 1.1, (256.0, 2048.0): 1.0}
+    measured = [(d, t, f * block_grid_charge(hw, d, t)) for (d, t), f in factors.items()]
+    points = block_scale_points(hw, measured)
+    assert [(d, t) for d, t, _ in points] == list(factors)
+    assert [r for _, _, r in points] == pytest.approx(list(factors.values()))
+    scaled = dataclasses.replace(hw, block_scale=points)
+    for d, t, sec in measured:
+        assert block_grid_charge(scaled, d, t) == pytest.approx(sec)
+    # the ratio is taken against the unscaled charge, whatever scale hw carries already
+    again = block_scale_points(scaled, measured)
+    assert [r for _, _, r in again] == pytest.approx([r for _, _, r in points])
+
+
+def test_block_grid_measurement_is_plaits_block() -> None:
+    """The grid measurement times plait's block at the grid's shapes on both clocks."""
+    from plait.bench.measure import BLOCK_GRID_SEQ, CLOCKS, measure_block_grid
+
+    got = measure_block_grid(1, dims=(16,), batches=(1, 2))
+    assert set(got) == set(CLOCKS)
+    for clock in CLOCKS:
+        assert [(d, t) for d, t, _ in got[clock]] == [
+            (16.0, BLOCK_GRID_SEQ),
+            (16.0, 2.0 * BLOCK_GRID_SEQ),
+        ]
+        assert all(sec > 0 for _, _, sec in got[clock])
+
+
+def test_block_scale_round_trips_and_is_checked(tmp_path: Path) -> None:
+    from plait.errors import ConfigError
+
+    grid = ((64.0, 256.0, 1.25), (64.0, 2048.0, 0.75), (256.0, 256.0, 1.5), (256.0, 2048.0, 1.0))
+    hw = dataclasses.replace(PRESETS["a100-80gb"], block_scale=grid)
+    path = tmp_path / "hw.toml"
+    path.write_text(dump_hardware(hw), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
+    with pytest.raises(ConfigError, match="full grid"):
+        dataclasses.replace(hw, block_scale=grid[:3])
+    with pytest.raises(ConfigError, match="positive"):
+        dataclasses.replace(hw, block_scale=((64.0, 256.0, 0.0),))

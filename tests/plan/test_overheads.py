@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -20,19 +21,22 @@ from plait.plan.overheads import (
     ZERO3_COPY_PASSES,
     ZERO3_UNIT_OPS,
     attention_length,
+    block_scale,
     equivalent_all_reduce_bytes,
     in_step_time,
     ring_block_seconds,
     ring_pairs,
+    zero3_unit_numels,
     zero3_unit_seconds,
 )
+from plait.plan.units import stage_units
 
 FP32 = PRECISIONS["fp32"]
 SPEC = ModelSpec("t", 4, 128, 4, 4, 352, 256, "llama", 128)
 IN_STEP_CURVE = Curve(((512.0, 1e-3), (2.0**21, 4e-3)))
 
 
-def _hw(in_step: bool = True, **kw: float) -> Hardware:
+def _hw(in_step: bool = True, **kw: Any) -> Hardware:
     """A CPU-like profile with round numbers: barrier-separated collectives 1e-4 s +
     bytes/1e9, an in-step all-reduce curve on pairs."""
     measured = ((IN_STEP, 2, IN_STEP_CURVE),) if in_step else ()
@@ -95,8 +99,8 @@ def test_ring_block_seconds_by_hand() -> None:
 
 def test_zero3_unit_seconds_by_hand() -> None:
     hw = _hw()
-    got = zero3_unit_seconds(1e6, 40, 5, hw)
-    want = 5 * ZERO3_COPY_PASSES * 1e6 / 1e9 + (5 * ZERO3_UNIT_OPS + 3 * 40) * 1e-6
+    got = zero3_unit_seconds([1e6, 2e6], 40, hw)
+    want = ZERO3_COPY_PASSES * 3e6 / 1e9 + (2 * ZERO3_UNIT_OPS + 3 * 40) * 1e-6
     assert got == pytest.approx(want)
 
 
@@ -113,22 +117,80 @@ def test_block_overhead_is_charged_once_per_block() -> None:
     assert tb - ta == pytest.approx(4 * 2 * 3e-3)
 
 
+GRID = ((64.0, 256.0, 1.2), (64.0, 2048.0, 0.9), (256.0, 256.0, 1.5), (256.0, 2048.0, 1.0))
+
+
+def test_block_scale_by_hand() -> None:
+    """Log-bilinear between the grid's four points, clamped outside; 1 without a grid."""
+    hw = _hw(block_scale=GRID)
+    for d, t, r in GRID:  # the grid points themselves
+        assert block_scale(hw, d, t) == pytest.approx(r)
+    # the centre in log space (hidden 128 = sqrt(64·256), tokens sqrt(256·2048)):
+    # the geometric mean of the four ratios
+    centre = (1.2 * 0.9 * 1.5 * 1.0) ** 0.25
+    assert block_scale(hw, 128.0, (256 * 2048) ** 0.5) == pytest.approx(centre)
+    # hidden 128, tokens 1024: w_d = 1/2, w_t = log(4)/log(8) = 2/3
+    want = (1.2 ** (1 / 3) * 0.9 ** (2 / 3)) ** 0.5 * (1.5 ** (1 / 3) * 1.0 ** (2 / 3)) ** 0.5
+    assert block_scale(hw, 128.0, 1024.0) == pytest.approx(want)
+    # clamped: below the smallest hidden size and beyond the most tokens
+    assert block_scale(hw, 16.0, 256.0) == pytest.approx(1.2)
+    assert block_scale(hw, 64.0, 10**6) == pytest.approx(0.9)
+    assert block_scale(_hw(), 128.0, 1024.0) == 1.0
+
+
+def test_block_scale_multiplies_the_block() -> None:
+    """The block's forward, backward and a full recomputation are charged the ratio at
+    the block's hidden size and tokens per micro-batch and rank."""
+    rt = Runtime()
+    for lay in (Layout(micro_batch=8), Layout(micro_batch=8, recompute="full")):
+        a = block_time(SPEC, lay, rt, FP32, _hw(block_overhead_s=3e-3), 128)
+        b = block_time(
+            SPEC,
+            lay,
+            rt,
+            FP32,
+            _hw(block_overhead_s=3e-3, block_scale=GRID),
+            128,
+        )
+        r = block_scale(_hw(block_scale=GRID), 128.0, 1024.0)
+        assert b.forward == pytest.approx(r * a.forward)
+        assert b.backward == pytest.approx(r * a.backward)
+        assert b.recompute == pytest.approx(r * a.recompute)
+    # tensor parallelism keeps the hidden size; context parallelism halves the tokens
+    cp = Layout(cp=2, micro_batch=8, cp_attention="ulysses")
+    a = block_time(SPEC, cp, rt, FP32, _hw(), 128)
+    b = block_time(SPEC, cp, rt, FP32, _hw(block_scale=GRID), 128)
+    assert b.forward / a.forward == pytest.approx(block_scale(_hw(block_scale=GRID), 128.0, 512.0))
+
+
 def test_zero3_collectives_per_unit_in_step() -> None:
-    """ZeRO-3 on 2 ranks: per micro-batch, each of the 5 units (4 blocks + the rest) is
-    gathered twice and reduce-scattered once, each synchronous (no overlap on CPU)."""
+    """ZeRO-3 on 2 ranks: per micro-batch, each of the runtime's 7 units (the embedding,
+    4 blocks, the head, the root with the final norm) is gathered twice and
+    reduce-scattered once, each synchronous (no overlap on CPU)."""
     hw, rt = _hw(), Runtime()
     lay = Layout(dp=2, zero=3, micro_batch=8)
     t = step_time(SPEC, lay, hw, FP32, rt, 128)
     from plait.plan.memory import stage_params
 
     sp = stage_params(SPEC, lay, 0)
-    units = sp.layers + 1
-    agu = in_step_time("all_gather", sp.params * 4 / units, 2, hw.intra)
-    rsu = in_step_time("reduce_scatter", sp.params * 4 / units, 2, hw.intra)
-    assert t.dp_comm == pytest.approx(units * (2 * agu + rsu))
+    emb, block = 256 * 128, 128 + 4 * 128 * 128 + 128 + 3 * 128 * 352
+    units = [emb, block, block, block, block, emb, 128]  # elements, all even (F = 2)
+    assert sum(units) == sp.params
+    assert zero3_unit_numels(SPEC, lay, sp.params) == pytest.approx(units)
+    want = sum(
+        2 * in_step_time("all_gather", 4 * u, 2, hw.intra)
+        + in_step_time("reduce_scatter", 4 * u, 2, hw.intra)
+        for u in units
+    )
+    assert t.dp_comm == pytest.approx(want)
     plain = step_time(SPEC, dataclasses.replace(lay, zero=0), hw, FP32, rt, 128)
-    copies = zero3_unit_seconds(sp.params * 4 / units, sp.tensors, units, hw)
+    copies = zero3_unit_seconds([4.0 * u for u in units], sp.tensors, hw)
     assert t.other - plain.other == pytest.approx(copies)
+    # a unit is padded to a multiple of the shard factor: 129 elements over F = 2 -> 130
+    odd = ModelSpec("odd", 1, 129, 3, 3, 256, 7, "llama", 16)
+    got = zero3_unit_numels(odd, Layout(dp=2, zero=3), 10**6)
+    held = sum(sum(u) for u in stage_units(odd, 1, 1, 0))
+    assert got[-1] == pytest.approx(130 * 10**6 / held)
 
 
 def test_gpu_presets_unchanged_by_in_step_terms() -> None:
@@ -136,9 +198,7 @@ def test_gpu_presets_unchanged_by_in_step_terms() -> None:
     hw = PRESETS["h100-80gb"]
     from plait.plan.network import all_gather_time, all_reduce_time
 
-    assert in_step_time("all_reduce", 2.0**20, 8, hw.intra) == all_reduce_time(
-        2.0**20, 8, hw.intra
-    )
+    assert in_step_time("all_reduce", 2.0**20, 8, hw.intra) == all_reduce_time(2.0**20, 8, hw.intra)
     want = 7 * hw.intra.latency_s + 7 / 8 * 2**20 / hw.intra.bandwidth
     assert in_step_time("all_gather", 2.0**20, 8, hw.intra) == pytest.approx(want)
     assert all_gather_time(2.0**20, 8, hw.intra) == pytest.approx(want)

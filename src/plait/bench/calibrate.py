@@ -24,7 +24,9 @@ in training, measures
   ranks, interleaved with a linear layer's training work, synchronous, no barrier), the
   ``all_reduce_in_step`` curve the planner charges tensor-parallel collectives at;
 * the fixed cost of a pipeline schedule's compute action, on a tiny two-stage pipeline
-  (:mod:`plait.bench.calibrate_pipeline`).
+  (:mod:`plait.bench.calibrate_pipeline`);
+* a stack of plait's blocks in training on a grid of shapes, kept as the ratio of its
+  time to the planner's charge (``block_scale``, :func:`block_scale_points`).
 
 The compute measurements live in :mod:`plait.bench.measure` (medians, two clocks); a
 collective's time is the slowest rank's, and the profile keeps both the fit and the
@@ -65,6 +67,12 @@ __all__ = [
 MESSAGE_BYTES = (2**10, 2**13, 2**16, 2**19, 2**22, 2**24)
 IN_STEP_BYTES = (2**9, 2**16, 2**19, 2**21)
 """Message sizes of the in-step all-reduce measurement (tensor-parallel activations)."""
+IN_STEP_PAIRS = 5
+"""Alternating (with, without all-reduces) loop pairs per message size of the in-step
+measurement; its cost is the median of the pairs' differences. Each pair sees about the
+same background load, so a difference of paired loops varies less than a difference of
+medians taken over the two kinds separately (three of each before: on a shared machine
+the TP cost of one run moved by up to 3x between neighbouring layouts)."""
 IN_STEP_WORK = (1024, 128, 256)
 """``(M, K, N)`` of the linear layer (forward + both gradients, ~2 ms on one x86 core) run
 between two in-step all-reduces: about the work a tensor-parallel rank of the validated
@@ -197,15 +205,11 @@ def measure_in_step(g: Any, sizes: Sequence[int], reps: int) -> dict[str, list[A
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
         loop(t)  # warm-up
-        # alternate, so that a change of background load hits both loops alike
-        with_ar, without = [], []
-        for _ in range(3):
-            with_ar.append(loop(t))
-            without.append(loop(None))
+        # alternate, so that a change of background load hits both loops of a pair
+        # alike, and take the median of the pairs' differences
+        pairs = [(loop(t), loop(None)) for _ in range(IN_STEP_PAIRS)]
         for c in CLOCKS:
-            extra = statistics.median(a[c] for a in with_ar) - statistics.median(
-                b[c] for b in without
-            )
+            extra = statistics.median(a[c] - b[c] for a, b in pairs)
             out[c].append((4.0 * t.numel(), max(extra, 1e-9) / reps))
     return out
 
@@ -368,11 +372,45 @@ def block_overhead(hw: Hardware, measured_s: float) -> float:
     return max(0.0, measured_s - tiny_block_charge(replace(hw, block_overhead_s=0.0)))
 
 
+def block_grid_charge(hw: Hardware, dim: float, tokens: float) -> float:
+    """Seconds the planner charges one block of the grid
+    (:func:`plait.bench.measure.block_grid_config`) at hidden size ``dim`` and ``tokens``
+    per micro-batch, forward + backward, with ``hw``'s rates, fixed costs and scale."""
+    from plait.bench.measure import BLOCK_GRID_SEQ, block_grid_config
+    from plait.plan.compute import block_time
+    from plait.plan.layout import PRECISIONS, Layout, Runtime
+    from plait.plan.modelspec import ModelSpec
+
+    spec = ModelSpec.from_config(block_grid_config(int(dim)), "block-grid")
+    lay = Layout(micro_batch=max(1, round(tokens / BLOCK_GRID_SEQ)))
+    bt = block_time(spec, lay, Runtime(), PRECISIONS["fp32"], hw, BLOCK_GRID_SEQ)
+    return bt.forward + bt.backward
+
+
+def block_scale_points(
+    hw: Hardware, measured: Sequence[tuple[float, float, float]]
+) -> tuple[tuple[float, float, float], ...]:
+    """``(hidden, tokens, measured / charged)`` for each measured grid block, charged by
+    ``hw`` without a scale (its block overhead included)."""
+    base = replace(hw, block_scale=())
+    return tuple((d, t, sec / block_grid_charge(base, d, t)) for d, t, sec in measured)
+
+
 def _with_block_overhead(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
+    """``hw`` with the block's fixed cost (the tiny block) and then its composition
+    ratio on the grid (each grid point the median over ``comp``) derived."""
     if not all("tiny_block" in c for c in comp):
         return hw
     tiny = statistics.median(c["tiny_block"] for c in comp)
-    return replace(hw, block_overhead_s=block_overhead(hw, tiny))
+    hw = replace(hw, block_overhead_s=block_overhead(hw, tiny))
+    if not all(c.get("block_grid") for c in comp):
+        return hw
+    grid = comp[0]["block_grid"]
+    pooled = [
+        (d, t, statistics.median(c["block_grid"][i][2] for c in comp))
+        for i, (d, t, _) in enumerate(grid)
+    ]
+    return replace(hw, block_scale=block_scale_points(hw, pooled))
 
 
 def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:

@@ -10,7 +10,10 @@ wall and process CPU time), and returns rates per clock:
 * the autograd chain of a block's memory-bound layers (norm, rotary, activation,
   residual), charged as :func:`plait.plan.compute.block_traffic` charges it;
 * the fixed cost of one operator call, the training step of a tiny transformer block
-  (the fixed cost of a block), and AdamW + clipping.
+  (the fixed cost of a block), and AdamW + clipping;
+* a stack of plait's transformer blocks in training on a grid of shapes
+  (:func:`measure_block_grid`), which calibrates what the operators cost together
+  beyond their rates (``Hardware.block_scale``).
 
 :func:`compute_body` runs them all on one rank of a pool; :mod:`plait.bench.calibrate`
 adds the collectives and turns the results into a hardware profile. Like it, this module
@@ -26,7 +29,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024)
-ATTENTION_SEQS = (64, 128, 256, 512)
+ATTENTION_SEQS = (32, 64, 128, 256, 512)
+"""Sequence lengths of the attention rate. 32 covers ring attention's chunks (``s/(2·cp)``
+keys, :func:`plait.plan.overheads.attention_length`; 32 for cp = 2 at s = 128), which a
+curve starting at 64 charged at the 64-point rate: 56 GFLOP/s against 40 measured at 32
+(one process, CPU time)."""
 ELEMENTWISE_ELEMS = (2**12, 2**14, 2**16, 2**18, 2**20, 2**21)
 LINEAR_SIZES = (32, 64, 128, 256, 512)
 ATTN_BATCH, ATTN_HEADS, ATTN_HEAD_DIM = 4, 4, 32
@@ -198,6 +205,84 @@ def measure_tiny_block(reps: int, device: str = "cpu") -> dict[str, float]:
     return _median_times(step, reps, 0.01)
 
 
+BLOCK_GRID_DIMS = (64, 256)
+"""Hidden sizes of the block grid (:func:`measure_block_grid`): powers of two a factor 4
+apart, chosen to bracket small CPU models, not fitted to any benchmark."""
+BLOCK_GRID_BATCHES = (2, 16)
+"""Sequences of :data:`BLOCK_GRID_SEQ` tokens per micro-batch on the grid: 256 and 2048
+tokens, a factor 8 apart."""
+BLOCK_GRID_SEQ = 128
+"""Sequence length of the block grid."""
+BLOCK_GRID_HEAD_DIM = ATTN_HEAD_DIM
+"""Head dimension of the grid's blocks (``hidden / 32`` heads): the one the attention rate
+is calibrated at, so that the grid's ratio measures how a block's operators compose,
+not how attention's rate changes with the head dimension (which its curve, a function
+of the sequence length, does not model)."""
+BLOCK_GRID_DEPTH = 2
+"""Blocks in the timed stack: each block's inputs come from the previous block, as in a
+model, not from a cache that one block keeps warm."""
+
+
+def block_grid_config(dim: int) -> Any:
+    """The :class:`~plait.config.ModelConfig` of a grid block of hidden size ``dim``."""
+    from plait.config import ModelConfig
+
+    return ModelConfig(
+        n_layers=BLOCK_GRID_DEPTH,
+        vocab_size=256,
+        dim=dim,
+        n_heads=max(1, dim // BLOCK_GRID_HEAD_DIM),
+        max_seq_len=BLOCK_GRID_SEQ,
+    )
+
+
+def measure_block_grid(
+    reps: int,
+    dims: Sequence[int] = BLOCK_GRID_DIMS,
+    batches: Sequence[int] = BLOCK_GRID_BATCHES,
+) -> dict[str, list[tuple[float, float, float]]]:
+    """Per clock, ``(hidden, tokens, seconds)`` of one block's forward + backward in
+    training, for each hidden size x batch of the grid: a stack of
+    :data:`BLOCK_GRID_DEPTH` of plait's :class:`Block` on ``(batch, BLOCK_GRID_SEQ,
+    hidden)`` inputs, every gradient set to None before each step (as the trainer's
+    ``zero_grad`` does), timed whole and divided by the depth."""
+    import torch
+
+    from plait.model.transformer import Block
+
+    out: dict[str, list[tuple[float, float, float]]] = {c: [] for c in CLOCKS}
+    for dim in dims:
+        cfg = block_grid_config(dim)
+        blocks = [Block(cfg, i) for i in range(BLOCK_GRID_DEPTH)]
+        params = [p for b in blocks for p in b.parameters()]
+        for p in params:
+            torch.nn.init.normal_(p, std=0.02)
+        s, half = BLOCK_GRID_SEQ, cfg.head_dim // 2
+        cos, sin = torch.rand(s, half), torch.rand(s, half)
+        for batch in batches:
+            x = torch.randn(batch, s, dim, requires_grad=True)  # (batch, seq, hidden)
+            g = torch.randn(batch, s, dim)
+
+            def step(
+                x: Any = x,
+                g: Any = g,
+                blocks: Any = blocks,
+                params: Any = params,
+                rope: Any = (cos, sin),
+            ) -> None:
+                for p in (*params, x):
+                    p.grad = None
+                h = x
+                for b in blocks:
+                    h = b(h, *rope)
+                h.backward(g)
+
+            t = _median_times(step, reps)
+            for c in CLOCKS:
+                out[c].append((float(dim), float(batch * s), t[c] / BLOCK_GRID_DEPTH))
+    return out
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -236,11 +321,16 @@ def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
     sizes = MATMUL_SIZES[:4] if quick else MATMUL_SIZES
     mm = measure_matmul(sizes, reps)
     lin = measure_linear(LINEAR_SIZES[:4] if quick else LINEAR_SIZES, reps)
-    at = measure_attention(ATTENTION_SEQS[:3] if quick else ATTENTION_SEQS, reps)
+    at = measure_attention(ATTENTION_SEQS[:4] if quick else ATTENTION_SEQS, reps)
     ew = measure_elementwise(ELEMENTWISE_ELEMS[:4] if quick else ELEMENTWISE_ELEMS, reps)
     oo = measure_op_overhead(reps)
     tb = measure_tiny_block(reps)
     op = measure_optimizer(2**19 if quick else 2**21, 16, reps)
+    grid = (
+        measure_block_grid(2, BLOCK_GRID_DIMS[:1], BLOCK_GRID_BATCHES[:1])
+        if quick
+        else (measure_block_grid(5))
+    )
     per = {
         c: {
             "matmul": mm[c],
@@ -250,6 +340,7 @@ def compute_body(ctx: Any, quick: bool) -> dict[str, Any]:
             "op_overhead": oo[c],
             "tiny_block": tb[c],
             "optimizer": op[c],
+            "block_grid": grid[c],
         }
         for c in CLOCKS
     }

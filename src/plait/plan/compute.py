@@ -18,7 +18,9 @@ profile gives for its size:
   writes the input gradients);
 * a fixed ``op_overhead_s`` per operator call (CPU dispatch; 0 for GPUs);
 * a fixed ``block_overhead_s`` per block's forward + backward (module calls, autograd
-  bookkeeping, views: what a tiny block costs beyond the rates; 0 for GPU presets).
+  bookkeeping, views: what a tiny block costs beyond the rates; 0 for GPU presets);
+* the block's sum times the profile's measured composition ratio at its hidden size
+  and tokens (:func:`plait.plan.overheads.block_scale`; 1 for GPU presets).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from plait.plan.activations import kv_heads_local
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
-from plait.plan.overheads import attention_length
+from plait.plan.overheads import attention_length, block_scale
 
 BACKWARD_FACTOR = 2.0
 """Backward work relative to forward, for GEMMs (dX and dW), attention and memory-bound
@@ -170,6 +172,9 @@ def block_time(
     ew_f = _elementwise_seconds(traffic, ops, hw, tensor)
     # the block's fixed framework cost (a calibrated profile), a third of it in forward
     fwd = gemm_f + attn_f + ew_f + hw.block_overhead_s / (1 + BACKWARD_FACTOR)
+    # what the operators cost together beyond their rates (a calibrated profile's grid)
+    scale = block_scale(hw, spec.hidden, _tokens(layout, seq_len))
+    fwd *= scale
     bwd = BACKWARD_FACTOR * fwd
     if layout.recompute == "full":
         extra = fwd
@@ -187,7 +192,7 @@ def block_time(
             )
     else:
         extra = 0.0
-    return BlockTime(fwd, bwd, extra)
+    return BlockTime(fwd, bwd, extra * scale if layout.recompute == "selective" else extra)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from plait.plan.overheads import (
     pipeline_action_seconds,
     pipeline_loss_seconds,
     ring_block_seconds,
+    zero3_unit_numels,
     zero3_unit_seconds,
 )
 from plait.plan.pipeline_zero import pipeline_zero_comm
@@ -199,9 +200,7 @@ def _act_msg(spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int
     return layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
 
 
-def cp_layer_time(
-    spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, msg: float
-) -> float:
+def cp_layer_time(spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, msg: float) -> float:
     """Exposed context-parallel communication of one layer for one micro-batch (forward,
     backward and a full recomputation's second forward); ``msg`` is the bytes of the
     local hidden states b·(s/c)·h·e.
@@ -331,9 +330,9 @@ def step_time(
     if copies_gradients(layout, precision, runtime):
         other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
     if layout.zero == 3 and layout.pp == 1 and layout.shard_factor > 1:
-        units = max(1, sp0.layers) + 1
+        numels = zero3_unit_numels(spec, layout, sp0.params)
         other += m * zero3_unit_seconds(
-            sp0.params * precision.param_bytes / units, sp0.tensors, units, hw
+            [n * precision.param_bytes for n in numels], sp0.tensors, hw
         )
     dpcp = group(layout, hw, "dp+cp")
     # scalar all-reduces (loss, gradient norm), synchronous in the step
@@ -394,12 +393,20 @@ def _dp_comm(
         ag = all_gather_time(weights, shard.size, shard.link)
         exposed = max(rs / nb, rs - window) + ag + cross
         return exposed, rs + ag + cross
-    units = max(1, layers) + 1
     # one gather per unit before its forward and its backward, one reduce-scatter after
-    # its backward, each synchronous in the step (plan.overheads.in_step_time)
-    agu = in_step_time("all_gather", weights / units, shard.size, shard.link)
-    rsu = in_step_time("reduce_scatter", grads / units, shard.size, shard.link)
-    ag, rs = units * agu, units * rsu
+    # its backward, each synchronous in the step (plan.overheads.in_step_time); the
+    # units the runtime has (embedding, blocks, head, root), each paying its latency
+    numels = zero3_unit_numels(spec, layout, params)
+    agus = [
+        in_step_time("all_gather", n * precision.param_bytes, shard.size, shard.link)
+        for n in numels
+    ]
+    rsus = [
+        in_step_time("reduce_scatter", n * precision.grad_bytes, shard.size, shard.link)
+        for n in numels
+    ]
+    ag, rs = sum(agus), sum(rsus)
+    agu, rsu = max(agus), max(rsus)
     m = layout.microbatches
     per_mb = max(agu, ag - ov * fwd) + max(agu + rsu, ag + rs - ov * bwd)
     return m * per_mb + cross, m * (2 * ag + rs) + cross

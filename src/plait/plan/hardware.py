@@ -194,6 +194,18 @@ class Hardware:
     backward call per action, receive buffers): measured by ``plait bench calibrate`` on
     a tiny two-stage pipeline (:func:`plait.plan.overheads.pipeline_action_seconds`);
     0 on GPUs."""
+    block_scale: tuple[tuple[float, float, float], ...] = ()
+    """Measured ``(hidden, tokens, ratio)`` points of a rectangular grid: a transformer
+    block's forward + backward as measured (a stack of plait's blocks in training, at
+    that hidden size and that many tokens per micro-batch) over what the planner charges
+    for it with the rates and fixed costs above. What the per-operator rates miss when
+    the operators run together (cache misses between them, gradients summed where a
+    tensor has several consumers, autograd's nodes at size); interpolated log-bilinearly
+    between the grid's points and clamped at its edges
+    (:func:`plait.plan.overheads.block_scale`). ``plait bench calibrate`` measures it on
+    a grid chosen independently of any benchmark
+    (:data:`plait.bench.measure.BLOCK_GRID_DIMS` x :data:`~plait.bench.measure.
+    BLOCK_GRID_BATCHES`); empty (a ratio of 1) for presets."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -215,6 +227,20 @@ class Hardware:
             raise ConfigError(
                 f"hardware.pp_action_overhead_s must be >= 0, got {self.pp_action_overhead_s}."
             )
+        if self.block_scale:
+            dims = {d for d, _, _ in self.block_scale}
+            toks = {t for _, t, _ in self.block_scale}
+            cells = {(d, t) for d, t, _ in self.block_scale}
+            if any(min(p) <= 0 for p in self.block_scale) or len(cells) != len(self.block_scale):
+                raise ConfigError(
+                    f"hardware.block_scale needs distinct positive (hidden, tokens, ratio) "
+                    f"points, got {self.block_scale}."
+                )
+            if len(cells) != len(dims) * len(toks):
+                raise ConfigError(
+                    f"hardware.block_scale must be a full grid of hidden sizes x token "
+                    f"counts, got {sorted(cells)}."
+                )
 
     def with_memory(self, memory_bytes: float) -> Hardware:
         """The same device with a different memory capacity."""
@@ -366,6 +392,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"block_overhead_s = {hw.block_overhead_s!r}",
         f"ring_overhead_s = {hw.ring_overhead_s!r}",
         f"pp_action_overhead_s = {hw.pp_action_overhead_s!r}",
+        f"block_scale = [{', '.join(f'[{d!r}, {t!r}, {r!r}]' for d, t, r in hw.block_scale)}]",
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
         "",
@@ -414,6 +441,15 @@ def _parse_link(where: str, data: Mapping[str, Any]) -> Link:
         raise ConfigError(f"[{where}] needs {e.args[0]}.") from None
 
 
+def _parse_block_scale(value: Any) -> tuple[tuple[float, float, float], ...]:
+    try:
+        return tuple((float(d), float(t), float(r)) for d, t, r in value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"device.block_scale must be a list of [hidden, tokens, ratio], got {value!r}."
+        ) from None
+
+
 def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
     """A :class:`Hardware` from the parsed TOML tables of a profile."""
     for section in ("device", "intra", "inter"):
@@ -444,6 +480,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             block_overhead_s=float(d.get("block_overhead_s", 0.0)),
             ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
             pp_action_overhead_s=float(d.get("pp_action_overhead_s", 0.0)),
+            block_scale=_parse_block_scale(d.get("block_scale", [])),
         )
     except KeyError as e:
         raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None
