@@ -148,6 +148,10 @@ class ParallelConfig:
     in DGC) or 'bucket' (one top-k over all matrix entries of a gradient bucket, the same
     count in total, so a matrix whose residual is larger gets more of the budget; vectors
     go whole either way); see docs/compression.md."""
+    compression_topk_sign_every: int = 0
+    """topk: every this many compressed steps also send one bit per remaining matrix entry
+    of the residual (its sign, with one scale per tensor: the mean magnitude), error-fed;
+    1 adds 1/32 of the fp32 gradient bytes per step (0: off); see docs/compression.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")
@@ -183,6 +187,11 @@ class ParallelConfig:
                 f"parallel.compression_start must be >= 0, got {self.compression_start}."
             )
         check_compression_warmup(self.compression_warmup_steps, self.compression_ratio)
+        if self.compression_topk_sign_every < 0:
+            raise ConfigError(
+                "parallel.compression_topk_sign_every must be >= 0, got "
+                f"{self.compression_topk_sign_every}."
+            )
         if (self.offload_dir is not None or self.offload_delay) and self.offload == "none":
             raise ConfigError(
                 "parallel.offload_dir and parallel.offload_delay need parallel.offload = "
