@@ -10,7 +10,8 @@ average includes them. Every run is a separate ``plait train`` process pair with
 same seed, so the runs see the same batches from the same initial weights. Top-k runs
 with Adam's moments before the sparsification (``parallel.compression_adam = before``,
 the default) and after it (error feedback on the raw gradient), picking per tensor (the
-default) or with one top-k over each bucket (``parallel.compression_topk_scope``).
+default) or with one top-k over each bucket (``parallel.compression_topk_scope``), with
+or without the residual's signs (``parallel.compression_topk_sign_every``).
 
 Run from the repository root::
 
@@ -73,6 +74,11 @@ def methods(steps: int) -> dict[str, list[str]]:
             *bucket,
             "--parallel.compression_warmup_steps",
             str(warm),
+        ],
+        "topk 1%, Adam before, per bucket, signs every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
         ],
     }
 
