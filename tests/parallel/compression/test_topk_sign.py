@@ -163,9 +163,11 @@ def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:
     """60 steps at dp2 on the built-in corpus (the tiny test model of the other
     convergence tests, lr 3e-3), mean loss of the last 10 steps: top-k 1 % per bucket
     with Adam before the sparsification and the residual's signs every step must be
-    within 1.10x of the uncompressed run. Measured (deterministic): see MEASURED."""
+    within 1.10x of the uncompressed run and better than the same top-k without the
+    signs. Measured (deterministic): none 3.3546, per bucket 3.5796 (1.067x), with the
+    signs 3.3987 (1.013x)."""
     finals = {}
-    for label, every in (("none", -1), ("signs", 1)):
+    for label, every in (("none", -1), ("bucket", 0), ("signs", 1)):
         cfg = config(None, steps=60)
         cfg.train.eval_every = 0
         cfg.train.lr = 3e-3
@@ -178,3 +180,4 @@ def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:
         finals[label] = sum(losses[-10:]) / 10
     print(finals)
     assert finals["signs"] <= 1.10 * finals["none"], finals
+    assert finals["signs"] < finals["bucket"], finals
