@@ -80,6 +80,13 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_topk_sign_every",
             "1",
         ],
+        "topk 0.5%, Adam before, per bucket, signs every step": [
+            *bucket,
+            "--parallel.compression_ratio",
+            "0.005",
+            "--parallel.compression_topk_sign_every",
+            "1",
+        ],
     }
 
 
