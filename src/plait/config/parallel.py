@@ -152,6 +152,11 @@ class ParallelConfig:
     """topk: every this many compressed steps also send one bit per remaining matrix entry
     of the residual (its sign, with one scale per tensor: the mean magnitude), error-fed;
     1 adds 1/32 of the fp32 gradient bytes per step (0: off); see docs/compression.md."""
+    compression_topk_sign_scale: float = 1.0
+    """topk with compression_topk_sign_every: the magnitude of the sent signs as a multiple
+    of each tensor's mean residual magnitude (> 0; 1 is the least-squares scale of one
+    step; larger sends more of the residual per step, error feedback takes back the
+    overshoot); see docs/compression.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")
@@ -191,6 +196,11 @@ class ParallelConfig:
             raise ConfigError(
                 "parallel.compression_topk_sign_every must be >= 0, got "
                 f"{self.compression_topk_sign_every}."
+            )
+        if not self.compression_topk_sign_scale > 0:
+            raise ConfigError(
+                "parallel.compression_topk_sign_scale must be > 0, got "
+                f"{self.compression_topk_sign_scale}."
             )
         if (self.offload_dir is not None or self.offload_delay) and self.offload == "none":
             raise ConfigError(

@@ -239,6 +239,7 @@ def parallelize(
             warmup=p.compression_warmup_steps,
             scope=p.compression_topk_scope,
             sign_every=p.compression_topk_sign_every,
+            sign_scale=p.compression_topk_sign_scale,
             **adam_before(p, full),
         )
     if compressor is not None:  # the plain path only (same rule as the config's)

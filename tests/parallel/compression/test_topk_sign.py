@@ -31,6 +31,7 @@ from tests.parallel.compression.test_topk_scope import _bucket_mask
 
 M = "tests.parallel.compression.test_topk_sign"
 EVERY = 2  # signs on steps 0, 2, 4
+SCALE = 1.5  # the signs' magnitude: 1.5 x each matrix's mean |residual|
 
 
 def test_bits_round_trip() -> None:
@@ -45,7 +46,7 @@ def test_bits_round_trip() -> None:
 def _reference(grads: list[torch.Tensor], rho: float, n: int) -> list[torch.Tensor]:
     """One rank, written out: Adam's moments of its own gradient, u / n error-fed, the
     bucket-wide top-k sent; on every EVERY-th step each matrix's remaining residual e also
-    sends s * (+1 where e > 0 else -1), s = mean |e| over the matrix, zero at the entries
+    sends s * (+1 where e > 0 else -1), s = SCALE * mean |e| over the matrix, zero at the entries
     sent by top-k, and e keeps the difference. Returns what the rank contributes."""
     m = torch.zeros(NUMEL, dtype=torch.float64)
     v = torch.zeros(NUMEL, dtype=torch.float64)
@@ -63,7 +64,7 @@ def _reference(grads: list[torch.Tensor], rho: float, n: int) -> list[torch.Tens
             q = torch.zeros_like(e)
             for off, size in MATRICES:
                 part = e[off : off + size]
-                q[off : off + size] = part.abs().mean() * ((part > 0).double() * 2 - 1)
+                q[off : off + size] = SCALE * part.abs().mean() * ((part > 0).double() * 2 - 1)
             q[mask] = 0
             sent, e = sent + q, e - q
         out.append(sent)
@@ -71,7 +72,8 @@ def _reference(grads: list[torch.Tensor], rho: float, n: int) -> list[torch.Tens
 
 
 def _compressor() -> TopKCompressor:
-    return TopKCompressor(0.1, adam=LocalAdam(0.9, 0.95, 1e-8), scope="bucket", sign_every=EVERY)
+    adam = LocalAdam(0.9, 0.95, 1e-8)
+    return TopKCompressor(0.1, adam=adam, scope="bucket", sign_every=EVERY, sign_scale=SCALE)
 
 
 def _body(ctx: WorkerContext, steps: int) -> dict[str, Any]:
@@ -143,9 +145,11 @@ def test_state_round_trip_continues_bit_for_bit() -> None:
     assert [a.sign_at(s) for s in range(5)] == [True, False, True, False, True]
     assert not TopKCompressor(0.1, start=2, sign_every=1).sign_at(1)
     assert not TopKCompressor(1.0, sign_every=1).sign_at(0)  # nothing left to send
-    assert "residual signs every 2 steps" in a.describe()
+    assert "residual signs every 2 steps x1.5" in a.describe()
     with pytest.raises(ValueError, match="sign_every"):
         TopKCompressor(0.1, sign_every=-1)
+    with pytest.raises(ValueError, match="sign_scale"):
+        TopKCompressor(0.1, sign_every=1, sign_scale=0.0)
 
 
 def test_config_field_reaches_the_compressor() -> None:
@@ -153,10 +157,14 @@ def test_config_field_reaches_the_compressor() -> None:
     cfg.model = ModelConfig(dim=32, n_layers=1, n_heads=4, max_seq_len=16)
     cfg.parallel.compression = "topk"
     cfg.parallel.compression_topk_sign_every = 3
+    cfg.parallel.compression_topk_sign_scale = 1.5
     pm = parallelize(Transformer(cfg.model, seed=0), init_mesh(), cfg)
     assert isinstance(pm.compressor, TopKCompressor) and pm.compressor.sign_every == 3
+    assert pm.compressor.sign_scale == 1.5
     with pytest.raises(ConfigError, match="compression_topk_sign_every"):
         ParallelConfig(compression_topk_sign_every=-1)
+    with pytest.raises(ConfigError, match="compression_topk_sign_scale"):
+        ParallelConfig(compression_topk_sign_scale=0.0)
 
 
 def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:

@@ -46,20 +46,29 @@ def make_compressor(
     clip: float = 0.0,
     scope: TopKScope = "tensor",
     sign_every: int = 0,
+    sign_scale: float = 1.0,
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
     ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),
     ``adam`` its Adam moments in front of the sparsification and ``clip`` its local
     clipping threshold (``compression_adam = "before"``), ``scope`` where top-k picks
     (``compression_topk_scope``), ``sign_every`` how often it also sends the residual's
-    signs (``compression_topk_sign_every``)."""
+    signs (``compression_topk_sign_every``) and ``sign_scale`` their magnitude
+    (``compression_topk_sign_scale``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
         return TopKCompressor(
-            ratio, start, warmup=warmup, adam=adam, clip=clip, scope=scope, sign_every=sign_every
+            ratio,
+            start,
+            warmup=warmup,
+            adam=adam,
+            clip=clip,
+            scope=scope,
+            sign_every=sign_every,
+            sign_scale=sign_scale,
         )
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)

@@ -8,7 +8,7 @@ as in error-feedback signSGD (Karimireddy et al. 2019) and 1-bit Adam (Tang et a
 for each matrix-shaped tensor i of the bucket, after the top-k entries have been taken
 out of the residual e_i (``(n_i,)``),
 
-    s_i = mean(|e_i|)                        # one scale per tensor
+    s_i = c * mean(|e_i|)                    # one scale per tensor (c: sign_scale)
     q_i = s_i * (+1 where e_i > 0 else -1)   # one bit per entry
     q_i = 0 at the entries this rank sent by top-k this step
     e_i <- e_i - q_i                         # error feedback keeps what q_i missed
@@ -62,13 +62,14 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def encode(
-    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size]
+    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size], scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sign message and its q: ``err`` ``(n,)`` is the residual after top-k
-    (zero at the ``sent`` offsets ``(k,)``). Returns (``(sign_bytes,)`` uint8 message,
-    ``(n,)`` q in err's dtype, zero outside the matrices and at ``sent``)."""
+    (zero at the ``sent`` offsets ``(k,)``); each matrix's magnitude is ``scale`` times
+    its mean ``|err|``. Returns (``(sign_bytes,)`` uint8 message, ``(n,)`` q in err's
+    dtype, zero outside the matrices and at ``sent``)."""
     spans = matrix_spans(shapes)
-    scales = torch.stack([err[o : o + n].abs().mean() for o, n in spans])  # (n_mat,)
+    scales = torch.stack([err[o : o + n].abs().mean() * scale for o, n in spans])  # (n_mat,)
     bits = torch.cat([err[o : o + n] > 0 for o, n in spans])  # (M,)
     q = decode_parts(scales, bits, sent, shapes, err)
     message = torch.cat([scales.contiguous().view(torch.uint8), pack_bits(bits)])

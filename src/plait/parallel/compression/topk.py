@@ -103,6 +103,8 @@ class TopKCompressor(Compressor):
             one bit per remaining matrix entry of the residual, a scaled sign with one
             scale per tensor (:mod:`.sign_residual`; ``parallel.compression_topk_sign_every``;
             0: off).
+        sign_scale: the magnitude of those signs as a multiple of each tensor's mean
+            residual magnitude (``parallel.compression_topk_sign_scale``; > 0).
     """
 
     name = "topk"
@@ -119,6 +121,7 @@ class TopKCompressor(Compressor):
         adam: LocalAdam | None = None,
         scope: TopKScope = "tensor",
         sign_every: int = 0,
+        sign_scale: float = 1.0,
     ) -> None:
         super().__init__(start)
         if not 0.0 < ratio <= 1.0:
@@ -137,7 +140,10 @@ class TopKCompressor(Compressor):
             raise ValueError(f"top-k scope must be one of {', '.join(TOPK_SCOPES)}, got {scope!r}")
         if sign_every < 0:
             raise ValueError(f"top-k sign_every must be >= 0, got {sign_every}")
+        if sign_scale <= 0:
+            raise ValueError(f"top-k sign_scale must be > 0, got {sign_scale}")
         self.sign_every = sign_every
+        self.sign_scale = sign_scale
         self.scope = scope
         self.ratio = ratio
         self.adam = adam
@@ -263,7 +269,7 @@ class TopKCompressor(Compressor):
         parts = [idx.to(ib).view(torch.uint8), vals.contiguous().view(torch.uint8)]
         signs = self.sign_at(self.steps) and bool(sign_residual.matrix_spans(shapes))
         if signs:  # one bit per remaining matrix entry, error-fed
-            sign_msg, q = sign_residual.encode(err, idx, shapes)
+            sign_msg, q = sign_residual.encode(err, idx, shapes, self.sign_scale)
             err.sub_(q)
             parts.append(sign_msg)
         if self.keep_sent:
@@ -312,6 +318,6 @@ class TopKCompressor(Compressor):
         extra += ", Adam moments before top-k" if self.adam is not None else ""
         extra += ", one top-k per bucket" if self.scope == "bucket" else ""
         if self.sign_every:
-            extra += f", residual signs every {self.sign_every} steps"
+            extra += f", residual signs every {self.sign_every} steps x{self.sign_scale:g}"
         extra += f", local clipping {self.clip:g}" if self.clip else ""
         return f"{super().describe()} (ratio {self.ratio:g}{warm}, error feedback{extra})"
