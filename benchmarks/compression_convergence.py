@@ -80,6 +80,20 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_topk_sign_every",
             "1",
         ],
+        "topk 1%, Adam before, per bucket, signs x1.5 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.5",
+        ],
+        "topk 1%, Adam before, per bucket, signs x2 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "2",
+        ],
         "topk 0.5%, Adam before, per bucket, signs every step": [
             *bucket,
             "--parallel.compression_ratio",
