@@ -75,9 +75,11 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_warmup_steps",
             str(warm),
         ],
-        "topk 1%, Adam before, per bucket, signs every step": [
+        "topk 1%, Adam before, per bucket, signs x1 every step": [
             *bucket,
             "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
             "1",
         ],
         "topk 1%, Adam before, per bucket, signs x1.5 every step": [
@@ -94,11 +96,13 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_topk_sign_scale",
             "2",
         ],
-        "topk 0.5%, Adam before, per bucket, signs every step": [
+        "topk 0.5%, Adam before, per bucket, signs x1 every step": [
             *bucket,
             "--parallel.compression_ratio",
             "0.005",
             "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
             "1",
         ],
     }

@@ -145,6 +145,7 @@ def test_state_round_trip_continues_bit_for_bit() -> None:
     assert [a.sign_at(s) for s in range(5)] == [True, False, True, False, True]
     assert not TopKCompressor(0.1, start=2, sign_every=1).sign_at(1)
     assert not TopKCompressor(1.0, sign_every=1).sign_at(0)  # nothing left to send
+    assert TopKCompressor(0.1).sign_scale == ParallelConfig().compression_topk_sign_scale == 2.0
     assert "residual signs every 2 steps x1.5" in a.describe()
     with pytest.raises(ValueError, match="sign_every"):
         TopKCompressor(0.1, sign_every=-1)

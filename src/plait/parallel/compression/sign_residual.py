@@ -62,7 +62,7 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def encode(
-    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size], scale: float = 1.0
+    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size], scale: float = 2.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sign message and its q: ``err`` ``(n,)`` is the residual after top-k
     (zero at the ``sent`` offsets ``(k,)``); each matrix's magnitude is ``scale`` times

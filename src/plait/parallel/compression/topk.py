@@ -104,7 +104,8 @@ class TopKCompressor(Compressor):
             scale per tensor (:mod:`.sign_residual`; ``parallel.compression_topk_sign_every``;
             0: off).
         sign_scale: the magnitude of those signs as a multiple of each tensor's mean
-            residual magnitude (``parallel.compression_topk_sign_scale``; > 0).
+            residual magnitude (``parallel.compression_topk_sign_scale``; > 0; 1 is the
+            least-squares scale, 2 converged best of the scales measured).
     """
 
     name = "topk"
@@ -121,7 +122,7 @@ class TopKCompressor(Compressor):
         adam: LocalAdam | None = None,
         scope: TopKScope = "tensor",
         sign_every: int = 0,
-        sign_scale: float = 1.0,
+        sign_scale: float = 2.0,
     ) -> None:
         super().__init__(start)
         if not 0.0 < ratio <= 1.0:
