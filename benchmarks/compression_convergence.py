@@ -89,6 +89,13 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_topk_sign_scale",
             "1.5",
         ],
+        "topk 1%, Adam before, per bucket, signs x1.8 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.8",
+        ],
         "topk 1%, Adam before, per bucket, signs x2 every step": [
             *bucket,
             "--parallel.compression_topk_sign_every",

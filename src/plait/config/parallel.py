@@ -152,11 +152,12 @@ class ParallelConfig:
     """topk: every this many compressed steps also send one bit per remaining matrix entry
     of the residual (its sign, with one scale per tensor: the mean magnitude), error-fed;
     1 adds 1/32 of the fp32 gradient bytes per step (0: off); see docs/compression.md."""
-    compression_topk_sign_scale: float = 2.0
+    compression_topk_sign_scale: float = 1.8
     """topk with compression_topk_sign_every: the magnitude of the sent signs as a multiple
     of each tensor's mean residual magnitude (> 0; 1 is the least-squares scale of one
-    step, error feedback takes back any overshoot; 2, the default, converged best of the
-    scales measured); see docs/compression.md."""
+    step, error feedback takes back any overshoot; 1.8, the default, converged best of
+    the scales measured; above 2 the residual's oscillation grows); see
+    docs/compression.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")

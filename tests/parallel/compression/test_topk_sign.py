@@ -145,7 +145,7 @@ def test_state_round_trip_continues_bit_for_bit() -> None:
     assert [a.sign_at(s) for s in range(5)] == [True, False, True, False, True]
     assert not TopKCompressor(0.1, start=2, sign_every=1).sign_at(1)
     assert not TopKCompressor(1.0, sign_every=1).sign_at(0)  # nothing left to send
-    assert TopKCompressor(0.1).sign_scale == ParallelConfig().compression_topk_sign_scale == 2.0
+    assert TopKCompressor(0.1).sign_scale == ParallelConfig().compression_topk_sign_scale == 1.8
     assert "residual signs every 2 steps x1.5" in a.describe()
     with pytest.raises(ValueError, match="sign_every"):
         TopKCompressor(0.1, sign_every=-1)
@@ -172,15 +172,16 @@ def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:
     """60 steps at dp2 on the built-in corpus (the tiny test model of the other
     convergence tests, lr 3e-3), mean loss of the last 10 steps: top-k 1 % per bucket
     with Adam before the sparsification and the residual's signs every step (magnitude
-    1x and 2x the mean residual) must be within 1.10x of the uncompressed run and better
-    than the same top-k without the signs. Measured (deterministic): none 3.3546, per
-    bucket 3.5796 (1.067x), signs 1x 3.3987 (1.013x), signs 2x 3.3868 (1.010x)."""
+    1x and 1.8x, the default, the mean residual) must be within 1.10x of the
+    uncompressed run and better than the same top-k without the signs. Measured
+    (deterministic): none 3.3546, per bucket 3.5796 (1.067x), signs 1x 3.3987 (1.013x),
+    signs 1.8x 3.3872 (1.010x)."""
     finals = {}
     for label, every, scale in (
         ("none", -1, 1.0),
         ("bucket", 0, 1.0),
         ("x1", 1, 1.0),
-        ("x2", 1, 2.0),
+        ("x1.8", 1, 1.8),
     ):
         cfg = config(None, steps=60)
         cfg.train.eval_every = 0
@@ -194,6 +195,6 @@ def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:
         losses = _pool_run(pools, 2, cfg)["losses"]
         finals[label] = sum(losses[-10:]) / 10
     print(finals)
-    for label in ("x1", "x2"):
+    for label in ("x1", "x1.8"):
         assert finals[label] <= 1.10 * finals["none"], finals
         assert finals[label] < finals["bucket"], finals

@@ -46,7 +46,7 @@ def make_compressor(
     clip: float = 0.0,
     scope: TopKScope = "tensor",
     sign_every: int = 0,
-    sign_scale: float = 2.0,
+    sign_scale: float = 1.8,
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
     ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),

@@ -17,6 +17,12 @@ and q travels as the scales (value dtype) and the packed bits (``ceil(M / 8)`` b
 the bucket's M matrix entries), appended to top-k's AllGather message. Every rank decodes
 every rank's q (the receiver knows which entries that rank sent from its indices) and
 adds it to the sum, in rank order. Vectors go whole through top-k and get no bits.
+
+The scale c: c = 1 minimises |e - q| for one step; a larger c moves every entry further
+and error feedback takes the overshoot back at the next step. With every |e_j| equal
+one step maps e to (1 - c) e, so the residual oscillates and decays for 0 < c < 2 and
+grows for c > 2 (c = 3 diverged in the simulation of docs/compression.md); c = 1.8
+converged best of the scales measured there.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def encode(
-    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size], scale: float = 2.0
+    err: torch.Tensor, sent: torch.Tensor, shapes: Sequence[torch.Size], scale: float = 1.8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sign message and its q: ``err`` ``(n,)`` is the residual after top-k
     (zero at the ``sent`` offsets ``(k,)``); each matrix's magnitude is ``scale`` times
