@@ -103,6 +103,15 @@ def methods(steps: int) -> dict[str, list[str]]:
             "--parallel.compression_topk_sign_scale",
             "2",
         ],
+        "topk 0.5%, Adam before, per bucket, signs x1.8 every step": [
+            *bucket,
+            "--parallel.compression_ratio",
+            "0.005",
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.8",
+        ],
         "topk 0.5%, Adam before, per bucket, signs x1 every step": [
             *bucket,
             "--parallel.compression_ratio",
