@@ -150,8 +150,9 @@ class ParallelConfig:
     go whole either way); see docs/compression.md."""
     compression_topk_sign_every: int = 0
     """topk: every this many compressed steps also send one bit per remaining matrix entry
-    of the residual (its sign, with one scale per tensor: the mean magnitude), error-fed;
-    1 adds 1/32 of the fp32 gradient bytes per step (0: off); see docs/compression.md."""
+    of the residual (its sign, one scale per tensor: compression_topk_sign_scale times its
+    mean magnitude), error-fed; 1 adds 1/32 of the fp32 gradient bytes per step (0: off);
+    see docs/compression.md."""
     compression_topk_sign_scale: float = 1.8
     """topk with compression_topk_sign_every: the magnitude of the sent signs as a multiple
     of each tensor's mean residual magnitude (> 0; 1 is the least-squares scale of one
