@@ -10,7 +10,8 @@ average includes them. Every run is a separate ``plait train`` process pair with
 same seed, so the runs see the same batches from the same initial weights. Top-k runs
 with Adam's moments before the sparsification (``parallel.compression_adam = before``,
 the default) and after it (error feedback on the raw gradient), picking per tensor (the
-default) or with one top-k over each bucket (``parallel.compression_topk_scope``).
+default) or with one top-k over each bucket (``parallel.compression_topk_scope``), with
+or without the residual's signs (``parallel.compression_topk_sign_every``).
 
 Run from the repository root::
 
@@ -73,6 +74,52 @@ def methods(steps: int) -> dict[str, list[str]]:
             *bucket,
             "--parallel.compression_warmup_steps",
             str(warm),
+        ],
+        "topk 1%, Adam before, per bucket, signs x1 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1",
+        ],
+        "topk 1%, Adam before, per bucket, signs x1.5 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.5",
+        ],
+        "topk 1%, Adam before, per bucket, signs x1.8 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.8",
+        ],
+        "topk 1%, Adam before, per bucket, signs x2 every step": [
+            *bucket,
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "2",
+        ],
+        "topk 0.5%, Adam before, per bucket, signs x1.8 every step": [
+            *bucket,
+            "--parallel.compression_ratio",
+            "0.005",
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1.8",
+        ],
+        "topk 0.5%, Adam before, per bucket, signs x1 every step": [
+            *bucket,
+            "--parallel.compression_ratio",
+            "0.005",
+            "--parallel.compression_topk_sign_every",
+            "1",
+            "--parallel.compression_topk_sign_scale",
+            "1",
         ],
     }
 

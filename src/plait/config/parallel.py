@@ -148,6 +148,17 @@ class ParallelConfig:
     in DGC) or 'bucket' (one top-k over all matrix entries of a gradient bucket, the same
     count in total, so a matrix whose residual is larger gets more of the budget; vectors
     go whole either way); see docs/compression.md."""
+    compression_topk_sign_every: int = 0
+    """topk: every this many compressed steps also send one bit per remaining matrix entry
+    of the residual (its sign, one scale per tensor: compression_topk_sign_scale times its
+    mean magnitude), error-fed; 1 adds 1/32 of the fp32 gradient bytes per step (0: off);
+    see docs/compression.md."""
+    compression_topk_sign_scale: float = 1.8
+    """topk with compression_topk_sign_every: the magnitude of the sent signs as a multiple
+    of each tensor's mean residual magnitude (> 0; 1 is the least-squares scale of one
+    step, error feedback takes back any overshoot; 1.8, the default, converged best of
+    the scales measured; above 2 the residual's oscillation grows); see
+    docs/compression.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel.")
@@ -183,6 +194,16 @@ class ParallelConfig:
                 f"parallel.compression_start must be >= 0, got {self.compression_start}."
             )
         check_compression_warmup(self.compression_warmup_steps, self.compression_ratio)
+        if self.compression_topk_sign_every < 0:
+            raise ConfigError(
+                "parallel.compression_topk_sign_every must be >= 0, got "
+                f"{self.compression_topk_sign_every}."
+            )
+        if not self.compression_topk_sign_scale > 0:
+            raise ConfigError(
+                "parallel.compression_topk_sign_scale must be > 0, got "
+                f"{self.compression_topk_sign_scale}."
+            )
         if (self.offload_dir is not None or self.offload_delay) and self.offload == "none":
             raise ConfigError(
                 "parallel.offload_dir and parallel.offload_delay need parallel.offload = "

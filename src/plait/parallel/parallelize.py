@@ -238,6 +238,8 @@ def parallelize(
             start=p.compression_start,
             warmup=p.compression_warmup_steps,
             scope=p.compression_topk_scope,
+            sign_every=p.compression_topk_sign_every,
+            sign_scale=p.compression_topk_sign_scale,
             **adam_before(p, full),
         )
     if compressor is not None:  # the plain path only (same rule as the config's)

@@ -89,6 +89,8 @@ def _reverify(folder: str) -> str:
         ["--parallel.compression", "topk", "--parallel.zero", "2"],
         ["--parallel.compression", "bf16", "--precision.dtype", "bf16"],
         ["--parallel.compression", "topk", "--parallel.compression_topk_scope", "layer"],
+        ["--parallel.compression", "topk", "--parallel.compression_topk_sign_every", "-1"],
+        ["--parallel.compression", "topk", "--parallel.compression_topk_sign_scale", "0"],
         ["--parallel.compression", "topk", "--precision.nonfinite", "skip"],
     ],
 )

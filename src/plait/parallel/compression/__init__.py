@@ -8,7 +8,8 @@
   (index, value) pairs over an AllGather, error feedback, Deep Gradient Compression's
   sparsity warm-up (``compression_warmup_steps``), momentum correction and local
   clipping; ``compression_topk_scope = "bucket"`` picks the same count as one top-k
-  over a bucket's matrices;
+  over a bucket's matrices; ``compression_topk_sign_every`` adds one bit per remaining
+  residual entry (:mod:`.sign_residual`);
 * ``powersgd`` (:mod:`.powersgd`): rank-``compression_rank`` power iteration per matrix,
   warm-started, error feedback.
 
@@ -44,18 +45,31 @@ def make_compressor(
     adam: LocalAdam | None = None,
     clip: float = 0.0,
     scope: TopKScope = "tensor",
+    sign_every: int = 0,
+    sign_scale: float = 1.8,
 ) -> Compressor | None:
     """The compressor for ``parallel.compression = method`` (None for ``"none"``);
     ``warmup`` is top-k's sparsity warm-up in steps (``compression_warmup_steps``),
     ``adam`` its Adam moments in front of the sparsification and ``clip`` its local
     clipping threshold (``compression_adam = "before"``), ``scope`` where top-k picks
-    (``compression_topk_scope``)."""
+    (``compression_topk_scope``), ``sign_every`` how often it also sends the residual's
+    signs (``compression_topk_sign_every``) and ``sign_scale`` their magnitude
+    (``compression_topk_sign_scale``)."""
     if method == "none":
         return None
     if method in CAST_DTYPES:
         return CastCompressor(method, start)
     if method == "topk":
-        return TopKCompressor(ratio, start, warmup=warmup, adam=adam, clip=clip, scope=scope)
+        return TopKCompressor(
+            ratio,
+            start,
+            warmup=warmup,
+            adam=adam,
+            clip=clip,
+            scope=scope,
+            sign_every=sign_every,
+            sign_scale=sign_scale,
+        )
     if method == "powersgd":
         return PowerSGDCompressor(rank, start, seed=seed)
     raise ValueError(f"unknown compression {method!r}; use one of {', '.join(METHODS)}")
