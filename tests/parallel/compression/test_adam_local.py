@@ -21,6 +21,7 @@ from plait.parallel.compression.topk import topk_count
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.trainer import make_optimizer
+from tests.parallel.compression.adam_reference import local_adam_updates
 from tests.parallel.compression.test_topk_dgc import MATRICES, NUMEL, SHAPES, _grad
 
 M = "tests.parallel.compression.test_adam_local"
@@ -43,15 +44,10 @@ def test_direction_equals_torch_adam() -> None:
 def _reference(grads: list[torch.Tensor], rho: float, n: int) -> list[torch.Tensor]:
     """One rank, written out: Adam's moments of its own gradient, u / n error-fed, the
     top-k entries of each matrix (vectors whole) sent."""
-    m = torch.zeros(NUMEL, dtype=torch.float64)
-    v = torch.zeros(NUMEL, dtype=torch.float64)
     e = torch.zeros(NUMEL, dtype=torch.float64)
     out = []
-    for t, g in enumerate(grads, start=1):
-        m = 0.9 * m + 0.1 * g
-        v = 0.95 * v + 0.05 * g * g
-        u = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-        acc = e + u / n
+    for u in local_adam_updates(grads, n):
+        acc = e + u
         mask = torch.zeros(NUMEL, dtype=torch.bool)
         mask[240:250] = True  # the vectors go whole
         mask[370:] = True

@@ -26,6 +26,7 @@ from plait.parallel.compression.sign_residual import pack_bits, sign_bytes, unpa
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext, WorkerPool
 from tests.checkpoint.test_checkpoint import _pool_run, config
+from tests.parallel.compression.adam_reference import local_adam_updates
 from tests.parallel.compression.test_topk_dgc import MATRICES, NUMEL, SHAPES, _grad
 from tests.parallel.compression.test_topk_scope import _bucket_mask
 
@@ -48,15 +49,10 @@ def _reference(grads: list[torch.Tensor], rho: float, n: int) -> list[torch.Tens
     bucket-wide top-k sent; on every EVERY-th step each matrix's remaining residual e also
     sends s * (+1 where e > 0 else -1), s = SCALE * mean |e| over the matrix, zero at the entries
     sent by top-k, and e keeps the difference. Returns what the rank contributes."""
-    m = torch.zeros(NUMEL, dtype=torch.float64)
-    v = torch.zeros(NUMEL, dtype=torch.float64)
     e = torch.zeros(NUMEL, dtype=torch.float64)
     out = []
-    for t, g in enumerate(grads, start=1):
-        m = 0.9 * m + 0.1 * g
-        v = 0.95 * v + 0.05 * g * g
-        u = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-8)
-        acc = e + u / n
+    for t, u in enumerate(local_adam_updates(grads, n), start=1):
+        acc = e + u
         mask = _bucket_mask(acc, rho)
         sent = torch.where(mask, acc, torch.zeros_like(acc))
         e = torch.where(mask, torch.zeros_like(acc), acc)
