@@ -204,6 +204,11 @@ class ParallelConfig:
                 "parallel.compression_topk_sign_scale must be > 0, got "
                 f"{self.compression_topk_sign_scale}."
             )
+        if self.compression_topk_sign_every and self.compression != "topk":
+            raise ConfigError(
+                "parallel.compression_topk_sign_every sends top-k's residual signs and "
+                f"needs parallel.compression = topk, got {self.compression!r}."
+            )
         if (self.offload_dir is not None or self.offload_delay) and self.offload == "none":
             raise ConfigError(
                 "parallel.offload_dir and parallel.offload_delay need parallel.offload = "

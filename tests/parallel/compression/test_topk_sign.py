@@ -162,6 +162,8 @@ def test_config_field_reaches_the_compressor() -> None:
         ParallelConfig(compression_topk_sign_every=-1)
     with pytest.raises(ConfigError, match="compression_topk_sign_scale"):
         ParallelConfig(compression_topk_sign_scale=0.0)
+    with pytest.raises(ConfigError, match="needs parallel\\.compression = topk"):
+        ParallelConfig(compression="powersgd", compression_topk_sign_every=1)
 
 
 def test_signs_converge_within_the_margin_at_dp2(pools: Any) -> None:
