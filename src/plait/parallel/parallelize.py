@@ -293,8 +293,8 @@ def parallelize(
             zero_grad_reduce=p.pp_grad_reduce,
             zero_reshard=p.pp_reshard,
         )
-    if experts is not None and experts.ep > 1:  # expert gradients over their replica group
-        experts.keep_only(inner)  # this pipeline stage's
+    if experts is not None:  # this pipeline stage's MoE layers only: no reference keeps
+        experts.keep_only(inner)  # another stage's experts alive on this rank
     if split is not None and isinstance(wrapped, DataParallel):  # (ZeRO: its expert units)
         dp_wrapper = wrapped
         split.sync = ExpertGradSync(

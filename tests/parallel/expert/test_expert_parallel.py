@@ -15,6 +15,7 @@ differ only in summation order.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -49,8 +50,8 @@ MOE = ModelConfig(
 )
 
 
-def _model() -> Transformer:
-    return Transformer(MOE, seed=3).double()
+def _model(cfg: ModelConfig = MOE) -> Transformer:
+    return Transformer(cfg, seed=3).double()
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,11 +69,11 @@ def _moes(model: torch.nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def _reference(dp: int, m: int) -> dict[str, Any]:
+def _reference(dp: int, m: int, cfg: ModelConfig = MOE) -> dict[str, Any]:
     """Plain PyTorch on one process over the global batch, in the ``m`` micro-batches a
     pipeline over ``dp`` ranks computes (micro-batch k: every dp rank's k-th slice; the
     router losses are per micro-batch, so the reference takes the same ones)."""
-    model = _model()
+    model = _model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for moe in _moes(model):
         moe.grad_scale = 1.0 / m  # the aux losses' share, as the loss's
@@ -266,3 +267,35 @@ def test_dispatch_keeps_no_history_by_default(pools: Pools) -> None:
     ``history``): a training run leaves nothing growing per step."""
     for res in pools(2).run("tests.parallel.expert.test_expert_parallel:_history"):
         assert res and all(h is None for h in res)
+
+
+def _stage_body(ctx: WorkerContext, moe_every: int) -> dict[str, Any]:
+    """pp2 (1F1B, 2 micro-batches) of MOE with an MoE layer every ``moe_every`` blocks:
+    losses, the last step's router summary and how many MoE layers this stage holds."""
+    mesh = ctx.mesh(pp=2)
+    model = _model(replace(MOE, moe_every=moe_every))
+    pm = parallelize(model, mesh, ParallelConfig(microbatches=2, bucket_mb=0.01))
+    opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
+    losses, summary = [], {}
+    for x, y in _batches():
+        losses.append(float(pm.step(x, y)))
+        summary = pm.moe_summary()
+        opt.step()
+        opt.zero_grad()
+    held = len(pm.experts.moes) if pm.experts is not None else 0  # this stage's
+    return {"losses": losses, "summary": summary, "moes": held}
+
+
+def test_a_pipeline_stage_without_moe_layers_reports_the_other_stages(pools: Pools) -> None:
+    """MoE only in block 3 of 4 (moe_every 4): stage 0 holds no MoE layer. Both ranks
+    train as one process does and report stage 1's router figures, the one process's
+    (float64; the last of 2 micro-batches, as docs/moe.md says); stage 0 keeps no
+    reference to stage 1's MoE layer (at ep 1 it used to keep every stage's)."""
+    results = pools(2).run("tests.parallel.expert.test_expert_parallel:_stage_body", 4)
+    ref = _reference(1, 2, replace(MOE, moe_every=4))
+    assert [r["moes"] for r in results] == [0, 1]
+    for res in results:
+        torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
+        assert res["summary"].keys() == ref["summary"].keys()
+        for key, want in ref["summary"].items():
+            assert res["summary"][key] == pytest.approx(want, rel=RTOL, abs=ATOL), key
