@@ -99,20 +99,32 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _reference(kind: str) -> dict[str, Any]:
-    """The plain-PyTorch loop on one process: losses and pre-clip norms per step, and
-    the weights after the last step."""
-    model = MODELS[kind]()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+def train_one_process(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    vocab: int,
+) -> tuple[list[float], list[float]]:
+    """The plain-PyTorch loop every parity test compares with: cross-entropy of the whole
+    batch, backward, clipping at CLIP, a step. Returns the losses and the pre-clip norms."""
     losses: list[float] = []
     norms: list[float] = []
-    for x, y in _batches():
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+    for x, y in batches:
+        loss = F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses, norms
+
+
+def _reference(kind: str) -> dict[str, Any]:
+    """The plain-PyTorch loop on one process: losses and pre-clip norms per step, and
+    the weights after the last step."""
+    model = MODELS[kind]()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = train_one_process(model, opt, _batches(), VOCAB)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "weights": weights}
 

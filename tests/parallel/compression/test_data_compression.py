@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from plait.config import ParallelConfig
 from plait.optim import Optimizer
@@ -41,6 +40,7 @@ from tests.parallel.test_parallelize import (
     _batches,
     _reference,
     assemble,
+    train_one_process,
 )
 
 ATOL = 1e-11
@@ -57,14 +57,7 @@ def _reference_sgd() -> dict[str, Any]:
     """Plain PyTorch on one process with SGD and clipping (cf. ``_reference``)."""
     model = MODELS["builtin"]()
     opt = _optimizer(model.parameters(), "sgd")
-    losses, norms = [], []
-    for x, y in _batches():
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, norms = train_one_process(model, opt, _batches(), VOCAB)
     return {
         "losses": losses,
         "norms": norms,

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ParallelConfig
@@ -22,7 +21,7 @@ from plait.parallel.expert.tp_plan import moe_tp_plan
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext
 from tests.parallel.expert.test_expert_parallel import BATCH, MOE, VOCAB, _batches
-from tests.parallel.test_parallelize import CLIP, LR, RTOL, Pools
+from tests.parallel.test_parallelize import CLIP, LR, RTOL, Pools, train_one_process
 
 
 class Plain(nn.Module):
@@ -64,14 +63,7 @@ def _plain(ctx: WorkerContext) -> dict[str, Any]:
 def test_plain_model_with_moe_under_ep_matches_one_process(pools: Pools) -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for x, y in _batches():
-        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, norms = train_one_process(model, opt, _batches(), VOCAB)
     for res in pools(2).run("tests.parallel.expert.test_expert_plain:_plain"):
         torch.testing.assert_close(res["losses"], losses, rtol=RTOL, atol=0)
         torch.testing.assert_close(res["norms"], norms, rtol=RTOL, atol=0)
