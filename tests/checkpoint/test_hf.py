@@ -200,7 +200,12 @@ def test_import_under_layouts(
     want = hf_loss(hf_dirs[kind])
     for r in res:
         assert r["eval"] == pytest.approx(want, rel=1e-5)
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        # float32: after a step the layouts' different summation orders (cp's ring
+        # softmax, tp's partial sums) pass through AdamW, whose first step moves a weight
+        # by about lr whatever its gradient's size, so a near-zero gradient's last bits
+        # can flip it; seen at 1.4e-5 relative under cp2. A wrong import or layout moves
+        # the loss by 1e-2 or more.
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-4)
         if layout.get("tp", 1) == 1:
             assert r["read"] == r["pieces"]  # exactly this rank's pieces
         else:
