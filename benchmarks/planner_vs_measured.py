@@ -592,7 +592,7 @@ def _profile_line(hw: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     from plait.bench.calibrate import calibrate
     from plait.bench.results import write_section
-    from plait.plan.hardware import load_hardware
+    from plait.plan.profile_toml import load_hardware
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", help="use this hardware profile instead of calibrating")

@@ -13,7 +13,8 @@ import pytest
 from plait.bench.calibrate import calibrate, fit_alpha_beta
 from plait.cli import main
 from plait.errors import ConfigError
-from plait.plan.hardware import PRESETS, Curve, Link, dump_hardware, load_hardware
+from plait.plan.hardware import PRESETS, Curve, Link
+from plait.plan.profile_toml import dump_hardware, load_hardware
 from plait.testing import WorkerPool
 
 

@@ -13,7 +13,8 @@ from plait.bench.calibrate import block_overhead, tiny_block_charge
 from plait.bench.device import calibrate_cuda, device_profile, measure_device
 from plait.cli import main
 from plait.plan.compute import Gemm
-from plait.plan.hardware import PRESETS, dump_hardware, load_hardware
+from plait.plan.hardware import PRESETS
+from plait.plan.profile_toml import dump_hardware, load_hardware
 
 
 def test_device_measurement_reads_back(tmp_path: Path) -> None:

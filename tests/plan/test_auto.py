@@ -13,8 +13,8 @@ from plait.cli import main
 from plait.config_io import config_from_dict, load_config_data
 from plait.errors import ConfigError
 from plait.plan.auto import auto_query, choose_layout, layout_overrides
-from plait.plan.hardware import load_hardware
 from plait.plan.layout import Layout
+from plait.plan.profile_toml import load_hardware
 from plait.plan.search import search
 from tests.tiny import read_metrics, run_plait, tiny_args
 
@@ -87,7 +87,7 @@ def test_fits_nowhere_exits_2_with_the_closest_option(
 ) -> None:
     from dataclasses import replace
 
-    from plait.plan.hardware import dump_hardware
+    from plait.plan.profile_toml import dump_hardware
 
     tiny_mem = tmp_path / "small.toml"
     hw = replace(load_hardware(HW), name="tiny-device", memory_bytes=50_000.0)

@@ -31,7 +31,7 @@ in training, measures
 The compute measurements live in :mod:`plait.bench.measure` (medians, two clocks); a
 collective's time is the slowest rank's, and the profile keeps both the fit and the
 measured points (interpolated for groups of the measured size). The result is a
-:class:`Hardware` profile that :func:`plait.plan.hardware.dump_hardware` writes and
+:class:`Hardware` profile that :func:`plait.plan.profile_toml.dump_hardware` writes and
 ``plait plan --hardware`` reads. This module and :mod:`plait.bench.measure` are the only
 parts of :mod:`plait.plan` that need torch or processes; they import them inside their
 functions.

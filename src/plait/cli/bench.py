@@ -58,7 +58,7 @@ def _calibrate_cuda(out: str, quick: bool) -> int:
     from pathlib import Path
 
     from plait.bench.device import calibrate_cuda
-    from plait.plan.hardware import dump_hardware
+    from plait.plan.profile_toml import dump_hardware
 
     hw, rates = calibrate_cuda(quick)
     Path(out).write_text(
@@ -82,7 +82,7 @@ def calibrate_main(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from plait.bench.calibrate import calibrate
-    from plait.plan.hardware import dump_hardware
+    from plait.plan.profile_toml import dump_hardware
 
     ns = _calibrate_parser().parse_args(list(argv))
     if ns.nproc < 2:

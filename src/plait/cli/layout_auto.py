@@ -57,8 +57,8 @@ def resolve_auto_layout(
     from plait.parallel.checks import validate_run
     from plait.plan.auto import auto_query, choose_layout, layout_overrides
     from plait.plan.fit import device_hardware
-    from plait.plan.hardware import load_hardware
     from plait.plan.layout import Layout
+    from plait.plan.profile_toml import load_hardware
 
     given = [o.split("=", 1)[0] for o in overrides]
     clash = [k for k in given if k in LAYOUT_KEYS]

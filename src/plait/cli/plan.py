@@ -28,7 +28,6 @@ from plait.config import (
 from plait.config_checks import check_world
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
-from plait.plan.hardware import load_hardware
 from plait.plan.layout import (
     PRECISIONS,
     RUNTIMES,
@@ -38,6 +37,7 @@ from plait.plan.layout import (
 )
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
 from plait.plan.moe_report import moe_from_args, moe_section
+from plait.plan.profile_toml import load_hardware
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 

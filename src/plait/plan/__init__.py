@@ -9,10 +9,11 @@ torch is not installed (``tests/plan/test_isolation.py``). Measuring the machine
 from plait.plan.estimate import Estimate, StepTime, estimate, step_time
 from plait.plan.fit import FitVerdict, check_fits
 from plait.plan.hardware import PRESETS as HARDWARE_PRESETS
-from plait.plan.hardware import Cluster, Curve, Hardware, Link, load_hardware
+from plait.plan.hardware import Cluster, Curve, Hardware, Link
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, memory_per_rank
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec
+from plait.plan.profile_toml import load_hardware
 
 __all__ = [
     "HARDWARE_PRESETS",

@@ -1,4 +1,4 @@
-"""Hardware profiles: device memory, compute rates, links; presets and TOML files.
+"""Hardware profiles: device memory, compute rates, links; datasheet presets.
 
 A :class:`Hardware` says what one device can hold and how fast it computes and talks:
 
@@ -21,18 +21,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 from plait.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 """Operations a link can carry a measured (alpha, bandwidth) fit for."""
@@ -45,6 +36,32 @@ barrier before it), which includes waiting for the slower peer; see
 
 MEASURED_OPS = (*COLLECTIVES, IN_STEP)
 """Operations a link can carry measured ``(group size, curve)`` points for."""
+
+
+GRID_FIELDS = ("block_scale", "tp_block_scale", "sp_block_scale")
+"""The :class:`Hardware` fields that hold a ``(hidden, tokens, ratio)`` grid."""
+TP_GRID_DEGREE = 2
+"""The tensor-parallel degree :attr:`Hardware.tp_block_scale` is measured at (pairs of
+ranks, as the in-step all-reduce is)."""
+
+
+def _check_grid(key: str, grid: tuple[tuple[float, float, float], ...]) -> None:
+    """A grid field must be distinct positive points covering hidden sizes x tokens."""
+    if not grid:
+        return
+    dims = {d for d, _, _ in grid}
+    toks = {t for _, t, _ in grid}
+    cells = {(d, t) for d, t, _ in grid}
+    if any(min(p) <= 0 for p in grid) or len(cells) != len(grid):
+        raise ConfigError(
+            f"hardware.{key} needs distinct positive (hidden, tokens, ratio) points, "
+            f"got {grid}."
+        )
+    if len(cells) != len(dims) * len(toks):
+        raise ConfigError(
+            f"hardware.{key} must be a full grid of hidden sizes x token counts, "
+            f"got {sorted(cells)}."
+        )
 
 
 @dataclass(frozen=True)
@@ -206,6 +223,19 @@ class Hardware:
     a grid chosen independently of any benchmark
     (:data:`plait.bench.measure.BLOCK_GRID_DIMS` x :data:`~plait.bench.measure.
     BLOCK_GRID_BATCHES`); empty (a ratio of 1) for presets."""
+    tp_block_scale: tuple[tuple[float, float, float], ...] = ()
+    """The same kind of grid for a tensor-parallel block at tp = :data:`TP_GRID_DEGREE`
+    (without sequence parallelism): the block with its tensor-parallel collectives, timed
+    on pairs of ranks all at once (:mod:`plait.bench.tp_block`), over what the planner
+    charges for it, compute and in-step collectives together, without ``block_scale``.
+    The planner multiplies a tp-2 block's compute and collectives by it, in place of
+    ``block_scale`` (:func:`plait.plan.overheads.tp_block_ratio`). What it corrects: the
+    sharded block's own composition (its narrower GEMMs, the region functions) and the
+    in-step cost of collectives at the work a real block puts between them, with as many
+    ranks sharing the machine as calibrated. Empty for presets and one-rank profiles."""
+    sp_block_scale: tuple[tuple[float, float, float], ...] = ()
+    """:attr:`tp_block_scale` for a block under sequence parallelism (its all-gathers,
+    reduce-scatters and norm-gain sums)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -227,20 +257,8 @@ class Hardware:
             raise ConfigError(
                 f"hardware.pp_action_overhead_s must be >= 0, got {self.pp_action_overhead_s}."
             )
-        if self.block_scale:
-            dims = {d for d, _, _ in self.block_scale}
-            toks = {t for _, t, _ in self.block_scale}
-            cells = {(d, t) for d, t, _ in self.block_scale}
-            if any(min(p) <= 0 for p in self.block_scale) or len(cells) != len(self.block_scale):
-                raise ConfigError(
-                    f"hardware.block_scale needs distinct positive (hidden, tokens, ratio) "
-                    f"points, got {self.block_scale}."
-                )
-            if len(cells) != len(dims) * len(toks):
-                raise ConfigError(
-                    f"hardware.block_scale must be a full grid of hidden sizes x token "
-                    f"counts, got {sorted(cells)}."
-                )
+        for key in GRID_FIELDS:
+            _check_grid(key, getattr(self, key))
 
     def with_memory(self, memory_bytes: float) -> Hardware:
         """The same device with a different memory capacity."""
@@ -355,153 +373,6 @@ def hardware_preset(name: str) -> Hardware:
             "or pass a profile written by `plait bench calibrate` (a .toml path)."
         )
     return PRESETS[name]
-
-
-# ------------------------------------------------------------------ TOML profiles
-
-
-def _curve_toml(c: Curve) -> str:
-    return "[" + ", ".join(f"[{s!r}, {r!r}]" for s, r in c.points) + "]"
-
-
-def _link_toml(section: str, link: Link) -> list[str]:
-    lines = [f"[{section}]", f"latency_s = {link.latency_s!r}", f"bandwidth = {link.bandwidth!r}"]
-    for op, a, b in link.collectives:
-        lines.append(f"{op} = [{a!r}, {b!r}]")
-    for op, n, curve in link.measured:
-        lines.append(f"{op}_measured = [{n}, {_curve_toml(curve)}]")
-    return lines
-
-
-def dump_hardware(hw: Hardware, comment: str = "") -> str:
-    """A TOML document that :func:`load_hardware` reads back to an equal profile."""
-    lines = [f"# {line}" for line in comment.splitlines()] if comment else []
-    lines += [
-        "[device]",
-        "name = " + _toml_string(hw.name),
-        f"memory_bytes = {hw.memory_bytes!r}",
-        f"peak_flops = {hw.peak_flops!r}",
-        f"matmul = {_curve_toml(hw.matmul)}",
-        f"attention = {_curve_toml(hw.attention)}",
-        f"elementwise = {_curve_toml(hw.elementwise)}",
-        f"optimizer_bandwidth = {hw.optimizer_bandwidth!r}",
-        f"op_overhead_s = {hw.op_overhead_s!r}",
-        f"comm_overlap = {hw.comm_overlap!r}",
-        f"cpu_adam_params_per_s = {hw.cpu_adam_params_per_s!r}",
-        f"host_link_bytes_per_s = {hw.host_link_bytes_per_s!r}",
-        f"block_overhead_s = {hw.block_overhead_s!r}",
-        f"ring_overhead_s = {hw.ring_overhead_s!r}",
-        f"pp_action_overhead_s = {hw.pp_action_overhead_s!r}",
-        f"block_scale = [{', '.join(f'[{d!r}, {t!r}, {r!r}]' for d, t, r in hw.block_scale)}]",
-        f"devices_per_node = {hw.devices_per_node}",
-        "source = " + _toml_string(hw.source),
-        "",
-        *_link_toml("intra", hw.intra),
-        "",
-        *_link_toml("inter", hw.inter),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_string(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-
-
-def _parse_curve(where: str, value: Any) -> Curve:
-    if isinstance(value, (int, float)):
-        return Curve.constant(float(value))
-    try:
-        pts = tuple((float(s), float(r)) for s, r in value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"{where} must be a number or a list of [size, rate] pairs, got {value!r}."
-        ) from None
-    return Curve(pts)
-
-
-def _parse_link(where: str, data: Mapping[str, Any]) -> Link:
-    extra = []
-    measured = []
-    for op in MEASURED_OPS:
-        if op in data and op in COLLECTIVES:
-            a, b = data[op]
-            extra.append((op, float(a), float(b)))
-        if f"{op}_measured" in data:
-            n, pts = data[f"{op}_measured"]
-            measured.append((op, int(n), _parse_curve(f"{where}.{op}_measured", pts)))
-    known = {"latency_s", "bandwidth", *COLLECTIVES, *(f"{op}_measured" for op in MEASURED_OPS)}
-    unknown = set(data) - known
-    if unknown:
-        raise ConfigError(f"unknown key(s) in [{where}]: {', '.join(sorted(unknown))}.")
-    try:
-        return Link(
-            float(data["latency_s"]), float(data["bandwidth"]), tuple(extra), tuple(measured)
-        )
-    except KeyError as e:
-        raise ConfigError(f"[{where}] needs {e.args[0]}.") from None
-
-
-def _parse_block_scale(value: Any) -> tuple[tuple[float, float, float], ...]:
-    try:
-        return tuple((float(d), float(t), float(r)) for d, t, r in value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"device.block_scale must be a list of [hidden, tokens, ratio], got {value!r}."
-        ) from None
-
-
-def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
-    """A :class:`Hardware` from the parsed TOML tables of a profile."""
-    for section in ("device", "intra", "inter"):
-        if section not in data:
-            raise ConfigError(f"hardware {where} has no [{section}] table.")
-    d = dict(data["device"])
-    known = {f for f in Hardware.__dataclass_fields__ if f not in ("intra", "inter")}
-    unknown = set(d) - known
-    if unknown:
-        raise ConfigError(f"unknown key(s) in [device] of {where}: {', '.join(sorted(unknown))}.")
-    try:
-        return Hardware(
-            name=str(d["name"]),
-            memory_bytes=float(d["memory_bytes"]),
-            peak_flops=float(d["peak_flops"]),
-            matmul=_parse_curve("device.matmul", d["matmul"]),
-            attention=_parse_curve("device.attention", d["attention"]),
-            elementwise=_parse_curve("device.elementwise", d["elementwise"]),
-            optimizer_bandwidth=float(d["optimizer_bandwidth"]),
-            op_overhead_s=float(d.get("op_overhead_s", 0.0)),
-            devices_per_node=int(d["devices_per_node"]),
-            intra=_parse_link("intra", data["intra"]),
-            inter=_parse_link("inter", data["inter"]),
-            source=str(d.get("source", "")),
-            comm_overlap=float(d.get("comm_overlap", 1.0)),
-            cpu_adam_params_per_s=float(d.get("cpu_adam_params_per_s", 0.0)),
-            host_link_bytes_per_s=float(d.get("host_link_bytes_per_s", 0.0)),
-            block_overhead_s=float(d.get("block_overhead_s", 0.0)),
-            ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
-            pp_action_overhead_s=float(d.get("pp_action_overhead_s", 0.0)),
-            block_scale=_parse_block_scale(d.get("block_scale", [])),
-        )
-    except KeyError as e:
-        raise ConfigError(f"[device] of hardware {where} needs {e.args[0]}.") from None
-
-
-def load_hardware(spec: str) -> Hardware:
-    """A preset name or the path of a TOML profile (``plait bench calibrate --out``)."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    path = Path(spec)
-    if spec.endswith(".toml") or path.exists():
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot read hardware profile {spec}: {e.strerror}.") from None
-        try:
-            data = tomllib.loads(raw)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"hardware profile {spec} is not valid TOML: {e}.") from None
-        return parse_hardware(data, spec)
-    return hardware_preset(spec)
 
 
 @dataclass(frozen=True)
