@@ -20,7 +20,9 @@ profile gives for its size:
 * a fixed ``block_overhead_s`` per block's forward + backward (module calls, autograd
   bookkeeping, views: what a tiny block costs beyond the rates; 0 for GPU presets);
 * the block's sum times the profile's measured composition ratio at its hidden size
-  and tokens (:func:`plait.plan.overheads.block_scale`; 1 for GPU presets).
+  and tokens (:func:`plait.plan.overheads.block_scale`; 1 for GPU presets), or for a
+  tensor-parallel block at the calibrated degree the ratio measured for such blocks,
+  collectives included (:func:`plait.plan.overheads.tp_block_ratio`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from plait.plan.activations import kv_heads_local
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
-from plait.plan.overheads import attention_length, block_scale
+from plait.plan.overheads import attention_length, block_scale, tp_block_ratio
 
 BACKWARD_FACTOR = 2.0
 """Backward work relative to forward, for GEMMs (dX and dW), attention and memory-bound
@@ -172,8 +174,12 @@ def block_time(
     ew_f = _elementwise_seconds(traffic, ops, hw, tensor)
     # the block's fixed framework cost (a calibrated profile), a third of it in forward
     fwd = gemm_f + attn_f + ew_f + hw.block_overhead_s / (1 + BACKWARD_FACTOR)
-    # what the operators cost together beyond their rates (a calibrated profile's grid)
-    scale = block_scale(hw, spec.hidden, _tokens(layout, seq_len))
+    # what the operators cost together beyond their rates (a calibrated profile's grid;
+    # for a tensor-parallel block the grid measured with its collectives, which the
+    # step multiplies by the same ratio: plan.tp_comm)
+    tokens = _tokens(layout, seq_len)
+    tp_ratio = tp_block_ratio(hw, layout, spec.hidden, tokens)
+    scale = block_scale(hw, spec.hidden, tokens) if tp_ratio is None else tp_ratio
     fwd *= scale
     bwd = BACKWARD_FACTOR * fwd
     if layout.recompute == "full":

@@ -45,7 +45,6 @@ from plait.plan.network import (
     all_reduce_time,
     all_to_all_time,
     group,
-    in_step_all_reduce_time,
     p2p_time,
     reduce_scatter_time,
 )
@@ -60,6 +59,7 @@ from plait.plan.overheads import (
     zero3_unit_seconds,
 )
 from plait.plan.pipeline_zero import pipeline_zero_comm
+from plait.plan.tp_comm import tp_comm_time
 from plait.plan.units import shard_numel, stage_units
 
 
@@ -247,24 +247,8 @@ def step_time(
     edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
     msg = _act_msg(spec, layout, precision, seq_len)
     tp_g = group(layout, hw, "tp")
-    # issued synchronously between compute: the in-step cost where calibrated
-    tp_ar = in_step_all_reduce_time(msg, tp_g.size, tp_g.link)
-    n_tp = 4 + (2 if layout.recompute == "full" else 0)
-    block_tp, edge_tp = n_tp * tp_ar, tp_ar
-    if layout.sequence_parallel and layout.tp > 1:
-        # each all-reduce becomes a reduce-scatter and an all-gather (Korthikanti et al.
-        # 2022), each moving the bytes of an all-reduce of half the tensor and each
-        # paying the in-step wait; the norms' gains sum their gradients over tp (one
-        # small all-reduce per norm and micro-batch, plait's sum_grad_over)
-        half = in_step_all_reduce_time(msg / 2, tp_g.size, tp_g.link)
-        gain = in_step_all_reduce_time(spec.hidden * precision.grad_bytes, tp_g.size, tp_g.link)
-        block_tp, edge_tp = 2 * n_tp * half + 2 * gain, 2 * half
-    # the vocabulary-parallel loss all-reduces the tokens' max logit (b·s/c fp32) and
-    # their target logit and sum of exponentials (2·b·s/c fp32) across the tp group
-    tok_bytes = 4.0 * layout.micro_batch * seq_len / layout.cp
-    tp_loss = in_step_all_reduce_time(tok_bytes, tp_g.size, tp_g.link) + (
-        in_step_all_reduce_time(2 * tok_bytes, tp_g.size, tp_g.link)
-    )
+    tpc = tp_comm_time(spec, layout, hw, precision, seq_len)  # synchronous: in-step costs
+    block_tp, edge_tp, tp_loss, gain = tpc.block, tpc.edge, tpc.loss, tpc.gain
 
     cp_exposed = cp_layer_time(spec, layout, hw, seq_len, msg)
     ring_fwd, ring_bwd = ring_block_seconds(spec, layout, precision, hw, seq_len)

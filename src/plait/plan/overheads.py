@@ -49,6 +49,17 @@ between barriers. Real steps pay more, in places the measurements of
   The profile's ``block_scale`` is the measured over charged time of a stack of
   plait's blocks on a grid of shapes, and the block's compute is charged that ratio,
   interpolated log-bilinearly in (hidden, tokens) and clamped at the grid's edges.
+* **tensor-parallel blocks** (:func:`tp_block_ratio`): a block sharded over tp = 2
+  measured whole, collectives included, on pairs of ranks all at once (the profile's
+  ``tp_block_scale``, ``sp_block_scale`` with sequence parallelism), over the charge
+  for its compute and its in-step collectives. Measured on this machine (2 cores): the
+  sharded block's compute alone ran 3-16 % above its tp = 1 ratio (36 % at the smallest
+  shape with sequence parallelism), and a collective's in-step cost grew with the work
+  before it (0.6-1 ms after 0.3 ms of work, 2.7-3 ms after 8.5 ms) and fell with four
+  ranks on the two cores (0.2-1 ms) while the same four-rank block measured 1.1-1.5x
+  its charge. One ratio per shape, for compute and collectives together, replaces
+  ``block_scale`` for such blocks: at the grid's points the block is charged what was
+  measured.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import bisect
 import math
 from collections.abc import Sequence
 
-from plait.plan.hardware import IN_STEP, Hardware, Link
+from plait.plan.hardware import IN_STEP, TP_GRID_DEGREE, Hardware, Link
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
 from plait.plan.network import all_gather_time, p2p_time, reduce_scatter_time
@@ -223,13 +234,12 @@ def _bracket(values: list[float], x: float) -> tuple[int, int, float]:
     return i, j, w
 
 
-def block_scale(hw: Hardware, hidden: float, tokens: float) -> float:
-    """The profile's measured / charged ratio of a block's forward + backward at
-    ``hidden`` and ``tokens`` (per micro-batch and rank): log-bilinear between the
-    grid's points of :attr:`Hardware.block_scale`, clamped at its edges; 1 without."""
-    if not hw.block_scale:
+def grid_ratio(grid: Sequence[tuple[float, float, float]], hidden: float, tokens: float) -> float:
+    """A ``(hidden, tokens, ratio)`` grid's ratio at ``hidden`` and ``tokens``:
+    log-bilinear between its points, clamped at its edges; 1 for an empty grid."""
+    if not grid:
         return 1.0
-    table = {(d, t): r for d, t, r in hw.block_scale}
+    table = {(d, t): r for d, t, r in grid}
     dims = sorted({d for d, _ in table})
     toks = sorted({t for _, t in table})
     i0, i1, wd = _bracket(dims, hidden)
@@ -242,3 +252,23 @@ def block_scale(hw: Hardware, hidden: float, tokens: float) -> float:
         + wd * wt * log(table[dims[i1], toks[j1]])
     )
     return math.exp(v)
+
+
+def block_scale(hw: Hardware, hidden: float, tokens: float) -> float:
+    """The profile's measured / charged ratio of a block's forward + backward at
+    ``hidden`` and ``tokens`` (per micro-batch and rank): log-bilinear between the
+    grid's points of :attr:`Hardware.block_scale`, clamped at its edges; 1 without."""
+    return grid_ratio(hw.block_scale, hidden, tokens)
+
+
+def tp_block_ratio(hw: Hardware, layout: Layout, hidden: float, tokens: float) -> float | None:
+    """The tensor-parallel block grid's ratio (:attr:`Hardware.tp_block_scale`, or
+    :attr:`~Hardware.sp_block_scale` under sequence parallelism) at ``hidden`` and
+    ``tokens`` per micro-batch and rank, when it applies: the layout's tp is the degree
+    the grid was measured at (:data:`~plait.plan.hardware.TP_GRID_DEGREE`) and the
+    profile has the grid. None otherwise (the block is charged ``block_scale`` and its
+    collectives their in-step cost, as before)."""
+    if layout.tp != TP_GRID_DEGREE:
+        return None
+    grid = hw.sp_block_scale if layout.sequence_parallel else hw.tp_block_scale
+    return grid_ratio(grid, hidden, tokens) if grid else None
