@@ -308,12 +308,15 @@ def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
 
 
 def _block_ratio(e: Any) -> float:
-    """The profile's block composition ratio at ``e``'s block (hidden size, tokens per
-    micro-batch and rank): what the planner multiplies the block's rates' sum by."""
-    from plait.plan.overheads import block_scale
+    """The ratio the planner multiplies ``e``'s blocks by: the profile's tensor-parallel
+    block grid at a tp-2 layout (compute and collectives), else its block composition
+    ratio, at the block's hidden size and tokens per micro-batch and rank."""
+    from plait.plan.overheads import block_scale, tp_block_ratio
 
     lay = e.layout
-    return block_scale(e.hardware, e.model.hidden, lay.micro_batch * SEQ / lay.cp)
+    tokens = lay.micro_batch * SEQ / lay.cp
+    tp = tp_block_ratio(e.hardware, lay, e.model.hidden, tokens)
+    return block_scale(e.hardware, e.model.hidden, tokens) if tp is None else tp
 
 
 def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
@@ -357,8 +360,9 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
             after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
             load1 = load_average()
-            ring = {k: before[0][k] for k in ("ring", "pipeline") if k in before[0]}
-            pooled = [*before, *({"compute": c, "comm": before[0]["comm"], **ring} for c in after)]
+            # the fresh compute rates with each rank's own collectives, ring, pipeline
+            # and tensor-parallel blocks from before the steps
+            pooled = [*before, *({**before[i], "compute": c} for i, c in enumerate(after))]
             prof = {
                 c: profile_from_results(pooled, hw.memory_bytes, hw.name, clock=c)[0]
                 for c in ("wall", "cpu")
@@ -369,7 +373,9 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             # CPU time does not advance, so the CPU-time prediction leaves the bubble out
             cpu_pred = e_cpu.time.total - e_cpu.time.bubble
             # the same profile without the block composition ratio, for comparison
-            e_plain = predict(row, replace(prof["cpu"], block_scale=()))
+            e_plain = predict(
+                row, replace(prof["cpu"], block_scale=(), tp_block_scale=(), sp_block_scale=())
+            )
             plain_pred = e_plain.time.total - e_plain.time.bubble
             r0 = next(r for r in res if r["rank"] == 0)
             state_meas = r0["params"] + r0["grads"] + r0["master"] + r0["optimizer"]
@@ -418,8 +424,10 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
         *lines,
         "",
         "Predicted CPU time per step by component (ms); block ratio: the calibrated "
-        "block composition ratio the blocks are charged (`Hardware.block_scale`, "
-        "interpolated at the row's hidden size and tokens per micro-batch):",
+        "ratio the blocks are charged, interpolated at the row's hidden size and tokens per "
+        "micro-batch: the block composition ratio (`Hardware.block_scale`), or for tp = 2 "
+        "the tensor-parallel block grid's (`tp_block_scale`, `sp_block_scale`), which also "
+        "multiplies the blocks' TP collectives; without it: the profile with no grid:",
         "",
         *parts,
     ]

@@ -50,6 +50,7 @@ from typing import Any
 
 from plait.bench.calibrate_pipeline import measure_pipeline, pipeline_overhead
 from plait.bench.measure import CLOCKS, compute_body
+from plait.bench.tp_block import tp_block_body, with_tp_grids
 from plait.plan.hardware import IN_STEP, Curve, Hardware, Link
 
 __all__ = [
@@ -289,7 +290,18 @@ def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
     res = measure_in_step(g, sizes, 10 if quick else 20)
     ring = measure_ring(g, 5 if quick else 15)
     pipe = measure_pipeline(ctx.mesh(dp=w // 2, pp=2), 5 if quick else 15)
-    return {IN_STEP: res["wall"], "cpu": {IN_STEP: res["cpu"]}, "ring": ring, "pipeline": pipe}
+    grids = tp_block_body(ctx.mesh(dp=w // 2, tp=2), quick)
+    return {
+        IN_STEP: res["wall"],
+        "cpu": {IN_STEP: res["cpu"]},
+        "ring": ring,
+        "pipeline": pipe,
+        "tp_grid": grids,
+    }
+
+
+STEP_KEYS = ("ring", "pipeline", "tp_grid")
+"""Results of :func:`_in_step_body` besides the in-step all-reduce (pairs of ranks)."""
 
 
 def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
@@ -298,10 +310,10 @@ def calibrate_body(ctx: Any, quick: bool) -> dict[str, Any]:
     reps = 5 if quick else 15
     comms = _collective_body(ctx, sizes, reps)
     step = _in_step_body(ctx, quick)
-    comms.update({k: v for k, v in step.items() if k not in ("cpu", "ring", "pipeline")})
+    comms.update({k: v for k, v in step.items() if k not in ("cpu", *STEP_KEYS)})
     comms["cpu"].update(step["cpu"])
     out = {"compute": compute_body(ctx, quick), "comm": comms}
-    for key in ("ring", "pipeline"):
+    for key in STEP_KEYS:
         if key in step:
             out[key] = step[key]
     return out
@@ -480,6 +492,8 @@ def profile_from_results(
     if all("pipeline" in r for r in results):  # the slowest rank's tiny pipeline step
         pipe = pipeline_overhead(hw, [r["pipeline"] for r in results], clock)
         hw = replace(hw, pp_action_overhead_s=pipe)
+    if all("tp_grid" in r for r in results):  # tensor-parallel blocks on the pairs
+        hw = with_tp_grids(hw, [r["tp_grid"] for r in results], clock)
     return hw, fits
 
 
