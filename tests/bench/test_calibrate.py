@@ -164,6 +164,17 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
                                per_mb, loss, clock) for r in results]  # fmt: skip
         assert hw.pp_action_overhead_s == pytest.approx(max(got))
         assert all(r["pipeline"][clock]["pipeline"] > 0 for r in results)
+        # the tensor-parallel block grids (one point each when quick): the planner
+        # charges each the slowest rank's median measurement
+        from plait.bench.tp_block import GRID_KEYS, tp_block_grid_charge
+
+        for sp, key in GRID_KEYS.items():
+            pts = [r["tp_grid"][key] if clock == "wall" else r["tp_grid"]["cpu"][key]
+                   for r in results]  # fmt: skip
+            ((d, t, _),) = pts[0]
+            assert [(d, t)] == [p[:2] for p in getattr(hw, key)]
+            slowest = max(p[0][2] for p in pts)
+            assert tp_block_grid_charge(hw, d, t, sp) == pytest.approx(slowest)
 
 
 def test_pipeline_action_overhead_by_hand() -> None:

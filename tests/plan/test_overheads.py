@@ -233,3 +233,65 @@ def test_pipeline_action_and_loss_terms_by_hand(monkeypatch: pytest.MonkeyPatch)
     assert t0.other - without.other == pytest.approx(1e-3)
     # GPU presets: no action cost
     assert pipeline_action_seconds(lay, PRESETS["h100-80gb"]) == 0.0
+
+
+def test_tp_block_ratio_applies_at_the_calibrated_degree() -> None:
+    """The tensor-parallel grid is read like ``block_scale`` (log-bilinear, clamped), the
+    sequence-parallel grid under sequence parallelism, only at tp = 2 and only when the
+    profile has the grid."""
+    from plait.plan.overheads import grid_ratio, tp_block_ratio
+
+    sp_grid = tuple((d, t, 2 * r) for d, t, r in GRID)
+    hw = _hw(block_scale=((64.0, 256.0, 3.0),), tp_block_scale=GRID, sp_block_scale=sp_grid)
+    want = (1.2 ** (1 / 3) * 0.9 ** (2 / 3)) ** 0.5 * (1.5 ** (1 / 3) * 1.0 ** (2 / 3)) ** 0.5
+    assert grid_ratio(GRID, 128.0, 1024.0) == pytest.approx(want)
+    assert tp_block_ratio(hw, Layout(tp=2), 128.0, 1024.0) == pytest.approx(want)
+    sp = Layout(tp=2, sequence_parallel=True)
+    assert tp_block_ratio(hw, sp, 128.0, 1024.0) == pytest.approx(2 * want)
+    assert tp_block_ratio(hw, sp, 16.0, 256.0) == pytest.approx(2.4)  # clamped
+    for lay in (Layout(), Layout(tp=4)):  # another degree: block_scale and in-step costs
+        assert tp_block_ratio(hw, lay, 128.0, 1024.0) is None
+    assert tp_block_ratio(_hw(tp_block_scale=GRID), sp, 128.0, 1024.0) is None
+    assert grid_ratio((), 128.0, 1024.0) == 1.0
+
+
+def test_tp_block_ratio_multiplies_block_compute_and_collectives() -> None:
+    """At tp = 2 the grid's ratio replaces ``block_scale`` on the block's compute and
+    multiplies its tensor-parallel collectives (4 in-step all-reduces per block, 8
+    halves and 2 gain sums with sequence parallelism); the edges' collectives keep their
+    in-step cost."""
+    from plait.plan.network import in_step_all_reduce_time
+    from plait.plan.tp_comm import tp_comm_time
+
+    rt = Runtime()
+    const = tuple((d, t, 1.5) for d, t, _ in GRID)
+    for sp in (False, True):
+        lay = Layout(tp=2, micro_batch=8, sequence_parallel=sp)
+        plain = _hw(block_scale=GRID)  # a tp-1 ratio that must not apply
+        grid = _hw(block_scale=GRID, tp_block_scale=const, sp_block_scale=const)
+        none = _hw()
+        a = block_time(SPEC, lay, rt, FP32, none, 128)
+        b = block_time(SPEC, lay, rt, FP32, grid, 128)
+        assert b.forward == pytest.approx(1.5 * a.forward)
+        assert b.backward == pytest.approx(1.5 * a.backward)
+        assert block_time(SPEC, lay, rt, FP32, plain, 128).forward == pytest.approx(
+            block_scale(plain, 128.0, 1024.0) * a.forward
+        )
+        link = none.intra
+        msg = 8 * 128 * 128 * 4.0  # (b, s, h) fp32
+        if sp:
+            block = 8 * in_step_all_reduce_time(msg / 2, 2, link) + 2 * (
+                in_step_all_reduce_time(128 * 4.0, 2, link)
+            )
+            edge = 2 * in_step_all_reduce_time(msg / 2, 2, link)
+        else:
+            block = 4 * in_step_all_reduce_time(msg, 2, link)
+            edge = in_step_all_reduce_time(msg, 2, link)
+        c0 = tp_comm_time(SPEC, lay, none, FP32, 128)
+        c1 = tp_comm_time(SPEC, lay, grid, FP32, 128)
+        assert c0.block == pytest.approx(block) and c1.block == pytest.approx(1.5 * block)
+        assert c0.edge == c1.edge == pytest.approx(edge)
+        t0 = step_time(SPEC, lay, none, FP32, rt, 128)
+        t1 = step_time(SPEC, lay, grid, FP32, rt, 128)
+        assert t1.tp_comm - t0.tp_comm == pytest.approx(4 * 0.5 * block)
+        assert t1.compute - t0.compute == pytest.approx(4 * 0.5 * (a.forward + a.backward))

@@ -132,13 +132,12 @@ def tp_block_body(mesh: Any, quick: bool) -> dict[str, Any]:
 def tp_block_grid_charge(hw: Hardware, dim: float, tokens: float, sequence_parallel: bool) -> float:
     """Seconds the planner charges one tensor-parallel grid block (hidden ``dim``,
     ``tokens`` per micro-batch, tp = :data:`TP_GRID_DEGREE`), forward + backward, compute
-    and in-step collectives, with ``hw``'s rates and fixed costs and no grid ratio."""
+    and in-step collectives, with ``hw``'s rates, fixed costs and grids."""
     from plait.plan.compute import block_time
     from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
     from plait.plan.tp_comm import tp_comm_time
 
-    base = replace(hw, block_scale=(), tp_block_scale=(), sp_block_scale=())
     spec = ModelSpec.from_config(block_grid_config(int(dim)), "tp-block-grid")
     lay = Layout(
         tp=TP_GRID_DEGREE,
@@ -146,17 +145,18 @@ def tp_block_grid_charge(hw: Hardware, dim: float, tokens: float, sequence_paral
         sequence_parallel=sequence_parallel,
     )
     fp32 = PRECISIONS["fp32"]
-    bt = block_time(spec, lay, Runtime(), fp32, base, BLOCK_GRID_SEQ)
-    return bt.forward + bt.backward + tp_comm_time(spec, lay, base, fp32, BLOCK_GRID_SEQ).block
+    bt = block_time(spec, lay, Runtime(), fp32, hw, BLOCK_GRID_SEQ)
+    return bt.forward + bt.backward + tp_comm_time(spec, lay, hw, fp32, BLOCK_GRID_SEQ).block
 
 
 def tp_block_scale_points(
     hw: Hardware, measured: Sequence[tuple[float, float, float]], sequence_parallel: bool
 ) -> tuple[tuple[float, float, float], ...]:
     """``(hidden, tokens, measured / charged)`` for each measured tensor-parallel grid
-    block (:func:`tp_block_grid_charge`)."""
+    block, charged by ``hw`` without any grid (:func:`tp_block_grid_charge`)."""
+    base = replace(hw, block_scale=(), tp_block_scale=(), sp_block_scale=())
     return tuple(
-        (d, t, sec / tp_block_grid_charge(hw, d, t, sequence_parallel)) for d, t, sec in measured
+        (d, t, sec / tp_block_grid_charge(base, d, t, sequence_parallel)) for d, t, sec in measured
     )
 
 
@@ -184,7 +184,7 @@ def grid_summary(hw: Hardware) -> list[str]:
         grid = getattr(hw, key)
         if grid:
             pts = ", ".join(f"{int(d)}x{int(t)}: {r:.2f}" for d, t, r in grid)
-            out.append(f"{key}: {pts}")
+            out.append(f"{key} (measured / charged, hidden x tokens): {pts}")
     return out
 
 

@@ -109,11 +109,10 @@ def calibrate_main(argv: Sequence[str]) -> int:
         f"fixed costs: {hw.block_overhead_s * 1e3:.2f} ms per block (forward + backward), "
         f"{hw.ring_overhead_s * 1e3:.2f} ms per ring-attention layer"
     )
-    if hw.block_scale:
-        print(
-            "block composition (measured / charged, hidden x tokens): "
-            + ", ".join(f"{int(d)}x{int(t)}: {r:.2f}" for d, t, r in hw.block_scale)
-        )
+    from plait.bench.tp_block import grid_summary
+
+    for line in grid_summary(hw):  # block grids: measured / charged, hidden x tokens
+        print(line)
     for f in fits:
         print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")
     print(f"wrote {ns.out}", file=sys.stderr)

@@ -1,0 +1,93 @@
+"""The tensor-parallel block grid (:mod:`plait.bench.tp_block`): measured on real pairs
+of ranks, read back exactly by the planner, stored in profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plait.bench.tp_block import GRID_KEYS, tp_block_grid_charge, tp_block_scale_points
+from plait.errors import ConfigError
+from plait.plan.hardware import IN_STEP, PRESETS, Curve, Link
+from plait.plan.profile_toml import dump_hardware, load_hardware
+from plait.testing import WorkerPool
+
+FACTORS = {(64.0, 256.0): 1.3, (64.0, 2048.0): 0.8, (256.0, 256.0): 1.1, (256.0, 2048.0): 1.0}
+
+
+def _cpu_like() -> Any:
+    link = Link(1e-4, 1e9, (), ((IN_STEP, 2, Curve(((512.0, 1e-3), (2.0**21, 4e-3)))),))
+    return dataclasses.replace(
+        PRESETS["a100-80gb"],
+        op_overhead_s=2e-6,
+        block_overhead_s=1e-4,
+        intra=link,
+        inter=link,
+        block_scale=((64.0, 256.0, 2.0),),  # a tp-1 ratio, which the tp grid replaces
+    )
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_block_scale_reads_back(sp: bool) -> None:
+    """With the grid's ratios derived, the planner charges each tensor-parallel grid
+    block (compute and collectives) exactly what was measured; the ratios are measured
+    over the charge without any grid, whatever grids the profile carries already."""
+    hw = _cpu_like()
+    bare = dataclasses.replace(hw, block_scale=())
+    measured = [(d, t, f * tp_block_grid_charge(bare, d, t, sp)) for (d, t), f in FACTORS.items()]
+    points = tp_block_scale_points(hw, measured, sp)
+    assert [(d, t) for d, t, _ in points] == list(FACTORS)
+    assert [r for _, _, r in points] == pytest.approx(list(FACTORS.values()))
+    scaled = dataclasses.replace(hw, **{GRID_KEYS[sp]: points})
+    for d, t, sec in measured:
+        assert tp_block_grid_charge(scaled, d, t, sp) == pytest.approx(sec)
+    again = tp_block_scale_points(scaled, measured, sp)
+    assert [r for _, _, r in again] == pytest.approx([r for _, _, r in points])
+
+
+def test_tp_grids_round_trip_and_are_checked(tmp_path: Path) -> None:
+    grid = tuple((d, t, f) for (d, t), f in FACTORS.items())
+    hw = dataclasses.replace(PRESETS["h100-80gb"], tp_block_scale=grid, sp_block_scale=grid[::-1])
+    path = tmp_path / "hw.toml"
+    path.write_text(dump_hardware(hw), encoding="utf-8")
+    assert load_hardware(str(path)) == hw
+    with pytest.raises(ConfigError, match="tp_block_scale must be a full grid"):
+        dataclasses.replace(hw, tp_block_scale=grid[:3])
+    with pytest.raises(ConfigError, match="sp_block_scale needs distinct positive"):
+        dataclasses.replace(hw, sp_block_scale=((64.0, 256.0, -1.0),))
+    bad = dump_hardware(hw).replace("sp_block_scale = [", "sp_block_scale = [7, ")
+    path.write_text(bad, encoding="utf-8")
+    with pytest.raises(ConfigError, match="sp_block_scale must be a list"):
+        load_hardware(str(path))
+
+
+def test_tp_block_grid_times_plaits_sharded_block(pools: Callable[[int], WorkerPool]) -> None:
+    """On two ranks: every grid point is timed, on both clocks, with and without
+    sequence parallelism, the same points on both ranks."""
+    from plait.bench.measure import BLOCK_GRID_SEQ, CLOCKS
+
+    res = pools(2).run("tests.bench.test_tp_block:_grid_body")
+    for r in res:
+        for key in GRID_KEYS.values():
+            for clock in CLOCKS:
+                part = r if clock == "wall" else r["cpu"]
+                assert [(d, t) for d, t, _ in part[key]] == [
+                    (64.0, BLOCK_GRID_SEQ),
+                    (64.0, 2.0 * BLOCK_GRID_SEQ),
+                ]
+                assert all(sec > 0 for _, _, sec in part[key])
+
+
+def _grid_body(ctx: Any) -> dict[str, Any]:
+    from plait.bench.tp_block import measure_tp_block_grid
+
+    mesh = ctx.mesh(dp=1, tp=2)
+    res = {key: measure_tp_block_grid(mesh, sp, 1, (64,), (1, 2)) for sp, key in GRID_KEYS.items()}
+    return {
+        **{key: r["wall"] for key, r in res.items()},
+        "cpu": {key: r["cpu"] for key, r in res.items()},
+    }
