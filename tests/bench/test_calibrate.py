@@ -136,7 +136,8 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
     # block and the tiny ring exactly what the ranks measured (when above the rates)
     import statistics
 
-    from plait.bench.calibrate import ring_charge, tiny_block_charge
+    from plait.bench.calibrate import ring_charge
+    from plait.bench.compute_profile import tiny_block_charge
 
     for clock, hw in (("wall", wall), ("cpu", cpu)):
         part = [r["compute"] if clock == "wall" else r["compute"]["cpu"] for r in results]
@@ -146,7 +147,7 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
         assert tiny_block_charge(unscaled) == pytest.approx(max(tiny, tiny_block_charge(
             dataclasses.replace(unscaled, block_overhead_s=0.0))))  # fmt: skip
         # the block grid (one point when quick): charged exactly its median measurement
-        from plait.bench.calibrate import block_grid_charge
+        from plait.bench.compute_profile import block_grid_charge
 
         ((d, t, _),) = part[0]["block_grid"]
         grid = statistics.median(c["block_grid"][0][2] for c in part)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plait.bench.calibrate import block_overhead, tiny_block_charge
+from plait.bench.compute_profile import block_overhead, tiny_block_charge
 from plait.bench.device import calibrate_cuda, device_profile, measure_device
 from plait.cli import main
 from plait.plan.compute import Gemm
@@ -85,7 +85,7 @@ def test_ring_overhead_reads_back() -> None:
 def test_block_scale_reads_back() -> None:
     """With the grid's ratios derived, the planner charges each grid block exactly what
     was measured, and the ratios are measured / charged without a scale."""
-    from plait.bench.calibrate import block_grid_charge, block_scale_points
+    from plait.bench.compute_profile import block_grid_charge, block_scale_points
 
     hw = dataclasses.replace(PRESETS["a100-80gb"], op_overhead_s=2e-6, block_overhead_s=1e-4)
     factors = {(64.0, 256.0): 1.3, (64.0, 2048.0): 0.8, (256.0, 256.0): 1.1, (256.0, 2048.0): 1.0}

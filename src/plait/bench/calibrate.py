@@ -26,9 +26,13 @@ in training, measures
 * the fixed cost of a pipeline schedule's compute action, on a tiny two-stage pipeline
   (:mod:`plait.bench.calibrate_pipeline`);
 * a stack of plait's blocks in training on a grid of shapes, kept as the ratio of its
-  time to the planner's charge (``block_scale``, :func:`block_scale_points`).
+  time to the planner's charge (``block_scale``,
+  :func:`plait.bench.compute_profile.block_scale_points`), and the same blocks sharded
+  over the tp pairs, collectives included (``tp_block_scale``, ``sp_block_scale``,
+  :mod:`plait.bench.tp_block`).
 
-The compute measurements live in :mod:`plait.bench.measure` (medians, two clocks); a
+The compute measurements live in :mod:`plait.bench.measure` (medians, two clocks) and
+become profile fields in :mod:`plait.bench.compute_profile`; a
 collective's time is the slowest rank's, and the profile keeps both the fit and the
 measured points (interpolated for groups of the measured size). The result is a
 :class:`Hardware` profile that :func:`plait.plan.profile_toml.dump_hardware` writes and
@@ -49,6 +53,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from plait.bench.calibrate_pipeline import measure_pipeline, pipeline_overhead
+from plait.bench.compute_profile import compute_fields, with_block_costs, with_compute
 from plait.bench.measure import CLOCKS, compute_body
 from plait.bench.tp_block import tp_block_body, with_tp_grids
 from plait.plan.hardware import IN_STEP, Curve, Hardware, Link
@@ -339,98 +344,6 @@ def _on_clock(part: dict[str, Any], clock: str) -> dict[str, Any]:
     return part if clock == "wall" else part["cpu"]
 
 
-def _merge(curves: list[list[tuple[float, float]]]) -> Curve:
-    """The median over ranks (and runs) of each point; all measured the same sizes."""
-    pts = [
-        (curves[0][i][0], statistics.median(c[i][1] for c in curves)) for i in range(len(curves[0]))
-    ]
-    return Curve(tuple(pts))
-
-
-def _compute_fields(comp: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hardware fields from every rank's :func:`compute_body` result."""
-    square = _merge([c["matmul"] for c in comp])
-    # the rate a linear layer trains at (forward and backward GEMMs) where measured
-    linear = _merge([c["linear"] for c in comp]) if all("linear" in c for c in comp) else square
-    return {
-        "peak_flops": square.peak,
-        "matmul": linear,
-        "attention": _merge([c["attention"] for c in comp]),
-        "elementwise": _merge([c["elementwise"] for c in comp]),
-        "op_overhead_s": statistics.median(c["op_overhead"] for c in comp),
-        "optimizer_bandwidth": statistics.median(c["optimizer"] for c in comp),
-    }
-
-
-def tiny_block_charge(hw: Hardware) -> float:
-    """Seconds the planner charges the tiny block of :data:`plait.bench.measure.TINY_BLOCK`
-    (forward + backward) with ``hw``'s rates and fixed costs."""
-    from plait.bench.measure import TINY_BATCH, tiny_block_config
-    from plait.plan.compute import block_time
-    from plait.plan.layout import PRECISIONS, Layout, Runtime
-    from plait.plan.modelspec import ModelSpec
-
-    cfg = tiny_block_config()
-    spec = ModelSpec.from_config(cfg, "tiny-block")
-    bt = block_time(
-        spec, Layout(micro_batch=TINY_BATCH), Runtime(), PRECISIONS["fp32"], hw, cfg.max_seq_len
-    )
-    return bt.forward + bt.backward
-
-
-def block_overhead(hw: Hardware, measured_s: float) -> float:
-    """The fixed cost of a block: the tiny block's measured seconds minus what ``hw``
-    (without a block overhead) charges for it, at least 0."""
-    return max(0.0, measured_s - tiny_block_charge(replace(hw, block_overhead_s=0.0)))
-
-
-def block_grid_charge(hw: Hardware, dim: float, tokens: float) -> float:
-    """Seconds the planner charges one block of the grid
-    (:func:`plait.bench.measure.block_grid_config`) at hidden size ``dim`` and ``tokens``
-    per micro-batch, forward + backward, with ``hw``'s rates, fixed costs and scale."""
-    from plait.bench.measure import BLOCK_GRID_SEQ, block_grid_config
-    from plait.plan.compute import block_time
-    from plait.plan.layout import PRECISIONS, Layout, Runtime
-    from plait.plan.modelspec import ModelSpec
-
-    spec = ModelSpec.from_config(block_grid_config(int(dim)), "block-grid")
-    lay = Layout(micro_batch=max(1, round(tokens / BLOCK_GRID_SEQ)))
-    bt = block_time(spec, lay, Runtime(), PRECISIONS["fp32"], hw, BLOCK_GRID_SEQ)
-    return bt.forward + bt.backward
-
-
-def block_scale_points(
-    hw: Hardware, measured: Sequence[tuple[float, float, float]]
-) -> tuple[tuple[float, float, float], ...]:
-    """``(hidden, tokens, measured / charged)`` for each measured grid block, charged by
-    ``hw`` without a scale (its block overhead included)."""
-    base = replace(hw, block_scale=())
-    return tuple((d, t, sec / block_grid_charge(base, d, t)) for d, t, sec in measured)
-
-
-def _with_block_overhead(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
-    """``hw`` with the block's fixed cost (the tiny block) and then its composition
-    ratio on the grid (each grid point the median over ``comp``) derived."""
-    if not all("tiny_block" in c for c in comp):
-        return hw
-    tiny = statistics.median(c["tiny_block"] for c in comp)
-    hw = replace(hw, block_overhead_s=block_overhead(hw, tiny))
-    if not all(c.get("block_grid") for c in comp):
-        return hw
-    grid = comp[0]["block_grid"]
-    pooled = [
-        (d, t, statistics.median(c["block_grid"][i][2] for c in comp))
-        for i, (d, t, _) in enumerate(grid)
-    ]
-    return replace(hw, block_scale=block_scale_points(hw, pooled))
-
-
-def with_compute(hw: Hardware, comp: list[dict[str, Any]]) -> Hardware:
-    """``hw`` with its compute rates replaced by fresh :func:`compute_body` results
-    (several runs' results may be pooled: each point is the median over all)."""
-    return _with_block_overhead(replace(hw, **_compute_fields(comp)), comp)
-
-
 def profile_from_results(
     results: list[dict[str, Any]],
     memory_bytes: float | None = None,
@@ -440,7 +353,7 @@ def profile_from_results(
     """A :class:`Hardware` from every rank's measurements (and the collective fits), on
     the wall clock or in CPU time (``clock="cpu"``)."""
     n = len(results)
-    fields = _compute_fields([_on_clock(r["compute"], clock) for r in results])
+    fields = compute_fields([_on_clock(r["compute"], clock) for r in results])
     comm = _slowest([_on_clock(r["comm"], clock) for r in results])
     shape = {
         "all_reduce": (2.0 * (n - 1), 2.0 * (n - 1) / n),
@@ -486,7 +399,7 @@ def profile_from_results(
         ),
         **fields,
     )
-    hw = _with_block_overhead(hw, [_on_clock(r["compute"], clock) for r in results])
+    hw = with_block_costs(hw, [_on_clock(r["compute"], clock) for r in results])
     if all("ring" in r for r in results):  # the slowest rank's tiny ring, pairs of ranks
         hw = replace(hw, ring_overhead_s=ring_overhead(hw, max(r["ring"][clock] for r in results)))
     if all("pipeline" in r for r in results):  # the slowest rank's tiny pipeline step
