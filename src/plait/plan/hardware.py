@@ -220,7 +220,7 @@ class Hardware:
     tensor has several consumers, autograd's nodes at size); interpolated log-bilinearly
     between the grid's points and clamped at its edges
     (:func:`plait.plan.overheads.block_scale`). ``plait bench calibrate`` measures it on
-    a grid chosen independently of any benchmark
+    a grid of powers of two around small CPU models
     (:data:`plait.bench.measure.BLOCK_GRID_DIMS` x :data:`~plait.bench.measure.
     BLOCK_GRID_BATCHES`); empty (a ratio of 1) for presets."""
     tp_block_scale: tuple[tuple[float, float, float], ...] = ()
