@@ -164,6 +164,7 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
         got = [action_overhead(r["pipeline"][clock]["pipeline"], r["pipeline"][clock]["plain"],
                                per_mb, loss, clock) for r in results]  # fmt: skip
         assert hw.pp_action_overhead_s == pytest.approx(max(got))
+        assert hw.pp_action_per_work == 0.0  # quick: the tiny pipeline only
         assert all(r["pipeline"][clock]["pipeline"] > 0 for r in results)
         # the tensor-parallel block grids (one point each when quick): the planner
         # charges each the slowest rank's median measurement
@@ -190,3 +191,19 @@ def test_pipeline_action_overhead_by_hand() -> None:
     assert action_overhead(wall, plain, c, loss, "wall") == pytest.approx(x)
     # a pipeline no slower than its pieces run plainly: no overhead, never negative
     assert action_overhead(plain, plain, c, loss, "cpu") == 0.0
+
+
+def test_pipeline_action_costs_solved_by_hand() -> None:
+    """Two pipelines' extra seconds per micro-batch, y = 2·x + k·W, give x and k; a line
+    through both that would make x negative keeps x = 0; one pipeline gives k = 0."""
+    from plait.bench.calibrate_pipeline import solve_action_costs
+
+    x, k = 1.5e-4, 0.12
+    tiny, work = (6e-4, 2 * x + k * 6e-4), (1.1e-2, 2 * x + k * 1.1e-2)
+    assert solve_action_costs(tiny, work) == pytest.approx((x, k))
+    assert solve_action_costs(tiny, None) == pytest.approx((x + k * 6e-4 / 2, 0.0))
+    # work cheaper per micro-batch than the tiny pipeline: no work term
+    assert solve_action_costs((6e-4, 1e-3), (1.1e-2, 5e-4)) == pytest.approx((5e-4, 0.0))
+    # steeper than through the origin: x = 0, k from the pipeline with work alone
+    assert solve_action_costs((6e-4, 1e-5), (1.1e-2, 2.2e-3)) == pytest.approx((0.0, 0.2))
+    assert solve_action_costs((6e-4, -1e-3), None) == (0.0, 0.0)

@@ -295,3 +295,29 @@ def test_tp_block_ratio_multiplies_block_compute_and_collectives() -> None:
         t1 = step_time(SPEC, lay, grid, FP32, rt, 128)
         assert t1.tp_comm - t0.tp_comm == pytest.approx(4 * 0.5 * block)
         assert t1.compute - t0.compute == pytest.approx(4 * 0.5 * (a.forward + a.backward))
+
+
+def test_pipeline_cost_per_second_of_work_by_hand() -> None:
+    """``pp_action_per_work`` = k: each micro-batch pays k x the stage's compute for it
+    (in t_mb, so the bubble too), on top of 2·v·x."""
+    from plait.plan.overheads import pipeline_action_seconds
+
+    x, k = 2e-4, 0.1
+    lay = Layout(pp=2, micro_batch=2, microbatches=4)
+    hw = _hw(pp_action_overhead_s=x, pp_action_per_work=k)
+    assert pipeline_action_seconds(lay, hw, 5e-3) == pytest.approx(2 * x + k * 5e-3)
+    assert pipeline_action_seconds(Layout(), hw, 5e-3) == 0.0
+    rt = Runtime()
+    t = step_time(SPEC, lay, hw, FP32, rt, 128)
+    t0 = step_time(SPEC, lay, _hw(pp_action_overhead_s=x), FP32, rt, 128)
+    # the slowest stage's compute per micro-batch (forward + backward, both stages have
+    # 2 blocks; the last adds the head, the larger edge here)
+    blk = block_time(SPEC, lay, rt, FP32, hw, 128)
+    from plait.plan.compute import edge_time
+
+    edge = edge_time(SPEC, lay, rt, FP32, hw, 128)
+    work = 2 * (blk.forward + blk.backward) + edge.head_forward + edge.head_backward
+    assert t.pp_comm - t0.pp_comm == pytest.approx(4 * k * work)
+    assert t.bubble - t0.bubble == pytest.approx(k * work)
+    with pytest.raises(Exception, match="pp_action_per_work must be >= 0"):
+        _hw(pp_action_per_work=-1.0)

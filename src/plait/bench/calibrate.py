@@ -294,7 +294,7 @@ def _in_step_body(ctx: Any, quick: bool) -> dict[str, Any]:
     sizes = (IN_STEP_BYTES[0], IN_STEP_BYTES[2]) if quick else IN_STEP_BYTES
     res = measure_in_step(g, sizes, 10 if quick else 20)
     ring = measure_ring(g, 5 if quick else 15)
-    pipe = measure_pipeline(ctx.mesh(dp=w // 2, pp=2), 5 if quick else 15)
+    pipe = measure_pipeline(ctx.mesh(dp=w // 2, pp=2), 5 if quick else 15, work=not quick)
     grids = tp_block_body(ctx.mesh(dp=w // 2, tp=2), quick)
     return {
         IN_STEP: res["wall"],
@@ -403,8 +403,8 @@ def profile_from_results(
     if all("ring" in r for r in results):  # the slowest rank's tiny ring, pairs of ranks
         hw = replace(hw, ring_overhead_s=ring_overhead(hw, max(r["ring"][clock] for r in results)))
     if all("pipeline" in r for r in results):  # the slowest rank's tiny pipeline step
-        pipe = pipeline_overhead(hw, [r["pipeline"] for r in results], clock)
-        hw = replace(hw, pp_action_overhead_s=pipe)
+        x, k = pipeline_overhead(hw, [r["pipeline"] for r in results], clock)
+        hw = replace(hw, pp_action_overhead_s=x, pp_action_per_work=k)
     if all("tp_grid" in r for r in results):  # tensor-parallel blocks on the pairs
         hw = with_tp_grids(hw, [r["tp_grid"] for r in results], clock)
     return hw, fits

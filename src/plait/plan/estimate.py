@@ -255,7 +255,6 @@ def step_time(
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
-    p2p += pipeline_action_seconds(layout, hw)  # the schedule's fixed cost per action
 
     worst: tuple[float, float, float, float, float, float, float] | None = None
     worst_stage = 0
@@ -279,7 +278,8 @@ def step_time(
             if layout.sequence_parallel and layout.tp > 1:
                 tp += gain  # the final norm's gain
         cp = sp.layers * cp_exposed
-        pp = p2p if p > 1 else 0.0
+        # the schedule's cost per action, and per second of this stage's work
+        pp = p2p + pipeline_action_seconds(layout, hw, comp_f + comp_b + rc) if p > 1 else 0.0
         total = comp_f + comp_b + rc + tp + cp + pp
         if worst is None or total > worst[0]:
             worst, worst_stage = (total, comp_f, comp_b, rc, tp, cp, pp), stage

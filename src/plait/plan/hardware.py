@@ -211,6 +211,13 @@ class Hardware:
     backward call per action, receive buffers): measured by ``plait bench calibrate`` on
     a tiny two-stage pipeline (:func:`plait.plan.overheads.pipeline_action_seconds`);
     0 on GPUs."""
+    pp_action_per_work: float = 0.0
+    """Extra seconds a pipeline rank pays per second of its pieces' compute, on top of
+    ``pp_action_overhead_s`` per action: the hand-off of each message costs more the
+    more work came before it (on CPU ranks: the transport's threads wake and copy on
+    the cores the work just used). Measured by ``plait bench calibrate`` from two
+    pipelines of different work per micro-batch (:mod:`plait.bench.calibrate_pipeline`);
+    0 on GPUs."""
     block_scale: tuple[tuple[float, float, float], ...] = ()
     """Measured ``(hidden, tokens, ratio)`` points of a rectangular grid: a transformer
     block's forward + backward as measured (a stack of plait's blocks in training, at
@@ -252,6 +259,10 @@ class Hardware:
         if self.block_overhead_s < 0:
             raise ConfigError(
                 f"hardware.block_overhead_s must be >= 0, got {self.block_overhead_s}."
+            )
+        if self.pp_action_per_work < 0:
+            raise ConfigError(
+                f"hardware.pp_action_per_work must be >= 0, got {self.pp_action_per_work}."
             )
         if self.pp_action_overhead_s < 0:
             raise ConfigError(

@@ -198,13 +198,14 @@ def zero3_unit_numels(spec: ModelSpec, layout: Layout, params: float) -> list[fl
     return [scale * shard_numel(u, f) * f for u in units]
 
 
-def pipeline_action_seconds(layout: Layout, hw: Hardware) -> float:
-    """Seconds of the pipeline schedule's fixed per-action cost for one micro-batch on
-    one rank: ``2·v`` compute actions (forward and backward of each of its ``v``
-    pieces) x the profile's ``pp_action_overhead_s`` (0 without pipeline parallelism)."""
+def pipeline_action_seconds(layout: Layout, hw: Hardware, work_s: float = 0.0) -> float:
+    """Seconds of the pipeline schedule's extra cost for one micro-batch on one rank:
+    ``2·v`` compute actions (forward and backward of each of its ``v`` pieces) x the
+    profile's ``pp_action_overhead_s``, plus ``pp_action_per_work`` x ``work_s``, the
+    rank's compute for that micro-batch (0 without pipeline parallelism)."""
     if layout.pp <= 1:
         return 0.0
-    return 2 * layout.chunks * hw.pp_action_overhead_s
+    return 2 * layout.chunks * hw.pp_action_overhead_s + hw.pp_action_per_work * work_s
 
 
 def pipeline_loss_seconds(layout: Layout, link: Link) -> float:

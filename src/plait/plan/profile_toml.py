@@ -68,6 +68,7 @@ def dump_hardware(hw: Hardware, comment: str = "") -> str:
         f"block_overhead_s = {hw.block_overhead_s!r}",
         f"ring_overhead_s = {hw.ring_overhead_s!r}",
         f"pp_action_overhead_s = {hw.pp_action_overhead_s!r}",
+        f"pp_action_per_work = {hw.pp_action_per_work!r}",
         *(f"{key} = {_grid_toml(getattr(hw, key))}" for key in GRID_FIELDS),
         f"devices_per_node = {hw.devices_per_node}",
         "source = " + _toml_string(hw.source),
@@ -160,6 +161,7 @@ def parse_hardware(data: Mapping[str, Any], where: str = "profile") -> Hardware:
             block_overhead_s=float(d.get("block_overhead_s", 0.0)),
             ring_overhead_s=float(d.get("ring_overhead_s", 0.0)),
             pp_action_overhead_s=float(d.get("pp_action_overhead_s", 0.0)),
+            pp_action_per_work=float(d.get("pp_action_per_work", 0.0)),
             **{key: _parse_grid(key, d.get(key, [])) for key in GRID_FIELDS},
         )
     except KeyError as e:
