@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module n
 
 BODY = "benchmarks.planner_vs_measured:measure_body"
 COMPUTE_BODY = "plait.bench.measure:compute_body"
+TP_GRID_BODY = "plait.bench.tp_block:grid_body"
 CALIBRATE_BODY = "plait.bench.calibrate:calibrate_body"
 QUIET = 0.10
 """Background CPU use (fraction of all cores) below which a measurement starts."""
@@ -323,6 +324,7 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
     """Run every available row and format the comparison."""
     from plait.bench.calibrate import profile_from_results
     from plait.bench.results import load_average
+    from plait.bench.tp_block import mean_grids
     from plait.plan.memory import copies_gradients, stage_memory, stage_params
     from plait.testing import WorkerPool
 
@@ -359,9 +361,16 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             _, before = profile_here(pool, hw)
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
             after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
+            tp_after = pool.run(TP_GRID_BODY, False, timeout_s=600.0)
             load1 = load_average()
+            # the tensor-parallel blocks (pairs) measured before and after the steps, the
+            # mean per point, as the compute rates are pooled over both
+            before = [
+                {**b, "tp_grid": mean_grids([b["tp_grid"], a])} if "tp_grid" in b else b
+                for b, a in zip(before, tp_after, strict=True)
+            ]
             # the fresh compute rates with each rank's own collectives, ring, pipeline
-            # and tensor-parallel blocks from before the steps
+            # and tensor-parallel blocks
             pooled = [*before, *({**before[i], "compute": c} for i, c in enumerate(after))]
             prof = {
                 c: profile_from_results(pooled, hw.memory_bytes, hw.name, clock=c)[0]

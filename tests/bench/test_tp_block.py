@@ -91,3 +91,21 @@ def _grid_body(ctx: Any) -> dict[str, Any]:
         **{key: r["wall"] for key, r in res.items()},
         "cpu": {key: r["cpu"] for key, r in res.items()},
     }
+
+
+def test_mean_grids_averages_each_point_on_both_clocks() -> None:
+    from plait.bench.tp_block import mean_grids
+
+    def run(sec: float) -> dict[str, Any]:
+        pts = [(64.0, 256.0, sec), (64.0, 2048.0, 2 * sec)]
+        return {
+            "tp_block_scale": pts,
+            "sp_block_scale": pts,
+            "cpu": {"tp_block_scale": pts, "sp_block_scale": pts},
+        }
+
+    got = mean_grids([run(1.0), run(3.0)])
+    for part in (got, got["cpu"]):
+        for key in GRID_KEYS.values():
+            assert part[key] == [(64.0, 256.0, 2.0), (64.0, 2048.0, 4.0)]
+    assert mean_grids([{"cpu": {}}, {"cpu": {}}]) == {"cpu": {}}

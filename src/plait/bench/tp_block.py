@@ -129,6 +129,30 @@ def tp_block_body(mesh: Any, quick: bool) -> dict[str, Any]:
     }
 
 
+def grid_body(ctx: Any, quick: bool) -> dict[str, Any]:
+    """:func:`tp_block_body` on the pool's tp pairs (a :class:`~plait.testing.WorkerPool`
+    body; an empty result on one rank or an odd world)."""
+    w = ctx.world_size
+    if w < 2 or w % 2:
+        return {"cpu": {}}
+    return tp_block_body(ctx.mesh(dp=w // 2, tp=TP_GRID_DEGREE), quick)
+
+
+def mean_grids(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's :func:`tp_block_body` results of several runs (say before and after a
+    benchmark's steps) as one: each point's mean seconds, on both clocks."""
+    out: dict[str, Any] = {"cpu": {}}
+    for part_of in (lambda r: r, lambda r: r["cpu"]):
+        first, dest = part_of(runs[0]), part_of(out)
+        for key in GRID_KEYS.values():
+            if all(part_of(r).get(key) for r in runs):
+                dest[key] = [
+                    (d, t, sum(part_of(r)[key][i][2] for r in runs) / len(runs))
+                    for i, (d, t, _) in enumerate(first[key])
+                ]
+    return out
+
+
 def tp_block_grid_charge(hw: Hardware, dim: float, tokens: float, sequence_parallel: bool) -> float:
     """Seconds the planner charges one tensor-parallel grid block (hidden ``dim``,
     ``tokens`` per micro-batch, tp = :data:`TP_GRID_DEGREE`), forward + backward, compute
@@ -191,7 +215,9 @@ def grid_summary(hw: Hardware) -> list[str]:
 __all__ = [
     "GRID_KEYS",
     "block_stack_plan",
+    "grid_body",
     "grid_summary",
+    "mean_grids",
     "measure_tp_block_grid",
     "tp_block_body",
     "tp_block_grid_charge",
