@@ -158,12 +158,13 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
             max(ring, ring_charge(dataclasses.replace(hw, ring_overhead_s=0.0)))
         )
         # the pipeline's per-action cost: the slowest rank's solution of its tiny step
-        from plait.bench.calibrate_pipeline import action_overhead, pipeline_comm_charge
+        from plait.bench.calibrate_pipeline import extra_per_microbatch, pipeline_comm_charge
 
         per_mb, loss = pipeline_comm_charge(hw)
-        got = [action_overhead(r["pipeline"][clock]["pipeline"], r["pipeline"][clock]["plain"],
-                               per_mb, loss, clock) for r in results]  # fmt: skip
-        assert hw.pp_action_overhead_s == pytest.approx(max(got))
+        got = [extra_per_microbatch(r["pipeline"][clock]["pipeline"],
+                                    r["pipeline"][clock]["plain"], per_mb, loss, clock)
+               for r in results]  # fmt: skip
+        assert hw.pp_action_overhead_s == pytest.approx(max(0.0, max(got) / 2))
         assert hw.pp_action_per_work == 0.0  # quick: the tiny pipeline only
         assert all(r["pipeline"][clock]["pipeline"] > 0 for r in results)
         # the tensor-parallel block grids (one point each when quick): the planner
@@ -179,18 +180,24 @@ def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
             assert tp_block_grid_charge(hw, d, t, sp) == pytest.approx(slowest)
 
 
-def test_pipeline_action_overhead_by_hand() -> None:
-    """t_pipeline = n·(t_plain/m + c + 2x) + t_loss, m = 4 (n = 5 on the wall clock)."""
-    from plait.bench.calibrate_pipeline import TINY_PP_MICRO, action_overhead
+def test_pipeline_extra_per_microbatch_by_hand() -> None:
+    """t_pipeline = n·(t_plain/m + c + y) + t_loss, m = 4 (n = 5 on the wall clock): the
+    extra y per micro-batch is solved back on both clocks (y = 2·x without work term)."""
+    from plait.bench.calibrate_pipeline import (
+        TINY_PP_MICRO,
+        extra_per_microbatch,
+        solve_action_costs,
+    )
 
     assert TINY_PP_MICRO == 4
     x, plain, c, loss = 3e-4, 8e-3, 1e-4, 5e-4
     cpu = 4 * (plain / 4 + c + 2 * x) + loss
     wall = 5 * (plain / 4 + c + 2 * x) + loss
-    assert action_overhead(cpu, plain, c, loss, "cpu") == pytest.approx(x)
-    assert action_overhead(wall, plain, c, loss, "wall") == pytest.approx(x)
+    assert extra_per_microbatch(cpu, plain, c, loss, "cpu") == pytest.approx(2 * x)
+    assert extra_per_microbatch(wall, plain, c, loss, "wall") == pytest.approx(2 * x)
     # a pipeline no slower than its pieces run plainly: no overhead, never negative
-    assert action_overhead(plain, plain, c, loss, "cpu") == 0.0
+    y = extra_per_microbatch(plain, plain, c, loss, "cpu")
+    assert y < 0 and solve_action_costs((plain / 4, y), None) == (0.0, 0.0)
 
 
 def test_pipeline_action_costs_solved_by_hand() -> None:

@@ -113,17 +113,3 @@ def test_block_grid_measurement_is_plaits_block() -> None:
             (16.0, 2.0 * BLOCK_GRID_SEQ),
         ]
         assert all(sec > 0 for _, _, sec in got[clock])
-
-
-def test_block_scale_round_trips_and_is_checked(tmp_path: Path) -> None:
-    from plait.errors import ConfigError
-
-    grid = ((64.0, 256.0, 1.25), (64.0, 2048.0, 0.75), (256.0, 256.0, 1.5), (256.0, 2048.0, 1.0))
-    hw = dataclasses.replace(PRESETS["a100-80gb"], block_scale=grid)
-    path = tmp_path / "hw.toml"
-    path.write_text(dump_hardware(hw), encoding="utf-8")
-    assert load_hardware(str(path)) == hw
-    with pytest.raises(ConfigError, match="full grid"):
-        dataclasses.replace(hw, block_scale=grid[:3])
-    with pytest.raises(ConfigError, match="positive"):
-        dataclasses.replace(hw, block_scale=((64.0, 256.0, 0.0),))

@@ -1,19 +1,16 @@
 """The tensor-parallel block grid (:mod:`plait.bench.tp_block`): measured on real pairs
-of ranks, read back exactly by the planner, stored in profiles."""
+of ranks, read back exactly by the planner, pooled over runs."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from plait.bench.tp_block import GRID_KEYS, tp_block_grid_charge, tp_block_scale_points
-from plait.errors import ConfigError
 from plait.plan.hardware import IN_STEP, PRESETS, Curve, Link
-from plait.plan.profile_toml import dump_hardware, load_hardware
 from plait.testing import WorkerPool
 
 FACTORS = {(64.0, 256.0): 1.3, (64.0, 2048.0): 0.8, (256.0, 256.0): 1.1, (256.0, 2048.0): 1.0}
@@ -47,22 +44,6 @@ def test_tp_block_scale_reads_back(sp: bool) -> None:
         assert tp_block_grid_charge(scaled, d, t, sp) == pytest.approx(sec)
     again = tp_block_scale_points(scaled, measured, sp)
     assert [r for _, _, r in again] == pytest.approx([r for _, _, r in points])
-
-
-def test_tp_grids_round_trip_and_are_checked(tmp_path: Path) -> None:
-    grid = tuple((d, t, f) for (d, t), f in FACTORS.items())
-    hw = dataclasses.replace(PRESETS["h100-80gb"], tp_block_scale=grid, sp_block_scale=grid[::-1])
-    path = tmp_path / "hw.toml"
-    path.write_text(dump_hardware(hw), encoding="utf-8")
-    assert load_hardware(str(path)) == hw
-    with pytest.raises(ConfigError, match="tp_block_scale must be a full grid"):
-        dataclasses.replace(hw, tp_block_scale=grid[:3])
-    with pytest.raises(ConfigError, match="sp_block_scale needs distinct positive"):
-        dataclasses.replace(hw, sp_block_scale=((64.0, 256.0, -1.0),))
-    bad = dump_hardware(hw).replace("sp_block_scale = [", "sp_block_scale = [7, ")
-    path.write_text(bad, encoding="utf-8")
-    with pytest.raises(ConfigError, match="sp_block_scale must be a list"):
-        load_hardware(str(path))
 
 
 def test_tp_block_grid_times_plaits_sharded_block(pools: Callable[[int], WorkerPool]) -> None:

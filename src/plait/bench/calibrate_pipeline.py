@@ -165,14 +165,6 @@ def extra_per_microbatch(
     return (pipeline_s - loss_s) / n - plain_s / m - per_mb_s
 
 
-def action_overhead(
-    pipeline_s: float, plain_s: float, per_mb_s: float, loss_s: float, clock: str
-) -> float:
-    """The fixed cost ``x`` of one compute action from one rank's tiny step alone (no
-    work term): ``y / 2``, at least 0."""
-    return max(0.0, extra_per_microbatch(pipeline_s, plain_s, per_mb_s, loss_s, clock) / 2)
-
-
 def solve_action_costs(
     tiny: tuple[float, float], work: tuple[float, float] | None
 ) -> tuple[float, float]:

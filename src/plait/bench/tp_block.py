@@ -43,7 +43,7 @@ from plait.bench.measure import (
     _median_times,
     block_grid_config,
 )
-from plait.plan.hardware import GRID_FIELDS, TP_GRID_DEGREE, Hardware
+from plait.plan.hardware import TP_GRID_DEGREE, Hardware
 
 GRID_KEYS = {False: "tp_block_scale", True: "sp_block_scale"}
 """The profile field of each grid, by sequence parallelism."""
@@ -201,22 +201,10 @@ def with_tp_grids(hw: Hardware, results: list[dict[str, Any]], clock: str) -> Ha
     return hw
 
 
-def grid_summary(hw: Hardware) -> list[str]:
-    """One line per grid the profile has: ``name: hidden x tokens: ratio, ...``."""
-    out = []
-    for key in GRID_FIELDS:
-        grid = getattr(hw, key)
-        if grid:
-            pts = ", ".join(f"{int(d)}x{int(t)}: {r:.2f}" for d, t, r in grid)
-            out.append(f"{key} (measured / charged, hidden x tokens): {pts}")
-    return out
-
-
 __all__ = [
     "GRID_KEYS",
     "block_stack_plan",
     "grid_body",
-    "grid_summary",
     "mean_grids",
     "measure_tp_block_grid",
     "tp_block_body",

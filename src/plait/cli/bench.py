@@ -109,10 +109,12 @@ def calibrate_main(argv: Sequence[str]) -> int:
         f"fixed costs: {hw.block_overhead_s * 1e3:.2f} ms per block (forward + backward), "
         f"{hw.ring_overhead_s * 1e3:.2f} ms per ring-attention layer"
     )
-    from plait.bench.tp_block import grid_summary
+    from plait.plan.hardware import GRID_FIELDS
 
-    for line in grid_summary(hw):  # block grids: measured / charged, hidden x tokens
-        print(line)
+    for key in GRID_FIELDS:  # the block grids: measured / charged per shape
+        if getattr(hw, key):
+            pts = ", ".join(f"{int(d)}x{int(t)}: {r:.2f}" for d, t, r in getattr(hw, key))
+            print(f"{key} (measured / charged, hidden x tokens): {pts}")
     for f in fits:
         print(f"{f.op:<15} alpha {f.alpha * 1e6:8.1f} us   B {f.bandwidth / 1e9:7.3f} GB/s")
     print(f"wrote {ns.out}", file=sys.stderr)

@@ -59,7 +59,7 @@ from plait.plan.overheads import (
     zero3_unit_seconds,
 )
 from plait.plan.pipeline_zero import pipeline_zero_comm
-from plait.plan.tp_comm import tp_comm_time
+from plait.plan.tp_comm import activation_message_bytes, tp_comm_time
 from plait.plan.units import shard_numel, stage_units
 
 
@@ -195,11 +195,6 @@ class Estimate:
         }
 
 
-def _act_msg(spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int) -> float:
-    """Bytes of one micro-batch's hidden states on one rank: b·(s/c)·h·e."""
-    return layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
-
-
 def cp_layer_time(spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, msg: float) -> float:
     """Exposed context-parallel communication of one layer for one micro-batch (forward,
     backward and a full recomputation's second forward); ``msg`` is the bytes of the
@@ -245,7 +240,7 @@ def step_time(
     p, m, v = layout.pp, layout.microbatches, layout.chunks
     blk = block_time(spec, layout, runtime, precision, hw, seq_len)
     edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
-    msg = _act_msg(spec, layout, precision, seq_len)
+    msg = activation_message_bytes(spec, layout, precision, seq_len)
     tp_g = group(layout, hw, "tp")
     tpc = tp_comm_time(spec, layout, hw, precision, seq_len)  # synchronous: in-step costs
     block_tp, edge_tp, tp_loss, gain = tpc.block, tpc.edge, tpc.loss, tpc.gain

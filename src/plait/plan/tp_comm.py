@@ -35,6 +35,14 @@ from plait.plan.network import group, in_step_all_reduce_time
 from plait.plan.overheads import tp_block_ratio
 
 
+def activation_message_bytes(
+    spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int
+) -> float:
+    """Bytes of one micro-batch's hidden states on one rank: b·(s/c)·h·e."""
+    tokens = layout.micro_batch * seq_len / layout.cp
+    return tokens * spec.hidden * precision.activation_bytes
+
+
 @dataclass(frozen=True)
 class TPComm:
     """Seconds of tensor-parallel collectives per micro-batch on one rank."""
@@ -54,7 +62,7 @@ def tp_comm_time(
 ) -> TPComm:
     """The tensor-parallel collectives of one micro-batch (all 0 at tp = 1)."""
     tokens = layout.micro_batch * seq_len / layout.cp
-    msg = tokens * spec.hidden * precision.activation_bytes  # (b, s/c, h) on one rank
+    msg = activation_message_bytes(spec, layout, precision, seq_len)  # (b, s/c, h)
     tp_g = group(layout, hw, "tp")
     n_tp = 4 + (2 if layout.recompute == "full" else 0)
     gain = 0.0
