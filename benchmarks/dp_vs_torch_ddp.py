@@ -100,7 +100,7 @@ def bench_body(
     from plait import comm
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer
-    from plait.parallel.data import DataParallel
+    from plait.parallel.data_parallel import DataParallel
 
     torch.set_num_threads(threads)
     mesh = ctx.mesh()

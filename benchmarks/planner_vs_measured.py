@@ -110,7 +110,7 @@ def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) 
 
     from plait import comm
     from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
-    from plait.parallel.data import DataParallel
+    from plait.parallel.data_parallel import DataParallel
     from plait.train.trainer import Trainer
 
     cfg = Config(

@@ -128,7 +128,7 @@ def bench_body(
     from plait import comm
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer, lm_loss
-    from plait.parallel.data import DataParallel
+    from plait.parallel.data_parallel import DataParallel
     from plait.parallel.tensor.loss import vocab_parallel_loss
     from plait.parallel.tensor.plan import apply_tensor_parallel
 

@@ -110,7 +110,7 @@ def bench_body(
     from plait.config import ModelConfig
     from plait.model.transformer import Transformer, lm_loss
     from plait.optim import Optimizer
-    from plait.parallel.data import DataParallel
+    from plait.parallel.data_parallel import DataParallel
     from plait.parallel.zero import ZeroDataParallel
     from plait.train.memory import memory_report
 

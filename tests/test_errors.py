@@ -35,7 +35,8 @@ def test_unused_parameters_error_lists_ten_names_at_most() -> None:
 
 
 def test_data_parallel_and_zero_raise_the_one_error() -> None:
-    from plait.parallel import data
+    from plait.parallel import data_parallel
     from plait.parallel.zero import reducer
 
-    assert data.UnusedParametersError is reducer.UnusedParametersError is UnusedParametersError
+    dp_error = data_parallel.UnusedParametersError
+    assert dp_error is reducer.UnusedParametersError is UnusedParametersError

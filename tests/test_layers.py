@@ -306,17 +306,21 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
 @pytest.mark.parametrize(
     ("source", "module", "why"),
     [
-        ("from plait.train.trainer import Trainer\n", "plait.parallel.data", "may not import"),
+        (
+            "from plait.train.trainer import Trainer\n",
+            "plait.parallel.data_parallel",
+            "may not import",
+        ),
         ("def f():\n    from plait.parallel import zero\n", "plait.config", "may not import"),
         (
             "if TYPE_CHECKING:\n    from plait.checkpoint.state import TrainState\n",
             "plait.model.transformer",
             "may not import",
         ),
-        ("from ..train import trainer\n", "plait.parallel.data", "may not import"),
-        ("from .. import train\n", "plait.parallel.data", "may not import"),
+        ("from ..train import trainer\n", "plait.parallel.data_parallel", "may not import"),
+        ("from .. import train\n", "plait.parallel.data_parallel", "may not import"),
         ("from plait import optim\n", "plait.model.transformer", "may not import"),
-        ("from plait import Trainer\n", "plait.parallel.data", "may not import"),
+        ("from plait import Trainer\n", "plait.parallel.data_parallel", "may not import"),
         ("import plait.cli\n", "plait.launch.local", "may not import"),
         ("importlib.import_module('plait.train')\n", "plait.model", "may not import"),
         ("import torch\n", "plait.plan.search", "imports no torch"),
@@ -324,13 +328,13 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("from plait.mesh import Mesh\n", "plait.plan.search", "pure arithmetic"),
         ("from plait.bench import calibrate\n", "plait.plan.fit", "pure arithmetic"),
         ("from plait import testing\n", "plait.plan.fit", "pure arithmetic"),
-        ("import torch.distributed as dist\n", "plait.parallel.data", "torch.distributed"),
+        ("import torch.distributed as dist\n", "plait.parallel.data_parallel", "torch.distributed"),
         ("from torch import distributed\n", "plait.train.trainer", "torch.distributed"),
         ("from torch.distributed import ReduceOp\n", "plait.mesh", "torch.distributed"),
         ("from plait.parallel.tensor import layers\n", "plait.checkpoint", "parallelism"),
         ("from plait.parallel import zero\n", "plait.checkpoint.format", "parallelism"),
         ("from plait.parallel.zero import flat\n", "plait.checkpoint.state", "parallelism"),
-        ("from ..parallel import data\n", "plait.checkpoint.load", "parallelism"),
+        ("from ..parallel import data_parallel\n", "plait.checkpoint.load", "parallelism"),
         ("from plait.train.faults import restart_count\n", "plait.checkpoint.manager", "may not"),
         ("from plait.train.trainer import Trainer\n", "plait.checkpoint", "may not import"),
     ],
@@ -348,7 +352,7 @@ def test_the_checker_flags_what_it_should(source: str, module: str, why: str) ->
         ("from plait.parallel.zero.reducer import _cap\n", "plait.parallel.pipeline.zero"),
         ("from ..zero.reduce import _ALLOWED\n", "plait.parallel.pipeline.zero"),
         ("def f():\n    from plait.ps.core import _x\n", "plait.cli.ps"),
-        ("from plait.comm import _private_module\n", "plait.parallel.data"),
+        ("from plait.comm import _private_module\n", "plait.parallel.data_parallel"),
         ("import plait.comm._wire\n", "plait.mesh"),
         ("from plait.parallel.zero import _helper\n", "plait.parallel"),  # parent -> child
     ],
@@ -368,8 +372,8 @@ def test_private_names_pass_inside_their_own_package() -> None:
 
 def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from plait.comm import all_reduce\nimport torch\n", "plait.mesh")
-    assert not violations("from plait.parallel.zero import flat\n", "plait.parallel.data")
-    assert not violations("from plait import comm\n", "plait.parallel.data")
+    assert not violations("from plait.parallel.zero import flat\n", "plait.parallel.data_parallel")
+    assert not violations("from plait import comm\n", "plait.parallel.data_parallel")
     assert not violations("import torch.distributed as dist\n", "plait.comm.ops")
     assert not violations("from plait.config import Config\n", "plait.plan.layout")
     assert not violations("from .memory import x\n", "plait.plan.search")
@@ -398,7 +402,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     synthetic = {
         "plait.train.trainer": [Import("a.py", 1, "plait.ps.server")],
         "plait.ps.server": [Import("b.py", 2, "plait.train.data")],
-        "plait.parallel.data": [Import("c.py", 3, "plait.comm")],
+        "plait.parallel.data_parallel": [Import("c.py", 3, "plait.comm")],
     }
     (cycle,) = package_cycles(synthetic, {"plait.train", "plait.ps", "plait.parallel"})
     assert cycle.startswith("plait.ps <-> plait.train:")

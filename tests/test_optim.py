@@ -23,7 +23,7 @@ from plait.config import ModelConfig
 from plait.mesh import Mesh
 from plait.model import Transformer
 from plait.optim import Optimizer, OptimizerTarget, PlainModule
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.zero import ZeroDataParallel

@@ -39,7 +39,7 @@ _LAZY: dict[str, str] = {
     "MeshLayout": "plait.mesh",
     "init_mesh": "plait.mesh",
     "Transformer": "plait.model",
-    "DataParallel": "plait.parallel.data",
+    "DataParallel": "plait.parallel.data_parallel",
     "ParallelModel": "plait.parallel.model",
     "parallelize": "plait.parallel.parallelize",
     "Trainer": "plait.train.trainer",
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from plait.errors import CommError, CommTimeoutError, ConfigError, DataError, PlaitError
     from plait.mesh import AXES, Mesh, MeshLayout, init_mesh
     from plait.model import Transformer
-    from plait.parallel.data import DataParallel
+    from plait.parallel.data_parallel import DataParallel
     from plait.parallel.model import ParallelModel
     from plait.parallel.parallelize import parallelize
     from plait.train.trainer import Trainer

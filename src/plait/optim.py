@@ -3,7 +3,7 @@
 :class:`Optimizer` wraps any element-wise ``torch.optim`` optimizer (AdamW, Adam, SGD
 with momentum, ...) around a model that describes its layout through one small
 protocol, :class:`OptimizerTarget`: a :class:`~plait.parallel.model.ParallelModel`, a
-bare :class:`~plait.parallel.data.DataParallel` or :class:`~plait.parallel.zero.
+bare :class:`~plait.parallel.data_parallel.DataParallel` or :class:`~plait.parallel.zero.
 ZeroDataParallel` wrapper, or (through :class:`PlainModule`) a plain module whose
 gradients are complete on every rank. It takes what depends on the layout from there:
 
@@ -69,7 +69,7 @@ class OptimizerTarget(Protocol):
     """What :class:`Optimizer` needs from a model: its parameters and its layout.
 
     :class:`~plait.parallel.model.ParallelModel`,
-    :class:`~plait.parallel.data.DataParallel` and
+    :class:`~plait.parallel.data_parallel.DataParallel` and
     :class:`~plait.parallel.zero.ZeroDataParallel` implement it (a ``ParallelModel``
     composes its data wrapper's answers with the pipeline's); :class:`PlainModule`
     adapts a plain module.

@@ -105,7 +105,7 @@ def test_the_planner_runs_where_torch_cannot_be_imported() -> None:
 
 
 def test_the_torch_blocker_blocks() -> None:
-    code = _NO_TORCH + "import plait.parallel.data\n"
+    code = _NO_TORCH + "import plait.parallel.data_parallel\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0 and "torch is not installed here" in out.stderr
 

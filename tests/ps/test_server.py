@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.ps.core import PSConfig
 from plait.ps.server import train_parameter_server
 from plait.testing import WorkerContext, WorkerPool

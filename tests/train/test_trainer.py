@@ -2,7 +2,7 @@
 
 Parity here is at the level of the whole trainer (data sampling, accumulation, loss
 averaging) in float32: losses agree with one process to rtol 1e-5 (summation order is
-the only difference); tests/parallel/test_data.py checks the wrapper itself in float64.
+the only difference); tests/parallel/test_data_parallel.py checks the wrapper itself in float64.
 """
 
 from __future__ import annotations

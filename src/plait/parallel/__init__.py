@@ -8,7 +8,7 @@
   checkpoints read (norm groups, ``local_pieces()``).
 * :mod:`~plait.parallel.loss` — the default loss (cross-entropy; vocabulary-parallel
   under tp: :mod:`~plait.parallel.tensor.loss`).
-* :mod:`~plait.parallel.data`, :mod:`~plait.parallel.zero`,
+* :mod:`~plait.parallel.data_parallel`, :mod:`~plait.parallel.zero`,
   :mod:`~plait.parallel.tensor`, :mod:`~plait.parallel.context`,
   :mod:`~plait.parallel.pipeline`, :mod:`~plait.parallel.compression` — one folder or
   module per parallelism; :mod:`~plait.parallel.precision`,

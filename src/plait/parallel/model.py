@@ -28,7 +28,7 @@ from plait.mesh import Mesh
 from plait.model.factory import logits_of
 from plait.parallel.compression import Compressor
 from plait.parallel.context.context_parallel import ContextLayout
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.expert import ExpertLayout, expert_split
 from plait.parallel.loss import LossFn, loss_input
 from plait.parallel.pipeline.engine import PipelineEngine

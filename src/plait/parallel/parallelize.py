@@ -21,7 +21,7 @@ file never changes) in this fixed order (docs/api.md describes it too):
 5. **ZeRO sharding or data parallelism** over dp (over dp x cp when cp > 1: the cp
    ranks hold the same parameters, so gradients and shards span both):
    ``zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`; ``zero = 0``
-   with fp32 parameters and reduction -> :class:`~plait.parallel.data.DataParallel`
+   with fp32 parameters and reduction -> :class:`~plait.parallel.data_parallel.DataParallel`
    (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
    reduction dtype) -> ``ZeroDataParallel`` at stage 0 (replicated, but flattened so the
    optimizer holds fp32 masters). Gradient compression (``parallel.compression``) plugs
@@ -73,7 +73,7 @@ from plait.model.moe import MoE
 from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
 from plait.parallel.expert.tp_plan import moe_tp_plan
 from plait.parallel.float8 import apply_float8, check_float8

@@ -29,7 +29,7 @@ from torch import nn
 
 from plait import comm
 from plait.mesh import Mesh
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 
 CATEGORIES = ("params", "grads", "master", "optimizer", "optimizer_scalars", "gathered")
 """Report rows: parameters held persistently, gradients (buffers/shards), separate fp32
@@ -133,7 +133,7 @@ def memory_report(model: nn.Module, optimizer: object | None = None, rank: int =
     counted, and under expert parallelism with plain data parallelism the expert
     gradients' buffer, which the wrapper leaves out), a
     :class:`~plait.parallel.zero.ZeroDataParallel` (expert units included), a
-    :class:`~plait.parallel.data.DataParallel` (its bucket buffers count as gradients:
+    :class:`~plait.parallel.data_parallel.DataParallel` (its bucket buffers count as gradients:
     ``.grad`` are views into them, so each storage is counted once) or any module; ``optimizer`` a
     :class:`plait.optim.Optimizer` or a ``torch.optim`` optimizer.
     """

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from plait.model import Transformer
 from plait.optim import Optimizer
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.plan import (

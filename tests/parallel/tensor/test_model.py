@@ -25,7 +25,7 @@ from plait.config import ModelConfig
 from plait.mesh import Mesh
 from plait.model import Transformer
 from plait.model.transformer import RMSNorm
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.tensor.layers import shard_info
 from plait.parallel.tensor.loss import vocab_parallel_loss
 from plait.parallel.tensor.plan import (

@@ -30,7 +30,7 @@ from plait import init_mesh
 from plait.config import ParallelConfig, PrecisionConfig
 from plait.mesh import Mesh
 from plait.optim import Optimizer
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.zero import ZeroDataParallel

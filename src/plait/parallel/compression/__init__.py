@@ -1,6 +1,6 @@
 """Gradient compression for data parallelism (``parallel.compression``).
 
-:class:`~plait.parallel.data.DataParallel` hands each gradient bucket to a
+:class:`~plait.parallel.data_parallel.DataParallel` hands each gradient bucket to a
 :class:`Compressor` instead of the plain all-reduce. Methods:
 
 * ``fp16`` / ``bf16`` (:mod:`.cast`): cast, all-reduce, cast back; half the bytes;

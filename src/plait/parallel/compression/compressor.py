@@ -1,6 +1,6 @@
 """The interface data parallelism calls per bucket instead of a plain all-reduce.
 
-:class:`~plait.parallel.data.DataParallel` packs gradients into flat buckets, each
+:class:`~plait.parallel.data_parallel.DataParallel` packs gradients into flat buckets, each
 already divided by the group size (so a *sum* over ranks is the mean gradient). With a
 compressor it hands each bucket to :meth:`Compressor.reduce` instead of launching
 ``all_reduce(bucket, "sum")``; the call returns a *finish* callable, and once that has

@@ -272,7 +272,7 @@ def apply_tensor_parallel(
     parallel versions (same attribute names, so parameter names do not change);
     regions get forward pre-hooks. The model's logits become vocabulary-sharded: use
     :func:`~plait.parallel.tensor.loss.vocab_parallel_loss`. Parameters are plain local shards, so
-    :class:`~plait.parallel.data.DataParallel` or ZeRO can wrap the result over dp.
+    :class:`~plait.parallel.data_parallel.DataParallel` or ZeRO can wrap the result over dp.
     """
     group = mesh.axis("tp")
     tp, sp = group.size, sequence_parallel

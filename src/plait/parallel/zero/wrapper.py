@@ -68,7 +68,7 @@ from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
 from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.data import broadcast_module_state
+from plait.parallel.data_parallel import broadcast_module_state
 from plait.parallel.materialize import give_storage, unallocated
 from plait.parallel.precision import parse_dtype
 from plait.parallel.tensor.layers import tp_norm_weight

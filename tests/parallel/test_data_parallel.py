@@ -19,7 +19,7 @@ from torch import nn
 from plait import init_mesh
 from plait.errors import UnusedParametersError
 from plait.mesh import Mesh
-from plait.parallel.data import DataParallel
+from plait.parallel.data_parallel import DataParallel
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 
