@@ -130,7 +130,7 @@ def bench_body(
     from plait.model.transformer import Transformer, lm_loss
     from plait.parallel.data_parallel import DataParallel
     from plait.parallel.tensor.loss import vocab_parallel_loss
-    from plait.parallel.tensor.plan import apply_tensor_parallel
+    from plait.parallel.tensor.sharding_plan import apply_tensor_parallel
 
     torch.set_num_threads(1)
     cfg = ModelConfig(**model_kwargs)

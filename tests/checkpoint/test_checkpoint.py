@@ -48,7 +48,7 @@ from plait.config import (
     PrecisionConfig,
     TrainConfig,
 )
-from plait.parallel.tensor.plan import gather_full_state
+from plait.parallel.tensor.sharding_plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.trainer import Trainer
 

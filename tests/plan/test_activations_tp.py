@@ -24,7 +24,7 @@ def _body_saved(ctx: Any, sp: bool, batch: int, seq: int) -> int:
 
     from plait.model import Transformer
     from plait.parallel.tensor.loss import vocab_parallel_loss
-    from plait.parallel.tensor.plan import apply_tensor_parallel
+    from plait.parallel.tensor.sharding_plan import apply_tensor_parallel
 
     mesh = ctx.mesh(tp=ctx.world_size)
     model = Transformer(CFG, seed=0)

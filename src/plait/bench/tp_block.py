@@ -54,7 +54,7 @@ Grid = list[tuple[float, float, float]]
 
 def block_stack_plan() -> list[tuple[str, Any]]:
     """The block entries of plait's tensor-parallel plan (no embedding or head)."""
-    from plait.parallel.tensor.plan import TRANSFORMER_TP_PLAN
+    from plait.parallel.tensor.sharding_plan import TRANSFORMER_TP_PLAN
 
     return [e for e in TRANSFORMER_TP_PLAN if e[0].startswith("layers.")]
 
@@ -76,7 +76,7 @@ def measure_tp_block_grid(
 
     from plait import comm
     from plait.model.transformer import Block
-    from plait.parallel.tensor.plan import apply_tensor_parallel
+    from plait.parallel.tensor.sharding_plan import apply_tensor_parallel
 
     tp = mesh.axis("tp")
     if tp.size != TP_GRID_DEGREE:

@@ -17,7 +17,7 @@ fields (:mod:`plait.model.hf_llama`). Without either, plait's own
 
 A model may carry its tensor-parallel plan as data in the attribute
 ``plait_tp_plan`` (rows ``(module pattern, style)``, see
-:mod:`plait.parallel.tensor.plan`); ``parallelize`` uses it when no plan is passed.
+:mod:`plait.parallel.tensor.sharding_plan`); ``parallelize`` uses it when no plan is passed.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ attention 'sdpa'      attn_implementation 'sdpa'
 The model is built with ``use_cache=False`` (training keeps no key/value cache) and
 returns Hugging Face's output object; plait's loss reads its ``.logits``
 (:func:`plait.model.factory.logits_of`). Its tensor-parallel plan is
-:data:`plait.parallel.tensor.hf_plans.HF_LLAMA_TP_PLAN`.
+:data:`plait.parallel.tensor.hf_llama_sharding_plan.HF_LLAMA_TP_PLAN`.
 """
 
 from __future__ import annotations

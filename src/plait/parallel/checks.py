@@ -30,7 +30,7 @@ from plait.parallel.compile import check_compile
 from plait.parallel.float8 import check_float8
 from plait.parallel.pipeline.schedules import build_schedule
 from plait.parallel.precision import check_device_supports
-from plait.parallel.tensor.plan import check_tensor_parallel
+from plait.parallel.tensor.sharding_plan import check_tensor_parallel
 
 _MARK = "_plait_validated_for"
 """The attribute of a config :func:`validate_run` passed: (world size, its values)."""

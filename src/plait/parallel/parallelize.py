@@ -5,7 +5,7 @@ file never changes) in this fixed order (docs/api.md describes it too):
 
 1. **tensor / sequence parallelism** over the tp axis (when it has several ranks): a
    TP plan as data (default: the built-in transformer's), applied in place by
-   :func:`~plait.parallel.tensor.plan.apply_tensor_parallel`;
+   :func:`~plait.parallel.tensor.sharding_plan.apply_tensor_parallel`;
 2. **context parallelism** over cp (when it has several ranks): every attention core
    becomes ring or all-to-all (Ulysses) attention on the cp group and the token
    positions become the rank's global positions
@@ -85,7 +85,7 @@ from plait.parallel.pipeline.split import check_splittable
 from plait.parallel.precision import PrecisionPolicy
 from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor.loss import IGNORE_INDEX, vocab_parallel_loss
-from plait.parallel.tensor.plan import Plan, apply_tensor_parallel, vocab_size_of
+from plait.parallel.tensor.sharding_plan import ShardingPlan, apply_tensor_parallel, vocab_size_of
 from plait.parallel.zero import ZeroDataParallel
 
 
@@ -104,7 +104,7 @@ def parallelize(
     *,
     zero: int | None = None,
     zero_shard_size: int | None = None,
-    tp_plan: Plan | None = None,
+    tp_plan: ShardingPlan | None = None,
     sequence_parallel: bool | None = None,
     cp_attention: CPAttention | None = None,
     recompute: Recompute | None = None,

@@ -37,7 +37,7 @@ from plait.errors import ConfigError
 from plait.model.generate import SampleSettings, generate, make_decoder
 from plait.model.transformer import Transformer
 from plait.parallel.model import ParallelModel
-from plait.parallel.tensor.plan import vocab_size_of
+from plait.parallel.tensor.sharding_plan import vocab_size_of
 
 if TYPE_CHECKING:
     from plait.config import Config

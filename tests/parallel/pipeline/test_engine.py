@@ -29,7 +29,7 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
-from plait.parallel.tensor.plan import (
+from plait.parallel.tensor.sharding_plan import (
     gather_full_state,
 )
 from plait.testing import WorkerContext, WorkerPool

@@ -29,7 +29,7 @@ from plait.optim import Optimizer
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.loss import vocab_parallel_loss
-from plait.parallel.tensor.plan import (
+from plait.parallel.tensor.sharding_plan import (
     apply_tensor_parallel,
     gather_full_state,
 )

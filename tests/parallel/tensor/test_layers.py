@@ -30,13 +30,13 @@ from plait.parallel.tensor.layers import (
     shard_info,
 )
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
-from plait.parallel.tensor.plan import (
+from plait.parallel.tensor.sharding_plan import (
     TRANSFORMER_TP_PLAN,
     apply_tensor_parallel,
     check_tensor_parallel,
     gather_full_state,
     load_full_state,
-    resolve_plan,
+    resolve_sharding_plan,
 )
 from plait.testing import WorkerContext, WorkerPool
 
@@ -235,11 +235,11 @@ def test_config_check_accepts_replicated_kv_heads() -> None:
 def test_plan_must_cover_the_model() -> None:
     model = Transformer(_cfg(), seed=0)
     with pytest.raises(ConfigError, match="matches no module"):
-        resolve_plan(model, [*TRANSFORMER_TP_PLAN, ("layers.*.mlp", "colwise")])
+        resolve_sharding_plan(model, [*TRANSFORMER_TP_PLAN, ("layers.*.mlp", "colwise")])
     partial = [row for row in TRANSFORMER_TP_PLAN if row[0] != "norm"]
     with pytest.raises(ConfigError, match=r"norm\.weight"):
-        resolve_plan(model, partial)
-    styles = resolve_plan(model, TRANSFORMER_TP_PLAN)
+        resolve_sharding_plan(model, partial)
+    styles = resolve_sharding_plan(model, TRANSFORMER_TP_PLAN)
     assert styles["layers.0.attention.wk"] == "colwise_kv_heads"
     assert styles["output"] == "vocab_head"
 

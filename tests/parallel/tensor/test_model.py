@@ -28,7 +28,7 @@ from plait.model.transformer import RMSNorm
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.tensor.layers import shard_info
 from plait.parallel.tensor.loss import vocab_parallel_loss
-from plait.parallel.tensor.plan import (
+from plait.parallel.tensor.sharding_plan import (
     apply_tensor_parallel,
     gather_full_state,
 )

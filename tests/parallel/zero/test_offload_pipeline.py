@@ -28,7 +28,7 @@ from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
-from plait.parallel.tensor.plan import gather_full_state
+from plait.parallel.tensor.sharding_plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
 from tests.parallel.pipeline.test_runtime import BATCH, SEQ, loss64, model_config
 from tests.parallel.pipeline.test_runtime import batches as runtime_batches

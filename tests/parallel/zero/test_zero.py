@@ -260,7 +260,7 @@ def test_parity_with_one_process(
 def _body_tensor_parallel(ctx: WorkerContext, stage: int, sp: bool) -> dict[str, Any]:
     """dp2 x tp2: ZeRO over dp on a model whose parameters are tensor-parallel shards."""
     from plait.parallel.tensor.loss import vocab_parallel_loss
-    from plait.parallel.tensor.plan import apply_tensor_parallel, gather_full_state
+    from plait.parallel.tensor.sharding_plan import apply_tensor_parallel, gather_full_state
 
     mesh = ctx.mesh(dp=2, tp=2)
     model = apply_tensor_parallel(_make("builtin"), mesh, sp)

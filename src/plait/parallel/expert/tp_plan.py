@@ -1,7 +1,7 @@
 """The tensor-parallel plan of the built-in transformer with MoE layers.
 
 Attention and the dense feed-forwards are split as in
-:data:`~plait.parallel.tensor.plan.TRANSFORMER_TP_PLAN`; of an MoE layer the router and
+:data:`~plait.parallel.tensor.sharding_plan.TRANSFORMER_TP_PLAN`; of an MoE layer the router and
 the routed experts stay whole on every tp rank (``replicate``: the tp ranks hold the
 same tokens and compute the same routing, so expert parallelism and its all-to-all are
 unchanged by tp), and the shared experts are one tensor-parallel SwiGLU region like a
@@ -18,10 +18,10 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.model.moe import MoE
-from plait.parallel.tensor.plan import TRANSFORMER_TP_PLAN, Plan, Style
+from plait.parallel.tensor.sharding_plan import TRANSFORMER_TP_PLAN, ShardingPlan, Style
 
 
-def moe_tp_plan(model: nn.Module) -> Plan | None:
+def moe_tp_plan(model: nn.Module) -> ShardingPlan | None:
     """The plan for plait's Transformer with MoE layers (None: no MoE layer, or the
     model brings its own ``plait_tp_plan``)."""
     if getattr(model, "plait_tp_plan", None) is not None:

@@ -4,5 +4,6 @@
   embedding, and the :class:`TPShard` layout every sharded parameter carries.
 * :mod:`~plait.parallel.tensor.loss` — vocabulary-parallel cross-entropy.
 * :mod:`~plait.parallel.tensor.sequence` — sequence-parallel region entry and exit.
-* :mod:`~plait.parallel.tensor.plan` — plans as data and :func:`apply_tensor_parallel`.
+* :mod:`~plait.parallel.tensor.sharding_plan` — sharding plans as data and
+  :func:`apply_tensor_parallel`.
 """

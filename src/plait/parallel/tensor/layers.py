@@ -22,7 +22,7 @@ their logits are set to ``-inf`` in the loss, so the loss and every gradient equ
 unpadded model's, and the padded rows' gradients are exactly zero (AdamW leaves them 0).
 
 Every sharded parameter carries a :class:`TPShard` (``shard_info(p)``) saying how to
-gather it back (:func:`plait.parallel.tensor.plan.gather_full_state`) and how to count it
+gather it back (:func:`plait.parallel.tensor.sharding_plan.gather_full_state`) and how to count it
 in a global gradient norm.
 """
 

@@ -47,7 +47,7 @@ optimizer side (sharded fp32 masters, offload):
 :class:`plait.parallel.zero.optim.ShardedMasters`, stepped by :class:`plait.optim.Optimizer`
 (global-norm clipping, loss scaling).
 
-The module may already be split by tensor parallelism (:mod:`plait.parallel.tensor.plan`):
+The module may already be split by tensor parallelism (:mod:`plait.parallel.tensor.sharding_plan`):
 its parameters are then the local TP shards, which ZeRO flattens like any other tensor;
 every collective here runs on the ``axis`` (dp) groups only.
 """

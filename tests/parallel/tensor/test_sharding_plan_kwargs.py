@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.parallel.parallelize import parallelize
-from plait.parallel.tensor.plan import gather_full_state
+from plait.parallel.tensor.sharding_plan import gather_full_state
 from plait.testing import WorkerContext, WorkerPool
 
 VOCAB, DIM, HID, SEQ, BATCH, STEPS = 32, 16, 64, 8, 4, 3

@@ -9,7 +9,7 @@ column-parallel, down row-parallel), norms replicated, embedding and head
 vocabulary-parallel. Hugging Face calls ``self_attn(hidden_states=...)`` by keyword; the
 region hook takes its input from there. Its attention reshapes with ``-1`` heads and
 reads ``num_key_value_groups`` (older versions also ``num_heads``,
-``num_key_value_heads`` and ``hidden_size``): :func:`plait.parallel.tensor.plan.
+``num_key_value_heads`` and ``hidden_size``): :func:`plait.parallel.tensor.sharding_plan.
 apply_tensor_parallel` sets those to the per-rank counts on each attention module.
 
 Sequence parallelism is refused for these models: their forward builds positions and
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from plait.parallel.tensor.plan import Style
+    from plait.parallel.tensor.sharding_plan import Style
 
 HF_LLAMA_TP_PLAN: tuple[tuple[str, Style], ...] = (
     ("model.embed_tokens", "vocab_embedding"),

@@ -1,7 +1,8 @@
-"""Tensor-parallel plans as data, applied to a full one-device model from outside.
+"""Tensor-parallel sharding plans as data, applied to a one-device model from outside.
 
-A plan is a table of ``(module-name pattern, style)`` rows. A pattern matches a dotted
-module name segment by segment (``*`` matches one segment: ``layers.*.attention.wq``).
+A sharding plan (not to be confused with the planner, :mod:`plait.plan`) is a table of
+``(module-name pattern, style)`` rows. A pattern matches a dotted module name segment by
+segment (``*`` matches one segment: ``layers.*.attention.wq``).
 Styles (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism):
 
 =================  ==============================================================
@@ -42,7 +43,7 @@ from plait.comm.group import AxisGroup
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.tensor.hf_llama_plan import HF_LLAMA_TP_PLAN, is_hf_llama
+from plait.parallel.tensor.hf_llama_sharding_plan import HF_LLAMA_TP_PLAN, is_hf_llama
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -69,7 +70,7 @@ Style = Literal[
     "region",
     "replicate",
 ]
-Plan = Sequence[tuple[str, Style]]
+ShardingPlan = Sequence[tuple[str, Style]]
 
 TRANSFORMER_TP_PLAN: tuple[tuple[str, Style], ...] = (
     ("tok_embeddings", "vocab_embedding"),
@@ -95,9 +96,9 @@ vocabulary-parallel."""
 _HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "rowwise_heads")
 
 
-def default_plan(model: nn.Module) -> Plan:
+def default_sharding_plan(model: nn.Module) -> ShardingPlan:
     """The plan used when none is passed: the model's own ``plait_tp_plan`` attribute
-    (a factory may attach one), :data:`~plait.parallel.tensor.hf_llama_plan.
+    (a factory may attach one), :data:`~plait.parallel.tensor.hf_llama_sharding_plan.
     HF_LLAMA_TP_PLAN` for a Hugging Face Llama, else :data:`TRANSFORMER_TP_PLAN`."""
     own = getattr(model, "plait_tp_plan", None)
     if own is not None:
@@ -112,7 +113,7 @@ def _matches(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n, strict=True))
 
 
-def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
+def resolve_sharding_plan(model: nn.Module, plan: ShardingPlan) -> dict[str, Style]:
     """``{module name: style}`` for every module the plan names (first match wins).
 
     Raises :class:`ConfigError` for a pattern that matches nothing, an unknown style, or
@@ -149,12 +150,12 @@ def resolve_plan(model: nn.Module, plan: Plan) -> dict[str, Style]:
     return out
 
 
-def vocab_size_of(model: nn.Module, plan: Plan | None = None) -> int:
+def vocab_size_of(model: nn.Module, plan: ShardingPlan | None = None) -> int:
     """The vocabulary size of ``model``'s head: the output features of the module the
-    plan (default :func:`default_plan`) marks ``vocab_head``. Call it before
+    plan (default :func:`default_sharding_plan`) marks ``vocab_head``. Call it before
     :func:`apply_tensor_parallel` (whose loss needs it); raises :class:`ConfigError`
     when the plan has no vocabulary head."""
-    styles = resolve_plan(model, default_plan(model) if plan is None else plan)
+    styles = resolve_sharding_plan(model, default_sharding_plan(model) if plan is None else plan)
     heads = [n for n, s in styles.items() if s == "vocab_head"]
     if not heads:
         raise ConfigError(
@@ -264,11 +265,11 @@ def apply_tensor_parallel(
     model: nn.Module,
     mesh: Mesh,
     sequence_parallel: bool = False,
-    plan: Plan | None = None,
+    plan: ShardingPlan | None = None,
 ) -> nn.Module:
     """Shard the full one-device ``model`` over ``mesh``'s tp axis in place; returns it.
 
-    ``plan`` defaults to :func:`default_plan`. Modules are replaced by their
+    ``plan`` defaults to :func:`default_sharding_plan`. Modules are replaced by their
     parallel versions (same attribute names, so parameter names do not change);
     regions get forward pre-hooks. The model's logits become vocabulary-sharded: use
     :func:`~plait.parallel.tensor.loss.vocab_parallel_loss`. Parameters are plain local shards, so
@@ -276,14 +277,14 @@ def apply_tensor_parallel(
     """
     group = mesh.axis("tp")
     tp, sp = group.size, sequence_parallel
-    plan = default_plan(model) if plan is None else plan
+    plan = default_sharding_plan(model) if plan is None else plan
     if sp and tp > 1 and plan is HF_LLAMA_TP_PLAN:
         raise ConfigError(
             f"sequence parallelism is not supported for {type(model).__name__}: its forward "
             "derives positions and the causal mask from the hidden states' length, which "
             "sequence parallelism shards; use parallel.sequence_parallel = false."
         )
-    styles = resolve_plan(model, plan)
+    styles = resolve_sharding_plan(model, plan)
     replicas = _validate(model, styles, tp)  # every ConfigError is raised by here
     sharded: dict[int, nn.Parameter] = {}  # id(full weight) -> shard (tied weights)
     for name, style in styles.items():
