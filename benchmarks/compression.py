@@ -47,7 +47,7 @@ SEQ, BATCH, LR = 64, 8, 3e-3
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from plait.config import DataConfig
-    from plait.train.data import load_tokens
+    from plait.data import load_tokens
 
     tokens = torch.from_numpy(load_tokens(DataConfig(max_bytes=400_000)).astype("int64"))
     g = torch.Generator().manual_seed(0)

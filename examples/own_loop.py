@@ -25,8 +25,8 @@ from torch import nn
 import plait
 from plait.checkpoint import TrainState, find_checkpoint, restore_training_state, save_checkpoint
 from plait.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from plait.data import BatchSampler, TokenDataset, load_tokens
 from plait.model import Transformer
-from plait.train.data import BatchSampler, TokenDataset, load_tokens
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

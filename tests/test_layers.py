@@ -401,7 +401,7 @@ def test_every_layer_name_is_matched_by_longest_prefix_and_unknowns_are_refused(
 def test_the_cycle_finder_finds_a_cycle() -> None:
     synthetic = {
         "plait.train.trainer": [Import("a.py", 1, "plait.ps.server")],
-        "plait.ps.server": [Import("b.py", 2, "plait.train.data")],
+        "plait.ps.server": [Import("b.py", 2, "plait.train.report")],
         "plait.parallel.data_parallel": [Import("c.py", 3, "plait.comm")],
     }
     (cycle,) = package_cycles(synthetic, {"plait.train", "plait.ps", "plait.parallel"})

@@ -26,8 +26,8 @@ from safetensors.torch import load_file, save_file
 from plait.cli import main
 from plait.cli.eval import _config as eval_config
 from plait.cli.eval import evaluate_tokens, load_model
+from plait.data import load_tokens
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.data import load_tokens
 from tests.checkpoint.test_hf import make_hf_llama
 
 transformers = pytest.importorskip("transformers")

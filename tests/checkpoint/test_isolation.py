@@ -64,5 +64,5 @@ def test_checkpoint_modules_import_no_parallel_or_train_module() -> None:
 def test_the_blocker_blocks() -> None:
     r = _run("plait.parallel.data_parallel")
     assert r.returncode != 0 and "checkpoint code imported plait.parallel" in r.stderr
-    r = _run("plait.train.data")
+    r = _run("plait.train.report")
     assert r.returncode != 0 and "checkpoint code imported plait.train" in r.stderr

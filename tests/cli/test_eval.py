@@ -24,10 +24,10 @@ from plait import init_mesh
 from plait.cli import main
 from plait.cli.eval import EvalResult, _config, evaluate_tokens, load_model, window_batches
 from plait.config import ModelConfig
+from plait.data import TokenDataset, load_tokens
 from plait.mesh import Mesh
 from plait.model.factory import build_model
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.data import TokenDataset, load_tokens
 from tests.tiny import run_plait
 
 M = "tests.cli.test_eval"

@@ -27,9 +27,9 @@ from plait.cli import main
 from plait.cli.eval import load_model
 from plait.cli.generate import _config, encode_prompt, generate_on
 from plait.config import Config, LogConfig
+from plait.data import ByteTokenizer
 from plait.model.factory import build_model
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.data import ByteTokenizer
 from plait.train.sample import sample_tokens
 from plait.train.trainer import Trainer
 from tests.tiny import run_plait, tiny_config

@@ -86,7 +86,7 @@ def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
     way the trainer loads them: build, check the tensors, ``parallelize``, then every
     rank reads its own pieces (into the optimizer's masters where it keeps them)."""
     from plait.checkpoint import Checkpointing, TrainState
-    from plait.train.data import BatchSampler
+    from plait.data import BatchSampler
     from plait.train.trainer import one_device_model, start_parallel
 
     base = one_device_model(cfg, mesh.device)  # on the meta device: parallelize allocates
@@ -109,7 +109,7 @@ def evaluate_tokens(
     docstring), in global batches of ``train.global_batch``; the same on every rank."""
     import torch
 
-    from plait.train.data import TokenDataset
+    from plait.data import TokenDataset
 
     mesh = model.mesh
     seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
@@ -130,7 +130,7 @@ def check_eval_data(tokens: np.ndarray, cfg: Config, batches: int | None) -> int
     """Refuse data without one window (or without ``batches`` global batches) of
     ``train.seq_len + 1`` tokens, or with token ids outside the vocabulary; returns the
     number of windows."""
-    from plait.train.data import check_vocab
+    from plait.data import check_vocab
 
     seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
     check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
@@ -205,8 +205,8 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
 def _eval(rest: Sequence[str]) -> int:
     """Validate, then evaluate here (one process, or a rank) or start the ranks."""
     from plait.cli.common import leave_torchrun_child, start_checks
+    from plait.data import load_tokens
     from plait.launch.local import launch_local
-    from plait.train.data import load_tokens
 
     cfg, batches = _config(rest)
     env, world = start_checks(cfg)

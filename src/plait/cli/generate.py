@@ -166,7 +166,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
 def encode_prompt(cfg: Config, args: GenerateArgs) -> list[int]:
     """The prompt's token ids, refused when empty, outside the vocabulary, or too long
     for ``model.max_seq_len`` with ``--max-new-tokens`` more."""
-    from plait.train.data import check_vocab, make_tokenizer
+    from plait.data import check_vocab, make_tokenizer
 
     ids = make_tokenizer(cfg.data.tokenizer).encode(args.prompt)
     if len(ids) == 0:
@@ -195,8 +195,8 @@ def _generate(rest: Sequence[str]) -> int:
     """Validate, then generate here (one process, or a rank) or start the ranks."""
     from plait.cli.common import leave_torchrun_child, start_checks
     from plait.config_checks import check_generation_layout
+    from plait.data import make_tokenizer
     from plait.launch.local import launch_local
-    from plait.train.data import make_tokenizer
 
     cfg, args = _config(rest)
     env, world = start_checks(cfg)

@@ -165,8 +165,8 @@ def _setup(args: argparse.Namespace, workers: int) -> tuple[Any, Any, Any, Any]:
     import torch
 
     from plait.config import DataConfig
+    from plait.data import BatchSampler, TokenDataset, load_tokens, split_train_val
     from plait.model import Transformer, lm_loss
-    from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
 
     model = Transformer(_model_config(args), seed=args.seed)
     train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
@@ -224,9 +224,9 @@ def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:
     import torch
 
     from plait.config import DataConfig
+    from plait.data import BatchSampler, TokenDataset, load_tokens, split_train_val
     from plait.model import Transformer, lm_loss
     from plait.ps.server import train_parameter_server
-    from plait.train.data import BatchSampler, TokenDataset, load_tokens, split_train_val
 
     model = Transformer(_model_config(args), seed=args.seed)
     train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)

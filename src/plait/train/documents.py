@@ -13,10 +13,10 @@ from __future__ import annotations
 from torch import nn
 
 from plait.config import Config
+from plait.data import make_tokenizer
 from plait.data.sources import data_eos_id, data_tokenizer
 from plait.errors import ConfigError
 from plait.model.documents import DocumentIds
-from plait.train.data import make_tokenizer
 
 BYTE_EOS = 0
 """The byte tokenizer's end-of-document id: the NUL byte."""

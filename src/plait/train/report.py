@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import Config
+from plait.data import truncation_note
 from plait.mesh import Mesh
-from plait.train.data import truncation_note
 from plait.train.memory import StartMemory
 
 

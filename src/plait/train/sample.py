@@ -136,8 +136,8 @@ class TrainingSamples:
     model being trained, as one console line (every rank decodes; rank 0 prints it)."""
 
     def __init__(self, cfg: Config) -> None:
+        from plait.data import check_vocab, make_tokenizer
         from plait.data.sources import data_tokenizer
-        from plait.train.data import check_vocab, make_tokenizer
 
         log = cfg.log
         self.every = log.sample_every

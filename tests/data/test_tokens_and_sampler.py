@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from plait.config import DataConfig
-from plait.errors import ConfigError, DataError
-from plait.train.data import (
+from plait.data import (
     SEPARATOR,
     BatchSampler,
     ByteTokenizer,
@@ -22,6 +21,7 @@ from plait.train.data import (
     make_tokenizer,
     split_train_val,
 )
+from plait.errors import ConfigError, DataError
 
 
 def test_byte_tokenizer_round_trip() -> None:
