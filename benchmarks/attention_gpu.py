@@ -73,7 +73,7 @@ def _cores(
     """SDPA, blockwise (``block_size`` keyword) and ring cores at sequence ``s``."""
     from plait import init_mesh
     from plait.model.blockwise_attention import blockwise_attention
-    from plait.model.documents import document_ids, visible
+    from plait.model.document_mask import document_ids, visible
     from plait.parallel.context.ring_attention import RingAttention
 
     ring = RingAttention(init_mesh(device=device.type).axis("cp"))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from plait.model import attention_kernels as kernels
 from plait.model.blockwise_attention import blockwise_attention
-from plait.model.documents import document_ids
+from plait.model.document_mask import document_ids
 
 pytestmark = [
     pytest.mark.gpu,

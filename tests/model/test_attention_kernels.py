@@ -13,7 +13,7 @@ import torch
 
 from plait.model import attention_kernels as kernels
 from plait.model.blockwise_attention import blockwise_attention
-from plait.model.documents import additive
+from plait.model.document_mask import additive
 
 
 @pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])

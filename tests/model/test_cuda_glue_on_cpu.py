@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from plait.model import attention_kernels as kernels
 from plait.model.blockwise_attention import blockwise_attention
-from plait.model.documents import document_ids
+from plait.model.document_mask import document_ids
 
 cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

@@ -1,21 +1,21 @@
 """Data: tokenizers, corpus sources, prepared token shards, mixtures, samplers, loader.
 
-==================  ==========================================================
-module              what it owns
-==================  ==========================================================
-``tokenizers``      ``byte``, ``tiktoken:NAME``, ``hf:PATH``; vocab size, eos id
-``corpus``          sources read whole: built-in corpus, text, ``.npy``/``.bin``
-``dataset``         fixed-length windows of an in-memory token array
-``documents``       the documents of a prepare source (text, JSONL, parquet, datasets)
-``index``           the prepared folder's ``index.json``
-``prepare``         ``plait data prepare``: parallel, resumable, verified
-``writer``          shard files, their sidecars, the finished prefix on resume
-``shards``          windows over memory-mapped shards; held-out documents
-``mixture``         weighted blends of sources (Megatron's blended datasets)
-``sources``         a run's ``(train, val)`` window sets from its ``DataConfig``
-``sampler``         the stateless batch order, a pure function of ``(seed, step)``
-``loader``          the background loader thread (pinned memory on CUDA)
-==================  ==========================================================
+======================  ==========================================================
+module                  what it owns
+======================  ==========================================================
+``tokenizers``          ``byte``, ``tiktoken:NAME``, ``hf:PATH``; vocab size, eos id
+``corpus``              sources read whole: built-in corpus, text, ``.npy``/``.bin``
+``dataset``             fixed-length windows of an in-memory token array
+``document_reader``     the documents of a prepare source (text, JSONL, parquet, datasets)
+``index``               the prepared folder's ``index.json``
+``prepare``             ``plait data prepare``: parallel, resumable, verified
+``writer``              shard files, their sidecars, the finished prefix on resume
+``shards``              windows over memory-mapped shards; held-out documents
+``mixture``             weighted blends of sources (Megatron's blended datasets)
+``sources``             a run's ``(train, val)`` window sets from its ``DataConfig``
+``sampler``             the stateless batch order, a pure function of ``(seed, step)``
+``loader``              the background loader thread (pinned memory on CUDA)
+======================  ==========================================================
 
 The names below are imported on first use (``plait data`` runs without importing torch).
 """

@@ -1,6 +1,6 @@
 """``plait data prepare``: documents -> fixed-size token shards + an index, resumable.
 
-The main process reads the documents in order (:mod:`plait.data.documents`) in batches
+The main process reads the documents in order (:mod:`plait.data.document_reader`) in batches
 and hands them to ``workers`` processes that tokenize them (end-of-document token
 appended to each); the results come back in submission order, so the shards do not
 depend on the number of workers. The token stream is cut into shards of exactly
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from plait.config import TOKEN_DTYPES
-from plait.data.documents import SourceFile, iter_documents, plan_source
+from plait.data.document_reader import SourceFile, iter_documents, plan_source
 from plait.data.index import (
     DOCUMENTS_NAME,
     INDEX_NAME,

@@ -22,7 +22,7 @@ keys itself, so a query block hands it all its fully visible keys as one range p
 diagonal block (two calls and one merge per query block, not one per key block).
 Ring attention (:mod:`plait.parallel.context.ring_attention`) uses the same block
 functions with the key/value blocks arriving from other ranks. Document masking
-(``doc_ids``, :mod:`plait.model.documents`) passes each range's mask as an additive
+(``doc_ids``, :mod:`plait.model.document_mask`) passes each range's mask as an additive
 bias and skips ranges where no query sees a key.
 
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries
@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from plait.model import attention_kernels as kernels
-from plait.model.documents import additive, visible
+from plait.model.document_mask import additive, visible
 
 Impl = Literal["fused", "reference"]
 
@@ -322,7 +322,7 @@ def blockwise_attention(
     reference; a fused kernel takes the visible keys as one range); ``scale`` defaults
     to ``1/sqrt(head_dim)``. ``doc_ids`` ``(batch, seq)`` (self-attention: seq_q ==
     seq_k) restricts attention to tokens of the same document
-    (:mod:`plait.model.documents`). Differentiable in ``q``, ``k``, ``v`` through both
+    (:mod:`plait.model.document_mask`). Differentiable in ``q``, ``k``, ``v`` through both
     outputs.
 
     The forward runs block by block on every device. The backward of a fused kernel

@@ -24,7 +24,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
-from plait.model.documents import DocumentIds, visible
+from plait.model.document_mask import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
 from plait.model.moe import MoE, expert_hidden_dim, is_moe_layer
 
@@ -376,7 +376,7 @@ class Transformer(nn.Module):
         """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
 
         ``doc_ids`` ``(batch, seq)`` (default: ``self.documents(tokens)``, None unless
-        document masking is on, :mod:`plait.model.documents`) restrict attention to
+        document masking is on, :mod:`plait.model.document_mask`) restrict attention to
         tokens of the same document."""
         seq = tokens.shape[1]
         docs = doc_ids if doc_ids is not None else self.documents(tokens)

@@ -47,9 +47,9 @@ from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
-from plait.train.documents import enable_document_mask
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
+from plait.train.mask_documents import enable_document_mask
 from plait.train.memory import (
     MemoryReport,
     gather_start_memory,

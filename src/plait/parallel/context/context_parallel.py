@@ -29,7 +29,7 @@ from plait.config import CP_ATTENTIONS, CPAttention
 from plait.config_checks import check_choice, check_cp_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.context.documents import ShardDocuments
+from plait.parallel.context.document_ids import ShardDocuments
 from plait.parallel.context.layout import SeqLayout, local_positions, shard_sequence
 from plait.parallel.context.ring_attention import RingAttention
 from plait.parallel.context.ulysses_attention import UlyssesAttention

@@ -24,7 +24,7 @@ key chunk ``b``, global indices) is fully visible when ``b < a``, a causal diago
 number of pairs. :meth:`RingAttention.plan` turns a step's visible chunk pairs into as
 few kernel calls over whole chunks as possible (one per step under both layouts: a
 fused kernel tiles them itself), and with document ids (``doc_ids``: the whole
-sequence's, :mod:`plait.model.documents`) one call per step whose additive mask holds
+sequence's, :mod:`plait.model.document_mask`) one call per step whose additive mask holds
 the documents and the causal order by global position; steps where no query sees a key
 are skipped. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
 :attr:`RingAttention.events` records (what, step, seconds) when asked, so tests can check
@@ -51,7 +51,7 @@ from plait.model.blockwise_attention import (
     merge,
     reduce_kv,
 )
-from plait.model.documents import additive, visible
+from plait.model.document_mask import additive, visible
 from plait.parallel.context.layout import SeqLayout, chunk_ids, local_positions, shard_sequence
 
 KV_TAG, GRAD_TAG = 0, 1

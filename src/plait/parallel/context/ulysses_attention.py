@@ -22,7 +22,7 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.model.blockwise_attention import expand_kv
-from plait.model.documents import visible
+from plait.model.document_mask import visible
 
 
 def seq_to_heads(x: torch.Tensor, g: AxisGroup) -> torch.Tensor:

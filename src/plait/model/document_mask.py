@@ -15,7 +15,7 @@ attention scores depend only on position differences, which are the same.
 
 :class:`DocumentIds` is the model's ``documents`` module (``eos_id`` None: no
 masking). Context parallelism replaces it from outside with one that returns the ids
-of the whole sequence (:mod:`plait.parallel.context.documents`), as it replaces
+of the whole sequence (:mod:`plait.parallel.context.document_ids`), as it replaces
 ``positions``.
 """
 

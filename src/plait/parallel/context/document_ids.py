@@ -1,6 +1,6 @@
 """Document ids under context parallelism: every rank gets the whole sequence's.
 
-The model computes document ids from its tokens (:mod:`plait.model.documents`), but a
+The model computes document ids from its tokens (:mod:`plait.model.document_mask`), but a
 cp rank holds only its shard of each sequence, and a token's id counts the EOS tokens
 *before* it, in other ranks' chunks too. :class:`ShardDocuments` (the model's
 ``documents`` module under cp) all-gathers the local end-of-document flags over the cp

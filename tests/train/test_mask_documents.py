@@ -14,8 +14,8 @@ from torch import nn
 from plait import init_mesh
 from plait.config import Config, DataConfig, ModelConfig, ParallelConfig
 from plait.errors import ConfigError
-from plait.model.documents import DocumentIds
-from plait.train.documents import BYTE_EOS, eos_id
+from plait.model.document_mask import DocumentIds
+from plait.train.mask_documents import BYTE_EOS, eos_id
 from plait.train.trainer import Trainer
 from tests.tiny import run_plait, tiny_args, tiny_config
 
@@ -87,7 +87,7 @@ def test_refusals(tmp_path: Path) -> None:
 def test_mask_uses_prepared_index_eos(tmp_path: Path) -> None:
     """A folder prepared with a BPE whose eos id is 1: the mask takes the index's id,
     not the byte tokenizer's 0 that ``data.tokenizer``'s default would give."""
-    from plait.train.documents import enable_document_mask
+    from plait.train.mask_documents import enable_document_mask
     from tests.data.conftest import prepared_bpe_folder
 
     folder = prepared_bpe_folder(tmp_path / "bpe")

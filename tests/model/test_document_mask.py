@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from plait.config import ModelConfig
 from plait.model import Transformer
 from plait.model.blockwise_attention import blockwise_attention
-from plait.model.documents import DocumentIds, document_ids
+from plait.model.document_mask import DocumentIds, document_ids
 from plait.model.transformer import doc_sdpa
 
 EOS, VOCAB, SEQ = 0, 32, 24

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import ParallelConfig
-from plait.model.documents import DocumentIds, document_ids
+from plait.model.document_mask import DocumentIds, document_ids
 from plait.parallel.context.layout import shard_sequence, unshard_sequence
 from plait.parallel.context.ring_attention import RingAttention
 from plait.parallel.context.ulysses_attention import UlyssesAttention

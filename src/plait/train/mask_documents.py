@@ -1,5 +1,5 @@
 """``data.mask_documents``: the end-of-document id of the run's tokenizer, given to the
-model before it is parallelised (:mod:`plait.model.documents` explains the mask).
+model before it is parallelised (:mod:`plait.model.document_mask` explains the mask).
 
 The end-of-document token is the tokenizer's own where it names one (an ``eos_id``
 attribute), tiktoken's end-of-text token (``<|endoftext|>``) for ``tiktoken:NAME``,
@@ -16,7 +16,7 @@ from plait.config import Config
 from plait.data import make_tokenizer
 from plait.data.sources import data_eos_id, data_tokenizer
 from plait.errors import ConfigError
-from plait.model.documents import DocumentIds
+from plait.model.document_mask import DocumentIds
 
 BYTE_EOS = 0
 """The byte tokenizer's end-of-document id: the NUL byte."""
