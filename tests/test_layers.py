@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
     ("plait.parallel", "plait.optim", "plait.checkpoint"),
-    # viz sits beside train, as DESIGN.md and the README draw it: the trainer draws its
+    # viz sits beside train, as docs/architecture.md places it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
     (
         "plait.train",

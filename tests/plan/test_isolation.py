@@ -1,4 +1,4 @@
-"""plait.plan is pure: no torch at all, no process group (DESIGN.md).
+"""plait.plan is pure: no torch at all, no process group (docs/architecture.md, layer 6).
 
 Checked two ways: by reading every plan module's imports (``ast``, nested imports
 included: the planner imports torch nowhere), and by running the config checks, an

@@ -1,4 +1,4 @@
-"""The textbook numbers every planner must reproduce (SPEC.md, ZeRO paper, GPipe/1F1B)."""
+"""The textbook numbers every planner must reproduce (ZeRO paper, GPipe/1F1B, docs/planner.md)."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
 @torch.no_grad()
 def load_hf_weights(model: Any, folder: str | Path, optimizer: Any = None) -> int:
     """Fill the pieces ``model`` (anything with ``local_pieces()``, e.g. a
-    :class:`~plait.parallel.ParallelModel`) holds on this rank from the Hugging Face
+    :class:`~plait.parallel.model.ParallelModel`) holds on this rank from the Hugging Face
     folder ``folder``, byte range by byte range; with ``optimizer``
     (:class:`~plait.optim.Optimizer`) its fp32 masters too. Call it on every rank after
     parallelize (and after the optimizer is made). The model's family is taken from its
