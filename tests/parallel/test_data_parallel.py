@@ -23,7 +23,7 @@ from plait.parallel.data_parallel import DataParallel
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
 
-M = "tests.parallel.test_data"
+M = "tests.parallel.test_data_parallel"
 STEPS = 5
 GLOBAL_BATCH = 8
 SEQ = 12

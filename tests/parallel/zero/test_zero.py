@@ -38,7 +38,7 @@ from plait.parallel.zero.flat import ROOT
 from plait.parallel.zero.reducer import GradientReducer
 from plait.testing import WorkerContext, WorkerPool
 from plait.train.memory import memory_report
-from tests.parallel.test_data import VOCAB
+from tests.parallel.test_data_parallel import VOCAB
 from tests.tiny import read_metrics, run_plait, tiny_args, tiny_config
 
 M = "tests.parallel.zero.test_zero"
