@@ -350,7 +350,7 @@ def test_the_checker_flags_what_it_should(source: str, module: str, why: str) ->
     ("source", "module"),
     [
         ("from plait.parallel.zero.reducer import _cap\n", "plait.parallel.pipeline.zero"),
-        ("from ..zero.reduce import _ALLOWED\n", "plait.parallel.pipeline.zero"),
+        ("from ..zero.unit_reduction import _ALLOWED\n", "plait.parallel.pipeline.zero"),
         ("def f():\n    from plait.ps.core import _x\n", "plait.cli.ps"),
         ("from plait.comm import _private_module\n", "plait.parallel.data_parallel"),
         ("import plait.comm._wire\n", "plait.mesh"),
@@ -363,9 +363,10 @@ def test_the_checker_flags_private_names_taken_across_packages(source: str, modu
 
 
 def test_private_names_pass_inside_their_own_package() -> None:
-    inside = "from plait.parallel.zero.reduce import _ALLOWED\n"
+    inside = "from plait.parallel.zero.unit_reduction import _ALLOWED\n"
     assert not private_imports(inside, "plait.parallel.zero.reducer", False)
-    assert not private_imports("from .reduce import _ALLOWED\n", "plait.parallel.zero.x", False)
+    relative = "from .unit_reduction import _ALLOWED\n"
+    assert not private_imports(relative, "plait.parallel.zero.x", False)
     assert not private_imports("from . import _x\n", "plait.parallel.zero", True)
     assert not private_imports("from plait.config import __all__\n", "plait.mesh", False)
 

@@ -24,8 +24,11 @@ file never changes) in this fixed order (docs/api.md describes it too):
    with fp32 parameters and reduction -> :class:`~plait.parallel.data_parallel.DataParallel`
    (bucketed, overlapped all-reduce); ``zero = 0`` with bf16/fp16 parameters (or another
    reduction dtype) -> ``ZeroDataParallel`` at stage 0 (replicated, but flattened so the
-   optimizer holds fp32 masters). Gradient compression (``parallel.compression``) plugs
-   into ``DataParallel``'s buckets and needs the plain path.
+   optimizer holds fp32 masters). ZeRO's driver is chosen here, once: autograd's hooks,
+   or for stages 2/3 under pp the pipeline schedule (no hook installed; the pipeline
+   engine is handed the wrapper's :attr:`~plait.parallel.zero.ZeroDataParallel.drive`).
+   Gradient compression (``parallel.compression``) plugs into ``DataParallel``'s buckets
+   and needs the plain path.
 
 The model may return logits, a Hugging Face output with ``.logits`` or a tuple whose
 first element is the logits (:func:`~plait.model.factory.logits_of` picks them for the
@@ -87,6 +90,7 @@ from plait.parallel.recompute import apply_recompute
 from plait.parallel.tensor.loss import IGNORE_INDEX, vocab_parallel_loss
 from plait.parallel.tensor.sharding_plan import ShardingPlan, apply_tensor_parallel, vocab_size_of
 from plait.parallel.zero import ZeroDataParallel
+from plait.parallel.zero.drive import SCHEDULE_STAGES, ZeroDrive, ZeroDriver
 
 
 def _one_device_names(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
@@ -246,6 +250,7 @@ def parallelize(
         check_compression(compressor.name, p.zero, precision.dtype, precision.reduce_dtype)
     split = experts if experts is not None and experts.ep > 1 else None  # experts split
     wrapped: nn.Module
+    drive: ZeroDrive | None = None  # ZeRO-2/3 under pp: what the schedule sequences
     if plain:
         wrapped = DataParallel(
             inner,
@@ -258,7 +263,9 @@ def parallelize(
             exclude=split.params if split is not None else (),
         )
     else:
-        wrapped = ZeroDataParallel(
+        # chosen once: under pp the schedule drives ZeRO-2/3 (no hook installed)
+        driver: ZeroDriver = "schedule" if pp > 1 and p.zero in SCHEDULE_STAGES else "autograd"
+        zdp = ZeroDataParallel(
             inner,
             mesh,
             stage=p.zero,
@@ -278,7 +285,10 @@ def parallelize(
             # ep > 1: expert weights in units of their own over their replica group
             expert_params=split.params if split is not None else (),
             expert_group=split.replica_group if split is not None else None,
+            driver=driver,
         )
+        wrapped = zdp
+        drive = zdp.drive if driver == "schedule" else None
     pipeline = None
     if pp > 1:
         m = full.pipeline_microbatches(mesh.world_size) if full else (p.microbatches or 2 * pp)
@@ -290,6 +300,7 @@ def parallelize(
             microbatches=m,
             hidden_dim=_hidden_dim(model),
             seq_factor=tp if sp else 1,
+            zero=drive,
             zero_grad_reduce=p.pp_grad_reduce,
             zero_reshard=p.pp_reshard,
         )

@@ -12,16 +12,20 @@ rtol=1e-9 / atol=1e-11 (summation order only). The driver's counters check the c
 trade: one reduce-scatter per unit and step ('step') or one per backward action
 ('microbatch'); stage 3 gathers once per unit and step, or per action when resharding.
 The dp bus bytes of every step, from the comm counters, equal (N-1)/N of the padded
-units' bytes per reduce-scatter and all-gather, exactly.
+units' bytes per reduce-scatter and all-gather, exactly. The driver is chosen once: a
+wrapper the schedule drives never builds the autograd driver nor installs its hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 from plait.config import Config, ParallelConfig, TrainConfig
 from plait.model import Transformer
@@ -197,6 +201,61 @@ def test_zero_pipeline_matches_one_process(
                 assert ag_bytes == pytest.approx(f * s_pad, rel=1e-12)
             else:
                 assert ag_calls == gathers and ag_bytes > f * s_pad
+
+
+def _spy(owner: type, name: str) -> Any:
+    """Patch ``owner.name`` with a mock that counts its calls and runs the original."""
+    return mock.patch.object(owner, name, autospec=True, side_effect=getattr(owner, name))
+
+
+def _body_hooks(ctx: WorkerContext) -> dict[int, dict[str, int]]:
+    """Per ZeRO stage 1-3 on pp2 x dp2: the autograd drivers built and the hooks of the
+    kinds they install, counted while ``parallelize`` builds the model and one step runs
+    (stage 1 under pp keeps autograd's driver: the control that the counting sees it)."""
+    from plait.parallel.zero.driver import AutogradDriver
+
+    mesh = ctx.mesh(dp=2, pp=2)
+    out: dict[int, dict[str, int]] = {}
+    for zero in (1, 2, 3):
+        par = ParallelConfig(dp=2, pp=2, zero=zero, pipeline_schedule="1f1b", microbatches=2)
+        train = TrainConfig(global_batch=BATCH, seq_len=SEQ)
+        cfg = Config(model=model_config(LAYERS, tied=False), parallel=par, train=train)
+        model = Transformer(cfg.model, seed=3).double()
+        with (
+            _spy(AutogradDriver, "__init__") as init,
+            _spy(torch.Tensor, "register_post_accumulate_grad_hook") as grad,
+            _spy(nn.Module, "register_forward_hook") as post,
+        ):
+            pm = parallelize(model, mesh, cfg)
+            x, y = batches()[0]
+            per, r = BATCH // 2, mesh.index("dp")
+            pm.step(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])
+        assert pm.zero is not None and pm.pipeline is not None
+        out[zero] = {
+            "drivers": init.call_count,
+            "grad_hooks": grad.call_count,
+            "forward_hooks": post.call_count,
+            "autograd": int(pm.zero.driver is not None),
+            "schedule": int(pm.pipeline.zero is not None),
+            "params": sum(1 for _ in pm.zero.module.parameters()),
+        }
+    return out
+
+
+def test_the_schedule_driven_zero_never_installs_the_autograd_driver(
+    pools: Callable[[int], WorkerPool],
+) -> None:
+    """pp2 x dp2, ZeRO-2 and ZeRO-3 through ``parallelize`` and one step: no
+    :class:`~plait.parallel.zero.driver.AutogradDriver` is built and no post-accumulate-grad
+    or forward hook is registered (not even installed and removed again); ZeRO-1, which
+    autograd drives under pp, shows the counting sees them."""
+    for r in pools(4).run(f"{M}:_body_hooks"):
+        control = r[1]
+        assert control["drivers"] == control["autograd"] == 1 and control["schedule"] == 0
+        assert control["grad_hooks"] == control["params"] > 0
+        for zero in (2, 3):
+            assert r[zero]["schedule"] == 1 and r[zero]["autograd"] == 0
+            assert r[zero]["drivers"] == r[zero]["grad_hooks"] == r[zero]["forward_hooks"] == 0
 
 
 def test_cli_pp2_dp2_tp2_zero3_matches_one_process(tmp_path: Path) -> None:

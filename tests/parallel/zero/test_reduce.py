@@ -17,11 +17,11 @@ from torch import nn
 
 from plait import comm, init_mesh
 from plait.comm import AxisGroup
-from plait.errors import UnusedParametersError
+from plait.errors import ConfigError, UnusedParametersError
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.flat import FlatUnit, plan_units
-from plait.parallel.zero.reduce import ReduceState, UnitReduction
 from plait.parallel.zero.reducer import GradientReducer
+from plait.parallel.zero.unit_reduction import ReduceState, UnitReduction
 from plait.testing import WorkerContext, WorkerPool
 
 M = "tests.parallel.zero.test_reduce"
@@ -145,14 +145,47 @@ def test_a_parameter_without_gradient_is_refused_and_the_units_reset() -> None:
 # ----------------------------------------------------------------------------- other drivers
 
 
+def _hooks(model: nn.Module) -> dict[str, int]:
+    """The autograd driver's kinds of hook on ``model``, counted."""
+    mods = list(model.modules())
+    return {
+        "grad": sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()),
+        "pre": sum(len(m._forward_pre_hooks) for m in mods),
+        "post": sum(len(m._forward_hooks) for m in mods),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_driver_is_chosen_once_and_the_schedule_gets_no_hook(stage: int) -> None:
+    """Built for the schedule, the wrapper never builds the autograd driver: no hook on a
+    parameter or module (built for autograd, the same model has them)."""
+    hooked = _model()
+    ZeroDataParallel(hooked, init_mesh(), stage, wrap=_units_wrap())
+    assert _hooks(hooked)["grad"] == 4  # one per parameter
+    assert (_hooks(hooked)["pre"] > 0) == (stage == 3)
+    model = _model()
+    zdp = ZeroDataParallel(model, init_mesh(), stage, wrap=_units_wrap(), driver="schedule")
+    assert zdp.driver is None and zdp.driven_by == "schedule"
+    assert _hooks(model) == {"grad": 0, "pre": 0, "post": 0}
+    assert zdp.drive.units is zdp.units and zdp.drive.gatherer is zdp.gatherer
+    assert zdp.reducer.on_launch is None  # the autograd driver's free-on-launch
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_schedule_drives_only_stages_2_and_3(stage: int) -> None:
+    with pytest.raises(ConfigError, match="schedule drives ZeRO stages 2 and 3"):
+        ZeroDataParallel(_model(), init_mesh(), stage, driver="schedule")
+
+
 def test_an_external_driver_reduces_accumulated_gradients_through_the_reducer() -> None:
     """The pipeline's entry (``reduce`` on ``.grad`` accumulated over two backwards, a unit
-    reduced twice before ``finish``): after ``drive_externally`` autograd reduces nothing;
+    reduced twice before ``finish``): built for the schedule, autograd reduces nothing;
     each reduction's shard is added into ``grad_shard`` and the units end IDLE."""
     model = _model()
-    zdp = ZeroDataParallel(model, init_mesh(), 2, wrap=_units_wrap(), record_events=True)
-    zdp.drive_externally()
-    assert zdp.driver is None
+    zdp = ZeroDataParallel(
+        model, init_mesh(), 2, wrap=_units_wrap(), record_events=True, driver="schedule"
+    )
+    assert zdp.driver is None and zdp.drive.reducer is zdp.reducer
     x = torch.randn(5, 4)
     zdp(x).sum().backward()
     zdp(x).sum().backward()  # accumulates in .grad: no hook reduces it
@@ -176,8 +209,7 @@ def test_an_external_driver_reduces_accumulated_gradients_through_the_reducer() 
 
 def test_an_external_driver_is_refused_parameters_without_gradient() -> None:
     model = _model()
-    zdp = ZeroDataParallel(model, init_mesh(), 3, wrap=_units_wrap())
-    zdp.drive_externally()
+    zdp = ZeroDataParallel(model, init_mesh(), 3, wrap=_units_wrap(), driver="schedule")
     with zdp.gathered():
         model[0](torch.randn(5, 4)).sum().backward()  # the last Linear gets no gradient
     zdp.reducer.reduce(zdp.units[0])

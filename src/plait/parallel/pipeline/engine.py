@@ -31,7 +31,7 @@ from plait.parallel.pipeline.split import (
     split_transformer,
 )
 from plait.parallel.pipeline.zero import GradReduce, PipelineZero
-from plait.parallel.zero.wrapper import ZeroDataParallel
+from plait.parallel.zero.drive import ZeroDrive
 
 
 def split_for_pipeline(
@@ -91,9 +91,13 @@ class PipelineEngine:
         hidden_dim: width of the activations passed between pieces.
         seq_factor: tp under sequence parallelism (messages hold ``seq / tp``
             positions), else 1.
-        zero_grad_reduce: ZeRO-2/3 (``model`` a stage-2/3 ``ZeroDataParallel``): reduce
-            each unit's gradients once per step ("step") or after every backward action
-            ("microbatch"); see :mod:`plait.parallel.pipeline.zero`.
+        zero: ZeRO-2/3: the drive of ``model`` (a ``ZeroDataParallel`` built with
+            ``driver="schedule"``): its units, reducer and gatherer, sequenced by the
+            schedule (:class:`~plait.parallel.pipeline.zero.PipelineZero`); None: no
+            ZeRO-2/3 (``model`` reduces its gradients itself, from autograd's hooks).
+        zero_grad_reduce: ZeRO-2/3: reduce each unit's gradients once per step
+            ("step") or after every backward action ("microbatch"); see
+            :mod:`plait.parallel.pipeline.zero`.
         zero_reshard: ZeRO-3: free a piece's parameters after every action (re-gather
             per micro-batch) instead of keeping them gathered through the step.
 
@@ -111,6 +115,7 @@ class PipelineEngine:
         microbatches: int,
         hidden_dim: int,
         seq_factor: int = 1,
+        zero: ZeroDrive | None = None,
         zero_grad_reduce: GradReduce = "step",
         zero_reshard: bool = False,
     ) -> None:
@@ -140,9 +145,9 @@ class PipelineEngine:
             early_recv=placement == "adjacent",  # a rendezvous transport keeps its batches
         )
         self.zero: PipelineZero | None = None  # ZeRO-2/3: the schedule drives the wrapper
-        if isinstance(model, ZeroDataParallel) and model.stage >= 2:
+        if zero is not None:
             self.zero = PipelineZero(
-                model,
+                zero,
                 stages,
                 self.schedule,
                 mesh.index("pp"),

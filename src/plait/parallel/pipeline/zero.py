@@ -1,19 +1,22 @@
-"""ZeRO stages 2 and 3 under pipeline parallelism: the schedule drives gathers and reductions.
+"""The schedule driver: one of the two drivers of the ZeRO drive interface (ZeRO-2/3 under pp).
 
-Without a pipeline, :class:`~plait.parallel.zero.ZeroDataParallel` reacts to autograd: a
-forward pre-hook gathers a unit, a hook on its output's gradient gathers it again for
-backward, and a post-accumulate-grad hook reduce-scatters a unit once backward has
-produced all its gradients, with one end-of-backward callback. Under pipeline parallelism
+A :class:`~plait.parallel.zero.ZeroDataParallel` hands its units, gradient reducer and
+(stage 3) parameter gatherer to exactly one driver as a
+:class:`~plait.parallel.zero.drive.ZeroDrive`. Without a pipeline the driver is
+:class:`~plait.parallel.zero.driver.AutogradDriver`, which reacts to autograd: a forward
+pre-hook gathers a unit, a hook on its output's gradient gathers it again for backward,
+and a post-accumulate-grad hook reduce-scatters a unit once backward has produced all its
+gradients, with one end-of-backward callback. Under pipeline parallelism
 one step is many forwards and backwards of several pieces (interleaved: several chunks per
 rank; zero-bubble: backward split into ``I`` and ``W``, whose weight gradients are written
 into ``.grad`` directly), so those hooks would fire per micro-batch and per piece and the
-end-of-backward callback would see other pieces' units without gradients.
-:class:`PipelineZero` takes over as the wrapper's one driver
-(:meth:`~plait.parallel.zero.ZeroDataParallel.drive_externally`: the autograd driver
-closes) and is called by the pipeline runtime around every compute action instead
-(``before(action)`` / ``after(action)``), knowing the rank's whole action list. It only
-says *when*: the reductions (the in-flight cap, the refusal of parameters with no
-gradient, the events) are the wrapper's
+end-of-backward callback would see other pieces' units without gradients. So
+``parallelize`` builds the wrapper with ``driver="schedule"`` (no hook is installed) and
+hands its :attr:`~plait.parallel.zero.ZeroDataParallel.drive` to the pipeline engine:
+:class:`PipelineZero` is the wrapper's one driver, called by the pipeline runtime around
+every compute action (``before(action)`` / ``after(action)``), knowing the rank's whole
+action list. It only says *when*: the reductions (the in-flight cap, the refusal of
+parameters with no gradient, the events) are the drive's
 :class:`~plait.parallel.zero.reducer.GradientReducer`'s, the gathers its
 :class:`~plait.parallel.zero.gather.ParameterGatherer`'s:
 
@@ -62,23 +65,23 @@ from plait.config import PP_GRAD_REDUCES, PPGradReduce
 from plait.config_checks import check_choice
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
+from plait.parallel.zero.drive import SCHEDULE_STAGES, ZeroDrive
 from plait.parallel.zero.flat import FlatUnit
 
 if TYPE_CHECKING:
     from plait.parallel.pipeline.runtime import PipelineRuntime
     from plait.parallel.pipeline.split import PipelineStages
-    from plait.parallel.zero.wrapper import ZeroDataParallel
 
 GradReduce = PPGradReduce  # declared once, in plait.config
 _GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that write weight gradients
 
 
 class PipelineZero:
-    """Drive ``zero``'s (stage 2 or 3) gathers and reductions from the pipeline schedule.
+    """Drive ``drive``'s (stage 2 or 3) gathers and reductions from the pipeline schedule.
 
     Args:
-        zero: the ZeRO wrapper around this rank's ``stages`` (stage 2 or 3); this
-            driver replaces its autograd driver.
+        drive: the drive of the ZeRO wrapper around this rank's ``stages`` (stage 2 or
+            3), a wrapper built with ``driver="schedule"`` (it has no autograd driver).
         stages: this rank's pipeline pieces.
         schedule: the schedule the runtime executes.
         rank: this rank's index on the pp axis.
@@ -89,7 +92,7 @@ class PipelineZero:
 
     def __init__(
         self,
-        zero: ZeroDataParallel,
+        drive: ZeroDrive,
         stages: PipelineStages,
         schedule: Schedule,
         rank: int,
@@ -97,18 +100,17 @@ class PipelineZero:
         grad_reduce: GradReduce = "step",
         reshard: bool = False,
     ) -> None:
-        if zero.stage not in (2, 3):
-            raise ConfigError(f"PipelineZero drives ZeRO stages 2 and 3, not {zero.stage}")
+        if drive.stage not in SCHEDULE_STAGES:
+            raise ConfigError(f"PipelineZero drives ZeRO stages 2 and 3, not {drive.stage}")
         check_choice("grad_reduce", grad_reduce, PP_GRAD_REDUCES)
-        zero.drive_externally()  # the schedule, not autograd, says when to gather and reduce
-        self.zero, self.stages, self.schedule = zero, stages, schedule
+        self.drive, self.stages, self.schedule = drive, stages, schedule
         self.grad_reduce: GradReduce = grad_reduce
         self.reshard = reshard
         piece_of: dict[int, int] = {}  # id(parameter) -> virtual stage holding it
         for s in range(rank, schedule.virtual_stages, schedule.stages):
             for p in stages.piece(s).parameters():
                 piece_of[id(p)] = s
-        units = zero.units
+        units = drive.units
         self.pieces_of = [sorted({piece_of[id(p)] for p in u.params}) for u in units]
         self.units_of: dict[int, list[FlatUnit]] = {}
         for u in units:
@@ -138,8 +140,8 @@ class PipelineZero:
     def describe(self) -> str:
         """One phrase: when gradients are reduced and (stage 3) parameters gathered."""
         grads = "once per step" if self.grad_reduce == "step" else "after every backward action"
-        text = f"ZeRO-{self.zero.stage} under pp: gradients reduce-scattered {grads}"
-        if self.zero.stage == 3:
+        text = f"ZeRO-{self.drive.stage} under pp: gradients reduce-scattered {grads}"
+        if self.drive.stage == 3:
             params = "re-gathered for every action" if self.reshard else "gathered once per step"
             text += f", parameters {params}"
         return text
@@ -150,10 +152,10 @@ class PipelineZero:
         """Before compute action ``a``: stage 3 gathers the piece's units (all launched,
         then waited for); stage 2 completes the units' post-step all-gathers that
         :meth:`ZeroDataParallel.sync_params` left in flight."""
-        g = self.zero.gatherer
+        g = self.drive.gatherer
         if g is None:  # stage 2: the piece's post-step all-gathers must be complete
             for u in self.units_of.get(a.stage, []):
-                self.zero.wait_params(u)
+                self.drive.wait_params(u)
             return
         units = self.units_of.get(a.stage, [])
         if not self.reshard and not self._started:
@@ -161,7 +163,7 @@ class PipelineZero:
             # the step's first action, the later pieces' overlapping the first's compute
             self._started = True
             first = {u.index for u in units}
-            units = [*units, *(u for u in self.zero.units if u.index not in first)]
+            units = [*units, *(u for u in self.drive.units if u.index not in first)]
         for u in units:
             self.gathers += int(g.start(u))  # launched unless gathered or gathering
         for u in self.units_of.get(a.stage, []):
@@ -174,7 +176,7 @@ class PipelineZero:
         if a.op in _GRAD_OPS:
             held = sum(
                 p.grad.numel() * p.grad.element_size()
-                for u in self.zero.units
+                for u in self.drive.units
                 for p in u.params
                 if p.grad is not None
             )
@@ -183,7 +185,7 @@ class PipelineZero:
             for u in self.units_of.get(s, []):
                 if u.index not in self.deferred:
                     self._reduce(u)
-        g = self.zero.gatherer
+        g = self.drive.gatherer
         if g is None:
             return
         if self.reshard:  # free what the next action does not use (same piece: keep)
@@ -209,10 +211,10 @@ class PipelineZero:
         try:
             loss = runtime.step(tokens, targets, scale)
             self.stages.sync_tied_grads()
-            for u in self.zero.units:
+            for u in self.drive.units:
                 if u.index in self.deferred:
                     self._reduce(u)
-            self.zero.reducer.finish()  # every reduction waited for, shards added
+            self.drive.reducer.finish()  # every reduction waited for, shards added
         except BaseException:
             self._abandon()
             raise
@@ -224,20 +226,20 @@ class PipelineZero:
         """A failed step: complete the reductions in flight and drop them, and the
         accumulated gradients, so the next step starts clean (the reduced shards are the
         optimizer's to zero)."""
-        self.zero.reducer.abandon()
-        for u in self.zero.units:
+        self.drive.reducer.abandon()
+        for u in self.drive.units:
             for p in u.params:
                 p.grad = None
 
     def release(self) -> None:
         """Stage 3: free every unit (after a step or an evaluation pass)."""
         self._started = False
-        if self.zero.gatherer is not None:
-            self.zero.gatherer.free_all()
+        if self.drive.gatherer is not None:
+            self.drive.gatherer.free_all()
 
     # ------------------------------------------------------------------ reductions
 
     def _reduce(self, u: FlatUnit) -> None:
         """Reduce-scatter ``u``'s accumulated ``.grad`` now (asynchronously) and drop it."""
-        self.zero.reducer.reduce(u)
+        self.drive.reducer.reduce(u)
         self.reductions += 1

@@ -28,7 +28,7 @@ from plait.comm import AxisGroup
 from plait.parallel.zero.flat import FlatUnit
 
 if TYPE_CHECKING:
-    from plait.parallel.zero.reduce import UnitReduction
+    from plait.parallel.zero.unit_reduction import UnitReduction
 
 
 class GradBucket:

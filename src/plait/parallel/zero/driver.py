@@ -1,10 +1,11 @@
-"""The autograd driver: ZeRO's gathers and reductions sequenced by autograd hooks.
+"""The autograd driver: one of the two drivers of the ZeRO drive interface (hooks).
 
-A :class:`~plait.parallel.zero.ZeroDataParallel` holds two driver-neutral state machines:
-the gradient reductions (:class:`~plait.parallel.zero.reducer.GradientReducer`) and, at
-stage 3, the parameter gathers (:class:`~plait.parallel.zero.gather.ParameterGatherer`).
-Exactly one driver says when each moves. :class:`AutogradDriver`, the default, reacts to
-autograd:
+A :class:`~plait.parallel.zero.ZeroDataParallel` hands its driver-neutral state machines
+as one :class:`~plait.parallel.zero.drive.ZeroDrive`: the gradient reductions
+(:class:`~plait.parallel.zero.reducer.GradientReducer`) and, at stage 3, the parameter
+gathers (:class:`~plait.parallel.zero.gather.ParameterGatherer`). Exactly one driver,
+chosen when the wrapper is built, says when each moves. :class:`AutogradDriver`, the
+default (``driver="autograd"``), reacts to autograd:
 
 * a post-accumulate-grad hook on every flattened parameter hands its gradient to the
   reducer (which reduce-scatters a unit once all of its are in); the first one of a
@@ -16,10 +17,9 @@ autograd:
   gathers it again before its backward (prefetching the unit that ran before it); the
   reducer's ``on_launch`` frees a unit once its reduce-scatter is launched.
 
-The other driver is the pipeline schedule
-(:class:`~plait.parallel.pipeline.zero.PipelineZero`), which closes this one
-(:meth:`ZeroDataParallel.drive_externally`) and calls the same state machines around its
-actions instead.
+The other driver of the same interface is the pipeline schedule
+(``driver="schedule"``: :class:`~plait.parallel.pipeline.zero.PipelineZero`); a wrapper
+built for it never builds this one, so no hook is installed.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from plait.parallel.zero.drive import ZeroDrive
 from plait.parallel.zero.flat import ROOT, FlatUnit
-from plait.parallel.zero.gather import ParameterGatherer
-from plait.parallel.zero.reducer import GradientReducer
 
 
 def _tensor_leaves(obj: Any) -> list[torch.Tensor]:
@@ -54,14 +52,12 @@ def _in_autograd() -> bool:
 
 
 class AutogradDriver:
-    """Drive ``reducer`` and ``gatherer`` (stage 3; None below) from autograd hooks.
+    """Drive ``drive``'s reducer and (stage 3) gatherer from autograd hooks.
 
     Args:
         module: the wrapped module (a root unit used only by ``module`` itself stays
             gathered through forward and backward).
-        units: the wrapper's flat units.
-        reducer: the units' gradient reductions.
-        gatherer: stage 3: the units' parameter gathers (None below stage 3).
+        drive: the wrapper's units, reducer and gatherer (None below stage 3).
         reshard_after_forward: stage 3: free a unit after its forward.
         prefetch: stage 3: start the next unit's gather while the current one computes.
         note: records an event ``(kind, unit name)`` (tests read the order).
@@ -70,13 +66,12 @@ class AutogradDriver:
     def __init__(
         self,
         module: nn.Module,
-        units: list[FlatUnit],
-        reducer: GradientReducer,
-        gatherer: ParameterGatherer | None,
+        drive: ZeroDrive,
         reshard_after_forward: bool,
         prefetch: bool,
         note: Callable[[str, str], None],
     ) -> None:
+        units, reducer, gatherer = drive.units, drive.reducer, drive.gatherer
         self.module, self.reducer, self.gatherer = module, reducer, gatherer
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._note = note
@@ -88,7 +83,6 @@ class AutogradDriver:
         # it. A root unit used by several modules (tied weights) stays gathered from its
         # first use in forward until its gradients are reduced.
         self.reshardable: set[int] = set()
-        self._hooks: list[RemovableHandle] = []
         if gatherer is not None:
             reducer.on_launch = gatherer.free  # a reduce-scatter launched: free the unit
             for u in units:
@@ -96,7 +90,7 @@ class AutogradDriver:
         for u in units:
             for i, p in enumerate(u.params):
                 hook = functools.partial(self._on_grad, u, i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                p.register_post_accumulate_grad_hook(hook)
 
     def _hook_unit(self, u: FlatUnit) -> None:
         """Stage 3: hook ``u``'s trigger modules (gather before, free after forward)."""
@@ -104,17 +98,10 @@ class AutogradDriver:
             self.reshardable.add(u.index)
         for m in u.triggers:
             pre = functools.partial(self._pre_forward, u)
-            self._hooks.append(m.register_forward_pre_hook(pre))
+            m.register_forward_pre_hook(pre)
             if u.index in self.reshardable:
                 post = functools.partial(self._post_forward, u)
-                self._hooks.append(m.register_forward_hook(post))
-
-    def close(self) -> None:
-        """Remove every hook: another driver sequences the gathers and reductions now."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self.reducer.on_launch = None
+                m.register_forward_hook(post)
 
     # ------------------------------------------------------------------ gradients
 

@@ -104,7 +104,7 @@ class HostStep:
                 if not s.alias:
                     s.master = s.master.pin_memory()
                     masters.rebind(s)
-        if zero.driver is not None and not self.delay:  # settle the reductions early
+        if zero.driven_by == "autograd" and not self.delay:  # settle the reductions early
             zero.reducer.settle_early = True
         zero.reducer.on_reduced = self.on_reduced
 
@@ -214,7 +214,7 @@ class HostStep:
         # delayed: the buffers are busy (copied at the step); not eager: landed after the
         # norm (two passes); under another driver (the pipeline) a unit may settle once
         # per micro-batch: copied at the step too
-        if k is None or self.delay or not self.eager or self.zero.driver is None:
+        if k is None or self.delay or not self.eager or self.zero.driven_by != "autograd":
             return
         self._land(k)
         self._note("landed", u.name)

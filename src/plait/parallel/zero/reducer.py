@@ -1,4 +1,4 @@
-"""ZeRO's gradient path: each unit reduce-scattered as soon as its gradients are final.
+"""The gradient reducer: coordinates a ZeRO wrapper's per-unit reductions (the gradient path).
 
 Under the autograd driver a post-accumulate-grad hook on every flattened parameter hands
 its gradient to :meth:`GradientReducer.on_grad`; when every parameter of a unit has one,
@@ -25,14 +25,15 @@ reduce-scatters in flight (stage 3: launching one more completes the oldest, fre
 transient buffer, in ``_cap``; stage 2: a bucket that finds every kept buffer in use
 completes the oldest, in ``_hold``), the gradient-buffer bytes, and the refusal
 of parameters that got no gradient (:class:`~plait.errors.UnusedParametersError`, unless
-``find_unused_parameters``). Two drivers call it: the autograd hooks
-(:class:`~plait.parallel.zero.driver.AutogradDriver`) and the pipeline schedule
+``find_unused_parameters``). Two drivers call it, handed it in a
+:class:`~plait.parallel.zero.drive.ZeroDrive`: the autograd hooks
+(:class:`~plait.parallel.zero.driver.AutogradDriver`) or the pipeline schedule
 (:class:`~plait.parallel.pipeline.zero.PipelineZero`). It reports to its observers only:
 ``note`` (events) and :attr:`~GradientReducer.on_launch`.
 
 With ``bucket_bytes`` (stages 1/2) a unit whose gradients are complete waits for the rest
 of its :class:`~plait.parallel.zero.bucket.GradBucket`; the bucket goes out in one call.
-Each unit's reduction is a :class:`~plait.parallel.zero.reduce.UnitReduction` (its
+Each unit's reduction is a :class:`~plait.parallel.zero.unit_reduction.UnitReduction` (its
 states and transitions are listed there).
 """
 
@@ -47,7 +48,7 @@ from plait.comm import AxisGroup
 from plait.errors import UnusedParametersError
 from plait.parallel.zero.bucket import BufferRing, GradBucket, plan_buckets
 from plait.parallel.zero.flat import FlatUnit
-from plait.parallel.zero.reduce import ReduceState, UnitReduction
+from plait.parallel.zero.unit_reduction import ReduceState, UnitReduction
 
 
 class GradientReducer:

@@ -39,10 +39,11 @@ Hybrid sharding (``zero_shard_size`` F): shard inside groups of F consecutive dp
 all-reduce the shards across the dp/F groups; F = 1 replicates, F = dp fully shards.
 Units, flattening and padding: :mod:`plait.parallel.zero.flat`. The gradient path
 inside backward (reduce-scatter, hybrid all-reduce, one state machine per unit):
-:class:`plait.parallel.zero.reducer.GradientReducer`, which the wrapper owns. One driver
-at a time sequences the gathers and reductions: the autograd hooks
-(:class:`plait.parallel.zero.driver.AutogradDriver`, :attr:`ZeroDataParallel.driver`) or,
-under pipeline parallelism, the schedule (:meth:`ZeroDataParallel.drive_externally`). The
+:class:`plait.parallel.zero.reducer.GradientReducer`, which the wrapper owns. One driver,
+chosen once at construction (``driver``), sequences the gathers and reductions handed to
+it as :attr:`ZeroDataParallel.drive` (:mod:`plait.parallel.zero.drive`): the autograd
+hooks (:class:`plait.parallel.zero.driver.AutogradDriver`, :attr:`ZeroDataParallel.driver`)
+or, under pipeline parallelism, the schedule (no hook installed). The
 optimizer side (sharded fp32 masters, offload):
 :class:`plait.parallel.zero.optim.ShardedMasters`, stepped by :class:`plait.optim.Optimizer`
 (global-norm clipping, loss scaling).
@@ -73,6 +74,7 @@ from plait.parallel.materialize import give_storage, unallocated
 from plait.parallel.precision import parse_dtype
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero.bucket import ParamSync
+from plait.parallel.zero.drive import SCHEDULE_STAGES, ZERO_DRIVERS, ZeroDrive, ZeroDriver
 from plait.parallel.zero.driver import AutogradDriver
 from plait.parallel.zero.experts import expert_unit_groups, local_experts_as_they_are, make_units
 from plait.parallel.zero.flat import FlatUnit, WrapSpec, plan_units
@@ -121,6 +123,10 @@ class ZeroDataParallel(nn.Module):
             at stages 1-3 (replicated over it at stage 0; hybrid sharding does not apply
             to them); their gradients are reduced over it only, scaled to the average
             over the axis' ranks (the global batch's mean loss).
+        driver: who sequences the gathers and reductions (chosen once): "autograd"
+            (hooks, :class:`~plait.parallel.zero.driver.AutogradDriver`) or "schedule"
+            (stages 2/3 under pipeline parallelism: no hook is installed, the pipeline
+            drives :attr:`drive`).
     """
 
     def __init__(
@@ -145,9 +151,13 @@ class ZeroDataParallel(nn.Module):
         offload_delay: bool = False,
         expert_params: Sequence[nn.Parameter] = (),
         expert_group: AxisGroup | None = None,
+        driver: ZeroDriver = "autograd",
     ) -> None:
         super().__init__()
         check_positive("", bucket_mb=bucket_mb)
+        check_choice("ZeRO driver", driver, ZERO_DRIVERS)
+        if driver == "schedule" and stage not in SCHEDULE_STAGES:
+            raise ConfigError(f"the pipeline schedule drives ZeRO stages 2 and 3, not {stage}")
         axes = (axis,) if isinstance(axis, str) else tuple(axis)
         check_choice("ZeRO stage", stage, ZERO_STAGES, ZERO_MEANING)
         dp = math.prod(mesh.size(a) for a in axes)
@@ -228,17 +238,14 @@ class ZeroDataParallel(nn.Module):
             init = local_experts_as_they_are(init)
         for u in self.units:
             self._init_unit(u, init if meta else None)
-        # the one driver of the gathers and reductions: autograd's hooks, until another
-        # takes over (drive_externally)
-        self.driver: AutogradDriver | None = AutogradDriver(
-            module,
-            self.units,
-            self.reducer,
-            self.gatherer,
-            reshard_after_forward,
-            prefetch,
-            note=self._note_event,
-        )
+        self.driven_by: ZeroDriver = driver
+        self.drive = ZeroDrive(stage, self.units, self.reducer, self.gatherer, self.wait_params)
+        """What the one driver sequences (the pipeline engine is handed it)."""
+        self.driver: AutogradDriver | None = None  # the schedule's lives in the pipeline
+        if driver == "autograd":
+            self.driver = AutogradDriver(
+                module, self.drive, reshard_after_forward, prefetch, note=self._note_event
+            )
 
     # ------------------------------------------------------------------ set-up
 
@@ -446,18 +453,6 @@ class ZeroDataParallel(nn.Module):
                     LocalPiece(name, shape, None, at, at + b - a, run, p, self.param_dtype, first)
                 )
         return out
-
-    def drive_externally(self) -> None:
-        """Hand the gathers and reductions to another driver (ZeRO-2/3 under pipeline
-        parallelism: :class:`plait.parallel.pipeline.zero.PipelineZero`): the autograd
-        driver closes (its hooks are removed) and the caller sequences :attr:`gatherer`
-        and :attr:`reducer` through their public methods. The hooks that complete stage
-        2's post-step all-gathers before a full read (``state_dict``) belong to no driver
-        and stay."""
-        if self.driver is not None:
-            self.driver.close()
-            self.driver = None
-        self.reducer.settle_early = False  # offload's early settling is autograd's only
 
     def unit_summary(self) -> list[tuple[str, int, int, int]]:
         """``(name, parameters, numel, padded numel)`` of every unit."""

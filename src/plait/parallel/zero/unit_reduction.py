@@ -1,6 +1,7 @@
-"""ZeRO's gradient path: per-unit reduce-scatter as backward produces the gradients.
+"""One unit's gradient reduction: the state machine from its first gradient to its shard.
 
-Each flat unit's reduction is a small state machine, :class:`UnitReduction`::
+Each flat unit's reduction (reduce-scatter as backward produces the gradients) is a
+small state machine, :class:`UnitReduction`::
 
            first gradient                all gradients (or end of backward)
     IDLE ─────────────────▶ COLLECTING ───────────────────────────────▶ SCATTERING
