@@ -28,7 +28,8 @@ from plait.config import (
     PrecisionConfig,
     TrainConfig,
 )
-from plait.config_io import config_from_dict, config_to_dict, load_config
+from plait.config.coerce import config_from_dict, config_to_dict
+from plait.config.toml_io import load_config
 from plait.data import BatchSampler
 from plait.mesh import init_mesh
 from plait.optim import Optimizer
