@@ -19,7 +19,7 @@ from plait.config import (
     PrecisionConfig,
     TrainConfig,
 )
-from plait.config_io import config_from_dict
+from plait.config.coerce import config_from_dict
 from plait.errors import ConfigError
 
 # ----------------------------------------------------------------------------- __post_init__

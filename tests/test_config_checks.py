@@ -1,4 +1,4 @@
-"""The rules of :mod:`plait.config_checks` on plain values, the checks across
+"""The rules of :mod:`plait.config.rules` on plain values, the checks across
 configuration sections (:meth:`Config.validate`, which calls them): the layout against
 the world size, pipeline blocks and micro-batches, ZeRO options, the global batch. They
 need no torch; that each allowed-value set is declared once is in
@@ -13,26 +13,21 @@ import pytest
 
 from plait import config
 from plait.config import Config
-from plait.config_checks import (
+from plait.config.coerce import config_from_dict
+from plait.config.rules.choices import check_choice, check_positive, choice_error
+from plait.config.rules.features import check_compression, check_compression_warmup, check_offload
+from plait.config.rules.layout import (
     check_batch,
-    check_choice,
     check_chunks,
-    check_compression,
-    check_compression_warmup,
     check_cp_sequence,
-    check_offload,
     check_pipeline,
-    check_positive,
     check_pp_reshard,
-    check_seq_len,
     check_shard_size,
     check_sp_under_cp,
-    check_tokenizer_vocab,
     check_ulysses_heads,
     check_world,
-    choice_error,
 )
-from plait.config_io import config_from_dict
+from plait.config.rules.model import check_seq_len, check_tokenizer_vocab
 from plait.errors import ConfigError
 
 

@@ -20,16 +20,10 @@ from plait.config import (
     ParallelConfig,
     TrainConfig,
 )
-from plait.config_io import (
-    SHORT_ALIASES,
-    config_from_dict,
-    config_to_dict,
-    dump_toml,
-    field_docs,
-    format_field_docs,
-    load_config,
-    parse_override_flags,
-)
+from plait.config.coerce import config_from_dict, config_to_dict
+from plait.config.help_text import field_docs, format_field_docs
+from plait.config.overrides import SHORT_ALIASES, parse_override_flags
+from plait.config.toml_io import dump_toml, load_config
 from plait.errors import ConfigError
 
 if sys.version_info >= (3, 11):

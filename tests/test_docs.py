@@ -13,7 +13,7 @@ The convention (docs/README.md says the same, for writers):
   every ``plait train`` (a tiny model, 2 steps, no MFU measurement; later flags win;
   :data:`TINY_PS` to ``plait ps-train``), so
   a command written for a real run finishes in seconds and still checks every flag.
-* ```` ```toml ````: a config file; it must load with :func:`plait.config_io.load_config`.
+* ```` ```toml ````: a config file; it must load with :func:`plait.config.toml_io.load_config`.
 * ```` ```text ```` right after a command block (blank lines between allowed) is that
   block's output: the command's stdout must equal it (trailing spaces ignored). That is
   how shown output such as ``plait plan --search`` cannot drift.
@@ -242,7 +242,7 @@ def _norm(text: str) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_page_blocks_run(page: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    from plait.config_io import load_config
+    from plait.config.toml_io import load_config
 
     blocks = parse_blocks(page)
     bindir = tmp_path / ".bin"

@@ -15,6 +15,11 @@ is the longest matching prefix in :data:`LAYERS`; the package root ``plait/__ini
 
 Extra rules:
 
+* The configuration package (``plait.config``) imports no torch, and inside it imports
+  run one way (:data:`CONFIG_PARTS`): the rules (``plait.config.rules``: of plait, only
+  errors and themselves), then the values (the sections, the allowed values, the root
+  ``Config``), then reading and writing (dicts, TOML, overrides, help text, presets),
+  which may import the values but not the other way round.
 * ``plait.plan`` is pure arithmetic: it imports no torch and, of plait, only itself,
   errors and config (no comm, mesh, testing, bench, model, parallel ...), so the planner
   runs where torch is not installed.
@@ -48,7 +53,7 @@ ROOT = "plait"
 
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors",),
-    ("plait.config", "plait.config_io", "plait.config_checks", "plait.presets"),
+    ("plait.config",),
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
@@ -88,6 +93,22 @@ PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1])
 CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
 
+CONFIG = "plait.config"
+CONFIG_PARTS: list[tuple[str, ...]] = [
+    ("plait.config.rules",),
+    (CONFIG,),  # the values: one module per section, choices, root, the package itself
+    (
+        "plait.config.coerce",
+        "plait.config.toml_io",
+        "plait.config.overrides",
+        "plait.config.help_text",
+        "plait.config.presets",
+    ),
+]
+"""The configuration package's inside, in import order: rules, values, reading and
+writing; a module of ``plait.config`` imports (of plait) only errors and the parts up to
+its own (longest prefix wins)."""
+
 
 @dataclass(frozen=True)
 class Import:
@@ -117,6 +138,16 @@ def layer_of(module: str) -> int:
                 best, where = len(name), i
     if where < 0:
         raise AssertionError(f"{module} is in no layer; add it to LAYERS in {__file__}")
+    return where
+
+
+def config_part(module: str) -> int:
+    """The :data:`CONFIG_PARTS` index of a module of ``plait.config`` (longest prefix)."""
+    best, where = -1, -1
+    for i, names in enumerate(CONFIG_PARTS):
+        for name in names:
+            if _is_under(module, name) and len(name) > best:
+                best, where = len(name), i
     return where
 
 
@@ -242,8 +273,17 @@ def violations(
             bad.append(f"{head}: only plait.comm talks to torch.distributed")
         if _is_under(module, PLAN) and _is_under(target, "torch"):
             bad.append(f"{head}: plait.plan imports no torch (it runs without torch)")
+        if _is_under(module, CONFIG) and _is_under(target, "torch"):
+            bad.append(f"{head}: plait.config imports no torch (the planner runs without it)")
         if not _is_under(target, ROOT):
             continue
+        if _is_under(module, CONFIG) and _is_under(target, CONFIG):
+            mine_part, theirs_part = config_part(module), config_part(target)
+            if theirs_part > mine_part:
+                bad.append(
+                    f"{head}: inside plait.config, {', '.join(CONFIG_PARTS[mine_part])} "
+                    f"may not import from {', '.join(CONFIG_PARTS[theirs_part])}"
+                )
         theirs = layer_of(target)
         if theirs > mine:
             bad.append(
@@ -282,8 +322,7 @@ def top_level(module: str) -> str:
 def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None = None) -> list[str]:
     """Pairs of top-level sub-packages that import each other, with one witness import
     each way. ``packages`` (default: the directories under ``src/plait``) are the
-    sub-packages; top-level modules (``config``/``config_checks``) are left to the
-    layer rules."""
+    sub-packages; top-level modules (``mesh``, ``optim``) are left to the layer rules."""
     if packages is None:
         packages = {f"{ROOT}.{p.parent.name}" for p in SRC.glob("*/__init__.py")}
     edges: dict[tuple[str, str], Import] = {}
@@ -337,6 +376,15 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("from ..parallel import data_parallel\n", "plait.checkpoint.load", "parallelism"),
         ("from plait.train.faults import restart_count\n", "plait.checkpoint.manager", "may not"),
         ("from plait.train.trainer import Trainer\n", "plait.checkpoint", "may not import"),
+        ("import torch\n", "plait.config.rules.layout", "plait.config imports no torch"),
+        ("from torch import nn\n", "plait.config.parallel", "plait.config imports no torch"),
+        ("from plait.config import choices\n", "plait.config.rules.choices", "inside"),
+        ("from plait.config.root import Config\n", "plait.config.rules.layout", "inside"),
+        ("from ..model import ModelConfig\n", "plait.config.rules.model", "inside"),
+        ("from plait.config.toml_io import dump_toml\n", "plait.config.root", "inside"),
+        ("from plait.config.presets import PRESETS\n", "plait.config.model", "inside"),
+        ("from plait.config.coerce import sections\n", "plait.config", "inside"),
+        ("from plait.comm import all_reduce\n", "plait.config.rules", "may not import"),
     ],
 )
 def test_the_checker_flags_what_it_should(source: str, module: str, why: str) -> None:
@@ -381,6 +429,13 @@ def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from plait.train import trainer\n", "plait.cli.train")
     assert not violations("from plait.train.trainer import Trainer\n", "plait")
     assert not violations("from plait.pieces import TPSplit\n", "plait.checkpoint.files")
+    assert not violations("from plait.errors import ConfigError\n", "plait.config.rules.layout")
+    assert not violations("from .choices import check_choice\n", "plait.config.rules.model")
+    assert not violations("from plait.config.rules.layout import x\n", "plait.config.parallel")
+    assert not violations("from plait.config.choices import Offload\n", "plait.config.root")
+    assert not violations("from plait.config.root import Config\n", "plait.config.coerce")
+    assert not violations("from plait.config.coerce import x\n", "plait.config.toml_io")
+    assert not violations("from plait.config import ModelConfig\n", "plait.config.presets")
 
 
 def test_the_checker_names_file_line_target_and_both_layers() -> None:
@@ -392,7 +447,7 @@ def test_the_checker_names_file_line_target_and_both_layers() -> None:
 
 
 def test_every_layer_name_is_matched_by_longest_prefix_and_unknowns_are_refused() -> None:
-    assert layer_of("plait.config_io") == 1 and layer_of("plait.config") == 1
+    assert layer_of("plait.config.toml_io") == 1 and layer_of("plait.config") == 1
     assert layer_of("plait.comm.ops") == 2 and layer_of("plait.collectives.ring") == 3
     assert layer_of(ROOT) == len(LAYERS) - 1
     with pytest.raises(AssertionError, match="in no layer"):
@@ -422,6 +477,21 @@ def test_imports_flow_one_way() -> None:
         for v in violations(path.read_text("utf-8"), name, path.name == "__init__.py", _rel(path))
     ]
     assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_every_module_of_the_config_package_is_in_a_part() -> None:
+    """Each file of ``plait.config`` falls in the part it is meant to: the rules
+    subpackage, one of the named reading/writing modules, or else the values (a new
+    reading/writing module must be named in :data:`CONFIG_PARTS`, or it is a value)."""
+    names = [name for _, name in _modules() if _is_under(name, CONFIG)]
+    parts = {name: config_part(name) for name in names}
+    assert {n for n, p in parts.items() if p == 0} == {
+        n for n in names if _is_under(n, "plait.config.rules")
+    }
+    assert all(_is_plait_module(n) for n in CONFIG_PARTS[2]), CONFIG_PARTS[2]
+    assert {"plait.config.root", "plait.config.parallel", CONFIG} <= {
+        n for n, p in parts.items() if p == 1
+    }
 
 
 def test_the_torch_distributed_exceptions_are_still_needed() -> None:

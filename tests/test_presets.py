@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from plait.config import ModelConfig
+from plait.config.presets import MODEL_PRESETS, PRESETS, Preset, model_preset
 from plait.errors import ConfigError
 from plait.plan.modelspec import MODEL_SPECS as SPECS
 from plait.plan.modelspec import ModelSpec
-from plait.presets import MODEL_PRESETS, PRESETS, Preset, model_preset
 
 
 def test_the_planner_knows_every_name_and_nothing_else() -> None:

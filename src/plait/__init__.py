@@ -28,7 +28,7 @@ _LAZY: dict[str, str] = {
     "ParallelConfig": "plait.config",
     "PrecisionConfig": "plait.config",
     "TrainConfig": "plait.config",
-    "load_config": "plait.config_io",
+    "load_config": "plait.config.toml_io",
     "CommError": "plait.errors",
     "CommTimeoutError": "plait.errors",
     "ConfigError": "plait.errors",
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
         PrecisionConfig,
         TrainConfig,
     )
-    from plait.config_io import load_config
+    from plait.config.toml_io import load_config
     from plait.errors import CommError, CommTimeoutError, ConfigError, DataError, PlaitError
     from plait.mesh import AXES, Mesh, MeshLayout, init_mesh
     from plait.model import Transformer

@@ -23,7 +23,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup, CommStats
-from plait.config_checks import check_world
+from plait.config.rules.layout import check_world
 from plait.errors import ConfigError
 
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")

@@ -44,7 +44,7 @@ from torch import nn
 from plait import comm
 from plait.comm import AxisGroup
 from plait.config import NONFINITES, NonFinite
-from plait.config_checks import check_choice
+from plait.config.rules.choices import check_choice
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from plait.checkpoint import CheckpointReader, CorruptCheckpointError, find_checkpoint
-from plait.config_io import config_from_dict
+from plait.config.coerce import config_from_dict
 from plait.mesh import init_mesh
 from plait.train.trainer import Trainer
 

@@ -52,7 +52,8 @@ def _args(layout: str, steps: int, tmp: Path, *extra: str) -> list[str]:
 
 
 def _body_reference(ctx: WorkerContext, layout: str, steps: int) -> list[float]:
-    from plait.config_io import load_config, parse_override_flags
+    from plait.config.overrides import parse_override_flags
+    from plait.config.toml_io import load_config
     from plait.train.trainer import Trainer
 
     _, flags = LAYOUTS[layout]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.config_checks import check_expert_parallel
+from plait.config.rules.layout import check_expert_parallel
 from plait.errors import ConfigError
 from plait.model.moe import MoE
 from plait.model.transformer import Transformer, flops_per_token, param_count

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plait.config import Config
-from plait.config_io import config_from_dict
+from plait.config.coerce import config_from_dict
 from plait.errors import ConfigError
 from plait.parallel.checks import carry_validation, is_validated, validate_run
 
@@ -161,6 +161,7 @@ def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
     import typing
 
     from plait import config
+    from plait.config import choices
     from plait.optim import Optimizer
     from plait.parallel import compression, precision
     from plait.parallel.pipeline import schedules
@@ -174,4 +175,4 @@ def test_the_parallel_layer_uses_the_configs_value_sets() -> None:
     assert typing.get_type_hints(Optimizer.__init__)["nonfinite"] is config.NonFinite
     assert compression.METHODS is config.COMPRESSIONS
     assert schedules.SCHEDULES is config.PIPELINE_SCHEDULES
-    assert tuple(precision.DTYPES) == typing.get_args(config.DType)  # names -> torch dtypes
+    assert tuple(precision.DTYPES) == typing.get_args(choices.DType)  # names -> torch dtypes

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from plait.cli import main
-from plait.config_io import config_from_dict, load_config_data
+from plait.config.coerce import config_from_dict
+from plait.config.toml_io import load_config_data
 from plait.errors import ConfigError
 from plait.plan.auto import auto_query, choose_layout, layout_overrides
 from plait.plan.layout import Layout
@@ -23,7 +24,7 @@ HW = "a100-80gb"
 
 
 def _cfg(world: int, extra: list[str] | None = None):  # type: ignore[no-untyped-def]
-    from plait.config_io import parse_override_flags
+    from plait.config.overrides import parse_override_flags
 
     overrides, _ = parse_override_flags([*tiny_args(), *(extra or [])])
     return config_from_dict(load_config_data(None, list(overrides)))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from plait.config import ModelConfig
+from plait.config.presets import MODEL_PRESETS
 from plait.errors import ConfigError
 from plait.model import Transformer
 from plait.parallel.compression import PowerSGDCompressor
@@ -23,7 +24,6 @@ from plait.plan.estimate import step_time
 from plait.plan.hardware import Link, hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.modelspec import MODEL_SPECS
-from plait.presets import MODEL_PRESETS
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])

@@ -81,7 +81,7 @@ _NO_TORCH = (
 def test_the_planner_runs_where_torch_cannot_be_imported() -> None:
     code = _NO_TORCH + (
         "import plait, plait.plan, plait.config\n"
-        "from plait.config_io import load_config\n"
+        "from plait.config.toml_io import load_config\n"
         "from plait.plan import HARDWARE_PRESETS, MODEL_SPECS, PRECISIONS, RUNTIMES, Layout\n"
         "from plait.plan import estimate\n"
         "cfg = load_config(None, ['parallel.tp=2', 'parallel.zero=1'])\n"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from plait.config import Config, ParallelConfig
-from plait.config_io import config_from_dict
+from plait.config.coerce import config_from_dict
 from plait.errors import ConfigError
 from plait.plan.layout import Layout
 

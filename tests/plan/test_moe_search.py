@@ -184,7 +184,9 @@ def test_layout_auto_chooses_ep_when_it_wins() -> None:
 def test_auto_query_of_an_moe_config_and_the_ep_override_round_trip() -> None:
     """``--layout auto`` plans the config's experts, and ``parallel.ep`` written for a
     layout gives that layout back."""
-    from plait.config_io import config_from_dict, load_config_data, parse_override_flags
+    from plait.config.coerce import config_from_dict
+    from plait.config.overrides import parse_override_flags
+    from plait.config.toml_io import load_config_data
     from plait.plan.auto import auto_query
     from tests.tiny import tiny_args
 
@@ -204,7 +206,9 @@ def test_auto_query_of_an_moe_config_and_the_ep_override_round_trip() -> None:
 
 def test_the_train_memory_check_counts_the_experts() -> None:
     """``plait train``'s check (plan.fit) predicts the MoE model's weights at its ep."""
-    from plait.config_io import config_from_dict, load_config_data, parse_override_flags
+    from plait.config.coerce import config_from_dict
+    from plait.config.overrides import parse_override_flags
+    from plait.config.toml_io import load_config_data
     from plait.plan.fit import check_fits
     from tests.tiny import tiny_args
 

@@ -183,7 +183,8 @@ TORCHRUN_ARGS = [
 
 
 def _body_uninterrupted(ctx: WorkerContext) -> list[float]:
-    from plait.config_io import load_config, parse_override_flags
+    from plait.config.overrides import parse_override_flags
+    from plait.config.toml_io import load_config
 
     overrides, rest = parse_override_flags(TORCHRUN_ARGS)
     assert rest == []

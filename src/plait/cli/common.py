@@ -121,7 +121,7 @@ def parse_run_flags(
     """The dotted ``--section.field value`` overrides and the parsed named flags of a
     command that runs the model (``plait train``, ``plait eval``); an unknown flag is
     refused with the closest known one."""
-    from plait.config_io import parse_override_flags, unknown_flag_error
+    from plait.config.overrides import parse_override_flags, unknown_flag_error
 
     overrides, remaining = parse_override_flags(rest)
     ns, unknown = parser.parse_known_args(list(remaining))

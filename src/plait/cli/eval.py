@@ -183,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
 def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
     """The run's config (the train command's flags and TOML) and ``--batches``."""
     from plait.cli.common import parse_run_flags
-    from plait.config_io import config_from_dict, load_config_data
+    from plait.config.coerce import config_from_dict
+    from plait.config.toml_io import load_config_data
 
     overrides, ns = parse_run_flags(_parser(), rest)
     if ns.batches is not None and ns.batches <= 0:

@@ -134,7 +134,8 @@ def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
     from plait.cli.common import parse_run_flags
     from plait.cli.train import pretrained_defaults
     from plait.config import ModelConfig
-    from plait.config_io import config_from_dict, load_config_data
+    from plait.config.coerce import config_from_dict
+    from plait.config.toml_io import load_config_data
     from plait.model.generate import SampleSettings
 
     overrides, ns = parse_run_flags(_parser(), rest)
@@ -194,7 +195,7 @@ def generate_on(mesh: Mesh, cfg: Config, args: GenerateArgs, prompt: list[int]) 
 def _generate(rest: Sequence[str]) -> int:
     """Validate, then generate here (one process, or a rank) or start the ranks."""
     from plait.cli.common import leave_torchrun_child, start_checks
-    from plait.config_checks import check_generation_layout
+    from plait.config.rules.features import check_generation_layout
     from plait.data import make_tokenizer
     from plait.launch.local import launch_local
 

@@ -25,7 +25,7 @@ from plait.config import (
     RECOMPUTES,
     ZERO_STAGES,
 )
-from plait.config_checks import check_world
+from plait.config.rules.layout import check_world
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
 from plait.plan.layout import (

@@ -68,7 +68,9 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     """Validate everything, then start ``nproc`` local ranks that each run ``python -m
     plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
     from plait.cli.common import parse_run_flags
-    from plait.config_io import config_from_dict, format_field_docs, load_config_data
+    from plait.config.coerce import config_from_dict
+    from plait.config.help_text import format_field_docs
+    from plait.config.toml_io import load_config_data
     from plait.launch.local import launch_local, torchrun_env
 
     overrides, ns = parse_run_flags(_parser(), rest)
@@ -208,7 +210,7 @@ def pretrained_defaults(data: dict[str, Any]) -> list[str]:
         return []
     from plait.checkpoint.hf import model_fields, read_hf_config
     from plait.checkpoint.hf_read import open_hf
-    from plait.config_checks import check_pretrained_model
+    from plait.config.rules.model import check_pretrained_model
 
     fixed = model_fields(read_hf_config(init_from), str(init_from))
     model = data.setdefault("model", {})

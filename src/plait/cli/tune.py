@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def tune_main(argv: Sequence[str]) -> int:
     """``plait tune``; returns the exit code."""
-    from plait.config_io import dump_toml, load_config, parse_override_flags
+    from plait.config.overrides import parse_override_flags
+    from plait.config.toml_io import dump_toml, load_config
     from plait.launch.ray_session import check_address, import_ray, ray_session
     from plait.launch.ray_tune import check_space, format_table, parse_search, run_search
 

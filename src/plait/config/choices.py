@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from plait.config_checks import check_choice
+from plait.config.rules.choices import check_choice
 
 Backend = Literal["auto", "gloo", "nccl"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -38,7 +38,7 @@ WandbMode = Literal["off", "offline", "online"]
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
 PresetStyle = Literal["llama", "gpt"]
-"""Block style of a model preset (:mod:`plait.presets`): ``llama`` (plait's built-in
+"""Block style of a model preset (:mod:`plait.config.presets`): ``llama`` (plait's built-in
 block) or ``gpt`` (GPT-2/3's block)."""
 PlannedSchedule = Literal["1f1b", "gpipe", "interleaved"]
 """The pipeline schedules the planner models (:class:`plait.plan.layout.Layout`); it

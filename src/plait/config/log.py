@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.config.choices import Progress, WandbMode, check_choices
-from plait.config_checks import check_positive, parse_step_window
+from plait.config.rules.choices import check_positive
+from plait.config.rules.features import parse_step_window
 from plait.errors import ConfigError
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.config.choices import AttentionKind, ModelFamily, MoERouter, RopeScaling, check_choices
-from plait.config_checks import check_moe, check_positive, check_rope_scaling
+from plait.config.rules.choices import check_positive
+from plait.config.rules.model import check_moe, check_rope_scaling
 from plait.errors import ConfigError
 
 

@@ -19,12 +19,9 @@ from plait.config.choices import (
     TopKScope,
     check_choices,
 )
-from plait.config_checks import (
-    check_choice,
-    check_compression_warmup,
-    check_positive,
-    check_pp_reshard,
-)
+from plait.config.rules.choices import check_choice, check_positive
+from plait.config.rules.features import check_compression_warmup
+from plait.config.rules.layout import check_pp_reshard
 from plait.errors import ConfigError
 
 

@@ -11,24 +11,25 @@ from plait.config.log import LogConfig
 from plait.config.model import ModelConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
-from plait.config.train import TrainConfig
-from plait.config_checks import (
-    check_batch,
+from plait.config.rules.features import (
     check_compression,
-    check_cp_sequence,
     check_document_mask,
-    check_expert_parallel,
     check_generation_layout,
     check_offload,
-    check_pipeline,
     check_sample_length,
-    check_seq_len,
+)
+from plait.config.rules.layout import (
+    check_batch,
+    check_cp_sequence,
+    check_expert_parallel,
+    check_pipeline,
     check_shard_size,
     check_sp_under_cp,
-    check_tokenizer_vocab,
     check_ulysses_heads,
     check_world,
 )
+from plait.config.rules.model import check_seq_len, check_tokenizer_vocab
+from plait.config.train import TrainConfig
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Config:
 
         Raises :class:`ConfigError` with one paragraph saying what is wrong and what
         would work. Runs before any process starts and needs no torch; each rule is a
-        function of :mod:`plait.config_checks`. A run also needs the parallel layer's
+        function of :mod:`plait.config.rules`. A run also needs the parallel layer's
         checks (tensor-parallel divisibility, the pipeline schedule, the device's
         dtypes): :func:`plait.parallel.checks.validate_run` runs this and then those,
         once per process.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.config.choices import Recompute, check_choices
-from plait.config_checks import check_positive
+from plait.config.rules.choices import check_positive
 from plait.errors import ConfigError
 
 

@@ -80,7 +80,7 @@ def _numbers(args: Sequence[str]) -> bool:
 def check_space(items: Sequence[SearchItem], base: Sequence[str], world: int) -> None:
     """Validate the base run with every grid combination and every sampler's bounds or
     choices before any trial starts (the same checks ``plait train`` makes)."""
-    from plait.config_io import load_config
+    from plait.config.toml_io import load_config
     from plait.parallel.checks import validate_run
 
     if not items:

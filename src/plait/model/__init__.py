@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plait.config.presets import MODEL_PRESETS, model_preset
 from plait.model.transformer import (
     IGNORE_INDEX,
     Attention,
@@ -19,7 +20,6 @@ from plait.model.transformer import (
     param_count,
     rope_tables,
 )
-from plait.presets import MODEL_PRESETS, model_preset
 
 __all__ = [
     "IGNORE_INDEX",

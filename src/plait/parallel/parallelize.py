@@ -69,7 +69,8 @@ from plait.config import (
     Recompute,
     TrainConfig,
 )
-from plait.config_checks import check_compression, check_expert_parallel
+from plait.config.rules.features import check_compression
+from plait.config.rules.layout import check_expert_parallel
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.model.moe import MoE

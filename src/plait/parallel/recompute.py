@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from plait.config import RECOMPUTES, Recompute
-from plait.config_checks import check_choice
+from plait.config.rules.choices import check_choice
 from plait.parallel.zero.flat import default_block_classes
 
 _ATTENTION_CORE: tuple[Callable[..., Any], ...] = (

@@ -26,15 +26,9 @@ from plait.config import (
     Recompute,
     check_choices,
 )
-from plait.config_checks import (
-    check_choice,
-    check_chunks,
-    check_compression,
-    check_offload,
-    check_positive,
-    check_shard_size,
-    check_world,
-)
+from plait.config.rules.choices import check_choice, check_positive
+from plait.config.rules.features import check_compression, check_offload
+from plait.config.rules.layout import check_chunks, check_shard_size, check_world
 from plait.errors import ConfigError
 
 

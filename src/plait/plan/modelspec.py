@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, replace
 
 from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
-from plait.config_checks import check_choice
+from plait.config.presets import PRESETS, Preset
+from plait.config.rules.choices import check_choice
 from plait.errors import ConfigError
-from plait.presets import PRESETS, Preset
 
 MAX_PARAMS = 1e15
 """Largest ``--params`` the planner models (bounds its time and memory)."""
@@ -235,7 +235,7 @@ def _spec(name: str, preset: Preset) -> ModelSpec:
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {name: _spec(name, p) for name, p in PRESETS.items()}
-"""The planner's spec of every named shape, derived from :data:`plait.presets.PRESETS`."""
+"""The planner's spec of every named shape, derived from :data:`plait.config.presets.PRESETS`."""
 
 
 def model_spec_preset(name: str) -> ModelSpec:

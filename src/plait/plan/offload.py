@@ -8,7 +8,7 @@ the runtime (:mod:`plait.parallel.zero.offload`) allocates (:func:`offload_memor
 * the optimizer state of the non-padding elements plus the per-tensor scalars (as on
   the device without offload);
 * the fp32 gradient landing buffers of the device-to-host copies: a ring of
-  :data:`~plait.config_checks.OFFLOAD_RING_BUFFERS` buffers the size of the largest
+  :data:`~plait.config.rules.features.OFFLOAD_RING_BUFFERS` buffers the size of the largest
   unit's shard, reused unit after unit (:func:`landing_bytes`; ``4·S``, one per unit,
   with the one-step-delayed update);
 * ``offload = params`` (ZeRO-3): the parameter shards too, ``p·S``; the device keeps
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.config import Config
-from plait.config_checks import OFFLOAD_RING_BUFFERS, check_offload_dir
+from plait.config.rules.features import OFFLOAD_RING_BUFFERS, check_offload_dir
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload_time import DEFAULT_CPU_ADAM as DEFAULT_CPU_ADAM
@@ -107,9 +107,10 @@ def offload_memory(
 
 def landing_bytes(shard_numels: list[int], delay: bool) -> int:
     """Bytes of the fp32 gradient landing buffers of a rank whose units' shards have
-    ``shard_numels`` elements: a ring of :data:`~plait.config_checks.OFFLOAD_RING_BUFFERS`
-    buffers of the largest shard (fewer with fewer units); with the one-step-delayed
-    update (``delay``) one buffer per unit (the gradients outlive the next backward)."""
+    ``shard_numels`` elements: a ring of
+    :data:`~plait.config.rules.features.OFFLOAD_RING_BUFFERS` buffers of the largest
+    shard (fewer with fewer units); with the one-step-delayed update (``delay``) one
+    buffer per unit (the gradients outlive the next backward)."""
     if delay:
         return 4 * sum(shard_numels)
     return 4 * min(OFFLOAD_RING_BUFFERS, len(shard_numels)) * max(shard_numels, default=0)

@@ -23,7 +23,7 @@ non-finite norm; and every offloaded step under pipeline parallelism, where the 
 land after the schedule): first the global norm is taken from the reduced shards still
 on the device (``S·g`` bytes read at the device's element-wise bandwidth), then the
 units flow through three resources in slot order, a ring of ``R`` landing buffers
-(:data:`~plait.config_checks.OFFLOAD_RING_BUFFERS`) between the first two:
+(:data:`~plait.config.rules.features.OFFLOAD_RING_BUFFERS`) between the first two:
 
     D_k = max(D_{k-1}, H_{k-R}) + d_k     the copy stream (a buffer frees when the step
                                           of the unit that used it ends)
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.config_checks import OFFLOAD_RING_BUFFERS
+from plait.config.rules.features import OFFLOAD_RING_BUFFERS
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision
 

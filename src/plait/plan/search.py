@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.config import PP_GRAD_REDUCES, RECOMPUTES, ZERO_STAGES, PlannedSchedule, Recompute
-from plait.config_checks import check_world
+from plait.config.rules.layout import check_world
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware

@@ -32,7 +32,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from plait.config import LogConfig
-from plait.config_checks import parse_step_window
+from plait.config.rules.features import parse_step_window
 from plait.errors import ConfigError
 
 MEMORY_HISTORY_ENTRIES = 100_000

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from plait import init_mesh
-from plait.config import Config, ConfigError, ModelConfig, ParallelConfig
+from plait.config import Config, ModelConfig, ParallelConfig
+from plait.errors import ConfigError
 from plait.model import Transformer
 from plait.parallel.compression import LocalAdam, TopKCompressor
 from plait.parallel.compression.topk import topk_count

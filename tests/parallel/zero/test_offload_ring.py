@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from plait.config_checks import OFFLOAD_RING_BUFFERS
+from plait.config.rules.features import OFFLOAD_RING_BUFFERS
 from plait.optim import Optimizer
 from plait.parallel.precision import DynamicLossScaler
 from plait.parallel.zero import ZeroDataParallel

@@ -17,7 +17,7 @@
 applies over dp only (tp/pp untouched) and only on the last micro-step of an
 accumulation (the others do not communicate). ZeRO stages reduce-scatter to shard
 owners rather than all-reduce, and mixed precision reduces through the ZeRO wrapper:
-both are refused with compression (see :func:`plait.config_checks.check_compression`).
+both are refused with compression (see :func:`plait.config.rules.features.check_compression`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from plait.config import CP_ATTENTIONS, CPAttention
-from plait.config_checks import check_choice, check_cp_sequence
+from plait.config.rules.choices import check_choice
+from plait.config.rules.layout import check_cp_sequence
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.context.document_ids import ShardDocuments

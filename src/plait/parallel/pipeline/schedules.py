@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from plait.config import PIPELINE_SCHEDULES
-from plait.config_checks import check_chunks, check_interleaved
+from plait.config.rules.layout import check_chunks, check_interleaved
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.config import PP_GRAD_REDUCES, PPGradReduce
-from plait.config_checks import check_choice
+from plait.config.rules.choices import check_choice
 from plait.errors import ConfigError
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.zero.drive import SCHEDULE_STAGES, ZeroDrive

@@ -26,7 +26,7 @@ runs the host side of one :class:`~plait.parallel.zero.optim.ShardedMasters`:
   next forward (so the parameters' return overlaps the start of the next forward).
 
 **Host memory** is the masters, the optimizer state and the ring: ``OFFLOAD_RING_BUFFERS``
-(:mod:`plait.config_checks`) buffers the size of the largest unit's shard. A buffer is
+(:mod:`plait.config.rules.features`) buffers the size of the largest unit's shard. A buffer is
 reused once the host step of the unit that landed in it has finished (the landing waits
 for it), so at most that many units' gradients are on the host in every mode but one:
 the one-step-delayed update (``offload_delay``) keeps one buffer per unit, because its
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.config_checks import OFFLOAD_RING_BUFFERS
+from plait.config.rules.features import OFFLOAD_RING_BUFFERS
 from plait.parallel.zero.flat import FlatUnit
 from plait.parallel.zero.offload_store import OffloadStore, check_offload_dir, disk_bytes_needed
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from plait.config_checks import check_offload_dir
+from plait.config.rules.features import check_offload_dir
 
 __all__ = ["FileSlot", "OffloadStore", "check_offload_dir", "disk_bytes_needed"]
 

@@ -66,7 +66,9 @@ from torch import nn
 
 from plait.comm import AxisGroup
 from plait.config import OFFLOADS, ZERO_MEANING, ZERO_STAGES, Offload
-from plait.config_checks import check_choice, check_offload, check_positive, check_shard_size
+from plait.config.rules.choices import check_choice, check_positive
+from plait.config.rules.features import check_offload
+from plait.config.rules.layout import check_shard_size
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.parallel.data_parallel import broadcast_module_state

@@ -1,14 +1,14 @@
 """Rules on the model and its data: sequence length, the tokenizer's vocabulary, RoPE
 scaling, pretrained models, mixture of experts.
 
-See :mod:`plait.config_checks`.
+See :mod:`plait.config.rules`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from plait.config_checks.choices import check_positive
+from plait.config.rules.choices import check_positive
 from plait.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 """Rules on features a run turns on: document masking, gradient compression, ZeRO-Offload
 and its NVMe folder, text generation, the profiler's window.
 
-See :mod:`plait.config_checks`.
+See :mod:`plait.config.rules`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
-from plait.config_checks import check_choice
+from plait.config.rules.choices import check_choice
 from plait.errors import ConfigError
 
 

@@ -1,7 +1,7 @@
 """Rules on the parallel layout: the world, the batch, context and sequence parallelism,
 ZeRO's sharding, the pipeline, expert parallelism.
 
-See :mod:`plait.config_checks`.
+See :mod:`plait.config.rules`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Allowed values and positivity: the wording every rule shares.
 
-See :mod:`plait.config_checks`.
+See :mod:`plait.config.rules`.
 """
 
 from __future__ import annotations
