@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             *kernels,
             "",
             f"(b) One training step (forward, backward, AdamW) of a {LAYERS}-layer model "
-            f"(dim {DIM}) on {args.world} ranks (dp {args.world}), global batch {BATCH} x {SEQ} tokens; median of "
+            f"(dim {DIM}) on {args.world} ranks (dp {args.world}), global batch {BATCH} x {SEQ} "
+            "tokens; median of "
             f"{args.repeats} steps (slowest rank); bytes each rank sends per step (bus "
             "bytes: ep all-to-all; dp all-reduce, including the expert replica group).",
             "",

@@ -71,9 +71,16 @@ CASES: dict[str, Case] = {
     "compression": Case(
         tables={
             "run | dp bus bytes / step": _rows(
-                "plait none", "plait fp16", "plait bf16", "plait topk", "plait powersgd",
-                "torch DDP", "torch DDP-fp16", "torch DDP-bf16", "torch DDP-powersgd",
-            ),  # fmt: skip
+                "plait none",
+                "plait fp16",
+                "plait bf16",
+                "plait topk",
+                "plait powersgd",
+                "torch DDP",
+                "torch DDP-fp16",
+                "torch DDP-bf16",
+                "torch DDP-powersgd",
+            ),
             "link | none": _rows("1 Gbit/s", "10 Gbit/s", "100 Gbit/s", "one node (NVLink)"),
         }
     ),
@@ -103,9 +110,7 @@ CASES: dict[str, Case] = {
     "eager_step": Case(
         tables={
             "loop | step (ms)": _rows("plain", "plait", "plait, AdamW default kernel"),
-            "AdamW kernel (optimizer step alone) | CPU (ms)": _rows(
-                "default", "foreach", "fused"
-            ),
+            "AdamW kernel (optimizer step alone) | CPU (ms)": _rows("default", "foreach", "fused"),
         }
     ),
     "generate": Case(
@@ -117,33 +122,46 @@ CASES: dict[str, Case] = {
         }
     ),
     "gpu_step": Case(  # checked by test_gpu_step_tiny
-        ("--device", "cpu", "--steps", "1", "--warmup", "0", "--peak-tflops", "1", "--rows",
-         "plait eager,plain eager,plait compiled + float8")  # fmt: skip
+        (
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--peak-tflops",
+            "1",
+            "--rows",
+            "plait eager,plain eager,plait compiled + float8",
+        )
     ),
     "loss_chunk": Case(tables={"loss_chunk | fwd+bwd ms": _rows("0", "32")}),
     "moe": Case(
         tables={
             "tokens | loop ms": _rows("256"),
             "model | ep": _rows(
-                "dense, same active params | 1", "MoE 8 experts top-2 | 1", "MoE 8 experts top-2 | 2"
+                "dense, same active params | 1",
+                "MoE 8 experts top-2 | 1",
+                "MoE 8 experts top-2 | 2",
             ),
             "step | aux loss 0.01 (max / min)": _rows("1", "2", "4"),
         }
     ),
     "moe_zero": Case(
-        tables={
-            "ZeRO | dtype": _rows("0 | fp32", "1 | fp32", "2 | fp32", "3 | fp32", "3 | bf16")
-        }
+        tables={"ZeRO | dtype": _rows("0 | fp32", "1 | fp32", "2 | fp32", "3 | fp32", "3 | bf16")}
     ),
     "offload": Case(
         tables={
             "threads | fused (M params/s)": _rows("1"),
             "variant | step (s)": _rows("before", "after"),
             "ranks | path": _rows(
-                "1 | eager (clip 0)", "1 | two-pass (clipped)", "2 | eager (clip 0)",
-                "2 | two-pass: opt.step() alone", "pp2, stage 0 | two-pass: opt.step() alone",
+                "1 | eager (clip 0)",
+                "1 | two-pass (clipped)",
+                "2 | eager (clip 0)",
+                "2 | two-pass: opt.step() alone",
+                "pp2, stage 0 | two-pass: opt.step() alone",
                 "pp2, stage 1 | two-pass: opt.step() alone",
-            ),  # fmt: skip
+            ),
         }
     ),
     "pipeline_bubble": Case(
@@ -169,9 +187,7 @@ CASES: dict[str, Case] = {
     ),
     "tp_traffic": Case(
         tables={
-            "impl | median ms (IQR)": _rows(
-                "dp2", "tp2", "tp2+sp", "dtensor-tp2", "dtensor-tp2+sp"
-            )
+            "impl | median ms (IQR)": _rows("dp2", "tp2", "tp2+sp", "dtensor-tp2", "dtensor-tp2+sp")
         }
     ),
     "zero_pipeline": Case(
@@ -260,8 +276,11 @@ def test_tiny_run_prints_its_tables(name: str) -> None:
         assert found, f"{name}: no table with header {header!r}; tables: {list(got)}"
         rows = [r for block in found for r in block]
         for key in want:
-            hit = [r for r in rows if tuple(r[: len(key) - 1]) == key[:-1]
-                   and r[len(key) - 1].startswith(key[-1])]  # fmt: skip
+            hit = [
+                r
+                for r in rows
+                if tuple(r[: len(key) - 1]) == key[:-1] and r[len(key) - 1].startswith(key[-1])
+            ]
             assert hit, f"{name}: table {header!r} has no row {key}; rows: {rows}"
 
 
