@@ -95,18 +95,18 @@ def stalls(dim: int, layers: int, saves: int) -> None:
     print(f"| async | {ms(asyn):.0f} | {ms(during):.0f} ({ms(plain):.0f}) |")
 
 
-def resume_check() -> None:
+def resume_check(dim: int = 256, layers: int = 2) -> None:
     from plait import init_mesh
     from plait.checkpoint import step_dirname
     from plait.train.trainer import Trainer
 
     root = tempfile.mkdtemp(prefix="plait-async-")
     kw = {"async_checkpoint": True, "checkpoint_every": 2}
-    full = Trainer(_config(256, 2, root, **kw), init_mesh(device=DEVICE), False)  # type: ignore[arg-type]
+    full = Trainer(_config(dim, layers, root, **kw), init_mesh(device=DEVICE), False)  # type: ignore[arg-type]
     losses = full.run().losses
     ck = str(Path(root) / step_dirname(2))
     again = Trainer(
-        _config(256, 2, root, resume=ck, **kw), init_mesh(device=DEVICE), False  # type: ignore[arg-type]
+        _config(dim, layers, root, resume=ck, **kw), init_mesh(device=DEVICE), False  # type: ignore[arg-type]
     )
     assert again.start_step == 2
     rest = again.run().losses
@@ -123,10 +123,13 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args()
+    if args.tiny:  # runs on the CPU too (--device cpu)
+        args.dim, args.layers, args.saves = 32, 1, 1
     global DEVICE
     DEVICE = args.device
-    resume_check()
+    resume_check(*((32, 1) if args.tiny else ()))
     stalls(args.dim, args.layers, args.saves)
     return 0
 

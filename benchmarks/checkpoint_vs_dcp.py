@@ -276,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=None, help="rewrite this benchmark's section")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.world, args.dim, args.layers, args.reps = [2], 32, 1, 1
 
     from plait.config import ModelConfig
     from plait.model.transformer import param_count

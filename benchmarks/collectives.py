@@ -15,6 +15,7 @@ Run from the repository root::
     python benchmarks/collectives.py            # writes benchmarks/COLLECTIVES.md + .png
                                                 # and its section of benchmarks/RESULTS.md
     python benchmarks/collectives.py --help     # every option of `plait bench comm`
+    python benchmarks/collectives.py --tiny     # 2 ranks, 4 B to 4 KiB, 1 rep; prints only
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``plait bench comm`` with the recorded outputs as defaults."""
+    """Run ``plait bench comm`` with the recorded outputs as defaults (``--tiny``: the
+    test suite's smallest run, which writes nothing)."""
     from plait.bench.comm import main as bench
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--tiny" in args:
+        args.remove("--tiny")
+        return bench(["--worlds", "2", "--max-bytes", "4K", "--reps", "1", *args])
     if "--md" not in args:
         args += ["--md", os.path.relpath(HERE / "COLLECTIVES.md")]
     if "--plot" not in args:

@@ -34,6 +34,13 @@ if str(ROOT / "src") not in sys.path:
 
 from plait.bench.results import command_line, environment, load_average, write_section  # noqa: E402
 
+TINY_FLAGS = [
+    *["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2"],
+    *["--model.max_seq_len", "16", "--seq-len", "16", "--global-batch", "4"],
+    *["--data.max_bytes", "100000", "--train.eval_every", "0"],
+]
+"""``--tiny``: the ``plait train`` flags of a seconds-long run (the test suite's)."""
+
 WARMUP_FRACTION = 0.1
 """Top-k's sparsity warm-up as a fraction of the run (DGC: 4 of 90 epochs, about 5 %)."""
 
@@ -133,8 +140,8 @@ def run(steps: int, flags: list[str], folder: Path) -> tuple[float, float]:
     subprocess.run(cmd, check=True, capture_output=True, cwd=folder)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     rows = [r for r in rows if r.get("loss") is not None and "comm_bytes" in r]
-    losses = [float(r["loss"]) for r in rows]
-    return sum(losses[-5:]) / 5, sum(float(r["comm_bytes"]) for r in rows) / len(rows)
+    losses = [float(r["loss"]) for r in rows][-5:]
+    return sum(losses) / len(losses), sum(float(r["comm_bytes"]) for r in rows) / len(rows)
 
 
 def main() -> int:
@@ -144,7 +151,11 @@ def main() -> int:
     ap.add_argument(
         "--only", nargs="+", default=None, help="run only the methods whose label contains one"
     )
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     a = ap.parse_args()
+    extra = TINY_FLAGS if a.tiny else []
+    if a.tiny:  # the uncompressed run and one compressed one, 2 steps
+        a.steps, a.only = [2], ["powersgd"]
     load0 = load_average()
     results: dict[int, dict[str, tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +164,7 @@ def main() -> int:
             for label, flags in methods(steps).items():
                 if a.only and label != "none" and not any(o in label for o in a.only):
                     continue
-                results[steps][label] = run(steps, flags, Path(tmp))
+                results[steps][label] = run(steps, [*flags, *extra], Path(tmp))
                 print(f"  {steps} steps, {label}: {results[steps][label]}", file=sys.stderr)
     lines = [
         "| steps | method | loss (last 5) | loss / none | bytes per step / none |",

@@ -81,8 +81,8 @@ def saved_body(ctx: Any, seq: int) -> int:
     return total
 
 
-def attention_body(ctx: Any, kind: str, repeats: int) -> dict[str, Any]:
-    """Forward + backward of one attention layer's core at SEQ_B, ``repeats`` times."""
+def attention_body(ctx: Any, kind: str, repeats: int, seq: int = SEQ_B) -> dict[str, Any]:
+    """Forward + backward of one attention layer's core at ``seq``, ``repeats`` times."""
     import torch
 
     from plait.comm import barrier
@@ -96,16 +96,15 @@ def attention_body(ctx: Any, kind: str, repeats: int) -> dict[str, Any]:
     cp, me, g = mesh.size("cp"), mesh.index("cp"), mesh.axis("cp")
     gen = torch.Generator().manual_seed(1)
     full = [
-        torch.randn(1, h, SEQ_B, HEAD_DIM_B, generator=gen)
-        for h in (HEADS_B, KV_B, KV_B, HEADS_B)
+        torch.randn(1, h, seq, HEAD_DIM_B, generator=gen) for h in (HEADS_B, KV_B, KV_B, HEADS_B)
     ]
     layout = "zigzag" if kind == "ring" else "contiguous"
     q, k, v, dout = (shard_sequence(t, layout, cp, me, dim=2) for t in full)  # type: ignore[arg-type]
     ring = RingAttention(g, record_events=True) if kind == "ring" else None
     ulysses = UlyssesAttention(g) if kind == "ulysses" else None
-    n = SEQ_B // cp
+    n = seq // cp
     rows = torch.arange(me * n, (me + 1) * n)[:, None]
-    mask = torch.arange(SEQ_B)[None, :] <= rows  # (local queries, all keys), True = visible
+    mask = torch.arange(seq)[None, :] <= rows  # (local queries, all keys), True = visible
 
     def run(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         if ring is not None:
@@ -152,14 +151,14 @@ def _hidden_share(events: list[tuple[str, int, float]], cp: int) -> float:
     return 1.0 - exposed / span if span > 0 else 1.0
 
 
-def reference_seconds(repeats: int) -> float:
+def reference_seconds(repeats: int, seq: int = SEQ_B) -> float:
     """One process: torch SDPA (causal, GQA) forward + backward on the whole sequence."""
     import torch
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     q, k, v, dout = (
-        torch.randn(1, h, SEQ_B, HEAD_DIM_B, generator=gen) for h in (HEADS_B, KV_B, KV_B, HEADS_B)
+        torch.randn(1, h, seq, HEAD_DIM_B, generator=gen) for h in (HEADS_B, KV_B, KV_B, HEADS_B)
     )
     times = []
     for i in range(repeats + 1):
@@ -191,13 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="rewrite this script's section of this markdown file")
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--max-seq", type=int, default=GRID[-1], help="largest sequence tried in (a)")
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp sizes")
+    ap.add_argument("--seq", type=int, default=SEQ_B, help="sequence of tables (b), (c)")
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.repeats, args.max_seq, args.cp, args.seq = 1, GRID[0], [1, 2], 256
     load0 = load_average()
     budget = BUDGET_MIB * 2**20
     reach: list[str] = []
     timing: list[str] = []
-    ref = reference_seconds(args.repeats)
-    for cp in (1, 2, 4):
+    ref = reference_seconds(args.repeats, args.seq)
+    for cp in args.cp:
         with WorkerPool(cp, comm_timeout_s=300.0) as pool:
             fit, fit_bytes = 0, 0.0
             for seq in (s for s in GRID if s <= args.max_seq):
@@ -214,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                 timing.append(f"| 1 | torch SDPA (reference) | 1.00 | {1e3 * ref:.1f} | 0 | |")
                 continue
             for kind in ("ring", "ulysses", "allgather"):
-                res = pool.run(f"{M}:attention_body", kind, args.repeats, timeout_s=600.0)
+                res = pool.run(
+                    f"{M}:attention_body", kind, args.repeats, args.seq, timeout_s=600.0
+                )
                 per_step = [max(ts) for ts in zip(*(r["times"] for r in res), strict=True)]
                 t = statistics.median(per_step)
                 shares = [h for r in res for h in r["hidden"]]
@@ -239,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             *reach,
             "",
             f"(b), (c) One attention core, causal GQA ({HEADS_B} heads, {KV_B} KV heads, head "
-            f"dim {HEAD_DIM_B}), sequence {SEQ_B}, batch 1, fp32, forward + backward; median "
+            f"dim {HEAD_DIM_B}), sequence {args.seq}, batch 1, fp32, forward + backward; median "
             f"of {args.repeats} (slowest rank each) after one warm-up; ratio to one process "
             "running torch SDPA on the whole sequence; bytes each rank sent on the cp axis "
             "(bus bytes, forward + backward); hidden = share of the forward ring transfers' "

@@ -129,7 +129,10 @@ def main() -> None:
     p.add_argument("--prepare-mb", type=int, default=16, help="MiB of text to prepare")
     p.add_argument("--vocab", type=int, default=8_000, help="BPE vocabulary")
     p.add_argument("--out", type=Path, default=None, help="append the section to this file")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     a = p.parse_args()
+    if a.tiny:
+        a.tokens, a.steps, a.prepare_mb, a.vocab = 1_000_000, 2, 1, 512
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

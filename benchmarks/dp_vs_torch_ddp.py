@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per world size")
     p.add_argument("--out", type=Path, default=None, help="rewrite this benchmark's section")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.worlds, args.steps, args.warmup, args.block = "2", 2, 0, 1
+        args.dim, args.layers, args.heads, args.vocab, args.batch, args.seq = 32, 1, 2, 64, 1, 16
     if args.steps < 20 or args.warmup < 1:
         print("note: the issue asks for >= 20 measured steps after >= 3 warm-up steps")
 

@@ -190,7 +190,11 @@ def main() -> None:
         help="intra-op CPU threads (default 1: on a shared CPU, OpenMP threads that spin "
         "while waiting for a core make every timing erratic)",
     )
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args()
+    if args.tiny:
+        args.dim, args.layers, args.heads, args.vocab, args.seq, args.batch = 32, 1, 2, 64, 16, 1
+        args.steps, args.warmup = 1, 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)

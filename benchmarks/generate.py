@@ -122,7 +122,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, help="write the table into this markdown file")
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args()
+    if args.tiny:
+        args.dim, args.layers, args.new, args.repeats = 32, 1, [4], 2
     torch.set_num_threads(1)
     load0 = load_average()
     lines = [

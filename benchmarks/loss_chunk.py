@@ -65,7 +65,10 @@ def main() -> None:
     p.add_argument("--chunks", default="0,512,1024,2048,4096")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     a = p.parse_args()
+    if a.tiny:
+        a.tokens, a.vocab, a.chunks, a.repeat = 64, 128, "0,32", 1
     dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(a.tokens, a.vocab, generator=g).to(dtype)  # (tokens, vocab)

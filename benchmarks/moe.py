@@ -145,21 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="rewrite this script's section of this markdown file")
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--steps", type=int, default=100, help="training steps of table (c)")
+    ap.add_argument("--world", type=int, default=4, help="ranks of table (b); ep up to it")
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    token_counts = (256, 1024, 4096)
+    if args.tiny:
+        args.repeats, args.steps, args.world, token_counts = 1, 4, 2, (256,)
     load0 = load_average()
     torch.set_num_threads(1)
     kernels = []
-    for tokens in (256, 1024, 4096):
+    for tokens in token_counts:
         loop, padded = kernel_row(tokens, args.repeats)
         kernels.append(f"| {tokens:,} | {loop:.2f} | {padded:.2f} | {padded / loop:.2f} |")
     ep_rows = []
     tokens_step = BATCH * SEQ
-    with WorkerPool(4, comm_timeout_s=300.0) as pool:
+    eps = [e for e in (1, 2, 4) if e <= args.world]
+    with WorkerPool(args.world, comm_timeout_s=300.0) as pool:
         for label, experts, ep in (
             ("dense, same active params", 0, 1),
-            ("MoE 8 experts top-2", EXPERTS, 1),
-            ("MoE 8 experts top-2", EXPERTS, 2),
-            ("MoE 8 experts top-2", EXPERTS, 4),
+            *((f"MoE {EXPERTS} experts top-{TOP_K}", EXPERTS, e) for e in eps),
         ):
             res = pool.run(f"{M}:ep_body", experts, ep, args.repeats, timeout_s=900.0)
             t = statistics.median(slowest_ms([r["times"] for r in res])) / 1e3  # seconds
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             *kernels,
             "",
             f"(b) One training step (forward, backward, AdamW) of a {LAYERS}-layer model "
-            f"(dim {DIM}) on 4 ranks (dp 4), global batch {BATCH} x {SEQ} tokens; median of "
+            f"(dim {DIM}) on {args.world} ranks (dp {args.world}), global batch {BATCH} x {SEQ} "
+            "tokens; median of "
             f"{args.repeats} steps (slowest rank); bytes each rank sends per step (bus "
             "bytes: ep all-to-all; dp all-reduce, including the expert replica group).",
             "",

@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--out", help="rewrite this script's section of this markdown file")
     ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--world", type=int, default=4, help="ranks (dp); ep 2")
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:  # ep 2 on 2 ranks: expert replica groups of 1
+        args.repeats, args.world = 1, 2
     load0 = load_average()
     rows = []
-    with WorkerPool(4, comm_timeout_s=300.0) as pool:
+    with WorkerPool(args.world, comm_timeout_s=300.0) as pool:
         for zero, dtype in LAYOUTS:
             res = pool.run(f"{M}:body", 2, zero, dtype, args.repeats, timeout_s=900.0)
             r0 = res[0]

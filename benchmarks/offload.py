@@ -441,7 +441,13 @@ def main() -> None:
     p.add_argument("--check-vocab", type=int, default=16384)
     p.add_argument("--check-seq", type=int, default=32)
     p.add_argument("--check-steps", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     a = p.parse_args()
+    if a.tiny:
+        a.dim, a.layers, a.heads, a.vocab, a.seq, a.batch = 32, 1, 2, 64, 16, 1
+        a.steps, a.warmup = 1, 0
+        a.adam_numel, a.variants = 1 << 12, "before,after"  # each variant is a child process
+        a.check_dim, a.check_layers, a.check_vocab, a.check_seq, a.check_steps = 32, 2, 64, 8, 1
     if a.child:
         print("RESULT " + json.dumps(run(a.child, a)))
         return

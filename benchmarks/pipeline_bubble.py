@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="folder for one measured timeline per schedule (p = max, m = 8)",
     )
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.stages, args.microbatches, args.warmup, args.steps = "2", "4", 0, 1
+        args.dim, args.layers, args.heads, args.vocab, args.micro, args.seq = 32, 4, 2, 64, 1, 16
 
     from plait.model.transformer import param_count
     from plait.testing.pool import WorkerPool

@@ -255,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.stages, args.microbatches, args.warmup, args.steps = 2, 4, 0, 1
+        args.dim, args.layers, args.heads, args.vocab, args.micro, args.seq = 32, 4, 2, 64, 1, 16
 
     from plait.testing.pool import WorkerPool
 

@@ -29,8 +29,9 @@ SHAPES = ((32, 2, 128, 8), (64, 4, 128, 8), (128, 4, 128, 8), (128, 4, 128, 4),
 """(hidden, heads, sequence, micro-batch)."""
 
 
-def profile_block(hw: Any, dim: int, heads: int, seq: int, mb: int) -> str:
-    """One row: measured and charged ms per part of one block at this shape."""
+def profile_block(hw: Any, dim: int, heads: int, seq: int, mb: int, steps: int = 11) -> str:
+    """One row: measured and charged ms per part of one block at this shape (median of
+    ``steps`` timed steps after 3 warm-up steps; 3 profiled steps)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -63,7 +64,7 @@ def profile_block(hw: Any, dim: int, heads: int, seq: int, mb: int) -> str:
     for _ in range(3):
         step()
     ts = []
-    for _ in range(11):
+    for _ in range(steps):
         c = time.process_time()
         step()
         ts.append(time.process_time() - c)
@@ -91,9 +92,12 @@ def main() -> int:
     from plait.bench.calibrate import profile_from_results
     from plait.bench.measure import compute_body
 
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
+    a = ap.parse_args()
+    shapes, steps = (SHAPES[:1], 1) if a.tiny else (SHAPES, 11)
     torch.set_num_threads(1)
-    comp = compute_body(None, False)
+    comp = compute_body(None, a.tiny)  # --tiny: the quick calibration
     hw, _ = profile_from_results([{"compute": comp, "comm": {"cpu": {}}}], 4e9, clock="cpu")
     print(
         "| hidden x tokens | block ms meas / charged | ratio | profiled | "
@@ -101,8 +105,8 @@ def main() -> int:
         "profile's block ratio |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for shape in SHAPES:
-        print(profile_block(hw, *shape), flush=True)
+    for shape in shapes:
+        print(profile_block(hw, *shape, steps=steps), flush=True)
     return 0
 
 

@@ -297,13 +297,13 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
 
-def profile_here(pool: Any, hw: Any) -> tuple[Any, list[dict[str, Any]]]:
+def profile_here(pool: Any, hw: Any, quick: bool = False) -> tuple[Any, list[dict[str, Any]]]:
     """``hw`` re-measured on ``pool``'s ranks, all at once: the compute rates, and the
     collectives' alpha-beta fits at this rank count (ranks share the cores, so both
-    depend on how many run)."""
+    depend on how many run); ``quick``: the calibration's short form."""
     from plait.bench.calibrate import profile_from_results
 
-    res = pool.run(CALIBRATE_BODY, False, timeout_s=600.0)
+    res = pool.run(CALIBRATE_BODY, quick, timeout_s=600.0)
     here, _ = profile_from_results(res, hw.memory_bytes, hw.name)
     return here, res
 
@@ -320,8 +320,11 @@ def _block_ratio(e: Any) -> float:
     return block_scale(e.hardware, e.model.hidden, tokens) if tp is None else tp
 
 
-def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: str) -> list[str]:
-    """Run every available row and format the comparison."""
+def measured_table(
+    hw: Any, steps: int, warmup: int, max_wait_s: float, only: str, quick: bool = False
+) -> list[str]:
+    """Run every available row and format the comparison (``quick``: the short forms of
+    the calibration and of the rate measurements)."""
     from plait.bench.calibrate import profile_from_results
     from plait.bench.results import load_average
     from plait.bench.tp_block import mean_grids
@@ -358,10 +361,10 @@ def measured_table(hw: Any, steps: int, warmup: int, max_wait_s: float, only: st
             # after the steps, on both clocks
             wait_quiet(QUIET, max_wait_s)
             load0 = load_average()
-            _, before = profile_here(pool, hw)
+            _, before = profile_here(pool, hw, quick)
             res = pool.run(BODY, _config(row), steps, warmup, timeout_s=600.0)
-            after = pool.run(COMPUTE_BODY, False, timeout_s=600.0)
-            tp_after = pool.run(TP_GRID_BODY, False, timeout_s=600.0)
+            after = pool.run(COMPUTE_BODY, quick, timeout_s=600.0)
+            tp_after = pool.run(TP_GRID_BODY, quick, timeout_s=600.0)
             load1 = load_average()
             # the tensor-parallel blocks (pairs) measured before and after the steps, the
             # mean per point, as the compute rates are pooled over both
@@ -621,14 +624,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine"
     )
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:  # one 2-rank row, quick calibrations, no wait for a quiet machine
+        args.steps, args.warmup, args.only, args.max_wait = 1, 0, "tp2 + SP", 0.0
 
     t0 = time.time()
     if args.profile:
         hw = load_hardware(args.profile)
     else:
-        hw, _ = calibrate(2)
-    measured = measured_table(hw, args.steps, args.warmup, args.max_wait, args.only)
+        hw, _ = calibrate(2, quick=args.tiny)
+    measured = measured_table(
+        hw, args.steps, args.warmup, args.max_wait, args.only, quick=args.tiny
+    )
     published = [] if args.no_published else published_table()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = "python benchmarks/planner_vs_measured.py " + " ".join(

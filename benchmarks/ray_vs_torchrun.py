@@ -106,8 +106,8 @@ def _run(cmd: list[str], tmp: Path, env: dict[str, str]) -> tuple[float, dict[in
     return t0, stamps, rows
 
 
-def _cmd(launcher: str, world: int, extra: list[str]) -> list[str]:
-    flags = [*RUN, "--steps", str(STEPS), "--metrics", "m.jsonl", *extra]
+def _cmd(launcher: str, world: int, extra: list[str], steps: int = STEPS) -> list[str]:
+    flags = [*RUN, "--steps", str(steps), "--metrics", "m.jsonl", *extra]
     py = sys.executable
     if launcher == "nproc":
         return [py, "-m", "plait", "train", "--nproc", str(world), *flags]
@@ -117,9 +117,9 @@ def _cmd(launcher: str, world: int, extra: list[str]) -> list[str]:
             "-m", "plait", "train", *flags]  # fmt: skip
 
 
-def measure(launcher: str, world: int, env: dict[str, str]) -> dict[str, float]:
+def measure(launcher: str, world: int, env: dict[str, str], steps: int = STEPS) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as d:
-        t0, stamps, rows = _run(_cmd(launcher, world, []), Path(d), env)
+        t0, stamps, rows = _run(_cmd(launcher, world, [], steps), Path(d), env)
     steps = [r["step_seconds"] for r in rows[1:]]
     return {"startup": stamps[1] - t0, "step": statistics.median(steps)}
 
@@ -177,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the table into this RESULTS.md")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--no-torchtrainer", action="store_true", help="skip the reference row")
+    p.add_argument("--launchers", nargs="+", default=["nproc", "torchrun", "ray"])
+    p.add_argument("--steps", type=int, default=STEPS, help="steps of a start-up/step run")
+    p.add_argument("--no-recovery", action="store_true", help="skip the killed-rank runs")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args(argv)
+    if args.tiny:  # --nproc vs torchrun at 2 ranks, 3 steps; Ray's runs are the tests'
+        args.worlds, args.launchers, args.steps = [2], ["nproc", "torchrun"], 3
+        args.no_recovery = args.no_torchtrainer = True
     path = os.pathsep.join(
         x for x in (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x
     )
@@ -187,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for world in args.worlds:
         base: dict[str, float] = {}
-        for launcher in ("nproc", "torchrun", "ray"):
-            m = measure(launcher, world, env)
+        for launcher in args.launchers:
+            m = measure(launcher, world, env, args.steps)
             base = base or m
-            rec = recovery(launcher, world, env, m["step"]) if launcher != "nproc" else None
+            restarts = launcher != "nproc" and not args.no_recovery
+            rec = recovery(launcher, world, env, m["step"]) if restarts else None
             rows.append({"launcher": launcher, "world": world, **m, "recovery": rec,
                          "r_start": m["startup"] / base["startup"],
                          "r_step": m["step"] / base["step"]})  # fmt: skip
@@ -204,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        rec = "no restarts" if r["recovery"] is None else f"{r['recovery']:.1f}"
+        rec = "not measured" if r["recovery"] is None else f"{r['recovery']:.1f}"
+        if r["launcher"] == "nproc":
+            rec = "no restarts"
         lines.append(
             f"| {r['launcher']} | {r['world']} | {r['startup']:.1f} | {r['r_start']:.2f} | "
             f"{1000 * r['step']:.1f} | {r['r_step']:.2f} | {rec} |"
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "on 2 cores shared with other jobs: absolute times are noisy; the ratios compare "
         "launchers within one run.",
         "- Model: dim 64, 2 layers, 4 heads, sequences of 64, global batch 16, dp = ranks, "
-        f"{STEPS} steps; start-up includes imports, rendezvous, building the model and data "
+        f"{args.steps} steps; start-up includes imports, rendezvous, building the model and data "
         "and the first step (and `ray.init` of a private local instance for ray).",
         f"- Recovery: rank 1 SIGKILLs itself entering step {KILL_STEP} (checkpoint every 2 "
         "steps: resume from step 6); time from step 6's metrics row to step 7's after the "

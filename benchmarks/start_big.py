@@ -123,10 +123,10 @@ def write_weights(a: argparse.Namespace, path: Path) -> int:
     return path.stat().st_size
 
 
-def table(rows: list[Row], params: int) -> str:
+def table(rows: list[Row], params: int, nproc: int = 4) -> str:
     """The markdown table."""
     out = [
-        "| layout (4 ranks) | start to banner s | start to end of step 1 s | "
+        f"| layout ({nproc} ranks) | start to banner s | start to end of step 1 s | "
         "peak host MiB per rank (build + load) | max | device MiB |",
         "|---|---:|---:|---|---:|---|",
     ]
@@ -160,20 +160,28 @@ def main() -> None:
     )
     p.add_argument("--label", default="before", help="RESULTS.md section: start_big_<label>")
     p.add_argument("--out", type=Path, help="write the table into this RESULTS.md")
+    p.add_argument("--nproc", type=int, default=4, help="ranks of every row")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     a = p.parse_args()
+    if a.tiny:  # 2 ranks, ZeRO-3 from scratch and from a weights file
+        a.dim, a.layers, a.heads, a.vocab, a.seq_len, a.nproc = 32, 1, 2, 256, 16, 2
     sys.path.insert(0, str(ROOT / "src"))
     from plait.bench.results import command_line, environment, load_average, write_section
 
     load0, t_start = load_average(), time.perf_counter()
     flags = model_flags(a)
+    n = a.nproc
+    zero3 = f"dp{n} ZeRO-3"
     layouts = {
-        "dp4 ZeRO-3": ["--nproc", "4", "--dp", "4", "--zero", "3"],
-        "tp2 x dp2": ["--nproc", "4", "--tp", "2", "--dp", "2"],
+        zero3: ["--nproc", str(n), "--dp", str(n), "--zero", "3"],
+        f"tp2 x dp{n // 2}": ["--nproc", str(n), "--tp", "2", "--dp", str(n // 2)],
     }
+    if a.tiny:
+        del layouts[f"tp2 x dp{n // 2}"]
     rows = []
     for name, layout in layouts.items():
         rows.append(measure(name, [*flags, *layout], a.timeout))
-        print(table(rows, 0).split("\n")[-3], flush=True)
+        print(table(rows, 0, n).split("\n")[-3], flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         weights, size = a.init_from, 0
         if a.init_from == "auto":
@@ -184,8 +192,8 @@ def main() -> None:
             size = sum(f.stat().st_size for f in w.rglob("*")) if w.is_dir() else w.stat().st_size
         if weights != "none":
             row = measure(
-                "dp4 ZeRO-3 --init-from",
-                [*flags, *layouts["dp4 ZeRO-3"], "--init-from", weights],
+                f"{zero3} --init-from",
+                [*flags, *layouts[zero3], "--init-from", weights],
                 a.timeout,
             )
             extra = row.to_banner_s - rows[0].to_banner_s
@@ -198,7 +206,7 @@ def main() -> None:
         dim=a.dim, n_layers=a.layers, n_heads=a.heads, vocab_size=a.vocab, max_seq_len=a.seq_len
     )
     params = sum(t.numel() for t in build_model(cfg, seed=0).parameters())
-    text = table(rows, params)
+    text = table(rows, params, n)
     print(text)
     if a.out is not None:
         load1 = load_average()

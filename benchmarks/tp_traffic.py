@@ -96,9 +96,9 @@ def _dtensor_model(model: torch.nn.Module, mesh: Any, sp: bool) -> torch.nn.Modu
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
-            plan["attention"] = PrepareModuleInput(
-                input_layouts=(Shard(1), None, None),
-                desired_input_layouts=(Replicate(), None, None),
+            plan["attention"] = PrepareModuleInput(  # (x, cos, sin, doc_ids)
+                input_layouts=(Shard(1), None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
             )
             plan["feed_forward"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
@@ -303,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="rewrite this benchmark's section")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.steps, args.warmup, args.block = 2, 0, 1
+        args.dim, args.layers, args.heads, args.vocab, args.batch, args.seq = 32, 1, 2, 64, 1, 16
 
     from plait.config import ModelConfig
     from plait.model.transformer import param_count

@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.dim, args.layers, args.seq, args.micro, args.m, args.rounds = 32, 4, 16, 1, 4, 1
     from plait.testing import WorkerPool
 
     model_kw = {
