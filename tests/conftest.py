@@ -10,12 +10,32 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from plait.testing import WorkerPool
+from plait.testing.zygote import Zygote
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_PYTHON = (
+    "tests/launch/",
+    "tests/testing/",
+    "tests/test_init.py",
+    "tests/cli/test_main.py",
+    "tests/cli/test_tune.py",
+    "tests/plan/test_isolation.py",
+    "tests/checkpoint/test_isolation.py",
+    "tests/data/test_memory.py",
+    "tests/train/test_faults.py",
+    "tests/ps/test_ray_server.py",
+)
+"""Test files whose subprocesses are fresh interpreters: they check what a fresh one
+imports or how much memory it takes, how ranks die with their launcher, or start Ray.
+Every other test runs with ``sys.executable`` pointing at the session's zygote (see
+:func:`_forked_python`); ``PLAIT_TEST_FRESH_PYTHON=1`` turns that off everywhere."""
 
 
 class Pools:
@@ -42,6 +62,31 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """The session's zygote (:mod:`plait.testing.zygote`), started without waiting."""
+    z = Zygote()
+    z.start(wait=False)
+    yield z
+    z.close()
+
+
+@pytest.fixture(autouse=True)
+def _forked_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sys.executable`` is the zygote's shim during the test (outside
+    :data:`REAL_PYTHON`): ``python -m plait ...``, the ranks of ``plait train --nproc N``
+    and of torchrun, a docs page's python blocks start as forks of an interpreter that
+    has imported torch and plait already, in milliseconds instead of seconds each; they
+    run the same code on the same arguments, environment and files."""
+    if os.environ.get("PLAIT_TEST_FRESH_PYTHON"):
+        return
+    rel = Path(str(request.node.path)).resolve().relative_to(ROOT).as_posix()
+    if rel.startswith(REAL_PYTHON):
+        return
+    z: Zygote = request.getfixturevalue("zygote")
+    monkeypatch.setattr(sys, "executable", z.start(wait=False))
 
 
 @pytest.fixture(scope="session")
