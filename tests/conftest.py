@@ -19,9 +19,10 @@ import pytest
 from plait.testing import WorkerPool
 from plait.testing.zygote import Zygote
 
-ROOT = Path(__file__).resolve().parents[1]
 REAL_PYTHON = (
-    "tests/launch/",
+    "tests/launch/test_local.py",
+    "tests/launch/test_oom.py",
+    "tests/launch/test_ray",
     "tests/testing/",
     "tests/test_init.py",
     "tests/cli/test_main.py",
@@ -29,11 +30,11 @@ REAL_PYTHON = (
     "tests/plan/test_isolation.py",
     "tests/checkpoint/test_isolation.py",
     "tests/data/test_memory.py",
-    "tests/train/test_faults.py",
     "tests/ps/test_ray_server.py",
 )
-"""Test files whose subprocesses are fresh interpreters: they check what a fresh one
-imports or how much memory it takes, how ranks die with their launcher, or start Ray.
+"""Tests (node id prefixes) whose subprocesses are fresh interpreters: they check what a
+fresh one imports or how much memory it takes, how signals and kills reach the ranks of
+a launcher (which they find as its child processes), or start Ray.
 Every other test runs with ``sys.executable`` pointing at the session's zygote (see
 :func:`_forked_python`); ``PLAIT_TEST_FRESH_PYTHON=1`` turns that off everywhere."""
 
@@ -82,8 +83,7 @@ def _forked_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     run the same code on the same arguments, environment and files."""
     if os.environ.get("PLAIT_TEST_FRESH_PYTHON"):
         return
-    rel = Path(str(request.node.path)).resolve().relative_to(ROOT).as_posix()
-    if rel.startswith(REAL_PYTHON):
+    if request.node.nodeid.startswith(REAL_PYTHON):
         return
     z: Zygote = request.getfixturevalue("zygote")
     monkeypatch.setattr(sys, "executable", z.start(wait=False))
