@@ -221,7 +221,7 @@ def _runner(conn: socket.socket, shim: str, base: list[str]) -> None:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
     while True:
-        ready, _, _ = select.select([conn, pidfd], [], [])
+        ready, _, _ = select.select([conn.fileno(), pidfd], [], [])
         if pidfd in ready:
             _, status = os.waitpid(pid, 0)
             if os.WIFSIGNALED(status):
@@ -270,7 +270,8 @@ def _child(req: dict[str, Any], fds: list[int], shim: str, base: list[str]) -> N
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        given = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        extra = [os.path.abspath(p) for p in given if p]
         sys.path[:] = list(dict.fromkeys([req["path0"], *extra, *base]))
         importlib.invalidate_caches()
         sys.executable = shim
@@ -283,7 +284,7 @@ def _child(req: dict[str, Any], fds: list[int], shim: str, base: list[str]) -> N
             sys.modules["torch"].set_num_threads(int(threads))
         unbuffered = req["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
         for stream in (sys.stdout, sys.stderr):
-            stream.reconfigure(  # type: ignore[attr-defined]
+            stream.reconfigure(  # type: ignore[union-attr]
                 line_buffering=stream.isatty() or stream is sys.stderr, write_through=unbuffered
             )
         code = 0

@@ -18,6 +18,7 @@ torch's elastic agent (a rank) also dies with its parent, as a rank does
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -101,10 +102,8 @@ def main(argv: list[str]) -> None:
     s.sendall(struct.pack("!I", len(payload)) + payload)
 
     def forward(signum: int, frame: object) -> None:
-        try:
+        with contextlib.suppress(OSError):
             s.sendall(bytes([signum]))
-        except OSError:
-            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
