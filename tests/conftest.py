@@ -31,10 +31,12 @@ REAL_PYTHON = (
     "tests/checkpoint/test_isolation.py",
     "tests/data/test_memory.py",
     "tests/ps/test_ray_server.py",
+    "tests/parallel/test_compile.py::test_compile_on_a_cpu_without_a_compiler",
 )
 """Tests (node id prefixes) whose subprocesses are fresh interpreters: they check what a
 fresh one imports or how much memory it takes, how signals and kills reach the ranks of
-a launcher (which they find as its child processes), or start Ray.
+a launcher (which they find as its child processes), start Ray, or set an environment
+variable that torch reads when imported (``CXX``: inductor's compiler).
 Every other test runs with ``sys.executable`` pointing at the session's zygote (see
 :func:`_forked_python`); ``PLAIT_TEST_FRESH_PYTHON=1`` turns that off everywhere."""
 

@@ -18,7 +18,9 @@ come from the zygote too.
 What it does not reproduce, so tests of these keep real processes: a fresh interpreter's
 ``sys.modules`` (import-isolation tests), its memory footprint (memory tests), a rank's
 death with its launcher by the kernel's parent-death signal (the client's death kills
-the forked interpreter instead), Ray's workers.
+the forked interpreter instead), the process tree (ranks are not the launcher's
+children), environment variables that the preloaded modules read when imported (such
+as ``CXX`` for inductor; ``OMP_NUM_THREADS`` is re-applied), Ray's workers.
 """
 
 from __future__ import annotations
