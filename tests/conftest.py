@@ -20,7 +20,8 @@ from plait.testing import WorkerPool
 from plait.testing.zygote import Zygote
 
 REAL_PYTHON = (
-    "tests/launch/test_local.py",
+    "tests/launch/test_local.py::test_sigterm",
+    "tests/launch/test_local.py::test_ranks_die",
     "tests/launch/test_oom.py",
     "tests/launch/test_ray",
     "tests/testing/",
