@@ -10,12 +10,36 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from plait.testing import WorkerPool
+from plait.testing.zygote import Zygote
+
+REAL_PYTHON = (
+    "tests/launch/test_local.py::test_sigterm",
+    "tests/launch/test_local.py::test_ranks_die",
+    "tests/launch/test_oom.py",
+    "tests/launch/test_ray",
+    "tests/testing/",
+    "tests/test_init.py",
+    "tests/cli/test_main.py",
+    "tests/cli/test_tune.py",
+    "tests/plan/test_isolation.py",
+    "tests/checkpoint/test_isolation.py",
+    "tests/data/test_memory.py",
+    "tests/ps/test_ray_server.py",
+    "tests/parallel/test_compile.py::test_compile_on_a_cpu_without_a_compiler",
+)
+"""Tests (node id prefixes) whose subprocesses are fresh interpreters: they check what a
+fresh one imports or how much memory it takes, how signals and kills reach the ranks of
+a launcher (which they find as its child processes), start Ray, or set an environment
+variable that torch reads when imported (``CXX``: inductor's compiler).
+Every other test runs with ``sys.executable`` pointing at the session's zygote (see
+:func:`_forked_python`); ``PLAIT_TEST_FRESH_PYTHON=1`` turns that off everywhere."""
 
 
 class Pools:
@@ -42,6 +66,30 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
     p = Pools()
     yield p
     p.close()
+
+
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """The session's zygote (:mod:`plait.testing.zygote`), started without waiting."""
+    z = Zygote()
+    z.start(wait=False)
+    yield z
+    z.close()
+
+
+@pytest.fixture(autouse=True)
+def _forked_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sys.executable`` is the zygote's shim during the test (outside
+    :data:`REAL_PYTHON`): ``python -m plait ...``, the ranks of ``plait train --nproc N``
+    and of torchrun, a docs page's python blocks start as forks of an interpreter that
+    has imported torch and plait already, in milliseconds instead of seconds each; they
+    run the same code on the same arguments, environment and files."""
+    if os.environ.get("PLAIT_TEST_FRESH_PYTHON"):
+        return
+    if request.node.nodeid.startswith(REAL_PYTHON):
+        return
+    z: Zygote = request.getfixturevalue("zygote")
+    monkeypatch.setattr(sys, "executable", z.start(wait=False))
 
 
 @pytest.fixture(scope="session")

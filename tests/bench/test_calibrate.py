@@ -7,6 +7,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,12 +89,35 @@ def test_unknown_key_in_a_profile_is_refused(tmp_path: Path) -> None:
         load_hardware(str(path))
 
 
-def test_calibration_on_two_ranks_feeds_the_planner(
-    pools: Callable[[int], WorkerPool], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+class _Recording:
+    """A pool that keeps the per-rank results of its last run."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.results: list[Any] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> list[Any]:
+        self.results = self.pool.run(*args, **kwargs)
+        return self.results
+
+
+@pytest.fixture(scope="module")
+def calibrated(pools: Callable[[int], WorkerPool]) -> tuple[Any, Any, list[Any], float]:
+    """One quick calibration on 2 ranks, shared by the two tests below: ``calibrate``'s
+    profile and fits, the ranks' raw results (``calibrate_body``'s), its seconds."""
+    pool = _Recording(pools(2))
     t0 = time.perf_counter()
-    hw, fits = calibrate(2, quick=True, pool=pools(2), memory_bytes=4e9)
-    assert time.perf_counter() - t0 < 60
+    hw, fits = calibrate(2, quick=True, pool=pool, memory_bytes=4e9)
+    return hw, fits, pool.results, time.perf_counter() - t0
+
+
+def test_calibration_on_two_ranks_feeds_the_planner(
+    calibrated: tuple[Any, Any, list[Any], float],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hw, fits, _, seconds = calibrated
+    assert seconds < 60
     assert hw.memory_bytes == 4e9
     assert hw.peak_flops > 1e8 and hw.matmul.peak > 1e8  # any CPU does > 0.1 GFLOP/s
     # the matmul curve is a linear layer in training at sizes (4n·n·n)^(1/3)
@@ -119,10 +143,11 @@ def test_calibration_on_two_ranks_feeds_the_planner(
     assert '"fits": true' in capsys.readouterr().out
 
 
-def test_cpu_time_profile(pools: Callable[[int], WorkerPool]) -> None:
+def test_cpu_time_profile(calibrated: tuple[Any, Any, list[Any], float]) -> None:
+    """From the same ranks' results as the test above (``calibrate_body``, quick)."""
     from plait.bench.calibrate import profile_from_results
 
-    results = pools(2).run("plait.bench.calibrate:calibrate_body", True)
+    results = calibrated[2]
     wall, _ = profile_from_results(results, 4e9)
     cpu, fits = profile_from_results(results, 4e9, clock="cpu")
     assert "CPU time" in cpu.source and "wall clock" in wall.source
