@@ -116,8 +116,7 @@ def test_calibration_on_two_ranks_feeds_the_planner(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    hw, fits, _, seconds = calibrated
-    assert seconds < 60
+    hw, fits, _, _ = calibrated  # no bound on its seconds: a test times nothing
     assert hw.memory_bytes == 4e9
     assert hw.peak_flops > 1e8 and hw.matmul.peak > 1e8  # any CPU does > 0.1 GFLOP/s
     # the matmul curve is a linear layer in training at sizes (4n·n·n)^(1/3)
