@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
+    from plait.arch import param_count
 
     params = param_count(ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=4))
     load0 = load_average()

@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print("note: the issue asks for >= 20 measured steps after >= 3 warm-up steps")
 
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
+    from plait.arch import param_count
     from plait.testing.pool import WorkerPool
 
     model_kwargs = {

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from plait.model.transformer import param_count
+    from plait.arch import param_count
     from plait.testing.pool import WorkerPool
     from plait.viz import draw_timeline
 

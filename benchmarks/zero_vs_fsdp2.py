@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
+    from plait.arch import param_count
     from plait.testing.pool import WorkerPool
 
     model_kwargs = {

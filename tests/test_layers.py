@@ -3,8 +3,8 @@
 Layers, left to right (docs/architecture.md draws them, with what each package owns; the
 test below checks that its table and :data:`LAYERS` say the same):
 
-    errors → config → comm → collectives / mesh / pieces → model → parallel / optim /
-           checkpoint → train / ps / plan / bench / testing / viz → launch → cli
+    errors → config → arch → comm → collectives / mesh / pieces → model → parallel /
+           optim / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -16,8 +16,10 @@ is the longest matching prefix in :data:`LAYERS`; the package root ``plait/__ini
 Extra rules:
 
 * ``plait.plan`` is pure arithmetic: it imports no torch and, of plait, only itself,
-  errors and config (no comm, mesh, testing, bench, model, parallel ...), so the planner
-  runs where torch is not installed.
+  errors, config and arch (no comm, mesh, testing, bench, model, parallel ...), so the
+  planner runs where torch is not installed.
+* ``plait.arch`` (the model's arithmetic, shared by ``plait.model`` and ``plait.plan``)
+  imports no torch either.
 * Only ``plait.comm`` imports ``torch.distributed``, besides the few modules in
   :data:`DISTRIBUTED_ALLOWED` that start or watch processes (each entry says why, and
   the test fails when an entry no longer needs the exception).
@@ -49,6 +51,7 @@ ROOT = "plait"
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors",),
     ("plait.config", "plait.config_io", "plait.config_checks", "plait.presets"),
+    ("plait.arch",),  # torch-free: the model's arithmetic, for plait.model and plait.plan
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
@@ -82,8 +85,12 @@ DISTRIBUTED = ("torch.distributed", "torch._C._distributed")
 """Import prefixes that talk to torch.distributed."""
 
 PLAN = "plait.plan"
-PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1])
-"""What the pure-arithmetic planner may import from plait: itself, errors and config."""
+ARCH = "plait.arch"
+"""The torch-free layer of model arithmetic that the model and the planner share."""
+PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1], ARCH)
+"""What the pure-arithmetic planner may import from plait: itself, errors, config, arch."""
+TORCH_FREE = (PLAN, ARCH)
+"""Packages that import no torch (they run where torch is not installed)."""
 
 CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
@@ -240,8 +247,9 @@ def violations(
             _is_under(module, "plait.comm") or module in DISTRIBUTED_ALLOWED
         ):
             bad.append(f"{head}: only plait.comm talks to torch.distributed")
-        if _is_under(module, PLAN) and _is_under(target, "torch"):
-            bad.append(f"{head}: plait.plan imports no torch (it runs without torch)")
+        free = next((p for p in TORCH_FREE if _is_under(module, p)), None)
+        if free is not None and _is_under(target, "torch"):
+            bad.append(f"{head}: {free} imports no torch (it runs without torch)")
         if not _is_under(target, ROOT):
             continue
         theirs = layer_of(target)
@@ -321,6 +329,9 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("importlib.import_module('plait.train')\n", "plait.model", "may not import"),
         ("import torch\n", "plait.plan.search", "imports no torch"),
         ("from torch import nn\n", "plait.plan.search", "imports no torch"),
+        ("import torch\n", "plait.arch.arithmetic", "imports no torch"),
+        ("from plait.comm import all_reduce\n", "plait.arch", "may not import"),
+        ("from plait.model import Transformer\n", "plait.arch.arithmetic", "may not import"),
         ("from plait.mesh import Mesh\n", "plait.plan.search", "pure arithmetic"),
         ("from plait.bench import calibrate\n", "plait.plan.fit", "pure arithmetic"),
         ("from plait import testing\n", "plait.plan.fit", "pure arithmetic"),
@@ -372,6 +383,9 @@ def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from plait import comm\n", "plait.parallel.data")
     assert not violations("import torch.distributed as dist\n", "plait.comm.ops")
     assert not violations("from plait.config import Config\n", "plait.plan.layout")
+    assert not violations("from plait.arch import param_count\n", "plait.plan.modelspec")
+    assert not violations("from plait.arch import param_count\n", "plait.model.transformer")
+    assert not violations("from plait.config import ModelConfig\n", "plait.arch.arithmetic")
     assert not violations("from .memory import x\n", "plait.plan.search")
     assert not violations("from plait.train import trainer\n", "plait.cli.train")
     assert not violations("from plait.train.trainer import Trainer\n", "plait")
@@ -383,12 +397,14 @@ def test_the_checker_names_file_line_target_and_both_layers() -> None:
         "\n\nfrom plait.train.trainer import Trainer\n", "plait.model.transformer", file="m.py"
     )
     assert line.startswith("m.py:3: plait.model.transformer imports plait.train.trainer")
-    assert describe_layer(4) in line and describe_layer(6) in line
+    assert describe_layer(layer_of("plait.model")) in line
+    assert describe_layer(layer_of("plait.train")) in line
 
 
 def test_every_layer_name_is_matched_by_longest_prefix_and_unknowns_are_refused() -> None:
     assert layer_of("plait.config_io") == 1 and layer_of("plait.config") == 1
-    assert layer_of("plait.comm.ops") == 2 and layer_of("plait.collectives.ring") == 3
+    assert layer_of("plait.arch.arithmetic") == 2
+    assert layer_of("plait.comm.ops") == 3 and layer_of("plait.collectives.ring") == 4
     assert layer_of(ROOT) == len(LAYERS) - 1
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("plait.somewhere_new")  # not silently the root's layer
@@ -466,7 +482,12 @@ def picture_disagreements(rows: list[tuple[int, set[str], str]]) -> list[str]:
         if not may.startswith(scope):
             bad.append(f"layer {i}: may import {may!r}, expected it to start with {scope!r}")
     rules = " ".join(r[2] for r in rows)
-    for rule in (f"`{CHECKPOINT}` imports nothing from `plait.parallel`", "imports no torch"):
+    rules_stated = (
+        f"`{CHECKPOINT}` imports nothing from `plait.parallel`",
+        "imports no torch",
+        f"`{ARCH}` imports no torch",
+    )
+    for rule in rules_stated:
         if rule not in rules:
             bad.append(f"the page's table does not state the rule: {rule}")
     return bad

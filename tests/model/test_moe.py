@@ -24,7 +24,8 @@ from plait.config import ModelConfig
 from plait.config_checks import check_expert_parallel
 from plait.errors import ConfigError
 from plait.model.moe import MoE
-from plait.model.transformer import Transformer, flops_per_token, param_count
+from plait.arch import flops_per_token, param_count
+from plait.model.transformer import Transformer
 from tests.tiny import tiny_args
 
 CFG = ModelConfig(

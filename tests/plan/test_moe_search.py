@@ -1,7 +1,7 @@
 """ep as a searched dimension (issue 33): the MoE model's memory and time per layout,
 the search ranking ep like the other axes, ``plait plan --search`` and ``--layout auto``.
 
-* memory: the weights the planner counts equal :func:`plait.model.transformer.param_count`
+* memory: the weights the planner counts equal :func:`plait.arch.param_count`
   of the built MoE model (ep 1, one rank), less the experts other ranks hold (ep > 1);
   under ZeRO the expert state is sharded over dp·cp/ep ranks, the rest over dp (by hand);
 * time: the all-to-all term is m x MoE layers x the per-layer all-to-all of
@@ -20,7 +20,7 @@ import pytest
 
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.model.transformer import param_count
+from plait.arch import param_count
 from plait.plan.auto import choose_layout, layout_overrides
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, Layout, Runtime
