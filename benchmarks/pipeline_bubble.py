@@ -128,9 +128,10 @@ def _torch_step(
     multi = name in ("interleaved", "zb")  # the multi-stage classes take a list
     sched = cls(tstages if multi else tstages[0], n_microbatches=m, loss_fn=lm_loss)
     x, y = _batch(m, micro, seq, mcfg.vocab_size, 1)
-    first, last = 0 in [t.stage_index for t in tstages], p * v - 1 in [
-        t.stage_index for t in tstages
-    ]
+    first, last = (
+        0 in [t.stage_index for t in tstages],
+        p * v - 1 in [t.stage_index for t in tstages],
+    )
 
     def step() -> list[Record]:
         kw: dict[str, Any] = {"target": y, "losses": []} if last else {}
@@ -423,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "## Pipeline bubble (issues 5, 18)\n\n"
         + _table(rows)
         + "\nInterleaved and zero-bubble against plait's 1F1B (target: faster wherever the "
-        "simulator predicts a gain of more than 5 %):\n\n"
-        + _versus(rows)
-        + "\n"
-        + "\n".join(notes)
+        "simulator predicts a gain of more than 5 %):\n\n" + _versus(rows) + "\n" + "\n".join(notes)
     )
     if args.out is not None:
         write_section(args.out, "pipeline_bubble", section)

@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="rewrite this benchmark's section")
     args = p.parse_args(argv)
 
-    from plait.config import ModelConfig
     from plait.arch import param_count
+    from plait.config import ModelConfig
     from plait.testing.pool import WorkerPool
 
     model_kwargs = {

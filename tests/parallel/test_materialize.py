@@ -44,8 +44,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plait.config import ModelConfig, ParallelConfig
 from plait.arch import param_count
+from plait.config import ModelConfig, ParallelConfig
 from plait.model import Transformer
 from plait.model.factory import build_meta_model
 from plait.model.init import InitialValues

@@ -17,9 +17,9 @@ import dataclasses
 
 import pytest
 
+from plait.arch import flops_per_token, param_count
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.arch import flops_per_token, param_count
 from plait.parallel.expert import ep_bytes_per_layer
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout

@@ -18,9 +18,9 @@ import math
 
 import pytest
 
+from plait.arch import param_count
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.arch import param_count
 from plait.plan.auto import choose_layout, layout_overrides
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, Layout, Runtime
@@ -144,9 +144,7 @@ def test_search_agrees_with_brute_force() -> None:
     found = search(q, space, top=3)
     every = brute_force(q, space)
     assert found.ranked and every
-    assert [e.time.total for e in found.ranked] == pytest.approx(
-        [e.time.total for e in every[:3]]
-    )
+    assert [e.time.total for e in found.ranked] == pytest.approx([e.time.total for e in every[:3]])
     assert found.ranked[0].layout == every[0].layout
     assert len({e.layout.ep for e in every}) > 1  # several ep fit and were ranked
     assert found.evaluated < len(every)  # pruned per (layout, ep) group

@@ -180,9 +180,7 @@ class ModelSpec:
         """Training FLOPs per token: ``6·N + 12·L·s·a·d`` (Chowdhery et al. 2022, PaLM,
         appendix B; causal mask not discounted): :func:`plait.arch.training_flops_per_token`,
         the rule :func:`plait.arch.flops_per_token` applies to plait's model."""
-        return training_flops_per_token(
-            self.matmul_params(), self.n_layers, seq_len, self.q_width
-        )
+        return training_flops_per_token(self.matmul_params(), self.n_layers, seq_len, self.q_width)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """The attention part of :meth:`flops_per_token`: ``12·L·s·a·d``."""
