@@ -23,6 +23,10 @@ Extra rules:
 * Only ``plait.comm`` imports ``torch.distributed``, besides the few modules in
   :data:`DISTRIBUTED_ALLOWED` that start or watch processes (each entry says why, and
   the test fails when an entry no longer needs the exception).
+* Inside the planner, modules are in an order of their own (:data:`PLAN_ORDER`, the
+  order ``plait/plan/__init__.py`` documents): a planner module imports only planner
+  modules of its own level or earlier ones, and the planner's import graph has no cycle
+  (imports inside functions count, so none can hide one).
 * Checkpoint code (``plait.checkpoint``) imports nothing from ``plait.parallel``, though
   it shares its layer: it names no parallelism (each wrapper describes its own pieces).
 * No two top-level sub-packages import each other.
@@ -94,6 +98,30 @@ TORCH_FREE = (PLAN, ARCH)
 
 CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
+
+PLAN_ORDER: list[tuple[str, ...]] = [
+    ("text", "hardware", "layout", "modelspec", "moe"),  # the words: what is planned
+    ("profile_toml", "query"),  # the inputs: a hardware file, the query
+    (  # the terms: activations, ZeRO units, links, compression, offload, kernels
+        "activations",
+        "units",
+        "network",
+        "compression",
+        "offload_time",
+        "offload",
+        "pipeline_zero",
+        "overheads",
+        "compute",
+        "tp_comm",
+    ),
+    ("memory",),  # a rank's memory
+    ("estimate", "moe_estimate"),  # memory and step time of one layout
+    ("evaluate", "space", "fit", "explain", "offload_check", "search", "moe_report"),
+    ("report", "auto"),  # what the command line prints and --layout auto picks
+    ("",),  # the package plait.plan itself (its __init__ names anything)
+]
+"""The planner's internal levels, earliest first: a module of ``plait.plan`` imports
+only planner modules of its own level or earlier ones (and the graph has no cycle)."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +336,61 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
     )
 
 
+def plan_level(module: str, order: list[tuple[str, ...]] | None = None) -> int:
+    """The level of a planner module (``plait.plan.x``) in :data:`PLAN_ORDER`."""
+    order = PLAN_ORDER if order is None else order
+    name = module.removeprefix(PLAN).removeprefix(".").partition(".")[0]
+    for i, level in enumerate(order):
+        if name in level:
+            return i
+    raise AssertionError(f"{module} is in no level of PLAN_ORDER; add it in {__file__}")
+
+
+def plan_order_violations(
+    imports: dict[str, list[Import]], order: list[tuple[str, ...]] | None = None
+) -> list[str]:
+    """Imports inside ``plait.plan`` that go to a later level, and every cycle of the
+    planner's import graph (one line each, with the imports that close it)."""
+    bad: list[str] = []
+    edges: dict[str, dict[str, Import]] = {}
+    for module, found in imports.items():
+        if not _is_under(module, PLAN):
+            continue
+        for imp in found:
+            if not _is_under(imp.target, PLAN) or imp.target == module:
+                continue
+            target = ".".join(imp.target.split(".")[:3])  # plait.plan.x (or plait.plan)
+            edges.setdefault(module, {}).setdefault(target, imp)
+            mine, theirs = plan_level(module, order), plan_level(target, order)
+            if theirs > mine:
+                bad.append(
+                    f"{imp.where}: {module} (planner level {mine}) imports {target} (level "
+                    f"{theirs}): a planner module imports only its own level or earlier ones"
+                )
+    done: set[str] = set()
+    for start in sorted(edges):  # depth-first search for a path back to a visited module
+        path: list[str] = []
+        stack = [(start, iter(sorted(edges.get(start, {}))))]
+        path.append(start)
+        while stack:
+            node, todo = stack[-1]
+            nxt = next(todo, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                done.add(node)
+            elif nxt in path:
+                loop = [*path[path.index(nxt) :], nxt]
+                witness = "; ".join(
+                    f"{edges[a][b].where} imports {b}" for a, b in zip(loop, loop[1:])
+                )
+                bad.append(f"import cycle {' -> '.join(loop)}: {witness}")
+            elif nxt not in done:
+                path.append(nxt)
+                stack.append((nxt, iter(sorted(edges.get(nxt, {})))))
+    return sorted(set(bad))
+
+
 # ------------------------------------------------------------------ the checker, checked
 
 
@@ -421,7 +504,58 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert "a.py:1 imports plait.ps.server" in cycle and "b.py:2" in cycle
 
 
+def test_the_plan_order_check_finds_an_upward_import_and_a_cycle() -> None:
+    order = [("a", "b"), ("c",), ("",)]
+    upward = {"plait.plan.a": [Import("a.py", 3, "plait.plan.c")]}
+    (line,) = plan_order_violations(upward, order)
+    assert line.startswith("a.py:3: plait.plan.a (planner level 0) imports plait.plan.c")
+    cycle = {  # a -> b inside a function, b -> a at the top: same level, still a cycle
+        "plait.plan.a": [Import("a.py", 9, "plait.plan.b")],
+        "plait.plan.b": [Import("b.py", 2, "plait.plan.a")],
+        "plait.plan.c": [Import("c.py", 1, "plait.plan.a"), Import("c.py", 2, "plait.comm")],
+    }
+    found = plan_order_violations(cycle, order)
+    assert found and all(line.startswith("import cycle") for line in found), found
+    assert any("a.py:9 imports plait.plan.b" in line and "b.py:2" in line for line in found)
+    package = {"plait.plan.c": [Import("c.py", 4, "plait.plan")]}  # the package is last
+    assert "imports plait.plan (level 2)" in plan_order_violations(package, order)[0]
+    assert not plan_order_violations({"plait.plan.c": [Import("c.py", 1, "plait.plan.b")]}, order)
+    with pytest.raises(AssertionError, match="no level"):
+        plan_order_violations({"plait.plan.zz": [Import("z.py", 1, "plait.plan.a")]}, order)
+
+
+def _plan_imports() -> dict[str, list[Import]]:
+    return {
+        name: imports_of(p.read_text("utf-8"), name, p.name == "__init__.py", _rel(p))
+        for p, name in _modules()
+        if _is_under(name, PLAN)
+    }
+
+
+def test_a_planted_cycle_in_the_real_planner_is_found() -> None:
+    imports = _plan_imports()
+    assert not plan_order_violations(imports)
+    imports["plait.plan.layout"] = [
+        *imports["plait.plan.layout"],
+        Import("planted.py", 1, "plait.plan.search"),  # e.g. an import inside a function
+    ]
+    found = plan_order_violations(imports)
+    assert any(line.startswith("planted.py:1: plait.plan.layout") for line in found), found
+    assert any(line.startswith("import cycle") and "planted.py:1" in line for line in found)
+
+
 # ------------------------------------------------------------------ the real tree
+
+
+def test_the_planner_imports_in_its_declared_order_without_cycles() -> None:
+    imports = _plan_imports()
+    planner = list(imports)
+    assert len(planner) > 20, "found too few planner modules"
+    for module in planner:
+        plan_level(module)  # every planner module has a declared level
+    bad = plan_order_violations(imports)
+    assert not bad, "the planner's internal order is broken:\n" + "\n".join(bad)
+
 
 
 def test_imports_flow_one_way() -> None:

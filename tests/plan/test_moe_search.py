@@ -34,15 +34,9 @@ from plait.plan.moe_estimate import (
     moe_layers_on_stage,
     moe_memory,
 )
-from plait.plan.search import (
-    Query,
-    Rejections,
-    Space,
-    brute_force,
-    candidates,
-    count_layouts,
-    search,
-)
+from plait.plan.query import Query
+from plait.plan.search import brute_force, search
+from plait.plan.space import Rejections, Space, candidates, count_layouts
 
 CFG = ModelConfig(
     dim=64, n_layers=4, n_heads=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_shared_experts=1

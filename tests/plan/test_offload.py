@@ -198,7 +198,8 @@ def test_host_memory_check_refuses_exactly_above_the_planned_bytes() -> None:
     tier needs less host memory."""
     from plait.errors import ConfigError
     from plait.plan.fit import plan_inputs
-    from plait.plan.offload import host_bytes, refuse_host_overflow
+    from plait.plan.offload import host_bytes
+    from plait.plan.offload_check import refuse_host_overflow
 
     cfg = _seven_b("optimizer", 2)
     spec, layout, precision, _ = plan_inputs(cfg, 1)

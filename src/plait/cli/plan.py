@@ -255,9 +255,11 @@ def _list() -> str:
 
 def plan_main(argv: Sequence[str]) -> int:
     """``plait plan``."""
-    from plait.plan.offload import format_offload
+    from plait.plan.offload_check import format_offload
     from plait.plan.report import estimate_json, format_estimate, format_search, search_json
-    from plait.plan.search import Query, Space, search, with_layout
+    from plait.plan.query import Query
+    from plait.plan.search import search, with_layout
+    from plait.plan.space import Space
 
     ns = _plan_parser().parse_args(list(argv))
     if ns.list:

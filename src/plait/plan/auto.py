@@ -1,7 +1,7 @@
 """``plait train --layout auto``: the planner's search picks the run's layout.
 
 :func:`auto_query` turns a training config, a world size and a device into the same
-:class:`~plait.plan.search.Query` that ``plait plan --search`` builds from its flags
+:class:`~plait.plan.query.Query` that ``plait plan --search`` builds from its flags
 (model shape, global batch, sequence, precision, runtime, headroom), so the choice is the
 search's top row for the same inputs. :func:`choose_layout` runs the search and returns
 that row (the first the runtime accepts, when a ``runnable`` check is given), the config
@@ -18,20 +18,17 @@ from dataclasses import dataclass
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate
-from plait.plan.explain import COMPONENTS, _differences, gib, seconds
+from plait.plan.evaluate import layout_memory
+from plait.plan.explain import COMPONENTS, _differences
+from plait.plan.fit import precision_runtime
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
-from plait.plan.search import (
-    Query,
-    Rejections,
-    SearchResult,
-    Space,
-    candidates,
-    layout_memory,
-    search,
-)
+from plait.plan.query import Query
+from plait.plan.search import SearchResult, search
+from plait.plan.space import Rejections, Space, candidates
+from plait.plan.text import gib, seconds
 
 AUTO_TOP = 20
 """Ranked layouts kept by the search: the choice walks them until the runtime accepts
@@ -55,8 +52,6 @@ class AutoChoice:
 def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float = 0.05) -> Query:
     """The search query for ``cfg`` on ``world_size`` devices of ``hardware``: the
     precision and runtime as :func:`plait.plan.fit.plan_inputs` maps them."""
-    from plait.plan.fit import precision_runtime
-
     if cfg.model.factory is not None:
         raise ConfigError(
             "--layout auto needs the built-in transformer's shapes; model.factory models "

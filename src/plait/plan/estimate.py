@@ -48,7 +48,7 @@ from plait.plan.network import (
     p2p_time,
     reduce_scatter_time,
 )
-from plait.plan.offload import offload_step_time
+from plait.plan.offload_time import offload_step_time
 from plait.plan.overheads import (
     attention_length,
     in_step_time,
