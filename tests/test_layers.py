@@ -40,6 +40,7 @@ The checker is itself checked on synthetic sources, so it cannot pass vacuously.
 from __future__ import annotations
 
 import ast
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -382,7 +383,7 @@ def plan_order_violations(
             elif nxt in path:
                 loop = [*path[path.index(nxt) :], nxt]
                 witness = "; ".join(
-                    f"{edges[a][b].where} imports {b}" for a, b in zip(loop, loop[1:])
+                    f"{edges[a][b].where} imports {b}" for a, b in itertools.pairwise(loop)
                 )
                 bad.append(f"import cycle {' -> '.join(loop)}: {witness}")
             elif nxt not in done:

@@ -26,6 +26,7 @@ from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload import offload_memory
 from plait.testing import WorkerPool
+from tests.plan.queries import query
 from tests.plan.test_memory_zero import MODELS
 
 M = "tests.plan.test_offload"
@@ -111,7 +112,9 @@ def test_offload_bytes_are_exact(
             "device": want.device, "host": want.host, "disk": want.disk,
         }, f"rank {got['rank']}"  # fmt: skip
         # the device state the memory model counts is the same
-        mem = memory_per_rank(spec, layout, precision, RUNTIMES["plait"], 8, got["rank"])
+        mem = memory_per_rank(
+            query(spec, layout, precision, RUNTIMES["plait"], 8), layout, got["rank"]
+        )
         assert mem.params + mem.grads + mem.master + mem.optimizer == want.device
 
 

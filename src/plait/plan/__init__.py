@@ -34,6 +34,7 @@ from plait.plan.layout import PRECISIONS, RUNTIMES, Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, memory_per_rank
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 from plait.plan.profile_toml import load_hardware
+from plait.plan.query import Query
 
 __all__ = [
     "HARDWARE_PRESETS",
@@ -50,6 +51,7 @@ __all__ = [
     "MemoryBreakdown",
     "ModelSpec",
     "Precision",
+    "Query",
     "Runtime",
     "StepTime",
     "check_fits",

@@ -12,14 +12,9 @@ from plait.plan.query import Query
 
 def layout_memory(q: Query, layout: Layout) -> MemoryBreakdown:
     """The worst rank's memory of ``layout`` for ``q`` (the MoE model's when ``q.moe``)."""
-    if q.moe is not None:
-        return moe_memory(q.model, q.moe, layout, q.precision, q.runtime, q.seq_len)
-    return memory_per_rank(q.model, layout, q.precision, q.runtime, q.seq_len)
+    return moe_memory(q, layout) if q.moe is not None else memory_per_rank(q, layout)
 
 
 def layout_estimate(q: Query, layout: Layout) -> Estimate:
     """The estimate of ``layout`` for ``q`` (the MoE model's when ``q.moe``)."""
-    args = (layout, q.hardware, q.precision, q.runtime, q.seq_len, q.headroom)
-    if q.moe is not None:
-        return moe_estimate(q.model, q.moe, *args)
-    return estimate(q.model, *args)
+    return moe_estimate(q, layout) if q.moe is not None else estimate(q, layout)

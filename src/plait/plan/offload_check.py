@@ -68,7 +68,8 @@ def refuse_host_overflow(
     tier = "" if layout.offload_nvme else "set parallel.offload_dir (the NVMe tier), "
     raise ConfigError(
         f"parallel.offload={layout.offload}: the host needs {gib_or_mib(per_rank * ranks)} "
-        f"({ranks} rank(s) x {gib_or_mib(per_rank)}: fp32 masters, optimizer state, landing buffers) "
+        f"({ranks} rank(s) x {gib_or_mib(per_rank)}: fp32 masters, optimizer state, landing "
+        "buffers) "
         f"but has {gib_or_mib(have)} ({source}); {tier}use more hosts, or set "
         "launch.check_memory=false."
     )

@@ -69,9 +69,10 @@ import math
 from collections.abc import Sequence
 
 from plait.plan.hardware import IN_STEP, TP_GRID_DEGREE, Hardware, Link
-from plait.plan.layout import Layout, Precision
+from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.network import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
+from plait.plan.query import Query
 from plait.plan.units import shard_numel, stage_units
 
 RING_FWD_PASSES = 13
@@ -152,13 +153,12 @@ def ring_pairs(cp: int) -> int:
     return 2 * cp + 1
 
 
-def ring_block_seconds(
-    spec: ModelSpec, layout: Layout, precision: Precision, hw: Hardware, seq_len: int
-) -> tuple[float, float]:
+def ring_block_seconds(q: Query, layout: Layout) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ring merges, copies and calls for one
     micro-batch on one rank (0 without ring attention)."""
     if layout.cp <= 1 or layout.cp_attention != "ring":
         return 0.0, 0.0
+    spec, precision, hw, seq_len = q.model, q.precision, q.hardware, q.seq_len
     heads = spec.n_heads / layout.tp
     c = seq_len / (2 * layout.cp)
     acc = max(4, precision.activation_bytes)  # merged in >= fp32

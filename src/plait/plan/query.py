@@ -21,6 +21,7 @@ from plait.plan.moe import MoESpec
 MAX_DEVICES = 1 << 24
 """Most devices a search plans for (16,777,216; bounds the layouts it walks)."""
 
+
 @dataclass(frozen=True)
 class Query:
     """What to plan for."""

@@ -35,8 +35,8 @@ from plait.plan.evaluate import layout_estimate, layout_memory
 from plait.plan.explain import explain
 from plait.plan.layout import Layout
 from plait.plan.query import Query
-from plait.plan.text import gib
 from plait.plan.space import Rejections, Space, candidates, count_layouts, mesh_problem
+from plait.plan.text import gib
 
 MAX_EVALUATIONS = 150_000
 """Most layouts a search walks; a larger space (counted first, :func:`count_layouts`) is
