@@ -72,33 +72,12 @@ def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float
 
 
 def layout_overrides(layout: Layout) -> tuple[str, ...]:
-    """Config settings (``section.field=value``) for a run of ``layout``."""
-    lay = layout
-    out = [
-        f"parallel.dp={lay.dp}",
-        f"parallel.tp={lay.tp}",
-        f"parallel.pp={lay.pp}",
-        f"parallel.cp={lay.cp}",
-        f"parallel.zero={lay.zero}",
-        f"train.micro_batch={lay.micro_batch}",
-        f"train.recompute={lay.recompute}",
-        f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
-    ]
-    if lay.zero and lay.shard_factor != lay.dp:
-        out.append(f"parallel.zero_shard_size={lay.shard_factor}")
-    if lay.ep > 1:
-        out.append(f"parallel.ep={lay.ep}")
-    if lay.cp > 1:
-        out.append(f"parallel.cp_attention={lay.cp_attention}")
-    if lay.pp > 1:
-        out += [
-            f"parallel.pipeline_schedule={lay.schedule}",
-            f"parallel.chunks={lay.chunks}",
-            f"parallel.microbatches={lay.microbatches}",
-            f"parallel.pp_grad_reduce={lay.pp_grad_reduce}",
-            f"parallel.pp_reshard={str(lay.pp_reshard).lower()}",
-        ]
-    return tuple(out)
+    """Config settings (``section.field=value``) for a run of ``layout``: its
+    :meth:`~plait.plan.layout.Layout.parallel_settings` (the one mapping, read
+    backwards) and its micro-batch and recomputation."""
+    sets = {f"parallel.{k}": v for k, v in layout.parallel_settings().items() if v is not None}
+    sets |= {"train.micro_batch": layout.micro_batch, "train.recompute": layout.recompute}
+    return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
 
 
 def closest(q: Query, space: Space | None = None) -> tuple[Layout, float] | None:
