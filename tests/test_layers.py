@@ -114,6 +114,7 @@ PLAN_ORDER: list[tuple[str, ...]] = [
         "overheads",
         "compute",
         "tp_comm",
+        "dp_comm",
     ),
     ("memory",),  # a rank's memory
     ("estimate", "moe_estimate"),  # memory and step time of one layout
@@ -556,7 +557,6 @@ def test_the_planner_imports_in_its_declared_order_without_cycles() -> None:
         plan_level(module)  # every planner module has a declared level
     bad = plan_order_violations(imports)
     assert not bad, "the planner's internal order is broken:\n" + "\n".join(bad)
-
 
 
 def test_imports_flow_one_way() -> None:
