@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.config import Config
+from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate
 from plait.plan.evaluate import layout_memory
@@ -71,11 +71,22 @@ def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float
     )
 
 
+STATED = ("dp", "tp", "pp", "cp", "zero", "sequence_parallel")
+"""The ``[parallel]`` settings ``--layout auto`` always writes; the others only where the
+layout differs from the default (a dense layout writes no ``ep``)."""
+
+
 def layout_overrides(layout: Layout) -> tuple[str, ...]:
     """Config settings (``section.field=value``) for a run of ``layout``: its
     :meth:`~plait.plan.layout.Layout.parallel_settings` (the one mapping, read
-    backwards) and its micro-batch and recomputation."""
-    sets = {f"parallel.{k}": v for k, v in layout.parallel_settings().items() if v is not None}
+    backwards; :data:`STATED` and what differs from the default) and its micro-batch
+    and recomputation."""
+    default = ParallelConfig()
+    sets = {
+        f"parallel.{k}": v
+        for k, v in layout.parallel_settings().items()
+        if v is not None and (k in STATED or v != getattr(default, k))
+    }
     sets |= {"train.micro_batch": layout.micro_batch, "train.recompute": layout.recompute}
     return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
 
