@@ -257,9 +257,7 @@ def _run(world: int, args: argparse.Namespace) -> list[tuple[str, dict[str, Any]
                 return statistics.median(max(r[i] for r in series) for i in range(args.reps))
 
             slowest: dict[str, Any] = {k: med([r[k] for r in res]) * 1000 for k in keys}
-            slowest["cpu"] = {
-                k: med([r["cpu"][k] for r in res]) * 1000 for k in keys[:4]
-            }
+            slowest["cpu"] = {k: med([r["cpu"][k] for r in res]) * 1000 for k in keys[:4]}
             slowest["plait bytes"] = res[0]["plait bytes"]
             slowest["dcp bytes"] = res[0]["dcp bytes"]
             slowest["peak plait"] = max(r["peaks"]["plait load"] for r in res)
@@ -281,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.world, args.dim, args.layers, args.reps = [2], 32, 1, 1
 
+    from plait.arch import param_count
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
 
     params = param_count(ModelConfig(dim=args.dim, n_layers=args.layers, n_heads=4))
     load0 = load_average()

@@ -175,6 +175,7 @@ def planner_table() -> str:
     from plait.plan.hardware import Link, hardware_preset
     from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
     from plait.plan.modelspec import ModelSpec
+    from plait.plan.query import Query
 
     spec = ModelSpec.from_params(1e9, seq=2048)
     hw0 = hardware_preset("a100-80gb")
@@ -192,7 +193,8 @@ def planner_table() -> str:
         row = [label]
         for method in METHODS:
             lay = Layout(dp=8, compression=method, compression_ratio=0.01, compression_rank=4)
-            t = step_time(spec, lay, hw, PRECISIONS["fp32"], RUNTIMES["plait"], 2048)
+            q = Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], RUNTIMES["plait"], 2048)
+            t = step_time(q, lay)
             row.append(f"{t.total * 1e3:,.0f}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

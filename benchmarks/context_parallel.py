@@ -174,12 +174,17 @@ def reference_seconds(repeats: int, seq: int = SEQ_B) -> float:
 
 def planner_bytes(cp: int, seq: int) -> float:
     from plait.plan.activations import layer_activation_bytes
+    from plait.plan.hardware import PRESETS
     from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
     from plait.plan.modelspec import ModelSpec
+    from plait.plan.query import Query
 
     cfg = _block_cfg(seq)
     spec = ModelSpec("bench", 1, DIM, HEADS, KV_HEADS, cfg.hidden_dim, 256, "llama", seq)
-    return layer_activation_bytes(spec, Layout(cp=cp), PRECISIONS["fp32"], RUNTIMES["plait"], seq)
+    lay, hw = Layout(cp=cp), PRESETS["a100-80gb"]  # memory only: the device is not read
+    return layer_activation_bytes(
+        Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], RUNTIMES["plait"], seq), lay
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

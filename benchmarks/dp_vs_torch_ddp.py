@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 20 or args.warmup < 1:
         print("note: the issue asks for >= 20 measured steps after >= 3 warm-up steps")
 
+    from plait.arch import param_count
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
     from plait.testing.pool import WorkerPool
 
     model_kwargs = {

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from plait import init_mesh, parallelize
+from plait.arch import flops_per_token
 from plait.config import Config, ModelConfig, PrecisionConfig, TrainConfig
 from plait.errors import ConfigError
 from plait.model import Transformer
-from plait.model.transformer import flops_per_token
 from plait.optim import Optimizer
 from plait.parallel.float8 import check_float8
 from plait.train.metrics import peak_flops

@@ -128,9 +128,10 @@ def _torch_step(
     multi = name in ("interleaved", "zb")  # the multi-stage classes take a list
     sched = cls(tstages if multi else tstages[0], n_microbatches=m, loss_fn=lm_loss)
     x, y = _batch(m, micro, seq, mcfg.vocab_size, 1)
-    first, last = 0 in [t.stage_index for t in tstages], p * v - 1 in [
-        t.stage_index for t in tstages
-    ]
+    first, last = (
+        0 in [t.stage_index for t in tstages],
+        p * v - 1 in [t.stage_index for t in tstages],
+    )
 
     def step() -> list[Record]:
         kw: dict[str, Any] = {"target": y, "losses": []} if last else {}
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         args.stages, args.microbatches, args.warmup, args.steps = "2", "4", 0, 1
         args.dim, args.layers, args.heads, args.vocab, args.micro, args.seq = 32, 4, 2, 64, 1, 16
 
-    from plait.model.transformer import param_count
+    from plait.arch import param_count
     from plait.testing.pool import WorkerPool
     from plait.viz import draw_timeline
 
@@ -427,10 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "## Pipeline bubble (issues 5, 18)\n\n"
         + _table(rows)
         + "\nInterleaved and zero-bubble against plait's 1F1B (target: faster wherever the "
-        "simulator predicts a gain of more than 5 %):\n\n"
-        + _versus(rows)
-        + "\n"
-        + "\n".join(notes)
+        "simulator predicts a gain of more than 5 %):\n\n" + _versus(rows) + "\n" + "\n".join(notes)
     )
     if args.out is not None:
         write_section(args.out, "pipeline_bubble", section)

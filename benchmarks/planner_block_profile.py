@@ -41,12 +41,14 @@ def profile_block(hw: Any, dim: int, heads: int, seq: int, mb: int, steps: int =
     from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
     from plait.plan.overheads import block_scale
+    from plait.plan.query import Query
 
     cfg = ModelConfig(n_layers=1, vocab_size=256, dim=dim, n_heads=heads, max_seq_len=seq)
     spec, lay, rt = ModelSpec.from_config(cfg, "block"), Layout(micro_batch=mb), Runtime()
     plain = dataclasses.replace(hw, block_scale=())
-    bt = block_time(spec, lay, rt, PRECISIONS["fp32"], plain, seq)
-    gemm = 3 * sum(g.seconds(plain) for g in block_gemms(spec, lay, rt, seq))
+    q = Query.of_layout(spec, lay, plain, PRECISIONS["fp32"], rt, seq)
+    bt = block_time(q, lay)
+    gemm = 3 * sum(g.seconds(plain) for g in block_gemms(q, lay))
     attn = 3 * attention_flops(spec, lay, seq) / plain.attention.at(seq)
     rest = bt.forward + bt.backward - gemm - attn
     blk = Block(cfg)

@@ -235,11 +235,11 @@ def available(row: Row) -> str | None:
 def predict(row: Row, hw: Any) -> Any:
     """The planner's estimate for ``row``: the config mapped exactly as ``plait train``'s
     memory check maps it (:func:`plait.plan.fit.plan_inputs`)."""
-    from plait.plan import estimate
+    from plait.plan import Query, estimate
     from plait.plan.fit import plan_inputs
 
     spec, layout, precision, runtime = plan_inputs(_full_config(row), row.world)
-    return estimate(spec, layout, hw, precision, runtime, SEQ)
+    return estimate(Query.of_layout(spec, layout, hw, precision, runtime, SEQ, 0.0), layout)
 
 
 def korthikanti_bytes(row: Row, e: Any) -> float:
@@ -255,9 +255,9 @@ def korthikanti_bytes(row: Row, e: Any) -> float:
     s, lay = e.model, e.layout
     t, sp = lay.tp, lay.sequence_parallel
     per_layer = korthikanti_layer_bytes(SEQ, lay.micro_batch, s.hidden, s.n_heads, t, sp)
-    edge = embedding_activation_bytes(s, lay, e.precision, e.runtime, SEQ)
+    edge = embedding_activation_bytes(e.query, lay)
     if lay.pp == 1:
-        edge += head_activation_bytes(s, lay, e.precision, e.runtime, SEQ)
+        edge += head_activation_bytes(e.query, lay)
     return stage_layers(s.n_layers, lay.pp, 0) * per_layer + edge
 
 
@@ -398,7 +398,7 @@ def measured_table(
                 max(ts) for ts in zip(*(r["cpu_times"] for r in res), strict=True)
             )
             # rank 0: pipeline stage 0, shard 0
-            mem = stage_memory(e.model, e.layout, e.precision, e.runtime, SEQ, 0)
+            mem = stage_memory(e.query, e.layout, 0)
             # activations of one micro-batch on that stage (the in-flight factor apart)
             act_pred = (mem.activations + mem.embedding_head) / mem.in_flight
             k = korthikanti_bytes(row, e)
@@ -550,7 +550,7 @@ def published_runs() -> list[Published]:
 
 def published_table() -> list[str]:
     """The planner's utilisation against the reported figures."""
-    from plait.plan import estimate
+    from plait.plan import Query, estimate
     from plait.plan.hardware import hardware_preset
     from plait.plan.layout import PRECISIONS, RUNTIMES
 
@@ -564,10 +564,11 @@ def published_table() -> list[str]:
     for r in published_runs():
 
         def run(layout: Any, r: Published = r) -> Any:
-            return estimate(
+            q = Query.of_layout(
                 r.model, layout, hardware_preset(r.hardware), PRECISIONS["bf16-mixed"],
                 RUNTIMES[r.runtime], r.seq, headroom=0.0,
             )  # fmt: skip
+            return estimate(q, layout)
 
         e = run(r.layout)
         pred = e.hfu if r.metric == "hfu" else e.mfu

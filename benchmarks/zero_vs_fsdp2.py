@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         args.worlds, args.steps, args.warmup, args.block = "2", 2, 1, 1
         args.dim, args.layers, args.heads, args.vocab, args.batch, args.seq = 32, 1, 2, 64, 1, 16
 
+    from plait.arch import param_count
     from plait.config import ModelConfig
-    from plait.model.transformer import param_count
     from plait.testing.pool import WorkerPool
 
     model_kwargs = {

@@ -14,7 +14,7 @@ from pathlib import Path
 import plait
 from plait import config
 from plait.config import choices
-from plait.plan import search
+from plait.plan import space
 from plait.plan.layout import Layout
 
 SRC = Path(plait.__file__).parent
@@ -82,8 +82,8 @@ def test_the_planners_layout_uses_the_configs_types() -> None:
     assert hints["cp_attention"] is config.CPAttention
     assert hints["pp_grad_reduce"] is config.PPGradReduce
     assert hints["compression"] is config.Compression
-    assert search.Space().recompute is config.RECOMPUTES
-    assert search.Space().zero is config.ZERO_STAGES
+    assert space.Space().recompute is config.RECOMPUTES
+    assert space.Space().zero is config.ZERO_STAGES
 
 
 def test_the_choices_module_declares_every_set() -> None:

@@ -3,8 +3,8 @@
 Layers, left to right (docs/architecture.md draws them, with what each package owns; the
 test below checks that its table and :data:`LAYERS` say the same):
 
-    errors → config → comm → collectives / mesh / pieces → model → parallel / optim /
-           checkpoint → train / ps / plan / bench / testing / viz → launch → cli
+    errors → config → arch → comm → collectives / mesh / pieces → model → parallel /
+           optim / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -21,11 +21,17 @@ Extra rules:
   ``Config``), then reading and writing (dicts, TOML, overrides, help text, presets),
   which may import the values but not the other way round.
 * ``plait.plan`` is pure arithmetic: it imports no torch and, of plait, only itself,
-  errors and config (no comm, mesh, testing, bench, model, parallel ...), so the planner
-  runs where torch is not installed.
+  errors, config and arch (no comm, mesh, testing, bench, model, parallel ...), so the
+  planner runs where torch is not installed.
+* ``plait.arch`` (the model's arithmetic, shared by ``plait.model`` and ``plait.plan``)
+  imports no torch either.
 * Only ``plait.comm`` imports ``torch.distributed``, besides the few modules in
   :data:`DISTRIBUTED_ALLOWED` that start or watch processes (each entry says why, and
   the test fails when an entry no longer needs the exception).
+* Inside the planner, modules are in an order of their own (:data:`PLAN_ORDER`, the
+  order ``plait/plan/__init__.py`` documents): a planner module imports only planner
+  modules of its own level or earlier ones, and the planner's import graph has no cycle
+  (imports inside functions count, so none can hide one).
 * Checkpoint code (``plait.checkpoint``) imports nothing from ``plait.parallel``, though
   it shares its layer: it names no parallelism (each wrapper describes its own pieces).
 * No two top-level sub-packages import each other.
@@ -39,6 +45,7 @@ The checker is itself checked on synthetic sources, so it cannot pass vacuously.
 from __future__ import annotations
 
 import ast
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +61,7 @@ ROOT = "plait"
 LAYERS: list[tuple[str, ...]] = [
     ("plait.errors",),
     ("plait.config",),
+    ("plait.arch",),  # torch-free: the model's arithmetic, for plait.model and plait.plan
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
@@ -87,8 +95,12 @@ DISTRIBUTED = ("torch.distributed", "torch._C._distributed")
 """Import prefixes that talk to torch.distributed."""
 
 PLAN = "plait.plan"
-PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1])
-"""What the pure-arithmetic planner may import from plait: itself, errors and config."""
+ARCH = "plait.arch"
+"""The torch-free layer of model arithmetic that the model and the planner share."""
+PLAN_MAY_IMPORT = (PLAN, *LAYERS[0], *LAYERS[1], ARCH)
+"""What the pure-arithmetic planner may import from plait: itself, errors, config, arch."""
+TORCH_FREE = (PLAN, ARCH, "plait.config")
+"""Packages that import no torch (they run where torch is not installed)."""
 
 CHECKPOINT = "plait.checkpoint"
 """Checkpoint code: it names no parallelism."""
@@ -108,6 +120,31 @@ CONFIG_PARTS: list[tuple[str, ...]] = [
 """The configuration package's inside, in import order: rules, values, reading and
 writing; a module of ``plait.config`` imports (of plait) only errors and the parts up to
 its own (longest prefix wins)."""
+
+PLAN_ORDER: list[tuple[str, ...]] = [
+    ("text", "hardware", "layout", "modelspec", "moe"),  # the words: what is planned
+    ("profile_toml", "query"),  # the inputs: a hardware file, the query
+    (  # the terms: activations, ZeRO units, links, compression, offload, kernels
+        "activations",
+        "units",
+        "network",
+        "compression",
+        "offload_time",
+        "offload",
+        "pipeline_zero",
+        "overheads",
+        "compute",
+        "tp_comm",
+        "dp_comm",
+    ),
+    ("memory",),  # a rank's memory
+    ("estimate", "moe_estimate"),  # memory and step time of one layout
+    ("evaluate", "space", "fit", "explain", "offload_check", "search", "moe_report"),
+    ("report", "auto"),  # what the command line prints and --layout auto picks
+    ("",),  # the package plait.plan itself (its __init__ names anything)
+]
+"""The planner's internal levels, earliest first: a module of ``plait.plan`` imports
+only planner modules of its own level or earlier ones (and the graph has no cycle)."""
 
 
 @dataclass(frozen=True)
@@ -271,10 +308,9 @@ def violations(
             _is_under(module, "plait.comm") or module in DISTRIBUTED_ALLOWED
         ):
             bad.append(f"{head}: only plait.comm talks to torch.distributed")
-        if _is_under(module, PLAN) and _is_under(target, "torch"):
-            bad.append(f"{head}: plait.plan imports no torch (it runs without torch)")
-        if _is_under(module, CONFIG) and _is_under(target, "torch"):
-            bad.append(f"{head}: plait.config imports no torch (the planner runs without it)")
+        free = next((p for p in TORCH_FREE if _is_under(module, p)), None)
+        if free is not None and _is_under(target, "torch"):
+            bad.append(f"{head}: {free} imports no torch (it runs without torch)")
         if not _is_under(target, ROOT):
             continue
         if _is_under(module, CONFIG) and _is_under(target, CONFIG):
@@ -339,6 +375,61 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
     )
 
 
+def plan_level(module: str, order: list[tuple[str, ...]] | None = None) -> int:
+    """The level of a planner module (``plait.plan.x``) in :data:`PLAN_ORDER`."""
+    order = PLAN_ORDER if order is None else order
+    name = module.removeprefix(PLAN).removeprefix(".").partition(".")[0]
+    for i, level in enumerate(order):
+        if name in level:
+            return i
+    raise AssertionError(f"{module} is in no level of PLAN_ORDER; add it in {__file__}")
+
+
+def plan_order_violations(
+    imports: dict[str, list[Import]], order: list[tuple[str, ...]] | None = None
+) -> list[str]:
+    """Imports inside ``plait.plan`` that go to a later level, and every cycle of the
+    planner's import graph (one line each, with the imports that close it)."""
+    bad: list[str] = []
+    edges: dict[str, dict[str, Import]] = {}
+    for module, found in imports.items():
+        if not _is_under(module, PLAN):
+            continue
+        for imp in found:
+            if not _is_under(imp.target, PLAN) or imp.target == module:
+                continue
+            target = ".".join(imp.target.split(".")[:3])  # plait.plan.x (or plait.plan)
+            edges.setdefault(module, {}).setdefault(target, imp)
+            mine, theirs = plan_level(module, order), plan_level(target, order)
+            if theirs > mine:
+                bad.append(
+                    f"{imp.where}: {module} (planner level {mine}) imports {target} (level "
+                    f"{theirs}): a planner module imports only its own level or earlier ones"
+                )
+    done: set[str] = set()
+    for start in sorted(edges):  # depth-first search for a path back to a visited module
+        path: list[str] = []
+        stack = [(start, iter(sorted(edges.get(start, {}))))]
+        path.append(start)
+        while stack:
+            node, todo = stack[-1]
+            nxt = next(todo, None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+                done.add(node)
+            elif nxt in path:
+                loop = [*path[path.index(nxt) :], nxt]
+                witness = "; ".join(
+                    f"{edges[a][b].where} imports {b}" for a, b in itertools.pairwise(loop)
+                )
+                bad.append(f"import cycle {' -> '.join(loop)}: {witness}")
+            elif nxt not in done:
+                path.append(nxt)
+                stack.append((nxt, iter(sorted(edges.get(nxt, {})))))
+    return sorted(set(bad))
+
+
 # ------------------------------------------------------------------ the checker, checked
 
 
@@ -364,6 +455,9 @@ def package_cycles(imports: dict[str, list[Import]], packages: set[str] | None =
         ("importlib.import_module('plait.train')\n", "plait.model", "may not import"),
         ("import torch\n", "plait.plan.search", "imports no torch"),
         ("from torch import nn\n", "plait.plan.search", "imports no torch"),
+        ("import torch\n", "plait.arch.arithmetic", "imports no torch"),
+        ("from plait.comm import all_reduce\n", "plait.arch", "may not import"),
+        ("from plait.model import Transformer\n", "plait.arch.arithmetic", "may not import"),
         ("from plait.mesh import Mesh\n", "plait.plan.search", "pure arithmetic"),
         ("from plait.bench import calibrate\n", "plait.plan.fit", "pure arithmetic"),
         ("from plait import testing\n", "plait.plan.fit", "pure arithmetic"),
@@ -425,6 +519,9 @@ def test_the_checker_lets_allowed_imports_pass() -> None:
     assert not violations("from plait import comm\n", "plait.parallel.data_parallel")
     assert not violations("import torch.distributed as dist\n", "plait.comm.ops")
     assert not violations("from plait.config import Config\n", "plait.plan.layout")
+    assert not violations("from plait.arch import param_count\n", "plait.plan.modelspec")
+    assert not violations("from plait.arch import param_count\n", "plait.model.transformer")
+    assert not violations("from plait.config import ModelConfig\n", "plait.arch.arithmetic")
     assert not violations("from .memory import x\n", "plait.plan.search")
     assert not violations("from plait.train import trainer\n", "plait.cli.train")
     assert not violations("from plait.train.trainer import Trainer\n", "plait")
@@ -443,12 +540,14 @@ def test_the_checker_names_file_line_target_and_both_layers() -> None:
         "\n\nfrom plait.train.trainer import Trainer\n", "plait.model.transformer", file="m.py"
     )
     assert line.startswith("m.py:3: plait.model.transformer imports plait.train.trainer")
-    assert describe_layer(4) in line and describe_layer(6) in line
+    assert describe_layer(layer_of("plait.model")) in line
+    assert describe_layer(layer_of("plait.train")) in line
 
 
 def test_every_layer_name_is_matched_by_longest_prefix_and_unknowns_are_refused() -> None:
     assert layer_of("plait.config.toml_io") == 1 and layer_of("plait.config") == 1
-    assert layer_of("plait.comm.ops") == 2 and layer_of("plait.collectives.ring") == 3
+    assert layer_of("plait.arch.arithmetic") == 2
+    assert layer_of("plait.comm.ops") == 3 and layer_of("plait.collectives.ring") == 4
     assert layer_of(ROOT) == len(LAYERS) - 1
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("plait.somewhere_new")  # not silently the root's layer
@@ -465,7 +564,57 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert "a.py:1 imports plait.ps.server" in cycle and "b.py:2" in cycle
 
 
+def test_the_plan_order_check_finds_an_upward_import_and_a_cycle() -> None:
+    order = [("a", "b"), ("c",), ("",)]
+    upward = {"plait.plan.a": [Import("a.py", 3, "plait.plan.c")]}
+    (line,) = plan_order_violations(upward, order)
+    assert line.startswith("a.py:3: plait.plan.a (planner level 0) imports plait.plan.c")
+    cycle = {  # a -> b inside a function, b -> a at the top: same level, still a cycle
+        "plait.plan.a": [Import("a.py", 9, "plait.plan.b")],
+        "plait.plan.b": [Import("b.py", 2, "plait.plan.a")],
+        "plait.plan.c": [Import("c.py", 1, "plait.plan.a"), Import("c.py", 2, "plait.comm")],
+    }
+    found = plan_order_violations(cycle, order)
+    assert found and all(line.startswith("import cycle") for line in found), found
+    assert any("a.py:9 imports plait.plan.b" in line and "b.py:2" in line for line in found)
+    package = {"plait.plan.c": [Import("c.py", 4, "plait.plan")]}  # the package is last
+    assert "imports plait.plan (level 2)" in plan_order_violations(package, order)[0]
+    assert not plan_order_violations({"plait.plan.c": [Import("c.py", 1, "plait.plan.b")]}, order)
+    with pytest.raises(AssertionError, match="no level"):
+        plan_order_violations({"plait.plan.zz": [Import("z.py", 1, "plait.plan.a")]}, order)
+
+
+def _plan_imports() -> dict[str, list[Import]]:
+    return {
+        name: imports_of(p.read_text("utf-8"), name, p.name == "__init__.py", _rel(p))
+        for p, name in _modules()
+        if _is_under(name, PLAN)
+    }
+
+
+def test_a_planted_cycle_in_the_real_planner_is_found() -> None:
+    imports = _plan_imports()
+    assert not plan_order_violations(imports)
+    imports["plait.plan.layout"] = [
+        *imports["plait.plan.layout"],
+        Import("planted.py", 1, "plait.plan.search"),  # e.g. an import inside a function
+    ]
+    found = plan_order_violations(imports)
+    assert any(line.startswith("planted.py:1: plait.plan.layout") for line in found), found
+    assert any(line.startswith("import cycle") and "planted.py:1" in line for line in found)
+
+
 # ------------------------------------------------------------------ the real tree
+
+
+def test_the_planner_imports_in_its_declared_order_without_cycles() -> None:
+    imports = _plan_imports()
+    planner = list(imports)
+    assert len(planner) > 20, "found too few planner modules"
+    for module in planner:
+        plan_level(module)  # every planner module has a declared level
+    bad = plan_order_violations(imports)
+    assert not bad, "the planner's internal order is broken:\n" + "\n".join(bad)
 
 
 def test_imports_flow_one_way() -> None:
@@ -541,7 +690,12 @@ def picture_disagreements(rows: list[tuple[int, set[str], str]]) -> list[str]:
         if not may.startswith(scope):
             bad.append(f"layer {i}: may import {may!r}, expected it to start with {scope!r}")
     rules = " ".join(r[2] for r in rows)
-    for rule in (f"`{CHECKPOINT}` imports nothing from `plait.parallel`", "imports no torch"):
+    rules_stated = (
+        f"`{CHECKPOINT}` imports nothing from `plait.parallel`",
+        "imports no torch",
+        f"`{ARCH}` imports no torch",
+    )
+    for rule in rules_stated:
         if rule not in rules:
             bad.append(f"the page's table does not state the rule: {rule}")
     return bad

@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plait.arch import flops_per_token, param_count
 from plait.cli import main
 from plait.config import ModelConfig
 from plait.config.rules.layout import check_expert_parallel
 from plait.errors import ConfigError
 from plait.model.moe import MoE
-from plait.model.transformer import Transformer, flops_per_token, param_count
+from plait.model.transformer import Transformer
 from tests.tiny import tiny_args
 
 CFG = ModelConfig(

@@ -9,17 +9,16 @@ import time
 import pytest
 import torch
 
+from plait.arch import flops_per_token, param_count
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model import (
     IGNORE_INDEX,
     MODEL_PRESETS,
     Transformer,
-    flops_per_token,
     lm_loss,
     materialize,
     model_preset,
-    param_count,
 )
 
 

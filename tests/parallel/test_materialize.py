@@ -44,8 +44,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from plait.arch import param_count
 from plait.config import ModelConfig, ParallelConfig
-from plait.model import Transformer, param_count
+from plait.model import Transformer
 from plait.model.factory import build_meta_model
 from plait.model.init import InitialValues
 from plait.optim import Optimizer

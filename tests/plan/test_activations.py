@@ -8,6 +8,7 @@ from plait.plan.activations import block_saved, korthikanti_layer_bytes, layer_a
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import in_flight, memory_per_rank
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec
+from tests.plan.queries import query
 
 BF16 = PRECISIONS["bf16-mixed"]
 MEGATRON = RUNTIMES["megatron"]
@@ -29,7 +30,7 @@ TP_SP = [(1, False), (2, False), (2, True), (4, False), (4, True), (8, False), (
 @pytest.mark.parametrize(("s", "b"), [(2048, 1), (1024, 4)])
 def test_korthikanti_table_2(t: int, sp: bool, recompute: str, s: int, b: int) -> None:
     lay = Layout(tp=t, micro_batch=b, sequence_parallel=sp, recompute=recompute)  # type: ignore[arg-type]
-    got = layer_activation_bytes(GPT, lay, BF16, MEGATRON, s)
+    got = layer_activation_bytes(query(GPT, lay, BF16, MEGATRON, s), lay)
     want = korthikanti_layer_bytes(s, b, GPT.hidden, GPT.n_heads, t, sp, recompute)
     assert got == pytest.approx(want + _stats_bytes(s, b, t, sp, recompute), rel=1e-12)
 
@@ -64,8 +65,11 @@ def test_pipeline_in_flight_micro_batches() -> None:
 
 def test_first_stage_holds_p_micro_batches_of_its_layers() -> None:
     spec = MODEL_SPECS["gpt2-355m"]  # 24 layers
-    one = memory_per_rank(spec, Layout(), BF16, MEGATRON, 1024)
-    pipe = memory_per_rank(spec, Layout(pp=4, microbatches=8), BF16, MEGATRON, 1024)
+    one = memory_per_rank(query(spec, Layout(), BF16, MEGATRON, 1024), Layout())
+    pipe = memory_per_rank(
+        query(spec, Layout(pp=4, microbatches=8), BF16, MEGATRON, 1024),
+        Layout(pp=4, microbatches=8),
+    )
     assert pipe.stage == 0
     # 4 micro-batches in flight of 6 layers = the whole model's activations once
     assert pipe.activations == pytest.approx(one.activations)
@@ -78,7 +82,7 @@ def test_fused_swiglu_saves_one_mlp_tensor_less() -> None:
     lay = Layout(tp=2, micro_batch=2)
     fused = RUNTIMES["megatron-flash"]
     plain = dataclasses.replace(fused, fused_swiglu=False)
-    diff = layer_activation_bytes(spec, lay, BF16, plain, 1024) - layer_activation_bytes(
-        spec, lay, BF16, fused, 1024
-    )
+    diff = layer_activation_bytes(
+        query(spec, lay, BF16, plain, 1024), lay
+    ) - layer_activation_bytes(query(spec, lay, BF16, fused, 1024), lay)
     assert diff == 2 * 1024 * spec.ffn_hidden / 2 * 2  # b·s·f/t elements of 2 bytes

@@ -14,6 +14,7 @@ from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
 from plait.testing import WorkerPool
+from tests.plan.queries import query
 
 M = "tests.plan.test_activations_tp"
 CFG = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -55,5 +56,5 @@ def test_tensor_parallel_activations_are_exact(
     got = pools(2).run(f"{M}:_body_saved", sp, batch, seq)
     spec = ModelSpec.from_config(CFG)
     lay = Layout(tp=2, micro_batch=batch, sequence_parallel=sp)
-    mem = memory_per_rank(spec, lay, PRECISIONS["fp32"], RUNTIMES["plait"], seq)
+    mem = memory_per_rank(query(spec, lay, PRECISIONS["fp32"], RUNTIMES["plait"], seq), lay)
     assert got == [mem.activations + mem.embedding_head] * 2

@@ -24,6 +24,7 @@ from plait.plan.estimate import step_time
 from plait.plan.hardware import Link, hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.modelspec import MODEL_SPECS
+from tests.plan.queries import query
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -63,7 +64,10 @@ def _step_ms(method: str, gbit: float) -> float:
         hw = hw0
     spec = MODEL_SPECS["gpt2-1.5b"]
     lay = Layout(dp=8, compression=method)
-    return step_time(spec, lay, hw, PRECISIONS["fp32"], RUNTIMES["plait"], 1024).total * 1e3
+    return (
+        step_time(query(spec, lay, PRECISIONS["fp32"], RUNTIMES["plait"], 1024, hw), lay).total
+        * 1e3
+    )
 
 
 def test_compression_pays_on_slow_links_only() -> None:

@@ -15,6 +15,7 @@ from plait.plan.hardware import PRESETS
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.network import all_to_all_time, group, p2p_time
+from tests.plan.queries import query
 
 SPEC = ModelSpec("gqa", 8, 1024, 16, 4, 4096, 32000, "llama", 8192)  # 16 heads, 4 KV heads
 H100 = PRESETS["h100-80gb"] if "h100-80gb" in PRESETS else next(iter(PRESETS.values()))
@@ -25,8 +26,11 @@ S = 8192
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_activations_scale_with_one_over_cp(cp: int) -> None:
     rt = RUNTIMES["megatron"]
-    one = layer_activation_bytes(SPEC, Layout(), BF16, rt, S)
-    assert layer_activation_bytes(SPEC, Layout(cp=cp), BF16, rt, S) == pytest.approx(one / cp)
+    one, split = Layout(), Layout(cp=cp)
+    whole = layer_activation_bytes(query(SPEC, one, BF16, rt, S), one)
+    assert layer_activation_bytes(query(SPEC, split, BF16, rt, S), split) == pytest.approx(
+        whole / cp
+    )
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -37,11 +41,17 @@ def test_ring_time_is_cp_minus_one_block_passes(cp: int) -> None:
     link = group(lay, H100, "cp").link
     ring = (cp - 1) * p2p_time(kv, link)
     exposed = dataclasses.replace(H100, comm_overlap=0.0)
-    assert cp_layer_time(SPEC, lay, exposed, S, msg) == pytest.approx(3 * ring)  # fwd + 2 bwd
+    assert cp_layer_time(
+        query(SPEC, lay, BF16, RUNTIMES["plait"], S, exposed), lay, msg
+    ) == pytest.approx(3 * ring)  # fwd + 2 bwd
     attn = attention_flops(SPEC, lay, S) / H100.attention.at(S)
-    assert cp_layer_time(SPEC, lay, H100, S, msg) == pytest.approx(3 * max(0.0, ring - attn))
+    assert cp_layer_time(
+        query(SPEC, lay, BF16, RUNTIMES["plait"], S, H100), lay, msg
+    ) == pytest.approx(3 * max(0.0, ring - attn))
     full = Layout(dp=1, cp=cp, recompute="full")
-    assert cp_layer_time(SPEC, full, exposed, S, msg) == pytest.approx(4 * ring)
+    assert cp_layer_time(
+        query(SPEC, full, BF16, RUNTIMES["plait"], S, exposed), full, msg
+    ) == pytest.approx(4 * ring)
 
 
 @pytest.mark.parametrize(("cp", "kv_sent"), [(2, 4), (4, 4), (8, 16)])
@@ -53,5 +63,7 @@ def test_ulysses_time_is_eight_all_to_alls(cp: int, kv_sent: int) -> None:
     head = msg / SPEC.hidden * SPEC.head_dim
     link = group(lay, H100, "cp").link
     a2a = 2 * all_to_all_time(head * 16, cp, link) + 2 * all_to_all_time(head * kv_sent, cp, link)
-    assert cp_layer_time(SPEC, lay, H100, S, msg) == pytest.approx(2 * a2a)
+    assert cp_layer_time(
+        query(SPEC, lay, BF16, RUNTIMES["plait"], S, H100), lay, msg
+    ) == pytest.approx(2 * a2a)
     assert "ulysses" in lay.describe()

@@ -11,7 +11,7 @@ import pytest
 from plait.config import Config, ParallelConfig
 from plait.config.coerce import config_from_dict
 from plait.errors import ConfigError
-from plait.plan.layout import Layout
+from plait.plan.layout import FROM_ELSEWHERE, FROM_PARALLEL, RUNTIME_ONLY, Layout
 
 
 def _cfg(**sections: dict[str, Any]) -> Config:
@@ -86,3 +86,40 @@ def test_from_config_refuses_the_wrong_world_size() -> None:
 def test_layout_refusals(kwargs: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         Layout(**kwargs)
+
+
+def unmapped(parallel_fields: set[str]) -> set[str]:
+    """ParallelConfig fields that the one mapping neither maps to the layout nor lists
+    as runtime-only."""
+    return parallel_fields - set(FROM_PARALLEL) - set(RUNTIME_ONLY)
+
+
+def test_every_parallel_field_is_mapped_or_runtime_only() -> None:
+    parallel = {f.name for f in dataclasses.fields(ParallelConfig)}
+    layout = {f.name for f in dataclasses.fields(Layout)}
+    assert not unmapped(parallel), (
+        f"ParallelConfig fields {sorted(unmapped(parallel))} are neither in "
+        "plait.plan.layout.FROM_PARALLEL nor in RUNTIME_ONLY: say what the planner makes of them"
+    )
+    assert unmapped(parallel | {"new_option"}) == {"new_option"}  # the check can fail
+    assert not set(FROM_PARALLEL) & set(RUNTIME_ONLY)
+    assert set(FROM_PARALLEL) | set(RUNTIME_ONLY) <= parallel  # no stale names
+    # every layout field comes from exactly one place
+    assert set(FROM_PARALLEL.values()) | set(FROM_ELSEWHERE) == layout
+    assert not set(FROM_PARALLEL.values()) & set(FROM_ELSEWHERE)
+
+
+def test_parallel_settings_give_the_layout_back() -> None:
+    """The mapping read backwards: the settings of a layout, in a config, give it back."""
+    for lay in (
+        Layout(dp=4, tp=2, zero=3, zero_shard_size=2, micro_batch=2, sequence_parallel=True),
+        Layout(dp=2, pp=2, zero=2, microbatches=4, schedule="interleaved", chunks=2),
+        Layout(dp=2, cp=2, cp_attention="ulysses", ep=2, recompute="selective"),
+    ):
+        settings = {k: v for k, v in lay.parallel_settings().items() if v is not None}
+        cfg = _cfg(
+            parallel=settings,
+            train={"global_batch": lay.global_batch, "micro_batch": lay.micro_batch,
+                   "recompute": lay.recompute, "grad_clip": 1.0},
+        )  # fmt: skip
+        assert Layout.from_config(cfg, lay.world) == lay

@@ -23,6 +23,7 @@ from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import layer_params_per_rank, memory_per_rank, stage_params, state_bytes
 from plait.plan.modelspec import ModelSpec
 from plait.plan.units import local_pieces, stage_units
+from tests.plan.queries import query
 
 FP32 = PRECISIONS["fp32"]
 PLAIT = RUNTIMES["plait"]
@@ -80,12 +81,14 @@ def test_plait_model_state_is_exact(name: str) -> None:
         model = Transformer(cfg)
     spec = ModelSpec.from_config(cfg)
     weights, grads, optim = _adam_state_bytes(model)
-    mem = memory_per_rank(spec, Layout(), FP32, PLAIT, 16)
+    mem = memory_per_rank(query(spec, Layout(), FP32, PLAIT, 16), Layout())
     assert (mem.params, mem.grads, mem.master) == (weights, grads, 0)
     assert mem.optimizer == optim
     assert spec.tensor_count() == len(list(model.parameters()))
     assert mem.buffers == 0  # plait's DataParallel: .grad are views into its buckets
-    copying = memory_per_rank(spec, Layout(), FP32, replace(PLAIT, grad_buckets="copy"), 16)
+    copying = memory_per_rank(
+        query(spec, Layout(), FP32, replace(PLAIT, grad_buckets="copy"), 16), Layout()
+    )
     assert copying.buffers == grads  # a runtime whose buckets copy every gradient
 
 
@@ -95,7 +98,7 @@ def test_gpt_style_state_is_exact(tied: bool) -> None:
     with torch.device("meta"):
         model = GPT(spec)
     weights, grads, optim = _adam_state_bytes(model)
-    mem = memory_per_rank(spec, Layout(), FP32, PLAIT, 16)
+    mem = memory_per_rank(query(spec, Layout(), FP32, PLAIT, 16), Layout())
     assert (mem.params, mem.grads, mem.optimizer) == (weights, grads, optim)
     assert spec.param_count() == sum(p.numel() for p in model.parameters())
 
@@ -143,7 +146,12 @@ def test_zero_shards_are_ceil_divided() -> None:
         # the runtime's count: each unit padded to a multiple of 7 (at most 6 elements
         # each), one Adam step scalar per tensor piece; summed over the 7 ranks the
         # moments cover exactly the N parameters
-        mem = [memory_per_rank(spec, Layout(dp=7, zero=zero), FP32, PLAIT, 16, r) for r in range(7)]
+        mem = [
+            memory_per_rank(
+                query(spec, Layout(dp=7, zero=zero), FP32, PLAIT, 16), Layout(dp=7, zero=zero), r
+            )
+            for r in range(7)
+        ]
         pad = 6 * len(units)
         assert 0 <= mem[0].grads - g <= pad * 4 * (7 if zero == 1 else 1)
         scalars = [
@@ -178,13 +186,13 @@ def test_saved_activations_match_the_fp32_derivation(name: str, batch: int, seq:
     targets = torch.randint(0, cfg.vocab_size, (batch, seq))
     spec = ModelSpec.from_config(cfg)
     lay = Layout(micro_batch=batch)
-    mem = memory_per_rank(spec, lay, FP32, PLAIT, seq)
+    mem = memory_per_rank(query(spec, lay, FP32, PLAIT, seq), lay)
     predicted = mem.activations + mem.embedding_head
     assert predicted == _saved_bytes(model, tokens, targets)
     # the pieces: n_layers blocks of (8h + 2·kv·d + 4f)·4 + (2 + a)·4 bytes per token
     per_token = (8 * cfg.dim + 2 * cfg.kv_heads * cfg.head_dim + 4 * cfg.hidden_dim) * 4
     per_token += (2 + cfg.n_heads) * 4
     assert mem.layer_activation == batch * seq * per_token
-    edge = embedding_activation_bytes(spec, lay, FP32, PLAIT, seq)
-    edge += head_activation_bytes(spec, lay, FP32, PLAIT, seq)
+    edge = embedding_activation_bytes(query(spec, lay, FP32, PLAIT, seq), lay)
+    edge += head_activation_bytes(query(spec, lay, FP32, PLAIT, seq), lay)
     assert mem.embedding_head == edge

@@ -19,6 +19,7 @@ from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
 from plait.testing import WorkerPool
+from tests.plan.queries import query
 
 M = "tests.plan.test_memory_zero"
 
@@ -85,7 +86,9 @@ def test_zero_state_bytes_are_exact_on_every_rank(
     layout = Layout(dp=world, zero=stage, zero_shard_size=shard)
     f = layout.shard_factor
     for got in results:
-        mem = memory_per_rank(spec, layout, precision, RUNTIMES["plait"], 8, got["rank"] % f)
+        mem = memory_per_rank(
+            query(spec, layout, precision, RUNTIMES["plait"], 8), layout, got["rank"] % f
+        )
         want = {
             "params": mem.params,
             "grads": mem.grads,
@@ -141,7 +144,11 @@ def test_zero2_kept_gradient_buffers_against_the_planner(
     spec = ModelSpec.from_config(MODELS[model])
     runtime = replace(RUNTIMES["plait"], bucket_mb=bucket_mb)
     for got in pools(2).run(f"{M}:_body_zero2_buffers", model, bucket_mb):
-        mem = memory_per_rank(spec, Layout(dp=2, zero=2), PRECISIONS["fp32"], runtime, 8, 0)
+        mem = memory_per_rank(
+            query(spec, Layout(dp=2, zero=2), PRECISIONS["fp32"], runtime, 8),
+            Layout(dp=2, zero=2),
+            0,
+        )
         if bucket_mb == 25.0:  # every bucket's own: the gradients, padded per unit
             assert got["kept"] == got["grads"]
             assert 0 <= got["kept"] - mem.buffers < got["units"] * 2 * 4

@@ -23,6 +23,7 @@ from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.memory import pipeline_zero_buffer_bytes, stage_memory, stage_params
 from plait.plan.modelspec import ModelSpec
 from plait.testing import WorkerPool
+from tests.plan.queries import query
 
 M = "tests.plan.test_memory_zero_pp"
 SEQ, BATCH, MICRO = 8, 8, 4
@@ -115,7 +116,9 @@ def test_pipeline_zero_state_bytes_are_exact(
         pp_reshard=reshard,
     )
     for got in results:
-        mem = stage_memory(spec, layout, precision, RUNTIMES["plait"], SEQ, got["pp"], got["dp"])
+        mem = stage_memory(
+            query(spec, layout, precision, RUNTIMES["plait"], SEQ), layout, got["pp"], got["dp"]
+        )
         want = {"params": mem.params, "grads": mem.grads, "master": mem.master}
         want["optimizer"] = mem.optimizer
         assert {k: got[k] for k in want} == want, f"rank pp{got['pp']} dp{got['dp']}"
@@ -146,7 +149,7 @@ def test_planner_prices_the_pipeline_zero_choices() -> None:
     prec, rt = PRECISIONS["bf16-mixed"], RUNTIMES["plait"]
 
     def run(layout: Layout) -> tuple[float, float]:
-        e = estimate(spec, layout, hw, prec, rt, 1024)
+        e = estimate(query(spec, layout, prec, rt, 1024, hw), layout)
         return e.memory.buffers, e.time.dp_comm_total
 
     keep, reshard = run(base), run(replace(base, pp_reshard=True))

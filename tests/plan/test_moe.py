@@ -17,15 +17,16 @@ import dataclasses
 
 import pytest
 
+from plait.arch import flops_per_token, param_count
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.model.transformer import flops_per_token, param_count
 from plait.parallel.expert import ep_bytes_per_layer
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
 from plait.plan.moe_estimate import ep_row, expert_held, moe_estimate, moe_memory
+from tests.plan.queries import query
 
 CFG = ModelConfig(
     dim=64, n_layers=4, n_heads=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_shared_experts=1
@@ -62,18 +63,22 @@ def test_ep_row_is_the_layouts_expert_terms() -> None:
     rows = {}
     for ep, zero in ((1, 0), (2, 0), (4, 0), (4, 3)):
         lay = dataclasses.replace(plain, ep=ep, zero=zero)
-        rows[ep, zero] = row = ep_row(m, lay, hw, pr, 32)
+        rows[ep, zero] = row = ep_row(query(spec, lay, pr, rt, 32, hw, moe=m), lay)
         assert row[1] == sum(expert_held(m, lay, pr))
-        mem = moe_memory(spec, m, lay, pr, rt, 32)
+        mem = moe_memory(query(spec, lay, pr, rt, 32, moe=m), lay)
         assert row[1] <= mem.total
-        assert row[3] == pytest.approx(moe_estimate(spec, m, lay, hw, pr, rt, 32).time.ep_comm)
+        assert row[3] == pytest.approx(
+            moe_estimate(query(spec, lay, pr, rt, 32, hw, moe=m), lay).time.ep_comm
+        )
     # worst stage: ceil(2 MoE layers / pp 2) = 1 layer of E/ep experts; ZeRO-3 over 4/ep
     per_param = pr.param_bytes + pr.grad_bytes + pr.master_bytes + pr.optimizer_bytes
     assert rows[1, 0][1] == m.experts * m.expert_params * per_param
     assert rows[4, 0][1] == pytest.approx(rows[1, 0][1] / 4)
     assert rows[4, 3][1] == rows[4, 0][1]  # ep 4 of dp 4: one replica, nothing to shard
     lay = dataclasses.replace(plain, ep=2, zero=3)
-    assert ep_row(m, lay, hw, pr, 32)[1] == pytest.approx(rows[2, 0][1] / 2)
+    assert ep_row(query(spec, lay, pr, rt, 32, hw, moe=m), lay)[1] == pytest.approx(
+        rows[2, 0][1] / 2
+    )
     assert rows[1, 0][2] == 0 and 0 < rows[2, 0][2] < rows[4, 0][2]
 
 

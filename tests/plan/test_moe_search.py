@@ -1,7 +1,7 @@
 """ep as a searched dimension (issue 33): the MoE model's memory and time per layout,
 the search ranking ep like the other axes, ``plait plan --search`` and ``--layout auto``.
 
-* memory: the weights the planner counts equal :func:`plait.model.transformer.param_count`
+* memory: the weights the planner counts equal :func:`plait.arch.param_count`
   of the built MoE model (ep 1, one rank), less the experts other ranks hold (ep > 1);
   under ZeRO the expert state is sharded over dp·cp/ep ranks, the rest over dp (by hand);
 * time: the all-to-all term is m x MoE layers x the per-layer all-to-all of
@@ -18,9 +18,9 @@ import math
 
 import pytest
 
+from plait.arch import param_count
 from plait.cli import main
 from plait.config import ModelConfig
-from plait.model.transformer import param_count
 from plait.plan.auto import choose_layout, layout_overrides
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, Layout, Runtime
@@ -34,19 +34,15 @@ from plait.plan.moe_estimate import (
     moe_layers_on_stage,
     moe_memory,
 )
-from plait.plan.search import (
-    Query,
-    Rejections,
-    Space,
-    brute_force,
-    candidates,
-    count_layouts,
-    search,
-)
+from plait.plan.query import Query
+from plait.plan.search import brute_force, search
+from plait.plan.space import Rejections, Space, candidates, count_layouts
+from tests.plan.queries import query
 
 CFG = ModelConfig(
     dim=64, n_layers=4, n_heads=4, moe_experts=8, moe_top_k=2, moe_every=2, moe_shared_experts=1
 )
+
 FP32 = PRECISIONS["fp32"]
 RT = Runtime()
 
@@ -60,11 +56,16 @@ def _moe() -> tuple[ModelSpec, MoESpec]:
 
 def test_weights_equal_the_built_model() -> None:
     spec, moe = _moe()
-    mem = moe_memory(spec, moe, Layout(micro_batch=2), FP32, RT, 32)
+    mem = moe_memory(
+        query(spec, Layout(micro_batch=2), FP32, RT, 32, moe=moe), Layout(micro_batch=2)
+    )
     assert mem.params == 4 * param_count(CFG)  # fp32 weights, one rank holds all
     assert mem.grads == mem.params
     # ep 2 on 2 ranks: each holds half the routed experts, the rest whole
-    half = moe_memory(spec, moe, Layout(dp=2, micro_batch=2, ep=2), FP32, RT, 32)
+    half = moe_memory(
+        query(spec, Layout(dp=2, micro_batch=2, ep=2), FP32, RT, 32, moe=moe),
+        Layout(dp=2, micro_batch=2, ep=2),
+    )
     assert half.params == 4 * (param_count(CFG) - moe.routed_params // 2)
 
 
@@ -72,8 +73,8 @@ def test_zero_shards_experts_over_their_replicas_by_hand() -> None:
     """dp4 ep2 ZeRO-3: expert state over dp·cp/ep = 2 ranks, the rest over dp = 4."""
     spec, moe = _moe()
     lay = Layout(dp=4, zero=3, micro_batch=2, ep=2)
-    mem = moe_memory(spec, moe, lay, FP32, RT, 32)
-    dense = memory_per_rank(spec, lay, FP32, RT, 32)
+    mem = moe_memory(query(spec, lay, FP32, RT, 32, moe=moe), lay)
+    dense = memory_per_rank(query(spec, lay, FP32, RT, 32), lay)
     n = moe.moe_layers
     swiglu = 3 * spec.hidden * spec.ffn_hidden
     kept = moe.hidden * moe.experts + moe.shared * moe.expert_params
@@ -88,7 +89,10 @@ def test_zero_shards_experts_over_their_replicas_by_hand() -> None:
     )
     assert mem.optimizer == pytest.approx(want_opt)
     # ep 4: each rank holds 2 of 8 experts, no ZeRO sharding left for them (4/4 = 1)
-    four = moe_memory(spec, moe, dataclasses.replace(lay, ep=4), FP32, RT, 32)
+    four = moe_memory(
+        query(spec, dataclasses.replace(lay, ep=4), FP32, RT, 32, moe=moe),
+        dataclasses.replace(lay, ep=4),
+    )
     assert four.params - dense.params == pytest.approx(
         4 * (math.ceil(n * kept / 4) + n * 2 * moe.expert_params - math.ceil(n * swiglu / 4))
     )
@@ -98,12 +102,15 @@ def test_all_to_all_term_and_active_mfu() -> None:
     spec, moe = _moe()
     hw = hardware_preset("a100-80gb")
     lay = Layout(dp=4, micro_batch=2, microbatches=3, ep=4)
-    e = moe_estimate(spec, moe, lay, hw, FP32, RT, 32)
-    per = a2a_layer_seconds(moe, lay, hw, FP32, 32)
+    e = moe_estimate(query(spec, lay, FP32, RT, 32, hw, moe=moe), lay)
+    per = a2a_layer_seconds(query(spec, lay, FP32, RT, 32, hw, moe=moe), lay)
     link = hw.intra  # 4 ranks of a node
     assert per == pytest.approx(moe.a2a_seconds_per_layer(64, 4, 4, link.latency_s, link.bandwidth))
     assert e.time.ep_comm == pytest.approx(3 * moe_layers_on_stage(moe, 1) * per) and per > 0
-    one = moe_estimate(spec, moe, dataclasses.replace(lay, ep=1), hw, FP32, RT, 32)
+    one = moe_estimate(
+        query(spec, dataclasses.replace(lay, ep=1), FP32, RT, 32, hw, moe=moe),
+        dataclasses.replace(lay, ep=1),
+    )
     assert one.time.ep_comm == 0.0
     active = spec.flops_per_token(32) + moe.flops_delta_per_token()
     assert e.mfu == pytest.approx(active * e.tokens_per_s / (4 * hw.peak_flops))
@@ -144,9 +151,7 @@ def test_search_agrees_with_brute_force() -> None:
     found = search(q, space, top=3)
     every = brute_force(q, space)
     assert found.ranked and every
-    assert [e.time.total for e in found.ranked] == pytest.approx(
-        [e.time.total for e in every[:3]]
-    )
+    assert [e.time.total for e in found.ranked] == pytest.approx([e.time.total for e in every[:3]])
     assert found.ranked[0].layout == every[0].layout
     assert len({e.layout.ep for e in every}) > 1  # several ep fit and were ranked
     assert found.evaluated < len(every)  # pruned per (layout, ep) group

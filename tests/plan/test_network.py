@@ -16,6 +16,7 @@ from plait.plan.network import (
     p2p_time,
     reduce_scatter_time,
 )
+from tests.plan.queries import query
 
 LINK = Link(1e-5, 1e10)
 
@@ -93,8 +94,8 @@ def test_overlap_hides_data_parallel_traffic_only_where_the_device_can() -> None
     cpu_like = dataclasses.replace(gpu, comm_overlap=0.0)
     spec, rt, pr = MODEL_SPECS["gpt2-355m"], RUNTIMES["plait"], PRECISIONS["bf16-mixed"]
     for lay in (Layout(dp=8, micro_batch=4), Layout(dp=8, zero=3, micro_batch=4)):
-        hidden = step_time(spec, lay, gpu, pr, rt, 1024)
-        exposed = step_time(spec, lay, cpu_like, pr, rt, 1024)
+        hidden = step_time(query(spec, lay, pr, rt, 1024, gpu), lay)
+        exposed = step_time(query(spec, lay, pr, rt, 1024, cpu_like), lay)
         assert hidden.dp_comm < exposed.dp_comm
         assert hidden.dp_comm_total == exposed.dp_comm_total
         if lay.zero == 0:  # nothing hidden: all of it on the step

@@ -26,6 +26,7 @@ from plait.plan.memory import memory_per_rank
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload import offload_memory
 from plait.testing import WorkerPool
+from tests.plan.queries import query
 from tests.plan.test_memory_zero import MODELS
 
 M = "tests.plan.test_offload"
@@ -111,7 +112,9 @@ def test_offload_bytes_are_exact(
             "device": want.device, "host": want.host, "disk": want.disk,
         }, f"rank {got['rank']}"  # fmt: skip
         # the device state the memory model counts is the same
-        mem = memory_per_rank(spec, layout, precision, RUNTIMES["plait"], 8, got["rank"])
+        mem = memory_per_rank(
+            query(spec, layout, precision, RUNTIMES["plait"], 8), layout, got["rank"]
+        )
         assert mem.params + mem.grads + mem.master + mem.optimizer == want.device
 
 
@@ -198,7 +201,8 @@ def test_host_memory_check_refuses_exactly_above_the_planned_bytes() -> None:
     tier needs less host memory."""
     from plait.errors import ConfigError
     from plait.plan.fit import plan_inputs
-    from plait.plan.offload import host_bytes, refuse_host_overflow
+    from plait.plan.offload import host_bytes
+    from plait.plan.offload_check import refuse_host_overflow
 
     cfg = _seven_b("optimizer", 2)
     spec, layout, precision, _ = plan_inputs(cfg, 1)

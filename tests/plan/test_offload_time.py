@@ -16,6 +16,7 @@ from plait.plan.offload_time import (
     offload_step_time,
     two_pass_timeline,
 )
+from tests.plan.queries import query
 
 # rate 1 parameter/s; link 8 B/s with 4-byte gradients: d = n/2; 2-byte weights: u = n/4
 SHARDS = [4, 8, 2, 4]
@@ -142,7 +143,7 @@ def test_estimate_takes_the_slowest_stage_host_step() -> None:
     spec = ModelSpec.from_params(1_000_000_000, seq=1024)
     prec = PRECISIONS["bf16-mixed"]
     layout = Layout(pp=2, zero=1, microbatches=4, offload="optimizer", offload_two_pass=False)
-    t = step_time(spec, layout, hw, prec, RUNTIMES["plait"], 1024)
+    t = step_time(query(spec, layout, prec, RUNTIMES["plait"], 1024, hw), layout)
     per_stage = [
         offload_step_time(
             [shard_numel(u, 1) for u in stage_units(spec, 1, 2, s)], layout, hw, prec, 0.0

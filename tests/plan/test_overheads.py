@@ -30,6 +30,7 @@ from plait.plan.overheads import (
     zero3_unit_seconds,
 )
 from plait.plan.units import stage_units
+from tests.plan.queries import query
 
 FP32 = PRECISIONS["fp32"]
 SPEC = ModelSpec("t", 4, 128, 4, 4, 352, 256, "llama", 128)
@@ -90,11 +91,14 @@ def test_ring_pairs_counts_the_runtime_zigzag(cp: int) -> None:
 def test_ring_block_seconds_by_hand() -> None:
     hw = _hw()
     lay = Layout(cp=2, micro_batch=8)
-    fwd, bwd = ring_block_seconds(SPEC, lay, FP32, hw, 128)
+    fwd, bwd = ring_block_seconds(query(SPEC, lay, FP32, Runtime(), 128, hw), lay)
     chunk = 8 * 4 * 32 * 32 * 4  # b·h·c·d·4 bytes, c = 128/4
     assert fwd == pytest.approx(5 * (RING_FWD_PASSES * chunk / 1e9 + RING_FWD_OPS * 1e-6))
     assert bwd == pytest.approx(5 * (RING_BWD_PASSES * chunk / 1e9 + RING_BWD_OPS * 1e-6))
-    assert ring_block_seconds(SPEC, Layout(), FP32, hw, 128) == (0.0, 0.0)
+    assert ring_block_seconds(query(SPEC, Layout(), FP32, Runtime(), 128, hw), Layout()) == (
+        0.0,
+        0.0,
+    )
 
 
 def test_zero3_unit_seconds_by_hand() -> None:
@@ -106,14 +110,14 @@ def test_zero3_unit_seconds_by_hand() -> None:
 
 def test_block_overhead_is_charged_once_per_block() -> None:
     lay, rt = Layout(micro_batch=8), Runtime()
-    a = block_time(SPEC, lay, rt, FP32, _hw(), 128)
-    b = block_time(SPEC, lay, rt, FP32, _hw(block_overhead_s=3e-3), 128)
+    a = block_time(query(SPEC, lay, FP32, rt, 128, _hw()), lay)
+    b = block_time(query(SPEC, lay, FP32, rt, 128, _hw(block_overhead_s=3e-3)), lay)
     assert (b.forward + b.backward) - (a.forward + a.backward) == pytest.approx(3e-3)
     assert b.forward - a.forward == pytest.approx(1e-3)
     # four blocks and two micro-batches: 4 x 2 x 3 ms more in the step
     two = Layout(micro_batch=4, microbatches=2)
-    ta = step_time(SPEC, two, _hw(), FP32, rt, 128).compute
-    tb = step_time(SPEC, two, _hw(block_overhead_s=3e-3), FP32, rt, 128).compute
+    ta = step_time(query(SPEC, two, FP32, rt, 128, _hw()), two).compute
+    tb = step_time(query(SPEC, two, FP32, rt, 128, _hw(block_overhead_s=3e-3)), two).compute
     assert tb - ta == pytest.approx(4 * 2 * 3e-3)
 
 
@@ -143,14 +147,9 @@ def test_block_scale_multiplies_the_block() -> None:
     the block's hidden size and tokens per micro-batch and rank."""
     rt = Runtime()
     for lay in (Layout(micro_batch=8), Layout(micro_batch=8, recompute="full")):
-        a = block_time(SPEC, lay, rt, FP32, _hw(block_overhead_s=3e-3), 128)
+        a = block_time(query(SPEC, lay, FP32, rt, 128, _hw(block_overhead_s=3e-3)), lay)
         b = block_time(
-            SPEC,
-            lay,
-            rt,
-            FP32,
-            _hw(block_overhead_s=3e-3, block_scale=GRID),
-            128,
+            query(SPEC, lay, FP32, rt, 128, _hw(block_overhead_s=3e-3, block_scale=GRID)), lay
         )
         r = block_scale(_hw(block_scale=GRID), 128.0, 1024.0)
         assert b.forward == pytest.approx(r * a.forward)
@@ -158,8 +157,8 @@ def test_block_scale_multiplies_the_block() -> None:
         assert b.recompute == pytest.approx(r * a.recompute)
     # tensor parallelism keeps the hidden size; context parallelism halves the tokens
     cp = Layout(cp=2, micro_batch=8, cp_attention="ulysses")
-    a = block_time(SPEC, cp, rt, FP32, _hw(), 128)
-    b = block_time(SPEC, cp, rt, FP32, _hw(block_scale=GRID), 128)
+    a = block_time(query(SPEC, cp, FP32, rt, 128, _hw()), cp)
+    b = block_time(query(SPEC, cp, FP32, rt, 128, _hw(block_scale=GRID)), cp)
     assert b.forward / a.forward == pytest.approx(block_scale(_hw(block_scale=GRID), 128.0, 512.0))
 
 
@@ -169,7 +168,7 @@ def test_zero3_collectives_per_unit_in_step() -> None:
     reduce-scattered once, each synchronous (no overlap on CPU)."""
     hw, rt = _hw(), Runtime()
     lay = Layout(dp=2, zero=3, micro_batch=8)
-    t = step_time(SPEC, lay, hw, FP32, rt, 128)
+    t = step_time(query(SPEC, lay, FP32, rt, 128, hw), lay)
     from plait.plan.memory import stage_params
 
     sp = stage_params(SPEC, lay, 0)
@@ -183,7 +182,10 @@ def test_zero3_collectives_per_unit_in_step() -> None:
         for u in units
     )
     assert t.dp_comm == pytest.approx(want)
-    plain = step_time(SPEC, dataclasses.replace(lay, zero=0), hw, FP32, rt, 128)
+    plain = step_time(
+        query(SPEC, dataclasses.replace(lay, zero=0), FP32, rt, 128, hw),
+        dataclasses.replace(lay, zero=0),
+    )
     copies = zero3_unit_seconds([4.0 * u for u in units], sp.tensors, hw)
     assert t.other - plain.other == pytest.approx(copies)
     # a unit is padded to a multiple of the shard factor: 129 elements over F = 2 -> 130
@@ -220,7 +222,10 @@ def test_pipeline_action_and_loss_terms_by_hand(monkeypatch: pytest.MonkeyPatch)
     assert pipeline_loss_seconds(lay, hw.intra) == pytest.approx(1e-3)
     assert pipeline_loss_seconds(Layout(), hw.intra) == 0.0
     rt = Runtime()
-    t, t0 = step_time(SPEC, lay, hw, FP32, rt, 128), step_time(SPEC, lay, hw0, FP32, rt, 128)
+    t, t0 = (
+        step_time(query(SPEC, lay, FP32, rt, 128, hw), lay),
+        step_time(query(SPEC, lay, FP32, rt, 128, hw0), lay),
+    )
     assert t.pp_comm - t0.pp_comm == pytest.approx(4 * 2 * x)  # m·2·x
     assert t.bubble - t0.bubble == pytest.approx(1 * 2 * x)  # (p-1)·2·x
     assert t.compute == t0.compute and t.other == t0.other
@@ -229,7 +234,7 @@ def test_pipeline_action_and_loss_terms_by_hand(monkeypatch: pytest.MonkeyPatch)
 
     est = sys.modules["plait.plan.estimate"]  # the module (plait.plan.estimate is a function)
     monkeypatch.setattr(est, "pipeline_loss_seconds", lambda layout, link: 0.0)
-    without = step_time(SPEC, lay, hw0, FP32, rt, 128)
+    without = step_time(query(SPEC, lay, FP32, rt, 128, hw0), lay)
     assert t0.other - without.other == pytest.approx(1e-3)
     # GPU presets: no action cost
     assert pipeline_action_seconds(lay, PRESETS["h100-80gb"]) == 0.0
@@ -270,11 +275,11 @@ def test_tp_block_ratio_multiplies_block_compute_and_collectives() -> None:
         plain = _hw(block_scale=GRID)  # a tp-1 ratio that must not apply
         grid = _hw(block_scale=GRID, tp_block_scale=const, sp_block_scale=const)
         none = _hw()
-        a = block_time(SPEC, lay, rt, FP32, none, 128)
-        b = block_time(SPEC, lay, rt, FP32, grid, 128)
+        a = block_time(query(SPEC, lay, FP32, rt, 128, none), lay)
+        b = block_time(query(SPEC, lay, FP32, rt, 128, grid), lay)
         assert b.forward == pytest.approx(1.5 * a.forward)
         assert b.backward == pytest.approx(1.5 * a.backward)
-        assert block_time(SPEC, lay, rt, FP32, plain, 128).forward == pytest.approx(
+        assert block_time(query(SPEC, lay, FP32, rt, 128, plain), lay).forward == pytest.approx(
             block_scale(plain, 128.0, 1024.0) * a.forward
         )
         link = none.intra
@@ -287,12 +292,12 @@ def test_tp_block_ratio_multiplies_block_compute_and_collectives() -> None:
         else:
             block = 4 * in_step_all_reduce_time(msg, 2, link)
             edge = in_step_all_reduce_time(msg, 2, link)
-        c0 = tp_comm_time(SPEC, lay, none, FP32, 128)
-        c1 = tp_comm_time(SPEC, lay, grid, FP32, 128)
+        c0 = tp_comm_time(query(SPEC, lay, FP32, Runtime(), 128, none), lay)
+        c1 = tp_comm_time(query(SPEC, lay, FP32, Runtime(), 128, grid), lay)
         assert c0.block == pytest.approx(block) and c1.block == pytest.approx(1.5 * block)
         assert c0.edge == c1.edge == pytest.approx(edge)
-        t0 = step_time(SPEC, lay, none, FP32, rt, 128)
-        t1 = step_time(SPEC, lay, grid, FP32, rt, 128)
+        t0 = step_time(query(SPEC, lay, FP32, rt, 128, none), lay)
+        t1 = step_time(query(SPEC, lay, FP32, rt, 128, grid), lay)
         assert t1.tp_comm - t0.tp_comm == pytest.approx(4 * 0.5 * block)
         assert t1.compute - t0.compute == pytest.approx(4 * 0.5 * (a.forward + a.backward))
 
@@ -308,14 +313,14 @@ def test_pipeline_cost_per_second_of_work_by_hand() -> None:
     assert pipeline_action_seconds(lay, hw, 5e-3) == pytest.approx(2 * x + k * 5e-3)
     assert pipeline_action_seconds(Layout(), hw, 5e-3) == 0.0
     rt = Runtime()
-    t = step_time(SPEC, lay, hw, FP32, rt, 128)
-    t0 = step_time(SPEC, lay, _hw(pp_action_overhead_s=x), FP32, rt, 128)
+    t = step_time(query(SPEC, lay, FP32, rt, 128, hw), lay)
+    t0 = step_time(query(SPEC, lay, FP32, rt, 128, _hw(pp_action_overhead_s=x)), lay)
     # the slowest stage's compute per micro-batch (forward + backward, both stages have
     # 2 blocks; the last adds the head, the larger edge here)
-    blk = block_time(SPEC, lay, rt, FP32, hw, 128)
+    blk = block_time(query(SPEC, lay, FP32, rt, 128, hw), lay)
     from plait.plan.compute import edge_time
 
-    edge = edge_time(SPEC, lay, rt, FP32, hw, 128)
+    edge = edge_time(query(SPEC, lay, FP32, rt, 128, hw), lay)
     work = 2 * (blk.forward + blk.backward) + edge.head_forward + edge.head_backward
     assert t.pp_comm - t0.pp_comm == pytest.approx(4 * k * work)
     assert t.bubble - t0.bubble == pytest.approx(k * work)

@@ -15,6 +15,7 @@ from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES
 from plait.plan.memory import memory_per_rank
 from plait.plan.units import stage_layers
+from tests.plan.queries import query
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -26,10 +27,9 @@ BF16 = PRECISIONS["bf16-mixed"]
 
 
 def _estimate(r, layout=None):  # type: ignore[no-untyped-def]
-    return estimate(
-        r.model, layout or r.layout, hardware_preset(r.hardware), BF16,
-        RUNTIMES[r.runtime], r.seq, headroom=0.0,
-    )  # fmt: skip
+    lay = layout or r.layout
+    hw = hardware_preset(r.hardware)
+    return estimate(query(r.model, lay, BF16, RUNTIMES[r.runtime], r.seq, hw), lay)
 
 
 def test_every_published_row_within_15_percent_and_fits() -> None:
@@ -61,14 +61,18 @@ def test_edge_trim_by_hand() -> None:
 def test_each_405b_term_lowers_memory(idx: int) -> None:
     r = published_runs()[idx]
     lay = r.layout
-    base = memory_per_rank(r.model, lay, BF16, RUNTIMES[r.runtime], r.seq).total
+    base = memory_per_rank(query(r.model, lay, BF16, RUNTIMES[r.runtime], r.seq), lay).total
     # gradients held through the step instead of reduce-scattered per backward (FSDP)
     step = memory_per_rank(
-        r.model, replace(lay, pp_grad_reduce="step"), BF16, RUNTIMES[r.runtime], r.seq
+        query(r.model, replace(lay, pp_grad_reduce="step"), BF16, RUNTIMES[r.runtime], r.seq),
+        replace(lay, pp_grad_reduce="step"),
     ).total
     assert step > base
     # an even split puts 8 blocks and the embedding on the first stage
-    even = memory_per_rank(r.model, replace(lay, edge_trim=0), BF16, RUNTIMES[r.runtime], r.seq)
+    even = memory_per_rank(
+        query(r.model, replace(lay, edge_trim=0), BF16, RUNTIMES[r.runtime], r.seq),
+        replace(lay, edge_trim=0),
+    )
     assert even.total > base
     # two chunks per rank keep more micro-batches in flight on the first stages
     assert _estimate(r, replace(lay, chunks=2)).memory.total > base

@@ -10,7 +10,9 @@ from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS
 from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec
-from plait.plan.search import Query, Space, brute_force, mesh_problem, search, with_layout
+from plait.plan.query import Query
+from plait.plan.search import brute_force, search, with_layout
+from plait.plan.space import Space, mesh_problem
 
 MIXED = PRECISIONS["bf16-mixed"]
 
@@ -116,7 +118,7 @@ def test_with_layout_refuses_mismatches() -> None:
 )
 def test_count_layouts_is_what_the_walk_yields(model: str, devices: int, batch: int) -> None:
     """The up-front count that bounds the search equals the layouts enumerated."""
-    from plait.plan.search import Rejections, candidates, count_layouts
+    from plait.plan.space import Rejections, candidates, count_layouts
 
     q = _query(model, "a100-80gb", devices, batch, 2048)
     walked = sum(len(g) for g in candidates(q, Space(), Rejections()))
@@ -124,7 +126,7 @@ def test_count_layouts_is_what_the_walk_yields(model: str, devices: int, batch: 
 
 
 def test_divisors_of_large_counts_are_fast_and_right() -> None:
-    from plait.plan.search import divisors
+    from plait.plan.space import divisors
 
     assert divisors(1) == [1] and divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     big = divisors(1_000_000_000)  # 2^9 5^9: trial division to sqrt only

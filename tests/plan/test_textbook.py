@@ -18,6 +18,7 @@ from plait.plan.memory import (
 )
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec
 from plait.plan.network import all_reduce_time, ring_bytes_per_rank
+from tests.plan.queries import query
 
 MIXED = PRECISIONS["bf16-mixed"]
 
@@ -63,7 +64,9 @@ def test_seven_billion_parameters_need_about_112_gb_of_state() -> None:
     w, g, m, o = state_bytes(7_000_000_000, 0, Layout(), MIXED)
     assert w + g + m + o == pytest.approx(112e9)
     # the Llama 2 7B preset (6.74 B) on one rank
-    mem = memory_per_rank(MODEL_SPECS["llama2-7b"], Layout(), MIXED, RUNTIMES["plait"], 4096)
+    mem = memory_per_rank(
+        query(MODEL_SPECS["llama2-7b"], Layout(), MIXED, RUNTIMES["plait"], 4096), Layout()
+    )
     assert mem.state == pytest.approx(16 * 6_738_415_616, rel=1e-6)
 
 
@@ -77,7 +80,7 @@ def _uniform_hardware() -> Hardware:
 def test_bubble_is_3_over_35_for_p4_m32(schedule: str) -> None:
     spec = MODEL_SPECS["gpt2-355m"]  # 24 layers: 6 per stage
     lay = Layout(pp=4, micro_batch=1, microbatches=32, schedule=schedule)  # type: ignore[arg-type]
-    t = step_time(spec, lay, _uniform_hardware(), MIXED, RUNTIMES["megatron"], 1024)
+    t = step_time(query(spec, lay, MIXED, RUNTIMES["megatron"], 1024, _uniform_hardware()), lay)
     pipeline = t.compute + t.recompute + t.tp_comm + t.cp_comm + t.pp_comm + t.bubble
     assert t.bubble / pipeline == pytest.approx(3 / 35)
 
@@ -87,8 +90,8 @@ def test_interleaving_divides_the_bubble_by_v() -> None:
     base = Layout(pp=4, micro_batch=1, microbatches=32)
     inter = dataclasses.replace(base, schedule="interleaved", chunks=2)
     hw, rt = _uniform_hardware(), RUNTIMES["megatron"]
-    b1 = step_time(spec, base, hw, MIXED, rt, 1024)
-    b2 = step_time(spec, inter, hw, MIXED, rt, 1024)
+    b1 = step_time(query(spec, base, MIXED, rt, 1024, hw), base)
+    b2 = step_time(query(spec, inter, MIXED, rt, 1024, hw), inter)
     per_mb_1 = b1.bubble / 3
     per_mb_2 = b2.bubble / (3 / 2)
     assert per_mb_2 == pytest.approx(per_mb_1, rel=0.05)  # only the p2p count differs

@@ -263,9 +263,10 @@ def ring_charge(hw: Hardware) -> float:
     + backward: attention at its chunk rate, merges and copies, in-step exchanges)."""
     from plait.plan.compute import attention_flops
     from plait.plan.estimate import cp_layer_time
-    from plait.plan.layout import PRECISIONS, Layout
+    from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
     from plait.plan.overheads import attention_length, ring_block_seconds
+    from plait.plan.query import Query
 
     b, h, s, d = TINY_RING
     seq = 2 * s
@@ -273,9 +274,10 @@ def ring_charge(hw: Hardware) -> float:
     lay = Layout(cp=2, micro_batch=b)
     hw = replace(hw, comm_overlap=0.0)
     attn = 3 * attention_flops(spec, lay, seq) / hw.attention.at(attention_length(lay, seq))
-    fwd, bwd = ring_block_seconds(spec, lay, PRECISIONS["fp32"], hw, seq)
+    q = Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], Runtime(), seq)
+    fwd, bwd = ring_block_seconds(q, lay)
     msg = b * seq / 2 * spec.hidden * 4
-    return attn + fwd + bwd + cp_layer_time(spec, lay, hw, seq, msg)
+    return attn + fwd + bwd + cp_layer_time(q, lay, msg)
 
 
 def ring_overhead(hw: Hardware, measured_s: float) -> float:

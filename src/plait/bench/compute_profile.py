@@ -63,11 +63,13 @@ def tiny_block_charge(hw: Hardware) -> float:
     from plait.plan.compute import block_time
     from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
+    from plait.plan.query import Query
 
     cfg = tiny_block_config()
     spec = ModelSpec.from_config(cfg, "tiny-block")
+    lay = Layout(micro_batch=TINY_BATCH)
     bt = block_time(
-        spec, Layout(micro_batch=TINY_BATCH), Runtime(), PRECISIONS["fp32"], hw, cfg.max_seq_len
+        Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], Runtime(), cfg.max_seq_len), lay
     )
     return bt.forward + bt.backward
 
@@ -86,10 +88,13 @@ def block_grid_charge(hw: Hardware, dim: float, tokens: float) -> float:
     from plait.plan.compute import block_time
     from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
+    from plait.plan.query import Query
 
     spec = ModelSpec.from_config(block_grid_config(int(dim)), "block-grid")
     lay = Layout(micro_batch=max(1, round(tokens / BLOCK_GRID_SEQ)))
-    bt = block_time(spec, lay, Runtime(), PRECISIONS["fp32"], hw, BLOCK_GRID_SEQ)
+    bt = block_time(
+        Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], Runtime(), BLOCK_GRID_SEQ), lay
+    )
     return bt.forward + bt.backward
 
 

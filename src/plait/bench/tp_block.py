@@ -160,6 +160,7 @@ def tp_block_grid_charge(hw: Hardware, dim: float, tokens: float, sequence_paral
     from plait.plan.compute import block_time
     from plait.plan.layout import PRECISIONS, Layout, Runtime
     from plait.plan.modelspec import ModelSpec
+    from plait.plan.query import Query
     from plait.plan.tp_comm import tp_comm_time
 
     spec = ModelSpec.from_config(block_grid_config(int(dim)), "tp-block-grid")
@@ -168,9 +169,9 @@ def tp_block_grid_charge(hw: Hardware, dim: float, tokens: float, sequence_paral
         micro_batch=max(1, round(tokens / BLOCK_GRID_SEQ)),
         sequence_parallel=sequence_parallel,
     )
-    fp32 = PRECISIONS["fp32"]
-    bt = block_time(spec, lay, Runtime(), fp32, hw, BLOCK_GRID_SEQ)
-    return bt.forward + bt.backward + tp_comm_time(spec, lay, hw, fp32, BLOCK_GRID_SEQ).block
+    q = Query.of_layout(spec, lay, hw, PRECISIONS["fp32"], Runtime(), BLOCK_GRID_SEQ)
+    bt = block_time(q, lay)
+    return bt.forward + bt.backward + tp_comm_time(q, lay).block
 
 
 def tp_block_scale_points(

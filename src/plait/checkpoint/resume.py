@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from plait.arch import param_count
 from plait.checkpoint.folder import (
     CheckpointLockedError,
     check_folder,
@@ -34,7 +35,6 @@ from plait.checkpoint.format import (
 )
 from plait.checkpoint.read import CheckpointReader
 from plait.config import Config
-from plait.model import param_count
 
 BYTES_PER_PARAM = 12
 """Bytes a checkpoint stores per parameter: fp32 values (masters where they exist) and

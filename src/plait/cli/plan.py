@@ -255,9 +255,11 @@ def _list() -> str:
 
 def plan_main(argv: Sequence[str]) -> int:
     """``plait plan``."""
-    from plait.plan.offload import format_offload
+    from plait.plan.offload_check import format_offload
+    from plait.plan.query import Query
     from plait.plan.report import estimate_json, format_estimate, format_search, search_json
-    from plait.plan.search import Query, Space, search, with_layout
+    from plait.plan.search import search, with_layout
+    from plait.plan.space import Space
 
     ns = _plan_parser().parse_args(list(argv))
     if ns.list:
@@ -295,7 +297,7 @@ def plan_main(argv: Sequence[str]) -> int:
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
         if ns.experts and not ns.json:  # the ep choices of the data ranks
-            print(moe_section(ns, spec, hw, prec, seq))
+            print(moe_section(ns, q))
         return 0
     tp, pp, cp = ns.tp or 1, ns.pp or 1, ns.cp or 1
     dp = check_world(ns.dp, tp, pp, cp, devices, devices=True)
@@ -349,5 +351,5 @@ def plan_main(argv: Sequence[str]) -> int:
     if layout.offload != "none" and not ns.json:
         print(format_offload(e))
     if ns.experts and not ns.json:
-        print(moe_section(ns, spec, hw, prec, seq, layout))
+        print(moe_section(ns, q, layout))
     return 0

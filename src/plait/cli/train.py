@@ -143,13 +143,13 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         refuse_unless_fits(cfg, world, per_host, _cuda_device())
         if cfg.parallel.offload != "none":  # offload: the host's RAM holds the state
             from plait.launch.oom import host_memory_limit
-            from plait.plan.offload import refuse_host_overflow
+            from plait.plan.offload_check import refuse_host_overflow
 
             gb = cfg.launch.host_memory_gb
             ram = host_memory_limit(None if gb is None else int(gb * 2**30))
             refuse_host_overflow(cfg, world, per_host, ram)
     if cfg.parallel.offload_dir is not None and cfg.model.factory is None:  # the NVMe tier
-        from plait.plan.offload import refuse_bad_offload_dir
+        from plait.plan.offload_check import refuse_bad_offload_dir
 
         refuse_bad_offload_dir(cfg, world, env.local_world_size if env is not None else world)
     if cfg.launch.backend != "local" and env is None:

@@ -1,4 +1,4 @@
-"""The built-in decoder-only transformer and its size/FLOP accounting."""
+"""The built-in decoder-only transformer (its size and FLOP arithmetic: :mod:`plait.arch`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from plait.model.transformer import (
     TokenPositions,
     Transformer,
     apply_rotary,
-    flops_per_token,
     lm_loss,
     materialize,
-    param_count,
     rope_tables,
 )
 
@@ -33,10 +31,8 @@ __all__ = [
     "TokenPositions",
     "Transformer",
     "apply_rotary",
-    "flops_per_token",
     "lm_loss",
     "materialize",
     "model_preset",
-    "param_count",
     "rope_tables",
 ]

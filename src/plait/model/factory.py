@@ -32,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plait.arch import flops_per_token, param_count
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model.init import build_on_meta, uninitialisable
-from plait.model.transformer import Transformer, flops_per_token, param_count
+from plait.model.transformer import Transformer
 
 
 def load_factory(path: str) -> Callable[[ModelConfig], nn.Module]:

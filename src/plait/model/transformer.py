@@ -26,7 +26,7 @@ from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
 from plait.model.document_mask import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
-from plait.model.moe import MoE, expert_hidden_dim, is_moe_layer
+from plait.model.moe import MoE, is_moe_layer
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -409,47 +409,3 @@ def materialize(
     model.to_empty(device=device)
     model.init_weights(seed)
     return model
-
-
-def _layer_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -> int:
-    """Weights of the linear layers of block ``layer``: of an MoE block, the router, the
-    shared experts and ``k`` routed experts (``active``) or all ``E`` of them."""
-    attn = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.kv_heads * cfg.head_dim
-    if not is_moe_layer(cfg, layer):
-        return attn + 3 * cfg.dim * cfg.hidden_dim
-    one = 3 * cfg.dim * expert_hidden_dim(cfg)
-    routed = cfg.moe_top_k if active else cfg.moe_experts
-    return attn + cfg.dim * cfg.moe_experts + (routed + cfg.moe_shared_experts) * one
-
-
-def param_count(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:
-    """Number of parameters of ``Transformer(cfg)``, computed from the config.
-
-    With ``include_embeddings=False`` the vocabulary-sized matrices (token embedding and,
-    when untied, the output head) are left out, as in the "non-embedding N" of scaling
-    laws; the norms stay in. ``active=True`` counts, of each MoE layer, only the
-    parameters one token uses (router, shared experts and ``top_k`` routed experts).
-    """
-    layers = sum(_layer_matmul_params(cfg, i, active) for i in range(cfg.n_layers))
-    body = layers + cfg.n_layers * 2 * cfg.dim + cfg.dim  # + two RMSNorm gains, final norm
-    if not include_embeddings:
-        return body
-    vocab = cfg.vocab_size * cfg.dim
-    return body + vocab + (0 if cfg.tie_embeddings else vocab)
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
-
-    ``6·N + 12·L·s·h`` (the PaLM paper's appendix B convention), where N counts the
-    weights of every matmul: the blocks' linear layers and the output head (whether or
-    not it is tied), but not the embedding lookup or the norms. The attention term counts
-    ``QKᵀ`` and ``AV`` per layer: forward ``2·2·s·h`` per token, times 3 for
-    forward + backward; the causal mask is *not* discounted (half those products are
-    masked), so MFU figures are comparable with PaLM's. Of an MoE layer N counts the
-    active weights (router, shared and ``top_k`` routed experts), so MFU counts active
-    parameters.
-    """
-    layers = sum(_layer_matmul_params(cfg, i) for i in range(cfg.n_layers))
-    n_matmul = layers + cfg.vocab_size * cfg.dim
-    return float(6 * n_matmul + 12 * cfg.n_layers * seq_len * cfg.dim)

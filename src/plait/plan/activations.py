@@ -34,6 +34,7 @@ from typing import Literal
 
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
+from plait.plan.query import Query
 
 Kind = Literal["act", "fp32", "mask", "index"]
 Region = Literal["norm", "gathered", "tp", "kv", "full"]
@@ -177,11 +178,11 @@ def _part_bytes(
     return _bytes(items, spec, precision, runtime, seq_len, split)
 
 
-def layer_activation_bytes(
-    spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
-) -> float:
+def layer_activation_bytes(q: Query, layout: Layout) -> float:
     """Bytes one block keeps for backward for one micro-batch on one rank."""
-    return _part_bytes("layer", spec, precision, runtime, seq_len, _split(layout), layout.recompute)
+    return _part_bytes(
+        "layer", q.model, q.precision, q.runtime, q.seq_len, _split(layout), layout.recompute
+    )
 
 
 def embedding_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
@@ -214,18 +215,14 @@ def head_saved(spec: ModelSpec, runtime: Runtime, tp: int = 1) -> list[Saved]:
     return out
 
 
-def embedding_activation_bytes(
-    spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
-) -> float:
+def embedding_activation_bytes(q: Query, layout: Layout) -> float:
     """Bytes the embedding keeps for one micro-batch."""
-    return _part_bytes("embedding", spec, precision, runtime, seq_len, _split(layout), "")
+    return _part_bytes("embedding", q.model, q.precision, q.runtime, q.seq_len, _split(layout), "")
 
 
-def head_activation_bytes(
-    spec: ModelSpec, layout: Layout, precision: Precision, runtime: Runtime, seq_len: int
-) -> float:
+def head_activation_bytes(q: Query, layout: Layout) -> float:
     """Bytes the final norm, head and loss keep for one micro-batch."""
-    return _part_bytes("head", spec, precision, runtime, seq_len, _split(layout), "")
+    return _part_bytes("head", q.model, q.precision, q.runtime, q.seq_len, _split(layout), "")
 
 
 def korthikanti_layer_bytes(

@@ -1,7 +1,7 @@
 """``plait train --layout auto``: the planner's search picks the run's layout.
 
 :func:`auto_query` turns a training config, a world size and a device into the same
-:class:`~plait.plan.search.Query` that ``plait plan --search`` builds from its flags
+:class:`~plait.plan.query.Query` that ``plait plan --search`` builds from its flags
 (model shape, global batch, sequence, precision, runtime, headroom), so the choice is the
 search's top row for the same inputs. :func:`choose_layout` runs the search and returns
 that row (the first the runtime accepts, when a ``runnable`` check is given), the config
@@ -15,23 +15,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from plait.config import Config
+from plait.config import Config, ParallelConfig
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate
-from plait.plan.explain import COMPONENTS, _differences, gib, seconds
+from plait.plan.evaluate import layout_memory
+from plait.plan.explain import COMPONENTS, _differences
+from plait.plan.fit import precision_runtime
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
-from plait.plan.search import (
-    Query,
-    Rejections,
-    SearchResult,
-    Space,
-    candidates,
-    layout_memory,
-    search,
-)
+from plait.plan.query import Query
+from plait.plan.search import SearchResult, search
+from plait.plan.space import Rejections, Space, candidates
+from plait.plan.text import gib, seconds
 
 AUTO_TOP = 20
 """Ranked layouts kept by the search: the choice walks them until the runtime accepts
@@ -55,8 +52,6 @@ class AutoChoice:
 def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float = 0.05) -> Query:
     """The search query for ``cfg`` on ``world_size`` devices of ``hardware``: the
     precision and runtime as :func:`plait.plan.fit.plan_inputs` maps them."""
-    from plait.plan.fit import precision_runtime
-
     if cfg.model.factory is not None:
         raise ConfigError(
             "--layout auto needs the built-in transformer's shapes; model.factory models "
@@ -76,34 +71,24 @@ def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float
     )
 
 
+STATED = ("dp", "tp", "pp", "cp", "zero", "sequence_parallel")
+"""The ``[parallel]`` settings ``--layout auto`` always writes; the others only where the
+layout differs from the default (a dense layout writes no ``ep``)."""
+
+
 def layout_overrides(layout: Layout) -> tuple[str, ...]:
-    """Config settings (``section.field=value``) for a run of ``layout``."""
-    lay = layout
-    out = [
-        f"parallel.dp={lay.dp}",
-        f"parallel.tp={lay.tp}",
-        f"parallel.pp={lay.pp}",
-        f"parallel.cp={lay.cp}",
-        f"parallel.zero={lay.zero}",
-        f"train.micro_batch={lay.micro_batch}",
-        f"train.recompute={lay.recompute}",
-        f"parallel.sequence_parallel={str(lay.sequence_parallel).lower()}",
-    ]
-    if lay.zero and lay.shard_factor != lay.dp:
-        out.append(f"parallel.zero_shard_size={lay.shard_factor}")
-    if lay.ep > 1:
-        out.append(f"parallel.ep={lay.ep}")
-    if lay.cp > 1:
-        out.append(f"parallel.cp_attention={lay.cp_attention}")
-    if lay.pp > 1:
-        out += [
-            f"parallel.pipeline_schedule={lay.schedule}",
-            f"parallel.chunks={lay.chunks}",
-            f"parallel.microbatches={lay.microbatches}",
-            f"parallel.pp_grad_reduce={lay.pp_grad_reduce}",
-            f"parallel.pp_reshard={str(lay.pp_reshard).lower()}",
-        ]
-    return tuple(out)
+    """Config settings (``section.field=value``) for a run of ``layout``: its
+    :meth:`~plait.plan.layout.Layout.parallel_settings` (the one mapping, read
+    backwards; :data:`STATED` and what differs from the default) and its micro-batch
+    and recomputation."""
+    default = ParallelConfig()
+    sets = {
+        f"parallel.{k}": v
+        for k, v in layout.parallel_settings().items()
+        if v is not None and (k in STATED or v != getattr(default, k))
+    }
+    sets |= {"train.micro_batch": layout.micro_batch, "train.recompute": layout.recompute}
+    return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
 
 
 def closest(q: Query, space: Space | None = None) -> tuple[Layout, float] | None:

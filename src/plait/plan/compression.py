@@ -46,8 +46,14 @@ def matrices(spec: ModelSpec, tp: int) -> tuple[list[tuple[int, int]], int]:
         (h, f // tp),  # down
     ]
     if spec.style == "gpt":
-        per_layer = [per_layer[0], per_layer[1], per_layer[2], per_layer[3], per_layer[5],
-                     per_layer[6]]
+        per_layer = [
+            per_layer[0],
+            per_layer[1],
+            per_layer[2],
+            per_layer[3],
+            per_layer[5],
+            per_layer[6],
+        ]
     mats = per_layer * spec.n_layers
     mats.append((math.ceil(v / tp), h))  # token embedding
     if not spec.tie_embeddings:

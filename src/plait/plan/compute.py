@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 from plait.plan.activations import kv_heads_local
 from plait.plan.hardware import Hardware
-from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.overheads import attention_length, block_scale, tp_block_ratio
+from plait.plan.query import Query
 
 BACKWARD_FACTOR = 2.0
 """Backward work relative to forward, for GEMMs (dX and dW), attention and memory-bound
@@ -70,19 +71,20 @@ def _tokens(layout: Layout, seq_len: int) -> float:
     return layout.micro_batch * seq_len / layout.cp
 
 
-def block_gemms(spec: ModelSpec, layout: Layout, runtime: Runtime, seq_len: int) -> list[Gemm]:
+def block_gemms(q: Query, layout: Layout) -> list[Gemm]:
     """The forward GEMMs of one block on one tensor-parallel rank."""
+    spec, runtime, seq_len = q.model, q.runtime, q.seq_len
     t = layout.tp
     tok = _tokens(layout, seq_len)
     h, d = spec.hidden, spec.head_dim
-    q = spec.n_heads // t * d
+    qw = spec.n_heads // t * d
     kv = kv_heads_local(spec, t) * d
     f = spec.ffn_hidden // t
     out = [
-        Gemm("attn.wq", tok, h, q),
+        Gemm("attn.wq", tok, h, qw),
         Gemm("attn.wk", tok, h, kv),
         Gemm("attn.wv", tok, h, kv),
-        Gemm("attn.wo", tok, q, h),
+        Gemm("attn.wo", tok, qw, h),
     ]
     if spec.style == "llama":
         out += [Gemm("mlp.w1", tok, h, f), Gemm("mlp.w3", tok, h, f), Gemm("mlp.w2", tok, f, h)]
@@ -104,23 +106,22 @@ def attention_flops(spec: ModelSpec, layout: Layout, seq_len: int) -> float:
     return 4.0 * layout.micro_batch * (seq_len / layout.cp) * seq_len * heads * spec.head_dim
 
 
-def block_traffic(
-    spec: ModelSpec, layout: Layout, runtime: Runtime, precision: Precision, seq_len: int
-) -> tuple[float, int]:
+def block_traffic(q: Query, layout: Layout) -> tuple[float, int]:
     """Forward memory-bound bytes and operator calls of one block on one rank."""
+    spec, runtime, precision, seq_len = q.model, q.runtime, q.precision, q.seq_len
     t = layout.tp
     norm_split = t if layout.sequence_parallel else 1
     h, a = spec.hidden, spec.n_heads
-    q = spec.n_heads // t * spec.head_dim
+    qw = spec.n_heads // t * spec.head_dim
     kv = kv_heads_local(spec, t) * spec.head_dim
     f = spec.ffn_hidden // t
     unfused = spec.style == "llama" and not runtime.fused_norm
     norm_elems = 2 * (6 if unfused else 2) * h / norm_split  # two norms
     resid = 2 * (3 + (1 if runtime.dropout else 0)) * h / norm_split
     tp_elems = 0.0
-    ops = 2 * (6 if unfused else 1) + 2 + len(block_gemms(spec, layout, runtime, seq_len))
+    ops = 2 * (6 if unfused else 1) + 2 + len(block_gemms(q, layout))
     if spec.style == "llama":
-        tp_elems += 9.0 * (q + kv) + 5.0 * f  # rotary of q and k; silu(gate) * up
+        tp_elems += 9.0 * (qw + kv) + 5.0 * f  # rotary of q and k; silu(gate) * up
         ops += 2 * 7 + 2
     else:
         tp_elems += 2.0 * f  # fused bias + GELU
@@ -150,16 +151,10 @@ def _elementwise_seconds(nbytes: float, ops: int, hw: Hardware, tensor_bytes: fl
     return nbytes / hw.elementwise.at(max(tensor_bytes, 1.0)) + ops * hw.op_overhead_s
 
 
-def block_time(
-    spec: ModelSpec,
-    layout: Layout,
-    runtime: Runtime,
-    precision: Precision,
-    hw: Hardware,
-    seq_len: int,
-) -> BlockTime:
+def block_time(q: Query, layout: Layout) -> BlockTime:
     """Forward, backward and recomputation time of one block, one micro-batch."""
-    gemms = block_gemms(spec, layout, runtime, seq_len)
+    spec, runtime, precision, hw, seq_len = q.model, q.runtime, q.precision, q.hardware, q.seq_len
+    gemms = block_gemms(q, layout)
     gemm_f = sum(g.seconds(hw) for g in gemms)
     core_gemm_f = sum(g.seconds(hw) for g in gemms if g.name in ("attn.scores", "attn.values"))
     if runtime.attention == "flash":
@@ -169,7 +164,7 @@ def block_time(
         attn_f = attn_total / rate / (1 + BACKWARD_FACTOR)
     else:
         attn_f = 0.0
-    traffic, ops = block_traffic(spec, layout, runtime, precision, seq_len)
+    traffic, ops = block_traffic(q, layout)
     tensor = _tokens(layout, seq_len) * spec.hidden * precision.activation_bytes
     ew_f = _elementwise_seconds(traffic, ops, hw, tensor)
     # the block's fixed framework cost (a calibrated profile), a third of it in forward
@@ -215,15 +210,10 @@ class EdgeTime:
     """Their backward."""
 
 
-def edge_time(
-    spec: ModelSpec,
-    layout: Layout,
-    runtime: Runtime,
-    precision: Precision,
-    hw: Hardware,
-    seq_len: int,
-) -> EdgeTime:
+def edge_time(q: Query, layout: Layout) -> EdgeTime:
     """Embedding and head time for one micro-batch on one rank."""
+    spec, runtime, precision, hw = q.model, q.runtime, q.precision, q.hardware
+    seq_len = q.seq_len
     t = layout.tp
     tok = _tokens(layout, seq_len)
     h = spec.hidden

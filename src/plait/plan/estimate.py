@@ -12,12 +12,8 @@ Step time of the slowest pipeline stage (Narayanan et al. 2021, section 3)::
           + exposed data-parallel / ZeRO traffic
           + optimizer step + gradient copies and accumulation
 
-Data-parallel gradient traffic overlaps the backward of the last micro-batch: buckets
-are reduced as their gradients become ready, so only ``max(last bucket, comm - (1 -
-1/buckets)·backward)`` is exposed. ZeRO-1/2 reduce-scatter gradients the same way and
-all-gather the updated weights after the step (exposed); ZeRO-3 all-gathers every
-unit before its forward and backward and reduce-scatters its gradients, with the next
-unit prefetched, exposing ``max(one unit, comm - compute)`` per micro-batch. Every
+Data-parallel gradient traffic overlaps the backward of the last micro-batch
+(:mod:`plait.plan.dp_comm`). Every
 compute window is scaled by the hardware's ``comm_overlap`` (1 on GPUs; 0 for CPU ranks
 of one core each, where the transport's threads compete with compute for the core).
 """
@@ -28,27 +24,24 @@ import math
 from dataclasses import asdict, dataclass
 
 from plait.plan.activations import kv_heads_local
-from plait.plan.compression import traffic
 from plait.plan.compute import (
     attention_flops,
     block_time,
     edge_time,
     hardware_flops_per_token,
 )
+from plait.plan.dp_comm import dp_comm_time
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
 from plait.plan.network import (
-    all_gather_time,
-    all_reduce_time,
     all_to_all_time,
     group,
     p2p_time,
-    reduce_scatter_time,
 )
-from plait.plan.offload import offload_step_time
+from plait.plan.offload_time import offload_step_time
 from plait.plan.overheads import (
     attention_length,
     in_step_time,
@@ -58,7 +51,7 @@ from plait.plan.overheads import (
     zero3_unit_numels,
     zero3_unit_seconds,
 )
-from plait.plan.pipeline_zero import pipeline_zero_comm
+from plait.plan.query import Query
 from plait.plan.tp_comm import activation_message_bytes, tp_comm_time
 from plait.plan.units import shard_numel, stage_units
 
@@ -142,6 +135,15 @@ class Estimate:
     parameters (:mod:`plait.plan.moe_estimate`)."""
 
     @property
+    def query(self) -> Query:
+        """The query of this one layout (its devices and global batch)."""
+        headroom = 1 - self.usable_bytes / self.hardware.memory_bytes
+        return Query.of_layout(
+            self.model, self.layout, self.hardware, self.precision, self.runtime,
+            self.seq_len, headroom, self.moe,
+        )  # fmt: skip
+
+    @property
     def fits(self) -> bool:
         """Whether the worst rank's memory fits the usable device memory."""
         return self.memory.total <= self.usable_bytes
@@ -195,7 +197,7 @@ class Estimate:
         }
 
 
-def cp_layer_time(spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, msg: float) -> float:
+def cp_layer_time(q: Query, layout: Layout, msg: float) -> float:
     """Exposed context-parallel communication of one layer for one micro-batch (forward,
     backward and a full recomputation's second forward); ``msg`` is the bytes of the
     local hidden states b·(s/c)·h·e.
@@ -209,6 +211,7 @@ def cp_layer_time(spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, m
     """
     if layout.cp <= 1:
         return 0.0
+    spec, hw, seq_len = q.model, q.hardware, q.seq_len
     cp_g = group(layout, hw, "cp")
     fwd_passes = 2 if layout.recompute == "full" else 1
     heads = spec.n_heads // layout.tp if spec.n_heads % layout.tp == 0 else spec.n_heads
@@ -228,25 +231,19 @@ def cp_layer_time(spec: ModelSpec, layout: Layout, hw: Hardware, seq_len: int, m
     return (fwd_passes + 2) * max(0.0, ring_f - hw.comm_overlap * attn_f)
 
 
-def step_time(
-    spec: ModelSpec,
-    layout: Layout,
-    hw: Hardware,
-    precision: Precision,
-    runtime: Runtime,
-    seq_len: int,
-) -> StepTime:
+def step_time(q: Query, layout: Layout) -> StepTime:
     """Predicted step time of ``layout`` by component."""
+    spec, hw, precision, runtime = q.model, q.hardware, q.precision, q.runtime
     p, m, v = layout.pp, layout.microbatches, layout.chunks
-    blk = block_time(spec, layout, runtime, precision, hw, seq_len)
-    edge = edge_time(spec, layout, runtime, precision, hw, seq_len)
-    msg = activation_message_bytes(spec, layout, precision, seq_len)
+    blk = block_time(q, layout)
+    edge = edge_time(q, layout)
+    msg = activation_message_bytes(q, layout)
     tp_g = group(layout, hw, "tp")
-    tpc = tp_comm_time(spec, layout, hw, precision, seq_len)  # synchronous: in-step costs
+    tpc = tp_comm_time(q, layout)  # synchronous: in-step costs
     block_tp, edge_tp, tp_loss, gain = tpc.block, tpc.edge, tpc.loss, tpc.gain
 
-    cp_exposed = cp_layer_time(spec, layout, hw, seq_len, msg)
-    ring_fwd, ring_bwd = ring_block_seconds(spec, layout, precision, hw, seq_len)
+    cp_exposed = cp_layer_time(q, layout, msg)
+    ring_fwd, ring_bwd = ring_block_seconds(q, layout)
 
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
@@ -283,9 +280,7 @@ def step_time(
     bubble = (p - 1) / (v if layout.schedule == "interleaved" else 1) * t_mb if p > 1 else 0.0
 
     sp0 = stage_params(spec, layout, worst_stage)
-    dp_exposed, dp_total = _dp_comm(
-        spec, layout, hw, precision, runtime, sp0.params, sp0.layers, comp_f, comp_b + rc
-    )
+    dp_exposed, dp_total = dp_comm_time(q, layout, sp0.params, comp_f, comp_b + rc)
     f = layout.shard_factor
     opt_params = math.ceil(sp0.params / f) if layout.zero >= 1 else sp0.params
     fp32_copy = 4 if precision.master_bytes else precision.param_bytes
@@ -332,110 +327,11 @@ def step_time(
     )
 
 
-def _dp_comm(
-    spec: ModelSpec,
-    layout: Layout,
-    hw: Hardware,
-    precision: Precision,
-    runtime: Runtime,
-    params: int,
-    layers: int,
-    fwd: float,
-    bwd: float,
-) -> tuple[float, float]:
-    """(exposed, total) seconds of data-parallel / ZeRO traffic per step."""
-    grads = params * precision.grad_bytes
-    weights = params * precision.param_bytes
-    bucket = runtime.bucket_mb * 2**20
-    nb = max(1, math.ceil(grads / bucket))
-    ov = hw.comm_overlap
-    window = ov * bwd * (1 - 1 / nb)  # backward left after the first bucket is ready
-    f = layout.shard_factor
-    if layout.zero == 0:
-        g = group(layout, hw, "dp+cp")
-        if g.size == 1:
-            return 0.0, 0.0
-        if layout.compression != "none":
-            return _compressed_dp_comm(spec, layout, hw, precision, params, nb, window)
-        # each bucket's all-reduce is waited for in the step (plan.overheads)
-        comm = nb * in_step_time("all_reduce", grads / nb, g.size, g.link)
-        return max(comm / nb, comm - window), comm
-    shard = group(layout, hw, "dp", size=f)
-    replica = group(layout, hw, "dp", size=layout.dp // f, step=f)
-    cpg = group(layout, hw, "cp")
-    cross = all_reduce_time(grads / f, replica.size, replica.link)  # hybrid: across groups
-    cross += all_reduce_time(grads, cpg.size, cpg.link)  # cp ranks share the weights
-    if layout.zero >= 2 and layout.pp > 1:  # the pipeline drives ZeRO-2/3
-        return pipeline_zero_comm(layout, shard, ag_bytes=weights, rs_bytes=grads, cross=cross)
-    if layout.zero in (1, 2):
-        rs = nb * reduce_scatter_time(grads / nb, shard.size, shard.link)
-        ag = all_gather_time(weights, shard.size, shard.link)
-        exposed = max(rs / nb, rs - window) + ag + cross
-        return exposed, rs + ag + cross
-    # one gather per unit before its forward and its backward, one reduce-scatter after
-    # its backward, each synchronous in the step (plan.overheads.in_step_time); the
-    # units the runtime has (embedding, blocks, head, root), each paying its latency
-    numels = zero3_unit_numels(spec, layout, params)
-    agus = [
-        in_step_time("all_gather", n * precision.param_bytes, shard.size, shard.link)
-        for n in numels
-    ]
-    rsus = [
-        in_step_time("reduce_scatter", n * precision.grad_bytes, shard.size, shard.link)
-        for n in numels
-    ]
-    ag, rs = sum(agus), sum(rsus)
-    agu, rsu = max(agus), max(rsus)
-    m = layout.microbatches
-    per_mb = max(agu, ag - ov * fwd) + max(agu + rsu, ag + rs - ov * bwd)
-    return m * per_mb + cross, m * (2 * ag + rs) + cross
-
-
-def _compressed_dp_comm(
-    spec: ModelSpec,
-    layout: Layout,
-    hw: Hardware,
-    precision: Precision,
-    params: int,
-    nb: int,
-    window: float,
-) -> tuple[float, float]:
-    """(exposed, total) seconds of compressed data-parallel traffic plus its compute
-    (:mod:`plait.plan.compression`)."""
-    g = group(layout, hw, "dp+cp")
-    c = traffic(
-        spec,
-        hw,
-        layout.compression,
-        params,
-        precision.grad_bytes,
-        g.size,
-        layout.tp,
-        layout.compression_ratio,
-        layout.compression_rank,
-    )
-    if c.op == "all_gather":
-        comm = nb * all_gather_time(c.wire_bytes / nb, g.size, g.link)
-    else:
-        comm = nb * all_reduce_time(c.wire_bytes / nb, g.size, g.link)
-    if c.overlapped:
-        return max(comm / nb, comm - window) + c.compute_s, comm + c.compute_s
-    return comm + c.compute_s, comm + c.compute_s
-
-
-def estimate(
-    spec: ModelSpec,
-    layout: Layout,
-    hw: Hardware,
-    precision: Precision,
-    runtime: Runtime,
-    seq_len: int,
-    headroom: float = 0.0,
-) -> Estimate:
-    """Memory and time of ``layout``; ``headroom`` is the fraction of device memory
-    kept free (allocator fragmentation, framework buffers)."""
-    mem = memory_per_rank(spec, layout, precision, runtime, seq_len)
-    t = step_time(spec, layout, hw, precision, runtime, seq_len)
-    return Estimate(
-        spec, layout, hw, precision, runtime, seq_len, mem, t, hw.memory_bytes * (1 - headroom)
-    )
+def estimate(q: Query, layout: Layout) -> Estimate:
+    """Memory and time of ``layout`` for the dense model of ``q`` (``q.headroom``: the
+    fraction of device memory kept free, for allocator fragmentation and framework
+    buffers; the MoE model's: :func:`plait.plan.evaluate.layout_estimate`)."""
+    mem = memory_per_rank(q, layout)
+    t = step_time(q, layout)
+    usable = q.hardware.memory_bytes * (1 - q.headroom)
+    return Estimate(q.model, layout, q.hardware, q.precision, q.runtime, q.seq_len, mem, t, usable)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from plait.plan.estimate import Estimate, StepTime
-
-if TYPE_CHECKING:
-    from plait.plan.search import SearchResult
+from plait.plan.query import Query
+from plait.plan.space import Rejections
+from plait.plan.text import gib, seconds
 
 COMPONENTS: dict[str, str] = {
     "compute": "compute",
@@ -22,20 +20,6 @@ COMPONENTS: dict[str, str] = {
     "ep_comm": "expert-parallel all-to-alls",
 }
 """Step-time components and how the explanation names them."""
-
-
-def gib(nbytes: float) -> str:
-    """``12.3 GiB``."""
-    return f"{nbytes / 2**30:.1f} GiB"
-
-
-def seconds(s: float) -> str:
-    """A duration with a unit that suits it."""
-    if s >= 1.0:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s * 1e6:.0f} us"
 
 
 def _parts(t: StepTime) -> dict[str, float]:
@@ -59,9 +43,9 @@ def _differences(a: Estimate, b: Estimate) -> list[str]:
     return out
 
 
-def explain(result: SearchResult) -> str:
-    """One paragraph: the winner's shape, its costs, the runner-up, what was rejected."""
-    q, ranked, rej = result.query, result.ranked, result.rejections
+def explain(q: Query, ranked: list[Estimate], rej: Rejections) -> str:
+    """One paragraph on a search for ``q``: the winner's shape (``ranked``: fastest
+    first), its costs, the runner-up, what was rejected (``rej``)."""
     if not ranked:
         reasons = ", ".join(f"{n} for {k}" for k, n in sorted(rej.counts.items()))
         first = next(iter(rej.examples.get("memory", [])), "")

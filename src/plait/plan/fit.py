@@ -18,11 +18,13 @@ from typing import Any
 from plait.config import Config
 from plait.errors import ConfigError
 from plait.plan.estimate import Estimate
-from plait.plan.estimate import estimate as dense_estimate
-from plait.plan.explain import gib
+from plait.plan.evaluate import layout_estimate
 from plait.plan.hardware import PRESETS, Curve, Hardware, Link
 from plait.plan.layout import Layout, Precision, Runtime, precision_preset
 from plait.plan.modelspec import ModelSpec
+from plait.plan.moe import MoESpec
+from plait.plan.query import Query
+from plait.plan.text import gib
 
 _DTYPE_PRECISION = {"fp32": "fp32", "bf16": "bf16-mixed", "fp16": "fp16-mixed"}
 
@@ -144,20 +146,11 @@ def check_fits(
     When it does not, the reasons name the worst rank's memory by component and list the
     single changes (ZeRO stage, recomputation, micro-batch) predicted to fit.
     """
-    from plait.plan.moe import MoESpec
-    from plait.plan.moe_estimate import moe_estimate
-
     spec, layout, precision, runtime = plan_inputs(cfg, world_size)
     hw = hardware or host_hardware(ranks_per_host or world_size)
-    seq = cfg.train.seq_len
     moe = MoESpec.from_config(cfg.model)  # an MoE model: its experts' memory at its ep
-
-    def estimate(spec: ModelSpec, lay: Layout, *args: Any) -> Estimate:
-        if moe is not None:
-            return moe_estimate(spec, moe, lay, *args)
-        return dense_estimate(spec, lay, *args)
-
-    e = estimate(spec, layout, hw, precision, runtime, seq, headroom)
+    q = Query.of_layout(spec, layout, hw, precision, runtime, cfg.train.seq_len, headroom, moe)
+    e = layout_estimate(q, layout)
     if e.fits:
         return FitVerdict(True, (), e)
     m = e.memory
@@ -187,7 +180,7 @@ def check_fits(
         )
     fixes = []
     for label, alt in options:
-        a = estimate(spec, alt, hw, precision, runtime, seq, headroom)
+        a = layout_estimate(q, alt)
         if a.fits:
             fixes.append(f"{label} ({gib(a.memory.total)})")
     if fixes:

@@ -54,8 +54,7 @@ def _check_grid(key: str, grid: tuple[tuple[float, float, float], ...]) -> None:
     cells = {(d, t) for d, t, _ in grid}
     if any(min(p) <= 0 for p in grid) or len(cells) != len(grid):
         raise ConfigError(
-            f"hardware.{key} needs distinct positive (hidden, tokens, ratio) points, "
-            f"got {grid}."
+            f"hardware.{key} needs distinct positive (hidden, tokens, ratio) points, got {grid}."
         )
     if len(cells) != len(dims) * len(toks):
         raise ConfigError(

@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from plait.config import (
+    PLANNED_SCHEDULES,
     ZERO_MEANING,
     ZERO_STAGES,
     Compression,
@@ -26,9 +27,15 @@ from plait.config import (
     Recompute,
     check_choices,
 )
-from plait.config.rules.choices import check_choice, check_positive
+from plait.config.rules.choices import check_choice, check_non_negative, check_positive
 from plait.config.rules.features import check_compression, check_offload
-from plait.config.rules.layout import check_chunks, check_shard_size, check_world
+from plait.config.rules.layout import (
+    check_chunks,
+    check_ep_axis,
+    check_sequence_parallel,
+    check_shard_size,
+    check_world,
+)
 from plait.errors import ConfigError
 
 
@@ -106,70 +113,67 @@ class Layout:
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
         check_positive("layout ", **{key: getattr(self, key) for key in degrees})
+        check_non_negative("layout ", edge_trim=self.edge_trim)
         check_choice("layout zero", self.zero, ZERO_STAGES, ZERO_MEANING)
         check_choices(self, "layout ")
         check_compression(self.compression, self.zero)
         check_offload(self.offload, self.zero)
         check_shard_size(self.zero_shard_size, self.zero, self.dp)
         check_chunks(self.schedule, self.chunks)
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence parallelism needs tp > 1.")
-        if self.edge_trim < 0:
-            raise ConfigError(f"layout edge_trim must be >= 0, got {self.edge_trim}.")
-        if self.ep <= 0 or (self.dp * self.cp) % self.ep:
-            raise ConfigError(
-                f"layout ep={self.ep} must be positive and divide dp x cp = {self.dp * self.cp}."
-            )
+        check_sequence_parallel(self.sequence_parallel, self.tp)
+        check_ep_axis(self.ep, self.dp, self.cp)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
-        """The layout a run of ``cfg`` on ``world_size`` ranks uses: the same degrees,
-        ZeRO stage, hybrid factor, micro-batch split, recomputation and schedule names as
-        the config (one vocabulary for config, planner and runtime). Zero-bubble ZB-H1
-        keeps 1F1B's activations and naive holds fewer: both are counted as 1F1B (a safe
+        """The layout a run of ``cfg`` on ``world_size`` ranks uses: every
+        :data:`FROM_PARALLEL` field under its layout name, the batch split and
+        recomputation of ``[train]`` (:data:`FROM_ELSEWHERE`). Values that mean nothing
+        in the run are the layout's neutral ones (no F without ZeRO, no sequence
+        parallelism at tp = 1, v = 1 but interleaved); zero-bubble ZB-H1 keeps 1F1B's
+        activations and naive holds fewer: both are counted as 1F1B (a safe
         over-estimate)."""
         p, t = cfg.parallel, cfg.train
-        dp = p.resolved_dp(world_size)
-        check_world(dp, p.tp, p.pp, p.cp, world_size)
+        dp = check_world(p.dp, p.tp, p.pp, p.cp, world_size)
+        values: dict[str, Any] = {lay: getattr(p, par) for par, lay in FROM_PARALLEL.items()}
         micro = cfg.micro_batch(world_size)
         m = max(1, t.global_batch // (dp * micro))
-        schedule: PlannedSchedule = "1f1b"
-        chunks = 1
         if p.pp > 1:
             m = cfg.pipeline_microbatches(world_size)
             micro = max(1, t.global_batch // (dp * m))
-            if p.pipeline_schedule in ("gpipe", "interleaved"):
-                schedule = p.pipeline_schedule
-            chunks = p.chunks if schedule == "interleaved" else 1
-        return cls(
+        schedule = p.pipeline_schedule if p.pipeline_schedule in PLANNED_SCHEDULES else "1f1b"
+        values.update(
             dp=dp,
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            cp_attention=p.cp_attention,
-            zero=p.zero,
-            zero_shard_size=p.zero_shard_size if p.zero else None,
-            micro_batch=micro,
             microbatches=m,
-            recompute=t.recompute,
-            schedule=schedule,
-            chunks=chunks,
+            schedule=schedule if p.pp > 1 else "1f1b",
+            chunks=p.chunks if p.pp > 1 and schedule == "interleaved" else 1,
+            zero_shard_size=p.zero_shard_size if p.zero else None,
             sequence_parallel=p.sequence_parallel and p.tp > 1,
-            pp_grad_reduce=p.pp_grad_reduce,
-            pp_reshard=p.pp_reshard,
-            compression=p.compression,
-            compression_ratio=p.compression_ratio,
-            compression_rank=p.compression_rank,
-            offload=p.offload,
             offload_nvme=p.offload_dir is not None,
-            offload_delay=p.offload_delay,
-            ep=p.ep,
+            micro_batch=micro,
+            recompute=t.recompute,
             offload_two_pass=(  # the step needs the global norm first
                 t.grad_clip > 0
                 or cfg.precision.dtype == "fp16"
                 or cfg.precision.nonfinite != "error"
             ),
         )
+        return cls(**values)
+
+    def parallel_settings(self) -> dict[str, object]:
+        """The :class:`~plait.config.ParallelConfig` values a run of this layout sets,
+        by :data:`FROM_PARALLEL` read backwards: ``parallel.microbatches`` only for a
+        pipeline (without one the accumulation follows from the global batch), the
+        hybrid factor only when it is not dp, and no ``offload_dir`` (a folder the run
+        names; the layout says only whether there is one)."""
+        out: dict[str, object] = {
+            par: getattr(self, lay) for par, lay in FROM_PARALLEL.items() if par != "offload_dir"
+        }
+        out["zero_shard_size"] = (
+            self.shard_factor if self.zero and self.shard_factor != self.dp else None
+        )
+        if self.pp == 1:
+            out["microbatches"] = None
+        return out
 
     @property
     def world(self) -> int:
@@ -215,6 +219,62 @@ class Layout:
         if self.ep > 1:
             s += f" ep{self.ep}"
         return s + f" rc={self.recompute}"
+
+
+FROM_PARALLEL: dict[str, str] = {
+    "dp": "dp",
+    "tp": "tp",
+    "pp": "pp",
+    "cp": "cp",
+    "cp_attention": "cp_attention",
+    "sequence_parallel": "sequence_parallel",
+    "pipeline_schedule": "schedule",
+    "microbatches": "microbatches",
+    "chunks": "chunks",
+    "zero": "zero",
+    "zero_shard_size": "zero_shard_size",
+    "pp_grad_reduce": "pp_grad_reduce",
+    "pp_reshard": "pp_reshard",
+    "offload": "offload",
+    "offload_dir": "offload_nvme",
+    "offload_delay": "offload_delay",
+    "compression": "compression",
+    "compression_ratio": "compression_ratio",
+    "compression_rank": "compression_rank",
+    "ep": "ep",
+}
+"""The one mapping between the run configuration and the planner: each
+:class:`~plait.config.ParallelConfig` field that is a layout decision, and the
+:class:`Layout` field it becomes (:meth:`Layout.from_config`, and backwards
+:meth:`Layout.parallel_settings`). Every other ParallelConfig field is in
+:data:`RUNTIME_ONLY`."""
+
+RUNTIME_ONLY: tuple[str, ...] = (
+    "balance",  # how blocks are cut into pipeline pieces (the planner splits evenly)
+    "reshard_after_forward",  # ZeRO-3 within a step (the planner models the default)
+    "prefetch",  # ZeRO-3 prefetch (the planner's Runtime.prefetch_units)
+    "bucket_mb",  # the planner's Runtime.bucket_mb
+    "find_unused_parameters",
+    "compression_start",
+    "compression_warmup_steps",
+    "compression_adam",
+    "compression_topk_scope",
+    "compression_topk_sign_every",
+    "compression_topk_sign_scale",
+    "backend",
+    "timeout_s",
+)
+""":class:`~plait.config.ParallelConfig` fields that are not layout decisions: how the
+runtime carries a layout out (a test fails when a field is in neither this nor
+:data:`FROM_PARALLEL`)."""
+
+FROM_ELSEWHERE: dict[str, str] = {
+    "micro_batch": "train.micro_batch (or global_batch / (dp x parallel.microbatches))",
+    "recompute": "train.recompute",
+    "offload_two_pass": "train.grad_clip > 0, precision.dtype fp16 or precision.nonfinite",
+    "edge_trim": "none: a planner-only option for published layouts",
+}
+""":class:`Layout` fields that no ParallelConfig field maps to, and where they come from."""
 
 
 @dataclass(frozen=True)

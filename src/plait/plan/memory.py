@@ -51,6 +51,7 @@ from plait.plan.activations import (
 from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload import device_state
+from plait.plan.query import Query
 from plait.plan.units import stage_layers, stage_units, zero_state_bytes
 
 ZERO2_KEPT_BUCKETS = 3
@@ -198,15 +199,9 @@ def copies_gradients(layout: Layout, precision: Precision, runtime: Runtime) -> 
     return layout.zero == 0 and runtime.grad_buckets == "copy" and precision.master_bytes == 0
 
 
-def buffer_bytes(
-    sp: StageParams,
-    spec: ModelSpec,
-    layout: Layout,
-    precision: Precision,
-    runtime: Runtime,
-    seq_len: int,
-) -> float:
-    """Temporary and persistent buffers of one rank."""
+def buffer_bytes(q: Query, layout: Layout, sp: StageParams) -> float:
+    """Temporary and persistent buffers of one rank holding ``sp``."""
+    spec, precision, runtime, seq_len = q.model, q.precision, q.runtime, q.seq_len
     grad_bytes = sp.params * precision.grad_bytes
     bucket = runtime.bucket_mb * 2**20
     out = 0.0
@@ -256,17 +251,10 @@ def pipeline_zero_buffer_bytes(
     return float(out)
 
 
-def stage_memory(
-    spec: ModelSpec,
-    layout: Layout,
-    precision: Precision,
-    runtime: Runtime,
-    seq_len: int,
-    stage: int,
-    shard_rank: int = 0,
-) -> MemoryBreakdown:
+def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> MemoryBreakdown:
     """Bytes on one rank of pipeline stage ``stage``; under ZeRO, on rank ``shard_rank``
     of its shard group (rank 0 holds the most non-padding elements)."""
+    spec, precision = q.model, q.precision
     sp = stage_params(spec, layout, stage)
     if layout.zero >= 1:  # the runtime's padded flat units, exactly
         units = stage_units(spec, layout.tp, layout.pp, stage, layout.edge_trim)
@@ -279,30 +267,21 @@ def stage_memory(
     else:
         weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
     flight = in_flight(layout, stage)
-    per_layer = layer_activation_bytes(spec, layout, precision, runtime, seq_len)
+    per_layer = layer_activation_bytes(q, layout)
     acts = per_layer * sp.layers * flight
     edge = 0.0
     if stage == 0:
-        edge += flight * embedding_activation_bytes(spec, layout, precision, runtime, seq_len)
+        edge += flight * embedding_activation_bytes(q, layout)
     if stage == layout.pp - 1:
-        edge += in_flight(layout, stage) * head_activation_bytes(
-            spec, layout, precision, runtime, seq_len
-        )
-    buffers = buffer_bytes(sp, spec, layout, precision, runtime, seq_len)
+        edge += in_flight(layout, stage) * head_activation_bytes(q, layout)
+    buffers = buffer_bytes(q, layout, sp)
     buffers += pipeline_zero_buffer_bytes(sp, spec, layout, precision, stage)
     return MemoryBreakdown(
         stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer
     )
 
 
-def memory_per_rank(
-    spec: ModelSpec,
-    layout: Layout,
-    precision: Precision,
-    runtime: Runtime,
-    seq_len: int,
-    shard_rank: int = 0,
-) -> MemoryBreakdown:
+def memory_per_rank(q: Query, layout: Layout, shard_rank: int = 0) -> MemoryBreakdown:
     """The breakdown of the pipeline stage that needs the most memory (under ZeRO, for
     rank ``shard_rank`` of the shard group)."""
     # stage 0 has the most layers, micro-batches in flight and the embedding; the last
@@ -312,7 +291,7 @@ def memory_per_rank(
         candidates.add(1)
     best = None
     for j in sorted(candidates):
-        m = stage_memory(spec, layout, precision, runtime, seq_len, j, shard_rank)
+        m = stage_memory(q, layout, j, shard_rank)
         if best is None or m.total > best.total:
             best = m
     assert best is not None

@@ -9,7 +9,8 @@ styles cover the presets:
   linear layer (GPT-2, GPT-3, Megatron-LM's GPT).
 
 Parameter counts are exact for both (tested against real modules built on the meta
-device); FLOPs follow the PaLM appendix-B convention used by :mod:`plait.model`.
+device); the per-block terms and the FLOPs rule (PaLM, appendix B) are
+:mod:`plait.arch`'s, the same the built-in model counts with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from plait.arch import (
+    attention_flops_per_token,
+    attention_params,
+    mlp_params,
+    training_flops_per_token,
+)
 from plait.config import PRESET_STYLES, ModelConfig, PresetStyle
 from plait.config.presets import PRESETS, Preset
 from plait.config.rules.choices import check_choice
@@ -107,8 +114,8 @@ class ModelSpec:
     def layer_matmul_params(self) -> int:
         """Weights of one block's linear layers (no biases)."""
         h = self.hidden
-        attn = 2 * h * self.q_width + 2 * h * self.kv_width
-        return attn + self.mlp_mats * h * self.ffn_hidden
+        attn = attention_params(h, self.q_width, self.kv_width)
+        return attn + mlp_params(h, self.ffn_hidden, self.mlp_mats)
 
     def layer_params(self) -> int:
         """Every parameter of one block: linear weights, biases and norm parameters."""
@@ -171,13 +178,13 @@ class ModelSpec:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: ``6·N + 12·L·s·a·d`` (Chowdhery et al. 2022, PaLM,
-        appendix B; causal mask not discounted). Equals :func:`plait.model.flops_per_token`
-        for plait's model."""
-        return float(6 * self.matmul_params() + 12 * self.n_layers * seq_len * self.q_width)
+        appendix B; causal mask not discounted): :func:`plait.arch.training_flops_per_token`,
+        the rule :func:`plait.arch.flops_per_token` applies to plait's model."""
+        return training_flops_per_token(self.matmul_params(), self.n_layers, seq_len, self.q_width)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """The attention part of :meth:`flops_per_token`: ``12·L·s·a·d``."""
-        return float(12 * self.n_layers * seq_len * self.q_width)
+        return attention_flops_per_token(self.n_layers, seq_len, self.q_width)
 
     # ------------------------------------------------------------------ conversions
 

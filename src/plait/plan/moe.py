@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.arch import mlp_params, moe_ffn_params
 from plait.config import ModelConfig
 from plait.config.model import expert_hidden_dim, is_moe_layer
 from plait.errors import ConfigError
@@ -73,7 +74,7 @@ class MoESpec:
     @property
     def expert_params(self) -> int:
         """Weights of one routed expert."""
-        return 3 * self.hidden * self.expert_hidden
+        return mlp_params(self.hidden, self.expert_hidden)
 
     @property
     def routed_params(self) -> int:
@@ -85,8 +86,8 @@ class MoESpec:
         shape: per MoE layer router, shared and routed experts (``active``: k of them)
         instead of the dense SwiGLU."""
         routed = self.top_k if active else self.experts
-        moe = self.hidden * self.experts + (routed + self.shared) * self.expert_params
-        return self.moe_layers * (moe - 3 * self.hidden * self.dense_hidden)
+        moe = moe_ffn_params(self.hidden, self.experts, self.expert_hidden, self.shared, routed)
+        return self.moe_layers * (moe - mlp_params(self.hidden, self.dense_hidden))
 
     def flops_delta_per_token(self) -> float:
         """Training FLOPs per token of the MoE model minus the dense one: ``6 x`` the

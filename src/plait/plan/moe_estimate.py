@@ -36,10 +36,11 @@ from plait.errors import ConfigError
 from plait.plan.compute import BACKWARD_FACTOR, Gemm
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.hardware import Hardware, Link
-from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.layout import Layout, Precision
 from plait.plan.memory import MemoryBreakdown, memory_per_rank, stage_params
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
+from plait.plan.query import Query
 
 EXPERT_OPS = 8
 """Operator calls per expert and micro-batch in forward besides its three GEMMs: the
@@ -96,10 +97,16 @@ def _ffn_params(spec: ModelSpec, moe: MoESpec, layout: Layout) -> tuple[float, f
     return float(dense), float(kept), float(_routed(moe, layout))
 
 
-def _act_delta(
-    spec: ModelSpec, moe: MoESpec, layout: Layout, pr: Precision, rt: Runtime, seq: int
-) -> float:
+def moe_of(q: Query) -> MoESpec:
+    """The MoE part of ``q``'s model; a dense query is refused."""
+    if q.moe is None:
+        raise ConfigError(f"{q.model.name} is a dense model: the query has no MoE part.")
+    return q.moe
+
+
+def _act_delta(q: Query, layout: Layout) -> float:
     """Activation bytes one MoE layer saves for one micro-batch, minus the dense SwiGLU's."""
+    spec, moe, pr, rt, seq = q.model, moe_of(q), q.precision, q.runtime, q.seq_len
     tokens = layout.micro_batch * seq / layout.cp
     per_row = 3 + (0 if rt.fused_swiglu else 1)  # gate, up, down input (+ silu)
     dense = per_row * spec.ffn_hidden / layout.tp
@@ -116,13 +123,12 @@ def expert_held(moe: MoESpec, layout: Layout, pr: Precision) -> tuple[float, ...
     return _held(n * _routed(moe, layout), expert_replicas(layout), layout.zero, pr)
 
 
-def moe_memory(
-    spec: ModelSpec, moe: MoESpec, layout: Layout, pr: Precision, rt: Runtime, seq: int
-) -> MemoryBreakdown:
+def moe_memory(q: Query, layout: Layout) -> MemoryBreakdown:
     """The worst rank's memory of the MoE model under ``layout`` (module doc)."""
+    spec, moe, pr = q.model, moe_of(q), q.precision
     if check_ep(moe, layout):
         raise ConfigError(f"layout {layout.describe()}: {check_ep(moe, layout)}.")
-    mem = memory_per_rank(spec, layout, pr, rt, seq)
+    mem = memory_per_rank(q, layout)
     n = moe_layers_on_stage(moe, layout.pp)
     dense, kept, _ = _ffn_params(spec, moe, layout)
     f = layout.shard_factor
@@ -130,7 +136,7 @@ def moe_memory(
     plus = _held(n * kept, f, layout.zero, pr)
     experts = expert_held(moe, layout, pr)
     w, g, m, o = (plus[i] + experts[i] - minus[i] for i in range(4))
-    act = n * mem.in_flight * _act_delta(spec, moe, layout, pr, rt, seq)
+    act = n * mem.in_flight * _act_delta(q, layout)
     return replace(
         mem,
         params=mem.params + w,
@@ -148,12 +154,11 @@ def _swiglu(rows: float, h: float, width: float, hw: Hardware) -> float:
     return 2 * Gemm("w1", rows, h, width).seconds(hw) + Gemm("w2", rows, width, h).seconds(hw)
 
 
-def moe_layer_seconds(
-    spec: ModelSpec, moe: MoESpec, layout: Layout, hw: Hardware, seq: int
-) -> float:
+def moe_layer_seconds(q: Query, layout: Layout) -> float:
     """Compute seconds (forward + backward) one MoE layer adds over the dense SwiGLU for
     one micro-batch on one rank (negative when the experts are cheaper)."""
-    tokens = layout.micro_batch * seq / layout.cp
+    spec, moe, hw = q.model, moe_of(q), q.hardware
+    tokens = layout.micro_batch * q.seq_len / layout.cp
     h = float(moe.hidden)
     local = moe.experts // layout.ep
     rows = tokens * moe.top_k * layout.ep / moe.experts  # per expert, balanced router
@@ -171,29 +176,26 @@ def ep_link(layout: Layout, hw: Hardware) -> Link:
     return hw.intra if layout.ep * layout.tp <= hw.devices_per_node else hw.inter
 
 
-def a2a_layer_seconds(
-    moe: MoESpec, layout: Layout, hw: Hardware, pr: Precision, seq: int
-) -> float:
+def a2a_layer_seconds(q: Query, layout: Layout) -> float:
     """One MoE layer's all-to-alls (forward and backward) for one micro-batch."""
-    tokens = int(layout.micro_batch * seq / layout.cp)
-    link = ep_link(layout, hw)
-    return moe.a2a_seconds_per_layer(
-        tokens, layout.ep, pr.activation_bytes, link.latency_s, link.bandwidth
+    tokens = int(layout.micro_batch * q.seq_len / layout.cp)
+    link = ep_link(layout, q.hardware)
+    return moe_of(q).a2a_seconds_per_layer(
+        tokens, layout.ep, q.precision.activation_bytes, link.latency_s, link.bandwidth
     )
 
 
-def ep_row(
-    moe: MoESpec, layout: Layout, hw: Hardware, pr: Precision, seq: int
-) -> tuple[int, float, float, float]:
+def ep_row(q: Query, layout: Layout) -> tuple[int, float, float, float]:
     """``(ep, expert bytes per rank, all-to-all bytes per step, all-to-all seconds per
     step)`` of ``layout`` on the worst stage: the expert terms :func:`moe_memory` and
     :func:`moe_estimate` (its ``ep_comm``) charge, for ``plait plan``'s MoE section."""
+    moe, pr = moe_of(q), q.precision
     if check_ep(moe, layout):
         raise ConfigError(f"layout {layout.describe()}: {check_ep(moe, layout)}.")
     n, m = moe_layers_on_stage(moe, layout.pp), layout.microbatches
-    tokens = int(layout.micro_batch * seq / layout.cp)
+    tokens = int(layout.micro_batch * q.seq_len / layout.cp)
     traffic = m * n * moe.a2a_bytes_per_layer(tokens, layout.ep, pr.activation_bytes)
-    secs = m * n * a2a_layer_seconds(moe, layout, hw, pr, seq)
+    secs = m * n * a2a_layer_seconds(q, layout)
     return layout.ep, sum(expert_held(moe, layout, pr)), traffic, secs
 
 
@@ -201,23 +203,15 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def moe_estimate(
-    spec: ModelSpec,
-    moe: MoESpec,
-    layout: Layout,
-    hw: Hardware,
-    pr: Precision,
-    rt: Runtime,
-    seq: int,
-    headroom: float = 0.0,
-) -> Estimate:
-    """The estimate of ``layout`` for the MoE model (module doc)."""
-    dense = estimate(spec, layout, hw, pr, rt, seq, headroom)
-    mem = moe_memory(spec, moe, layout, pr, rt, seq)
+def moe_estimate(q: Query, layout: Layout) -> Estimate:
+    """The estimate of ``layout`` for the MoE model of ``q`` (module doc)."""
+    spec, moe = q.model, moe_of(q)
+    dense = estimate(q, layout)
+    mem = moe_memory(q, layout)
     t = dense.time
     n, m = moe_layers_on_stage(moe, layout.pp), layout.microbatches
-    comp = n * moe_layer_seconds(spec, moe, layout, hw, seq)
-    a2a = n * a2a_layer_seconds(moe, layout, hw, pr, seq)
+    comp = n * moe_layer_seconds(q, layout)
+    a2a = n * a2a_layer_seconds(q, layout)
     bubble = 0.0
     if layout.pp > 1:
         slots = (layout.pp - 1) / (layout.chunks if layout.schedule == "interleaved" else 1)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 
 from plait.config import ModelConfig
-from plait.plan.hardware import Hardware
-from plait.plan.layout import Layout, Precision
+from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec, format_ep_table
-from plait.plan.moe_estimate import ep_row
+from plait.plan.moe_estimate import ep_row, moe_of
+from plait.plan.query import Query
 
 
 def moe_from_args(ns: argparse.Namespace, spec: ModelSpec) -> MoESpec:
@@ -31,20 +31,13 @@ def moe_from_args(ns: argparse.Namespace, spec: ModelSpec) -> MoESpec:
     return m
 
 
-def moe_section(
-    ns: argparse.Namespace,
-    spec: ModelSpec,
-    hw: Hardware,
-    prec: Precision,
-    seq: int,
-    layout: Layout | None = None,
-) -> str:
-    """Total vs active parameters and FLOPs of the MoE model built from the dense
-    ``spec`` and the ``--experts`` flags, and for ``layout`` (with its ep) the expert
-    terms its estimate charges: expert memory per rank and the all-to-all traffic and
-    time per step (None, ``--search``: the totals only; ep is one of the searched
-    dimensions, its column in the table)."""
-    m = moe_from_args(ns, spec)
+def moe_section(ns: argparse.Namespace, q: Query, layout: Layout | None = None) -> str:
+    """Total vs active parameters and FLOPs of the MoE model of ``q`` (built from the
+    ``--experts`` flags), and for ``layout`` (with its ep) the expert terms its estimate
+    charges: expert memory per rank and the all-to-all traffic and time per step (None,
+    ``--search``: the totals only; ep is one of the searched dimensions, its column in
+    the table)."""
+    spec, seq, m = q.model, q.seq_len, moe_of(q)
     total = spec.param_count() + m.params_delta(active=False)
     active = spec.param_count() + m.params_delta(active=True)
     flops = spec.flops_per_token(seq) + m.flops_delta_per_token()
@@ -60,6 +53,6 @@ def moe_section(
         [
             *head,
             "(the layout's figures above include the experts at this ep; its expert terms:)",
-            format_ep_table([ep_row(m, layout, hw, prec, seq)]),
+            format_ep_table([ep_row(q, layout)]),
         ]
     )

@@ -19,7 +19,7 @@ page-locked (``pinned``). With ``offload_dir`` (the NVMe tier) Adam's m and v (a
 ``params`` the masters) are files instead of host memory (``disk``; the step scalars
 stay in memory). ``S`` is the rank's padded shard (:mod:`plait.plan.units`).
 
-**Time** is :mod:`plait.plan.offload_time`'s (re-exported here): the eager path (each
+**Time** is :mod:`plait.plan.offload_time`'s: the eager path (each
 unit's CPU step starts as soon as its gradients land, under backward) and the two-pass
 path of a clipped or fp16-scaled step (the norm first, then per unit copy -> unscale/clip
 -> step, the next unit's copy overlapping this one's step); ``params`` adds the
@@ -28,21 +28,12 @@ parameter shards' trips to the device per micro-batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
-from plait.config import Config
-from plait.config.rules.features import OFFLOAD_RING_BUFFERS, check_offload_dir
+from plait.config.rules.features import OFFLOAD_RING_BUFFERS
 from plait.plan.layout import Layout, Precision
 from plait.plan.modelspec import ModelSpec
-from plait.plan.offload_time import DEFAULT_CPU_ADAM as DEFAULT_CPU_ADAM
-from plait.plan.offload_time import HOST_LINKS as HOST_LINKS
-from plait.plan.offload_time import cpu_adam_rate, host_link
-from plait.plan.offload_time import offload_step_time as offload_step_time
 from plait.plan.units import local_pieces, shard_numel, stage_units, zero_state_bytes
-
-if TYPE_CHECKING:
-    from plait.plan.estimate import Estimate
 
 
 @dataclass(frozen=True)
@@ -134,8 +125,6 @@ def offload_layouts(base: Layout, group: list[Layout], kinds: tuple[str, ...]) -
     each ZeRO layout of ``group`` with every kind of ``kinds``; a group without ZeRO on
     one data-parallel rank (one device: nothing to shard, yet offload pays) gets ZeRO
     1-3 of ``base`` with offload."""
-    from dataclasses import replace
-
     zeroed = [x for x in group if x.zero >= 1]
     if not zeroed and base.dp == 1 and base.pp == 1:
         zeroed = [replace(base, zero=z) for z in (1, 2, 3)]
@@ -152,45 +141,6 @@ def offload_count(variants: dict[int, int], dp: int, pp: int, kinds: tuple[str, 
     return 0
 
 
-def format_offload(e: Estimate) -> str:
-    """Where the offloaded layout keeps its bytes, per rank, and the host step's cost."""
-    from plait.plan.explain import gib
-
-    m = offload_memory(e.model, e.layout, e.precision, e.memory.stage)
-    t = e.time.optimizer
-    if e.layout.pp > 1:
-        path = "pp: every stage after the schedule"
-    elif e.layout.offload_two_pass:
-        path = "two-pass: after the norm (clipping, fp16)"
-    else:
-        path = "eager: under backward"
-    return "\n".join(
-        [
-            f"offload ({e.layout.offload}{', NVMe tier' if e.layout.offload_nvme else ''}) "
-            "per rank:",
-            f"  device state {gib(m.device)}, host {gib(m.host)} (pinned {gib(m.pinned)}), "
-            f"disk {gib(m.disk)}",
-            f"  host AdamW {cpu_adam_rate(e.hardware) / 1e9:.2f} G params/s, host link "
-            f"{host_link(e.hardware) / 1e9:.0f} GB/s; exposed step cost {t:.3f} s ({path})",
-        ]
-    )
-
-
-def refuse_bad_offload_dir(cfg: Config, world_size: int, ranks_per_host: int) -> None:
-    """What ``plait train`` runs before starting with ``parallel.offload_dir``: refuse
-    (:class:`~plait.errors.ConfigError`, exit code 2) a folder that is not writable or
-    has less free space than the files of the host's ranks need (the worst rank's
-    :func:`nvme_bytes` times the ranks per host)."""
-    from plait.plan.fit import plan_inputs
-
-    folder = cfg.parallel.offload_dir
-    if folder is None:
-        return
-    spec, layout, precision, _ = plan_inputs(cfg, world_size)
-    need = nvme_bytes(spec, layout, precision) * min(ranks_per_host, world_size)
-    check_offload_dir(folder, int(need))
-
-
 def host_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
     """Host bytes of the worst rank under offload (:func:`offload_memory`'s ``host``;
     the first and last pipeline stage, the first and last shard rank)."""
@@ -199,34 +149,4 @@ def host_bytes(spec: ModelSpec, layout: Layout, precision: Precision) -> float:
         offload_memory(spec, layout, precision, stage, shard_rank).host
         for stage in sorted({0, layout.pp - 1})
         for shard_rank in sorted({0, f - 1})
-    )
-
-
-def refuse_host_overflow(
-    cfg: Config, world_size: int, ranks_per_host: int, limit: tuple[int, str]
-) -> None:
-    """What ``plait train`` runs before starting with offload: refuse
-    (:class:`~plait.errors.ConfigError`, exit code 2) when the host's ranks would hold
-    more offloaded bytes (the worst rank's :func:`host_bytes` times the ranks per host)
-    than ``limit`` (``(bytes, where from)``: :func:`plait.launch.oom.host_memory_limit`)."""
-    from plait.errors import ConfigError
-    from plait.plan.fit import plan_inputs
-
-    def gib(n: float) -> str:
-        return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
-
-    if cfg.parallel.offload == "none":
-        return
-    spec, layout, precision, _ = plan_inputs(cfg, world_size)
-    ranks = min(ranks_per_host, world_size)
-    per_rank = host_bytes(spec, layout, precision)
-    have, source = limit
-    if have <= 0 or per_rank * ranks <= have:
-        return
-    tier = "" if layout.offload_nvme else "set parallel.offload_dir (the NVMe tier), "
-    raise ConfigError(
-        f"parallel.offload={layout.offload}: the host needs {gib(per_rank * ranks)} "
-        f"({ranks} rank(s) x {gib(per_rank)}: fp32 masters, optimizer state, landing buffers) "
-        f"but has {gib(have)} ({source}); {tier}use more hosts, or set "
-        "launch.check_memory=false."
     )

@@ -69,9 +69,11 @@ import math
 from collections.abc import Sequence
 
 from plait.plan.hardware import IN_STEP, TP_GRID_DEGREE, Hardware, Link
-from plait.plan.layout import Layout, Precision
+from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
-from plait.plan.network import all_gather_time, p2p_time, reduce_scatter_time
+from plait.plan.network import all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
+from plait.plan.query import Query
+from plait.plan.units import shard_numel, stage_units
 
 RING_FWD_PASSES = 13
 """Forward passes over one chunk pair's ``(b, h, c, d)`` tensor: q, k, v chunks made
@@ -121,8 +123,6 @@ def in_step_time(op: str, nbytes: float, n: int, link: Link) -> float:
     elif op == "p2p":
         own = p2p_time(nbytes, link)
     else:
-        from plait.plan.network import all_reduce_time
-
         own = all_reduce_time(nbytes, n, link)
     seen = in_step_measured(link, n, equivalent_all_reduce_bytes(op, nbytes, n))
     return own if seen is None else max(own, seen)
@@ -153,13 +153,12 @@ def ring_pairs(cp: int) -> int:
     return 2 * cp + 1
 
 
-def ring_block_seconds(
-    spec: ModelSpec, layout: Layout, precision: Precision, hw: Hardware, seq_len: int
-) -> tuple[float, float]:
+def ring_block_seconds(q: Query, layout: Layout) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's ring merges, copies and calls for one
     micro-batch on one rank (0 without ring attention)."""
     if layout.cp <= 1 or layout.cp_attention != "ring":
         return 0.0, 0.0
+    spec, precision, hw, seq_len = q.model, q.precision, q.hardware, q.seq_len
     heads = spec.n_heads / layout.tp
     c = seq_len / (2 * layout.cp)
     acc = max(4, precision.activation_bytes)  # merged in >= fp32
@@ -189,8 +188,6 @@ def zero3_unit_numels(spec: ModelSpec, layout: Layout, params: float) -> list[fl
     rank, as the runtime wraps it (:func:`plait.plan.units.stage_units`: the embedding,
     each block, the head, the root with the final norm), each padded to a multiple of
     the shard factor, scaled so that they hold ``params`` parameters (the stage's)."""
-    from plait.plan.units import shard_numel, stage_units
-
     units = stage_units(spec, layout.tp, 1, 0, layout.edge_trim)
     f = layout.shard_factor
     held = sum(sum(u) for u in units)

@@ -6,8 +6,9 @@ from dataclasses import asdict
 from typing import Any
 
 from plait.plan.estimate import Estimate
-from plait.plan.explain import COMPONENTS, seconds
+from plait.plan.explain import COMPONENTS
 from plait.plan.search import SearchResult
+from plait.plan.text import seconds
 
 SCHEMA_VERSION = 1
 """Version of the JSON documents; bumped when a key changes meaning or disappears."""

@@ -28,19 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.plan.hardware import Hardware
-from plait.plan.layout import Layout, Precision
-from plait.plan.modelspec import ModelSpec
+from plait.plan.layout import Layout
 from plait.plan.network import group, in_step_all_reduce_time
 from plait.plan.overheads import tp_block_ratio
+from plait.plan.query import Query
 
 
-def activation_message_bytes(
-    spec: ModelSpec, layout: Layout, precision: Precision, seq_len: int
-) -> float:
+def activation_message_bytes(q: Query, layout: Layout) -> float:
     """Bytes of one micro-batch's hidden states on one rank: b·(s/c)·h·e."""
-    tokens = layout.micro_batch * seq_len / layout.cp
-    return tokens * spec.hidden * precision.activation_bytes
+    tokens = layout.micro_batch * q.seq_len / layout.cp
+    return tokens * q.model.hidden * q.precision.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -57,12 +54,11 @@ class TPComm:
     """The final norm's gain gradient sum under sequence parallelism (last stage)."""
 
 
-def tp_comm_time(
-    spec: ModelSpec, layout: Layout, hw: Hardware, precision: Precision, seq_len: int
-) -> TPComm:
+def tp_comm_time(q: Query, layout: Layout) -> TPComm:
     """The tensor-parallel collectives of one micro-batch (all 0 at tp = 1)."""
-    tokens = layout.micro_batch * seq_len / layout.cp
-    msg = activation_message_bytes(spec, layout, precision, seq_len)  # (b, s/c, h)
+    spec, hw, precision = q.model, q.hardware, q.precision
+    tokens = layout.micro_batch * q.seq_len / layout.cp
+    msg = activation_message_bytes(q, layout)  # (b, s/c, h)
     tp_g = group(layout, hw, "tp")
     n_tp = 4 + (2 if layout.recompute == "full" else 0)
     gain = 0.0

@@ -41,6 +41,7 @@ from plait.testing import WorkerContext
 from plait.train.memory import memory_report
 from tests.parallel.expert.test_expert_parallel import MOE, _batches, _model, _reference
 from tests.parallel.test_parallelize import ATOL, CLIP, LR, RTOL, Piece, Pools, assemble
+from tests.plan.queries import query
 
 M = "tests.parallel.expert.test_expert_zero"
 BODY = "tests.parallel.expert.test_expert_parallel:_body"
@@ -327,7 +328,9 @@ def test_memory_report_equals_the_planner(pools: Pools, zero: int, dtype: str) -
     assert moe is not None
     pr = PRECISIONS["fp32" if dtype == "fp32" else "bf16-mixed"]
     layout = Layout(dp=4, zero=zero, ep=2)
-    mem = moe_memory(ModelSpec.from_config(MOE), moe, layout, pr, RUNTIMES["plait"], 8)
+    mem = moe_memory(
+        query(ModelSpec.from_config(MOE), layout, pr, RUNTIMES["plait"], 8, moe=moe), layout
+    )
     want = {"params": mem.params, "grads": mem.grads, "master": mem.master}
     if zero > 0:
         want["optimizer"] = mem.optimizer

@@ -38,3 +38,10 @@ def check_positive(prefix: str, **values: float | int | None) -> None:
     for name, value in values.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{prefix}{name} must be positive, got {value}.")
+
+
+def check_non_negative(prefix: str, **values: float | int) -> None:
+    """Each of ``values`` must be 0 or more; ``prefix`` names their owner."""
+    for name, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{prefix}{name} must be >= 0, got {value}.")

@@ -91,6 +91,14 @@ def check_sp_under_cp(seq_len: int, cp: int, tp: int, attention: str) -> None:
         )
 
 
+def check_sequence_parallel(sequence_parallel: bool, tp: int) -> None:
+    """A layout that asks for sequence parallelism has a tensor-parallel axis to split
+    the sequence over (the planner's layouts; a run's config treats it as no effect at
+    tp = 1, see ``parallel.sequence_parallel``)."""
+    if sequence_parallel and tp == 1:
+        raise ConfigError("sequence parallelism needs tp > 1.")
+
+
 def check_shard_size(factor: int | None, zero: int, dp: int) -> None:
     """The hybrid sharding factor F (None: dp) of ZeRO divides the data-parallel degree
     ``dp``; stage 0 replicates everything (F = 1)."""
@@ -186,6 +194,19 @@ def check_pipeline(
         )
 
 
+def check_ep_axis(ep: int, dp: int, cp: int) -> None:
+    """The expert-parallel axis: ``ep`` positive and a sub-axis of the dp x cp ranks
+    (ep divides dp * cp); the part of :func:`check_expert_parallel` that needs no model."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep must be positive, got {ep}.")
+    if (dp * cp) % ep:
+        ok = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
+        raise ConfigError(
+            f"parallel.ep ({ep}) must divide the data-parallel ranks dp x cp = {dp * cp} "
+            f"(expert parallelism is a sub-axis of them); choose ep among {ok}."
+        )
+
+
 def check_expert_parallel(
     ep: int, dp: int, cp: int, experts: int, compression: str = "none"
 ) -> None:
@@ -194,20 +215,13 @@ def check_expert_parallel(
     ep, and no gradient compression. ZeRO stages 0-3 (the expert weights in ZeRO units
     of their own over their replica group), 16-bit precision (their fp32 masters there),
     pp and tp compose with it and need no rule."""
-    if ep < 1:
-        raise ConfigError(f"parallel.ep must be positive, got {ep}.")
+    check_ep_axis(ep, dp, cp)
     if ep == 1:
         return
     if experts == 0:
         raise ConfigError(
             f"parallel.ep={ep} needs a mixture-of-experts model: set model.moe_experts "
             "(or, for a model of your own, use plait.model.moe.MoE layers)."
-        )
-    if (dp * cp) % ep:
-        ok = [d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0]
-        raise ConfigError(
-            f"parallel.ep ({ep}) must divide the data-parallel ranks dp x cp = {dp * cp} "
-            f"(expert parallelism is a sub-axis of them); choose ep among {ok}."
         )
     if experts % ep:
         ok = [d for d in range(1, experts + 1) if experts % d == 0]
