@@ -178,7 +178,7 @@ class Estimate:
         return per_tok * self.tokens_per_s / (self.layout.world * self.hardware.peak_flops)
 
     def as_dict(self) -> dict[str, object]:
-        """A JSON-ready summary (schema: docs/planner.md, tests/plan/test_cli.py)."""
+        """A JSON-ready summary (schema: docs/planner.md, tests/cli/test_plan.py)."""
         return {
             "model": asdict(self.model) | {"params": self.model.param_count()},
             "hardware": self.hardware.name,
