@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from plait.arch import flops_per_token, param_count
+from plait.arch import param_count
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.model import (
@@ -114,9 +114,7 @@ def test_meta_build_7b_is_fast_and_allocation_free() -> None:
     assert out.shape == (1, 8, cfg.vocab_size)
 
 
-def test_presets_param_counts() -> None:
-    assert abs(param_count(MODEL_PRESETS["llama3-8b"]) - 8.03e9) / 8.03e9 < 0.001
-    assert abs(param_count(MODEL_PRESETS["gpt2-124m-llama"]) - 124e6) / 124e6 < 0.01
+def test_model_presets() -> None:
     assert model_preset("small") == ModelConfig()
     assert model_preset("tiny") is not MODEL_PRESETS["tiny"]
     with pytest.raises(ConfigError, match="unknown model preset"):
@@ -185,18 +183,3 @@ def test_rejects_too_long_sequence() -> None:
     model = Transformer(tiny(), seed=0)
     with pytest.raises(ConfigError, match="max_seq_len"):
         model(torch.zeros(1, 65, dtype=torch.long))
-
-
-def test_flops_per_token_by_hand() -> None:
-    # dim 32, 2 layers, 4 heads (head_dim 8), 2 kv heads, hidden 96, vocab 256.
-    cfg = tiny()
-    assert cfg.hidden_dim == 96
-    attn = 32 * 32 + 2 * (32 * 16) + 32 * 32  # wq, wk+wv, wo = 3072
-    mlp = 3 * 32 * 96  # 9216
-    n_matmul = 2 * (attn + mlp) + 256 * 32  # 24576 + 8192 = 32768
-    assert n_matmul == 32768
-    expected = 6 * 32768 + 12 * 2 * 64 * 32  # 196608 + 49152
-    assert flops_per_token(cfg, 64) == pytest.approx(245760.0)
-    assert flops_per_token(cfg, 64) == expected
-    # Tying does not change the matmul count.
-    assert flops_per_token(tiny(tie_embeddings=True), 64) == expected

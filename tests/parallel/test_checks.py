@@ -1,6 +1,6 @@
 """The run checks the parallel layer owns (:func:`plait.parallel.checks.validate_run`):
 tensor-parallel divisibility, the pipeline schedule, the device's dtypes, after the
-config's own checks (``tests/test_config_checks.py``)."""
+config's own checks (``tests/config/test_rules.py``)."""
 
 from __future__ import annotations
 

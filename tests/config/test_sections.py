@@ -1,7 +1,7 @@
 """The configuration sections: each one's own checks (``__post_init__``) and what a
 :class:`Config` derives (data-parallel degree, micro-batches, accumulation, learning rate).
-The checks across sections are in ``test_config_checks.py``; loading is in
-``test_config_io.py``."""
+The checks across sections are in ``test_rules.py``; loading is in
+``test_io.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 configuration sections (:meth:`Config.validate`, which calls them): the layout against
 the world size, pipeline blocks and micro-batches, ZeRO options, the global batch. They
 need no torch; that each allowed-value set is declared once is in
-``test_config_values.py``, the checks the parallel layer owns are in
+``test_values.py``, the checks the parallel layer owns are in
 ``tests/parallel/test_checks.py``."""
 
 from __future__ import annotations
