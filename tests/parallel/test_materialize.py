@@ -116,10 +116,13 @@ def _body_layout(
         where = f"{layout}: {pc.name}[{pc.start}:{pc.end}]"
         assert torch.equal(pc.value, expect), where
     assert {pc.name for pc in pieces if pc.write} <= set(want)
-    for name, buf in pm.named_buffers():
-        if name.endswith(("rope_cos", "rope_sin")):
-            ref = full.rope_cos if name.endswith("rope_cos") else full.rope_sin
-            assert torch.equal(buf, ref), name
+    # every module's own rotary buffers, undeduplicated (``named_buffers`` yields a tensor
+    # once, so a rope_sin made the same tensor as rope_cos would hide there)
+    for mod_name, mod in pm.named_modules(remove_duplicate=False):
+        for name in ("rope_cos", "rope_sin"):
+            buf = mod._buffers.get(name)
+            if buf is not None:
+                assert torch.equal(buf, getattr(full, name)), f"{mod_name}.{name}"
     # bytes held now: the pieces, ZeRO's padding and the (shared) rotary tables
     held = [*pm.parameters(), *pm.buffers()]
     kept_bytes = sum((pc.end - pc.start) * 4 for pc in pieces)

@@ -103,6 +103,10 @@ def materialize_module(
     frozen ones; ZeRO-3 shards the trainable ones itself). A tensor shared by several
     modules (tied weights, the rotary tables a pipeline piece shares) is done once."""
     done: dict[int, torch.Tensor] = {}
+    # The replaced tensors are kept alive to the end: ``done`` is keyed by ``id``, and a
+    # freed meta buffer's id can be handed to a new tensor (another buffer's value),
+    # which a later root sharing that module would then map to the wrong value.
+    replaced: list[torch.Tensor] = []
     for root in modules:
         for m in root.modules():
             for k, b in m._buffers.items():
@@ -111,6 +115,8 @@ def materialize_module(
                 if id(b) not in done:
                     value = init(b) if b.is_meta else b
                     done[id(b)] = value.to(device)
+                    done[id(done[id(b)])] = done[id(b)]
+                    replaced.append(b)
                 m._buffers[k] = done[id(b)]
             for p in m._parameters.values():
                 if p is None or id(p) in done or (not params and p.requires_grad):
