@@ -42,6 +42,24 @@ Every other test runs with ``sys.executable`` pointing at the session's zygote (
 :func:`_forked_python`); ``PLAIT_TEST_FRESH_PYTHON=1`` turns that off everywhere."""
 
 
+RAY_FILES = (
+    "tests/launch/test_ray",
+    "tests/ps/test_ray",
+    "tests/cli/test_tune.py",
+)
+"""Test files that start a local Ray instance: under pytest-xdist they share one worker."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n N --dist loadgroup``, the default in pyproject.toml) the
+    tests of one file run on one worker, in order, so a module's fixtures are built once,
+    and every Ray test runs on the same worker (one local Ray instance at a time)."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "ray" if path.startswith(RAY_FILES) else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 class Pools:
     """Lazily started pools, one per world size."""
 
