@@ -54,7 +54,7 @@ def test_schedule_equals_its_formula(schedule: str, shape: str, want: dict[int, 
 
 
 def test_schedule_refusals() -> None:
-    with pytest.raises(ConfigError, match="do not fit in train.steps 10"):
+    with pytest.raises(ConfigError, match=r"do not fit in train\.steps 10"):
         TrainConfig(steps=10, warmup_steps=8, lr_schedule="wsd", lr_decay_fraction=0.3)
     with pytest.raises(ConfigError, match=r"lr_decay_fraction must be in \(0, 1\]"):
         TrainConfig(lr_decay_fraction=0.0)

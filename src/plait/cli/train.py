@@ -68,6 +68,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     """Validate everything, then start ``nproc`` local ranks that each run ``python -m
     plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
     from plait.cli.common import parse_run_flags
+    from plait.cli.model_source import checkpoint_defaults
     from plait.config.coerce import config_from_dict
     from plait.config.help_text import format_field_docs
     from plait.config.toml_io import load_config_data
@@ -83,6 +84,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         overrides.append("launch.backend=ray")
     data = load_config_data(ns.config, overrides)
     notes = run_defaults(data)
+    notes += checkpoint_defaults(data)  # --init-from / --resume a plait checkpoint: its model
     notes += pretrained_defaults(data)
     cfg = config_from_dict(data)
     env = torchrun_env()
@@ -94,6 +96,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         def build(sets: list[str]) -> Config:
             d = load_config_data(ns.config, [*overrides, *sets])
             run_defaults(d)
+            checkpoint_defaults(d)
             pretrained_defaults(d)
             return config_from_dict(d)
 

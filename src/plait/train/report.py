@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from plait.config import Config
-from plait.train.lr_schedule import schedule_note
 from plait.data import truncation_note
 from plait.mesh import Mesh
+from plait.train.lr_schedule import schedule_note
 from plait.train.memory import StartMemory
 
 

@@ -21,7 +21,6 @@ from plait import comm
 from plait.config import Balance
 from plait.mesh import Mesh
 from plait.parallel.loss import loss_input
-from plait.parallel.token_weight import sums_tokens, token_sum
 from plait.parallel.pipeline.partition import choose_boundaries
 from plait.parallel.pipeline.runtime import LossFn, PipelineRuntime, pipeline_step
 from plait.parallel.pipeline.schedules import build_schedule
@@ -32,6 +31,7 @@ from plait.parallel.pipeline.split import (
     split_transformer,
 )
 from plait.parallel.pipeline.zero import GradReduce, PipelineZero
+from plait.parallel.token_weight import sums_tokens, token_sum
 from plait.parallel.zero.drive import ZeroDrive
 
 

@@ -61,10 +61,10 @@ from plait import comm
 from plait.comm import P2P, AxisGroup, Handle
 from plait.errors import ConfigError
 from plait.parallel.loss import LossFn
-from plait.parallel.token_weight import weighted
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.pipeline.zb import BackwardSplit
+from plait.parallel.token_weight import weighted
 
 _ACT, _GRAD = 0, 1
 
