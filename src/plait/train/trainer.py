@@ -2,9 +2,9 @@
 
 One optimizer step consumes ``train.global_batch`` sequences. Each data-parallel rank
 takes its contiguous slice of the step's global batch (:class:`BatchSampler`) and cuts
-it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided by the
-number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
-is the mean over the global batch whatever the layout. Only the last micro-step
+it into ``accumulation_steps`` micro-batches; the loss is token-weighted (every counted
+target of the global batch weighs the same: :mod:`plait.parallel.token_weight`), so the
+gradient is the mean over the global batch's tokens whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
 keep only gradient shards). Checkpoints see a :class:`~plait.checkpoint.TrainState`.
 
