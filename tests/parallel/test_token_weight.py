@@ -11,7 +11,8 @@ only in summation order, ~1e-15), and the old mean of the four quarter-batch mea
 shown to differ from it by far more (> 1e-4 relative in the loss, > 1e-5 in some
 weight) in the same test. ``evaluate`` gives the
 same loss, and its data-axis traffic is exactly the count's all-reduce plus the loss's
-(2 x 8 bytes), the bus-byte formula of an all-reduce.
+(2 x 8 bytes), the bus-byte formula of an all-reduce; so is a ZeRO-3 step's (its
+gradients are reduce-scattered, so those are its only all-reduces).
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def _body(ctx: WorkerContext, layout: dict[str, Any]) -> dict[str, Any]:
     mesh.stats.reset()
     evaluated = float(pm.evaluate(xr, yr))
     traffic = mesh.stats.get(group.name, "all_reduce")
+    mesh.stats.reset()
     loss = float(pm.step(xr, yr, micro_batches=layout.get("micro", 1)))
+    in_step = mesh.stats.get(group.name, "all_reduce")
     opt.step()
     pieces = [
         (p.name, list(p.shape), p.tp, p.start, p.end, p.value.detach().cpu().clone())
@@ -103,6 +106,8 @@ def _body(ctx: WorkerContext, layout: dict[str, Any]) -> dict[str, Any]:
         "evaluated": evaluated,
         "calls": traffic.calls,
         "bytes": traffic.bytes,
+        "step_calls": in_step.calls,
+        "step_bytes": in_step.bytes,
         "group": group.size,
         "pieces": pieces,
     }
@@ -144,6 +149,8 @@ def test_token_weighted_step_matches_one_process(
         # evaluate: the count's all-reduce and the loss's, 8 float64 bytes each
         assert res["calls"] == 2
         assert res["bytes"] == 2 * bus_bytes("all_reduce", 8, res["group"])
+        if layout.get("zero") == 3:  # gradients reduce-scatter: the step's all-reduces too
+            assert (res["step_calls"], res["step_bytes"]) == (res["calls"], res["bytes"])
     got = assemble([p for res in results for p in res["pieces"]])
     assert sorted(got) == sorted(want)
     for name, w in want.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plait.checkpoint.format import step_dirname
 from plait.cli import main
 from plait.config import Config, TrainConfig
 from plait.data import TokenDataset
@@ -100,14 +101,14 @@ def test_wsd_resumes_mid_schedule_and_small_validation_runs(
     assert main(["train", *run, "--log.dir", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "fewer than one global batch of 8: all evaluated together" in out
-    assert "wsd: stable until step 3, linear decay over 3 step(s)" in out
+    assert "1 warm-up step(s), then wsd: stable until step 3, linear decay over 3 step(s)" in out
     full = _rows(tmp_path / "a" / "metrics.jsonl")
     peak, low = 0.01, 0.001
     want = [peak * 1.0, peak, peak, peak, low + (peak - low) * 2 / 3, low + (peak - low) / 3]
     assert [r["lr"] for r in full] == pytest.approx(want, rel=1e-12)
     vals = [r["val_loss"] for r in full if r.get("val_loss") is not None]
     assert len(vals) == 2 and all(math.isfinite(v) for v in vals)
-    resumed = [*flags, "--resume", str(ckpt / "step_3"), "--log.dir", str(tmp_path / "b")]
+    resumed = [*flags, "--resume", str(ckpt / step_dirname(3)), "--log.dir", str(tmp_path / "b")]
     assert main(["train", *resumed]) == 0
     tail = _rows(tmp_path / "b" / "metrics.jsonl")
     assert [r["step"] for r in tail] == [4, 5, 6]

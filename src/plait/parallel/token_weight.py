@@ -29,6 +29,7 @@ import torch
 from plait import comm
 from plait.comm import AxisGroup
 from plait.parallel.loss import LossFn
+from plait.parallel.tensor.loss import IGNORE_INDEX
 
 
 def sums_tokens(loss_fn: LossFn) -> bool:
@@ -43,8 +44,9 @@ def token_sum(loss_fn: LossFn, logits: torch.Tensor, targets: torch.Tensor) -> t
 
 
 def counted_tokens(loss_fn: LossFn, targets: torch.Tensor) -> torch.Tensor:
-    """How many targets of ``targets`` count (are not ``loss_fn.ignore_index``), int64."""
-    return (targets != loss_fn.ignore_index).sum()  # type: ignore[attr-defined]
+    """How many targets of ``targets`` count (are not ``loss_fn.ignore_index``,
+    default ``IGNORE_INDEX``), int64."""
+    return (targets != getattr(loss_fn, "ignore_index", IGNORE_INDEX)).sum()
 
 
 def token_weight(
@@ -54,11 +56,12 @@ def token_weight(
     of the global batch (``targets`` is this rank's share of it; one all-reduce of one
     float64 over ``group``, the data axes, of ``D`` ranks); None for a loss without
     ``token_sum``. A global batch without a counted target gives weight ``D`` (its
-    loss is 0)."""
-    if not sums_tokens(loss_fn):
-        return None
+    loss is 0). The count is all-reduced whatever the loss, so that ranks whose losses
+    differ in this (a rank's wrapped loss) still issue the same collectives."""
     n = counted_tokens(loss_fn, targets).to(device, torch.float64).reshape(1)
     comm.all_reduce(n, group, op="sum")  # (1,) float64: 8 bytes
+    if not sums_tokens(loss_fn):
+        return None
     return (group.size / n.clamp(min=1.0)).reshape(())
 
 

@@ -83,7 +83,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{t.global_batch}/{t.base_batch})"
         if t.scale_lr
         else f"lr {t.lr:.2e}"
-    ) + f" ({schedule_note(cfg)})"
+    ) + f"; {schedule_note(cfg)}"
     zero_note = run.layout
     if cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
         zero_note += "; sequence parallel"
