@@ -53,7 +53,8 @@ class TrainConfig:
     eval_every: int = 100
     """Compute the validation loss every this many steps (0: only at the end)."""
     eval_batches: int = 4
-    """Global batches averaged for one validation loss."""
+    """Global batches averaged for one validation loss (a validation set smaller than one
+    global batch is evaluated whole instead)."""
     recompute: Recompute = "none"
     """Activation recomputation: 'none', 'selective' (recompute only the attention core
     of each block in backward), 'full' (recompute each whole block)."""
