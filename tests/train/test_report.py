@@ -59,8 +59,8 @@ def test_banner_names_mesh_layout_model_batch_and_peak() -> None:
         "reduction fp32; recompute none\n"
         "plait: model 0.04 M parameters (2 layers, dim 32); 5,937 training / 312 validation "
         "sequences of 32 tokens\n"
-        "plait: global batch 8 = dp 1 x micro-batch 8 x accumulation 1; lr 3.00e-03; 2 steps "
-        "on cpu\n"
+        "plait: global batch 8 = dp 1 x micro-batch 8 x accumulation 1; lr 3.00e-03; 2 "
+        "warm-up step(s), then cosine decay to x0.1; 2 steps on cpu\n"
         "plait: MFU peak log.peak_tflops = 1 TFLOP/s"
     )
 
@@ -76,7 +76,8 @@ def test_banner_precision_and_learning_rate_notes() -> None:
         "; params/compute fp16, gradient reduction fp16, fp32 master weights, dynamic loss "
         "scale 65536 (K=2000); recompute none\n" in text
     )
-    assert "; lr 6.00e-03 (linear scaling rule: 3.00e-03 x 8/4); 2 steps on cpu\n" in text
+    lr = "; lr 6.00e-03 (linear scaling rule: 3.00e-03 x 8/4); 2 warm-up step(s), then "
+    assert lr + "cosine decay to x0.1; 2 steps on cpu\n" in text
     bf16 = _with(tiny_config(), precision={"dtype": "bf16", "reduce_dtype": "fp32"})
     assert "params/compute bf16, gradient reduction fp32, fp32 master weights;" in banner(
         bf16, init_mesh(), FACTS

@@ -12,7 +12,8 @@ The layout is the training run's: the same flags and TOML (``--nproc --dp --tp -
 --cp --zero`` ..., :mod:`plait.cli.train`), the same launcher, and the same loading path
 as the trainer (build the model, :class:`~plait.checkpoint.Checkpointing` checks the
 ``train.init_from`` tensors, ``parallelize``, then each rank reads its own pieces), so
-whatever ``--init-from`` accepts for ``plait train`` it accepts here. Each global batch
+whatever ``--init-from`` accepts for ``plait train`` it accepts here; a plait
+checkpoint's model and tokenizer are its run's (:mod:`plait.cli.model_source`). Each global batch
 goes through :meth:`~plait.parallel.model.ParallelModel.evaluate` (each dp rank its
 contiguous slice; the loss averaged over dp). Windows that do not fill a whole batch
 are evaluated too, weighted exactly: groups of dp windows (each dp rank one window,
@@ -191,8 +192,10 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
         raise ConfigError(f"--batches must be positive, got {ns.batches}.")
     data = load_config_data(ns.config, overrides)
     data.setdefault("data", {}).setdefault("max_bytes", 0)  # the whole file
+    from plait.cli.model_source import checkpoint_defaults
     from plait.cli.train import pretrained_defaults
 
+    checkpoint_defaults(data)  # a plait checkpoint: its run's model and tokenizer
     pretrained_defaults(data)  # a Hugging Face folder: the sizes from its config.json
     cfg = config_from_dict(data)
     if not cfg.train.init_from:

@@ -11,8 +11,8 @@ and device (:mod:`plait.model.generate`).
 
 ``--init-from`` may also name a run's checkpoint folder (the one holding ``latest``):
 its latest checkpoint is used. A plait checkpoint carries its run's config, so the
-model's shape and the tokenizer come from it (flags given override them; a shape that
-does not match the tensors is refused).
+model and the tokenizer come from it (:mod:`plait.cli.model_source`: a flag that
+contradicts the model's shape is refused, other flags override it).
 
 The layout flags are the training run's (``--nproc --tp``, torchrun): tp shards a model
 too large for one device; dp and ZeRO replicate the decode; pp and sequence parallelism
@@ -25,12 +25,10 @@ sequence for every token.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 
@@ -77,61 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _saved_tokenizer(saved: dict[str, Any]) -> str | None:
-    """The tokenizer a checkpoint was trained with: its prepared data's index's (when that
-    folder is still here), else its saved ``data.tokenizer``."""
-    from plait.config import DataConfig
-    from plait.data.sources import data_tokenizer
-
-    spec = saved.get("tokenizer")
-    source = saved.get("source")
-    if not isinstance(source, str):
-        return spec if isinstance(spec, str) else None
-    try:
-        val = saved.get("val")
-        data = DataConfig(source=source, tokenizer=spec or "byte", val=val)
-        return data_tokenizer(data)
-    except ConfigError:  # the data folder moved or gone: the saved spec
-        return spec if isinstance(spec, str) else None
-
-
-def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
-    """``train.init_from`` a run's checkpoint folder: its ``latest`` checkpoint; a plait
-    checkpoint: the model section and tokenizer of its saved config (its prepared data's,
-    where that folder is still here; else ``data.tokenizer``), where the
-    raw config ``data`` does not set them. Returns what was done, in words."""
-    from plait.checkpoint import read_latest
-    from plait.checkpoint.format import read_metadata
-    from plait.config import ModelConfig
-
-    train = data.setdefault("train", {})
-    init_from = train.get("init_from")
-    if not init_from or not Path(init_from).is_dir():
-        return []
-    folder, notes = Path(init_from), []
-    if not (folder / "metadata.json").is_file():
-        latest = read_latest(folder)
-        if latest is None:
-            return []
-        train["init_from"] = str(latest)
-        folder = latest
-        notes.append(f"--init-from {init_from}: its latest checkpoint, {latest}")
-    saved = read_metadata(folder).get("config", {})
-    model = data.setdefault("model", {})
-    known = {f.name for f in dataclasses.fields(ModelConfig)}  # a newer writer's extras: no
-    filled = {k: v for k, v in saved.get("model", {}).items() if k in known and k not in model}
-    model.update(filled)
-    tokenizer = _saved_tokenizer(saved.get("data", {}))
-    if tokenizer and "tokenizer" not in data.setdefault("data", {}):
-        data["data"]["tokenizer"] = tokenizer
-    if filled:
-        notes.append(f"model shape from {folder}/metadata.json")
-    return notes
-
-
 def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
     """The run's config (the train command's flags and TOML) and what to generate."""
     from plait.cli.common import parse_run_flags
+    from plait.cli.model_source import checkpoint_defaults
     from plait.cli.train import pretrained_defaults
     from plait.config import ModelConfig
     from plait.config.coerce import config_from_dict
@@ -149,7 +96,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
             "plait generate needs --init-from PATH: a checkpoint folder, a run's checkpoint "
             "folder, a consolidated weights file or a Hugging Face model folder."
         )
-    checkpoint_defaults(data)
+    checkpoint_defaults(data)  # a plait checkpoint: its run's model and tokenizer
     pretrained_defaults(data)  # a Hugging Face folder: the sizes from its config.json
     limit = data.get("model", {}).get("max_seq_len", ModelConfig.max_seq_len)
     data["train"].setdefault("seq_len", limit)  # training's default may exceed the model's

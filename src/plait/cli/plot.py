@@ -1,8 +1,9 @@
 """``plait plot RUN.jsonl ...``: compare runs at a glance in one PNG.
 
 Reads the metrics JSONL of one or several runs (what ``plait train`` writes to
-``<log.dir>/metrics.jsonl``) and draws four panels against the optimizer step: training
-loss, validation loss, tokens/s and communication bytes per step, one colour per run,
+``<log.dir>/metrics.jsonl``) and draws five panels against the optimizer step: training
+loss, validation loss, the learning rate (the schedule as applied, warm-up and decay:
+:mod:`plait.train.lr_schedule`), tokens/s and communication bytes per step, one colour per run,
 labelled by its run folder (or ``--label``). Drawn on matplotlib's Agg canvas (no
 display, no pyplot state). Bad input -- a missing or empty file, a line that is not a
 metrics row -- exits with code 2 naming the file and line.
@@ -22,6 +23,7 @@ from plait.errors import ConfigError
 PANELS: tuple[tuple[str, str, float], ...] = (
     ("loss", "training loss", 1.0),
     ("val_loss", "validation loss", 1.0),
+    ("lr", "learning rate", 1.0),
     ("tokens_per_s", "tokens/s", 1.0),
     ("comm_bytes", "communication (MiB/step)", 2.0**-20),
 )
@@ -64,10 +66,11 @@ def plot_runs(paths: Sequence[Path], out: Path, labels: Sequence[str] | None = N
 
     runs = [read_rows(p) for p in paths]
     names = list(labels) if labels else [run_label(p) for p in paths]
-    fig = Figure(figsize=(11, 7), dpi=100)
+    fig = Figure(figsize=(11, 10), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2, sharex=True)
-    for ax, (key, title, scale) in zip(axes.flat, PANELS, strict=True):
+    axes = fig.subplots(3, 2, sharex=True)
+    axes.flat[-1].set_visible(False)  # five panels
+    for ax, (key, title, scale) in zip(axes.flat, PANELS, strict=False):
         drawn = False
         for rows, name in zip(runs, names, strict=True):
             pts = [
@@ -82,8 +85,9 @@ def plot_runs(paths: Sequence[Path], out: Path, labels: Sequence[str] | None = N
         ax.ticklabel_format(axis="y", useOffset=False)  # absolute values on the axis
         if not drawn:
             ax.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax.transAxes)
-    for ax in axes[1]:
+    for ax in (axes[2][0], axes[1][1]):  # the lowest panel of each column
         ax.set_xlabel("step")
+        ax.xaxis.set_tick_params(labelbottom=True)
     axes[0][0].legend(fontsize="small")
     fig.suptitle(f"{len(runs)} run(s): " + ", ".join(names))
     fig.tight_layout()
@@ -95,7 +99,8 @@ def plot_runs(paths: Sequence[Path], out: Path, labels: Sequence[str] | None = N
 def _parser() -> argparse.ArgumentParser:
     p = ConfigErrorParser(
         prog="plait plot",
-        description="Draw training loss, validation loss, tokens/s and communication bytes "
+        description="Draw training loss, validation loss, learning rate, tokens/s and "
+        "communication bytes "
         "against the step for one or several runs (their metrics JSONL files) into one PNG.",
     )
     p.add_argument("runs", nargs="+", metavar="RUN.jsonl", help="metrics files (one per run)")

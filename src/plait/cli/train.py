@@ -68,6 +68,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     """Validate everything, then start ``nproc`` local ranks that each run ``python -m
     plait <argv>``, or (one process, or a rank under torchrun) train in this process."""
     from plait.cli.common import parse_run_flags
+    from plait.cli.model_source import checkpoint_defaults
     from plait.config.coerce import config_from_dict
     from plait.config.help_text import format_field_docs
     from plait.config.toml_io import load_config_data
@@ -83,6 +84,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         overrides.append("launch.backend=ray")
     data = load_config_data(ns.config, overrides)
     notes = run_defaults(data)
+    notes += checkpoint_defaults(data)  # --init-from / --resume a plait checkpoint: its model
     notes += pretrained_defaults(data)
     cfg = config_from_dict(data)
     env = torchrun_env()
@@ -94,6 +96,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         def build(sets: list[str]) -> Config:
             d = load_config_data(ns.config, [*overrides, *sets])
             run_defaults(d)
+            checkpoint_defaults(d)
             pretrained_defaults(d)
             return config_from_dict(d)
 
@@ -273,12 +276,13 @@ def _cuda_device() -> tuple[str, float] | None:
 
 
 def _check_data(cfg: Config) -> None:
-    """Refuse a corpus too small for one global batch of training or validation data."""
+    """Refuse a corpus too small for one global batch of training data, or without one
+    validation window."""
     from plait.data import check_enough, make_datasets
 
     train, val = make_datasets(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
     check_enough(train, cfg.train.global_batch, "training")
-    check_enough(val, cfg.train.global_batch, "validation")
+    check_enough(val, 1, "validation")  # any size: a small one is evaluated whole
 
 
 def _check_outputs(cfg: Config) -> None:

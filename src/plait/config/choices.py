@@ -22,6 +22,10 @@ Recompute = Literal["none", "selective", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 ReduceDType = Literal["auto", "fp32", "bf16", "fp16"]
 NonFinite = Literal["error", "skip"]
+LrSchedule = Literal["cosine", "linear", "constant", "wsd"]
+"""The learning-rate schedule after warm-up (:mod:`plait.train.lr_schedule`)."""
+LrDecayShape = Literal["linear", "cosine", "1-sqrt"]
+"""The shape of WSD's final decay (Hägele et al. 2024, section 3)."""
 PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 PPGradReduce = Literal["step", "microbatch"]

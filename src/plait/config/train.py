@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.config.choices import Recompute, check_choices
+from plait.config.choices import LrDecayShape, LrSchedule, Recompute, check_choices
 from plait.config.rules.choices import check_positive
+from plait.config.rules.schedule import check_lr_schedule
 from plait.errors import ConfigError
 
 
@@ -24,9 +25,17 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (before the linear scaling rule, if enabled)."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr · min_lr_ratio."""
+    """The schedule decays to lr · min_lr_ratio (cosine, linear, wsd)."""
     warmup_steps: int = 20
-    """Linear warm-up steps before the cosine decay."""
+    """Linear warm-up steps before the schedule's decay."""
+    lr_schedule: LrSchedule = "cosine"
+    """After warm-up: 'cosine' or 'linear' decay to lr · min_lr_ratio at the last step,
+    'constant' (the peak), or 'wsd' (warm-up, stable at the peak, then decay over the
+    last train.lr_decay_fraction of the steps; see docs/training.md)."""
+    lr_decay_fraction: float = 0.2
+    """wsd: the fraction of train.steps spent decaying, at the end of the run (0, 1]."""
+    lr_decay_shape: LrDecayShape = "1-sqrt"
+    """wsd: the decay's shape, 'linear', 'cosine' or '1-sqrt' (1 - sqrt(progress))."""
     scale_lr: bool = False
     """Linear scaling rule: multiply lr by global_batch / base_batch (reported at start)."""
     base_batch: int = 16
@@ -44,7 +53,8 @@ class TrainConfig:
     eval_every: int = 100
     """Compute the validation loss every this many steps (0: only at the end)."""
     eval_batches: int = 4
-    """Global batches averaged for one validation loss."""
+    """Global batches averaged for one validation loss (a validation set smaller than one
+    global batch is evaluated whole instead)."""
     recompute: Recompute = "none"
     """Activation recomputation: 'none', 'selective' (recompute only the attention core
     of each block in backward), 'full' (recompute each whole block)."""
@@ -100,6 +110,7 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
         if self.warmup_steps < 0 or self.eval_every < 0:
             raise ConfigError("train.warmup_steps and train.eval_every must not be negative.")
+        check_lr_schedule(self.lr_schedule, self.steps, self.warmup_steps, self.lr_decay_fraction)
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("train.weight_decay and train.grad_clip must not be negative.")
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):

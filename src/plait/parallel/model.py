@@ -6,7 +6,8 @@ training step does with it:
 * :meth:`ParallelModel.step` / :meth:`~ParallelModel.evaluate` — forward and backward
   (or forward only) of this rank's batch, the same call with or without a pipeline
   (micro-batches under ``no_sync``, or the pipeline schedule), sharding sequences for
-  context parallelism, returning the global batch's mean loss;
+  context parallelism, returning the global batch's token-weighted loss
+  (:mod:`plait.parallel.token_weight`);
 * the layout as the optimizer and checkpoints see it, composed from the data wrapper's
   own answers refined by tensor and pipeline parallelism: :meth:`~ParallelModel.norm_groups`,
   :meth:`~ParallelModel.norm_weight`, :meth:`~ParallelModel.zero_wrapper` (the
@@ -34,6 +35,7 @@ from plait.parallel.loss import LossFn, loss_input
 from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.tensor.layers import tensor_parallel_piece
+from plait.parallel.token_weight import token_sum, token_weight, weighted
 from plait.parallel.zero import ZeroDataParallel
 from plait.pieces import LocalPiece
 
@@ -199,6 +201,23 @@ class ParallelModel(nn.Module):
         comm.all_reduce(v, self.mesh.axis(*data_axes(self.mesh)), op="avg")
         return v.reshape(())
 
+    def _token_weight(self, targets: torch.Tensor) -> torch.Tensor | None:
+        """``D / N`` for this step's targets (this rank's share of the global batch, cp
+        shard included): one all-reduce of a count over the data axes; None for a loss
+        without ``token_sum`` (:mod:`plait.parallel.token_weight`)."""
+        group = self.mesh.axis(*data_axes(self.mesh))
+        return token_weight(self.loss_fn, targets, group, self.mesh.device)
+
+    def _micro_loss(
+        self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor | None, parts: int
+    ) -> torch.Tensor:
+        """One micro-batch's share of the rank's loss, the tensor to differentiate: its
+        summed loss times ``weight`` (token weighting), else its mean over ``parts``."""
+        logits = loss_input(self.loss_fn, logits_of(self.module(x)))
+        if weight is None:
+            return self.loss_fn(logits, y) / parts
+        return weighted(token_sum(self.loss_fn, logits, y), weight)
+
     def step(
         self,
         inputs: torch.Tensor,
@@ -207,18 +226,20 @@ class ParallelModel(nn.Module):
         micro_batches: int = 1,
         loss_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Forward and backward of this rank's batch; returns the mean loss of the global
-        batch (averaged over dp; float64, detached).
+        """Forward and backward of this rank's batch; returns the loss of the global
+        batch (float64, detached, the same on every rank).
 
-        Without a pipeline the batch is cut into ``micro_batches`` equal micro-batches;
-        all but the last accumulate without communicating (``no_sync``) and each loss
-        is divided by their number, so the gradient is the batch mean whatever the
-        split. With a pipeline the schedule cuts it into its own ``m`` micro-batches
-        (``micro_batches`` must then be 1 or m). ``loss_scale`` multiplies the loss
-        before backward (the fp16 loss scaler: :attr:`plait.optim.Optimizer.loss_scale`).
-        After the call every gradient is reduced and ready for the optimizer. Under
-        context parallelism every cp rank passes the same whole sequences and keeps its
-        own tokens of each.
+        The loss is token-weighted (:mod:`plait.parallel.token_weight`): the sum over
+        every counted target of the global batch (all micro-batches, cp shards and data
+        ranks) divided by their number, one all-reduce of a count per step; for a
+        ``loss_fn`` without ``token_sum``, the mean of micro-batch means. Without a
+        pipeline the batch is cut into ``micro_batches`` equal micro-batches; all but the
+        last accumulate without communicating (``no_sync``). With a pipeline the schedule
+        cuts it into its own ``m`` micro-batches (``micro_batches`` must then be 1 or m).
+        ``loss_scale`` multiplies the loss before backward (the fp16 loss scaler:
+        :attr:`plait.optim.Optimizer.loss_scale`). After the call every gradient is
+        reduced and ready for the optimizer. Under context parallelism every cp rank
+        passes the same whole sequences and keeps its own tokens of each.
         """
         if self.context is not None:
             inputs, targets = self.context.shard(inputs), self.context.shard(targets)
@@ -232,20 +253,22 @@ class ParallelModel(nn.Module):
                     f"the pipeline cuts each batch into its {m} micro-batches; pass "
                     f"micro_batches=1 or {m}, not {micro_batches}"
                 )
-            return self._dp_mean(self.pipeline.train(inputs, targets, loss_scale))
+            weight = self._token_weight(targets)
+            return self._dp_mean(self.pipeline.train(inputs, targets, loss_scale, weight))
         if inputs.shape[0] % micro_batches:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} does not split into {micro_batches} "
                 "equal micro-batches"
             )
+        weight = self._token_weight(targets)
         total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         pairs = list(zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True))
         for k, (x, y) in enumerate(pairs):
             last = k == len(pairs) - 1
             with contextlib.nullcontext() if last else self.no_sync():
-                micro_loss = self.loss_fn(loss_input(self.loss_fn, logits_of(self.module(x))), y)
-                (micro_loss * (loss_scale / micro_batches)).backward()
-            total += micro_loss.detach().double() / micro_batches
+                micro_loss = self._micro_loss(x, y, weight, micro_batches)
+                (micro_loss * loss_scale).backward()
+            total += micro_loss.detach().double()
         return self._dp_mean(total)
 
     def moe_summary(self) -> dict[str, float]:
@@ -258,13 +281,14 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss of a batch without backward (averaged over dp; float64)."""
+        """The loss of a global batch without backward, token-weighted as in
+        :meth:`step` (float64, the same on every rank)."""
         if self.context is not None:
             inputs, targets = self.context.shard(inputs), self.context.shard(targets)
+        weight = self._token_weight(targets)
         if self.pipeline is not None:
-            return self._dp_mean(self.pipeline.evaluate(inputs, targets))
-        logits = loss_input(self.loss_fn, logits_of(self.module(inputs)))
-        return self._dp_mean(self.loss_fn(logits, targets))
+            return self._dp_mean(self.pipeline.evaluate(inputs, targets, weight))
+        return self._dp_mean(self._micro_loss(inputs, targets, weight, 1))
 
     def describe(self) -> str:
         """One line: the wrappers applied, outermost last."""

@@ -20,6 +20,7 @@ import torch
 from plait.config import Config
 from plait.data import truncation_note
 from plait.mesh import Mesh
+from plait.train.lr_schedule import schedule_note
 from plait.train.memory import StartMemory
 
 
@@ -69,6 +70,9 @@ class RunFacts:
     start_memory: Sequence[StartMemory] = ()
     """Every rank's peak memory while building and loading
     (:func:`~plait.train.memory.gather_start_memory`; empty: not measured)."""
+    val_note: str = ""
+    """How many windows the validation set holds and how it is evaluated
+    (:meth:`plait.train.validation.Validation.describe`)."""
 
 
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
@@ -79,7 +83,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{t.global_batch}/{t.base_batch})"
         if t.scale_lr
         else f"lr {t.lr:.2e}"
-    )
+    ) + f"; {schedule_note(cfg)}"
     zero_note = run.layout
     if cfg.parallel.sequence_parallel and mesh.size("tp") > 1:
         zero_note += "; sequence parallel"
@@ -97,7 +101,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{'; torch.compile per block' if t.compile else ''}\n"
         f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
         f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
-        f"of {t.seq_len} tokens\n"
+        f"of {t.seq_len} tokens" + (f"; {run.val_note}" if run.val_note else "") + "\n"
         f"plait: global batch {t.global_batch} = dp {mesh.size('dp')} x micro-batch "
         f"{run.micro_batch} x "
         f"{'pipeline micro-batches' if mesh.size('pp') > 1 else 'accumulation'} "

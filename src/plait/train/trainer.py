@@ -2,9 +2,9 @@
 
 One optimizer step consumes ``train.global_batch`` sequences. Each data-parallel rank
 takes its contiguous slice of the step's global batch (:class:`BatchSampler`) and cuts
-it into ``accumulation_steps`` micro-batches; every micro-step's loss is divided by the
-number of micro-steps and the data-parallel wrapper averages over ranks, so the gradient
-is the mean over the global batch whatever the layout. Only the last micro-step
+it into ``accumulation_steps`` micro-batches; the loss is token-weighted (every counted
+target of the global batch weighs the same: :mod:`plait.parallel.token_weight`), so the
+gradient is the mean over the global batch's tokens whatever the layout. Only the last micro-step
 communicates (``no_sync``; ZeRO stages 2/3 reduce-scatter every micro-step because they
 keep only gradient shards). Checkpoints see a :class:`~plait.checkpoint.TrainState`.
 
@@ -49,6 +49,7 @@ from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
+from plait.train.lr_schedule import lr_at
 from plait.train.mask_documents import enable_document_mask
 from plait.train.memory import (
     MemoryReport,
@@ -70,19 +71,7 @@ from plait.train.report import (
     timeline_line,
 )
 from plait.train.sample import TrainingSamples
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warm-up to the peak
-    (after the linear scaling rule, if on), then cosine decay to ``peak·min_lr_ratio``."""
-    t = cfg.train
-    peak = t.effective_lr()
-    if step < t.warmup_steps:
-        return peak * (step + 1) / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    low = peak * t.min_lr_ratio
-    return low + 0.5 * (peak - low) * (1.0 + math.cos(math.pi * progress))
+from plait.train.validation import Validation
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -126,9 +115,7 @@ def start_parallel(
     model = parallelize(base, mesh, cfg)
     prec = cfg.precision
     scaler = (
-        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
-        if prec.dtype == "fp16"
-        else None
+        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window) if prec.dtype == "fp16" else None
     )
     optimizer = Optimizer(
         model,
@@ -178,12 +165,12 @@ class Trainer:
             cfg.data, cfg.train.seq_len, cfg.model.vocab_size
         )
         check_enough(self.train_set, cfg.train.global_batch, "training")
-        check_enough(self.val_set, cfg.train.global_batch, "validation")
         dp, dp_rank = mesh.size("dp"), mesh.index("dp")
         seed = cfg.train.seed
         self.sampler = BatchSampler(len(self.train_set), cfg.train.global_batch, dp_rank, dp, seed)
-        self.val_sampler = BatchSampler(
-            len(self.val_set), cfg.train.global_batch, dp_rank, dp, seed + 1
+        t = cfg.train  # validation of any size (a small set: whole, in one padded batch)
+        self.validation = Validation(
+            self.val_set, t.global_batch, t.eval_batches, dp_rank, dp, seed + 1
         )
         read = self._read_batch
         pin = self.device.type == "cuda"
@@ -248,15 +235,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over ``train.eval_batches`` global batches."""
+        """Mean validation loss over the validation batches (:mod:`plait.train.validation`)."""
         self.model.eval()
-        total = 0.0
-        n = self.cfg.train.eval_batches
-        for b in range(n):
-            x, y = self.val_set.batch(self.val_sampler.rank_indices(b))
-            total += float(self.model.evaluate(x.to(self.device), y.to(self.device))) / n
+        losses = [
+            float(self.model.evaluate(x.to(self.device), y.to(self.device)))
+            for x, y in self.validation.batches()
+        ]
         self.model.train()
-        return total
+        return sum(losses) / len(losses)
 
     # ------------------------------------------------------------------ loop
 
@@ -432,4 +418,5 @@ class Trainer:
             peak_source=self.peak_source,
             loggers=[lg.name for lg in self.loggers],
             start_memory=self.start_memory or (),
+            val_note=self.validation.describe(),
         )

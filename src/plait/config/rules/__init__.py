@@ -19,6 +19,7 @@ it (this package re-exports nothing):
   tokenizer's vocabulary, a pretrained model's family);
 * :mod:`.layout`: the parallel layout (world size, batch, pipeline, context and
   sequence parallelism, ZeRO's shard size, expert parallelism);
+* :mod:`.schedule`: the learning-rate schedule (WSD's decay fits in the run);
 * :mod:`.features`: features that need others (offload, compression, document masks,
   generation during training, step windows).
 """

@@ -31,6 +31,7 @@ from plait.parallel.pipeline.split import (
     split_transformer,
 )
 from plait.parallel.pipeline.zero import GradReduce, PipelineZero
+from plait.parallel.token_weight import sums_tokens, token_sum
 from plait.parallel.zero.drive import ZeroDrive
 
 
@@ -143,6 +144,11 @@ class PipelineEngine:
             dtype,
             mesh.device,
             early_recv=placement == "adjacent",  # a rendezvous transport keeps its batches
+            token_sum=(
+                (lambda logits, targets: token_sum(loss_fn, loss_input(loss_fn, logits), targets))
+                if sums_tokens(loss_fn)
+                else None
+            ),
         )
         self.zero: PipelineZero | None = None  # ZeRO-2/3: the schedule drives the wrapper
         if zero is not None:
@@ -167,20 +173,31 @@ class PipelineEngine:
         seq = tokens.shape[1] // self.seq_factor
         self.runtime.act_shape = (tokens.shape[0] // m, seq, self.hidden_dim)
 
-    def train(self, tokens: torch.Tensor, targets: torch.Tensor, scale: float = 1.0) -> float:
+    def train(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        scale: float = 1.0,
+        weight: torch.Tensor | None = None,
+    ) -> float:
         """Forward + backward of this rank's batch ``(batch, seq)``; gradients reduced
-        over dp; returns the mean loss on every pipeline rank."""
+        over dp; returns the mean loss on every pipeline rank (given a token ``weight``,
+        ``D / N``: the micro-batches' summed losses times it,
+        :mod:`plait.parallel.token_weight`)."""
         self._shape_for(tokens)
         if self.zero is not None:
-            return self.zero.train(self.runtime, tokens, targets, scale)
-        return pipeline_step(self.model, self.runtime, tokens, targets, scale)
+            return self.zero.train(self.runtime, tokens, targets, scale, weight)
+        return pipeline_step(self.model, self.runtime, tokens, targets, scale, weight)
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
-        """The mean loss of one batch (forward actions only), on every pipeline rank."""
+    def evaluate(
+        self, tokens: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> float:
+        """The loss of one batch (forward actions only), on every pipeline rank, as
+        :meth:`train` returns it."""
         self._shape_for(tokens)
         try:
-            loss = self.runtime.forward_loss(tokens, targets)
+            loss = self.runtime.forward_loss(tokens, targets, weight)
         finally:
             if self.zero is not None:
                 self.zero.release()

@@ -5,7 +5,9 @@
 * ``F`` runs one piece on one micro-batch (the first piece on token ids, the others on
   the received activation, a fresh leaf that requires grad); the last piece applies the
   loss and keeps ``loss · scale / m`` as the tensor to differentiate, so the gradients
-  are those of the *mean* loss over the ``m`` micro-batches.
+  are those of the *mean* loss over the ``m`` micro-batches; given a token ``weight``
+  (:mod:`plait.parallel.token_weight`) it keeps ``token_sum · weight · scale`` instead,
+  so every counted token of the global batch weighs the same.
 * ``B`` back-propagates one micro-batch through one piece (input and weight gradients).
 * ``I`` / ``W`` split ``B`` for zero-bubble schedules (Qi et al. 2023): ``I`` computes
   only the gradient with respect to the piece's input (``torch.autograd.grad`` with the
@@ -62,6 +64,7 @@ from plait.parallel.loss import LossFn
 from plait.parallel.pipeline.actions import Action, Op, Schedule
 from plait.parallel.pipeline.split import PipelineStages
 from plait.parallel.pipeline.zb import BackwardSplit
+from plait.parallel.token_weight import weighted
 
 _ACT, _GRAD = 0, 1
 
@@ -104,6 +107,8 @@ class PipelineRuntime:
             ``schedule.chunks`` pieces per rank.
         group: the pipeline axis (``mesh.axis("pp")``).
         loss_fn: ``(logits, targets) -> mean loss`` of one micro-batch.
+        token_sum: ``(logits, targets) -> summed loss`` of one micro-batch (over its
+            counted targets), used by a step given a token ``weight``; None: none.
         act_shape: shape of one activation message ``(micro, seq, dim)``.
         dtype: dtype of activations and their gradients.
         device: where the messages are received.
@@ -122,6 +127,7 @@ class PipelineRuntime:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         early_recv: bool = True,
+        token_sum: LossFn | None = None,
     ) -> None:
         if schedule.stages != group.size or schedule.chunks * group.size != stages.virtual_stages:
             raise ConfigError(
@@ -134,6 +140,7 @@ class PipelineRuntime:
         self.group = group
         self.rank = group.index
         self.loss_fn = loss_fn
+        self.token_sum = token_sum
         self.act_shape = tuple(act_shape)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -152,22 +159,31 @@ class PipelineRuntime:
     # ------------------------------------------------------------------ public
 
     def step(
-        self, tokens: torch.Tensor, targets: torch.Tensor, scale: float = 1.0
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        scale: float = 1.0,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch ``(batch, seq)`` cut into ``m`` micro-batches.
 
         Gradients of the mean loss (times ``scale``, e.g. a loss scale) accumulate into
         the local parameters' ``.grad``. Returns the mean loss (float64, detached) on the
-        rank holding the last piece, None elsewhere.
+        rank holding the last piece, None elsewhere. With a token ``weight`` (a scalar
+        tensor, ``D / N``; needs ``token_sum``) the loss is instead the micro-batches'
+        summed losses times ``weight``, and so is the value returned.
         """
-        return self._run(self.schedule.actions[self.rank], tokens, targets, scale, True)
+        return self._run(self.schedule.actions[self.rank], tokens, targets, scale, True, weight)
 
     @torch.no_grad()
-    def forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """The mean loss without backward (the schedule's forward actions only)."""
+    def forward_loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The loss without backward (the schedule's forward actions only), as
+        :meth:`step` returns it."""
         fwd = (Op.FORWARD, Op.SEND_ACT, Op.RECV_ACT)
         actions = [a for a in self.schedule.actions[self.rank] if a.op in fwd]
-        return self._run(actions, tokens, targets, 1.0, False)
+        return self._run(actions, tokens, targets, 1.0, False, weight)
 
     def loss_to_all(self, loss: torch.Tensor | None) -> float:
         """Broadcast the last rank's loss to every pipeline rank (a float everywhere)."""
@@ -186,8 +202,11 @@ class PipelineRuntime:
         targets: torch.Tensor,
         scale: float,
         train: bool,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         m = self.schedule.microbatches
+        if weight is not None and self.token_sum is None:
+            raise ValueError("a token weight needs the runtime's token_sum loss")
         if tokens.shape[0] % m or tokens.shape[0] // m != self.act_shape[0]:
             raise ConfigError(
                 f"a batch of {tokens.shape[0]} sequences does not split into {m} "
@@ -195,7 +214,8 @@ class PipelineRuntime:
             )
         self._x = tokens.to(self.device).chunk(m)  # m x (micro, seq)
         self._y = targets.to(self.device).chunk(m)
-        self._scale = scale / m
+        self._weight = weight
+        self._scale = scale / m if weight is None else scale
         self._train = train
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -240,7 +260,8 @@ class PipelineRuntime:
         self._sends, self._inputs, self._outputs = [], {}, {}
         if not self._losses:
             return None
-        return torch.stack([loss.double() for loss in self._losses]).mean()
+        losses = torch.stack([loss.double() for loss in self._losses])
+        return losses.mean() if weight is None else losses.sum()
 
     def _communicate(self, actions: Sequence[Action], ahead: Sequence[Action] = ()) -> None:
         """One batched isend/irecv for a run of communication actions (and the receives
@@ -311,7 +332,11 @@ class PipelineRuntime:
             inp.requires_grad_(self._train)
         out = piece(inp)
         if a.stage == self.last_stage:
-            loss = self.loss_fn(out, self._y[a.microbatch])
+            if self._weight is None:
+                loss = self.loss_fn(out, self._y[a.microbatch])  # the micro-batch's mean
+            else:  # its summed loss, times D / N (plait.parallel.token_weight)
+                assert self.token_sum is not None
+                loss = weighted(self.token_sum(out, self._y[a.microbatch]), self._weight)
             self._losses.append(loss.detach())
             if self._train:
                 self._outputs[key] = loss * self._scale
@@ -379,16 +404,18 @@ def pipeline_step(
     tokens: torch.Tensor,
     targets: torch.Tensor,
     scale: float = 1.0,
+    weight: torch.Tensor | None = None,
 ) -> float:
     """One training step's forward and backward through the pipeline.
 
     ``model`` is the data-parallel wrapper around ``runtime.stages`` (or the stages
     themselves). Gradients end reduced over dp (and summed over tied copies); returns
-    the mean loss over the micro-batches of this rank's batch, on every pipeline rank.
+    the mean loss over the micro-batches of this rank's batch, on every pipeline rank
+    (with a token ``weight``: their summed losses times it, :meth:`PipelineRuntime.step`).
     """
     no_sync = getattr(model, "no_sync", None)
     ctx = no_sync() if no_sync is not None else contextlib.nullcontext()
     with ctx:
-        loss = runtime.step(tokens, targets, scale)
+        loss = runtime.step(tokens, targets, scale, weight)
     sync_gradients(model, runtime.stages)
     return runtime.loss_to_all(loss)

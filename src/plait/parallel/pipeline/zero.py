@@ -202,14 +202,20 @@ class PipelineZero:
     # ------------------------------------------------------------------ step
 
     def train(
-        self, runtime: PipelineRuntime, tokens: torch.Tensor, targets: torch.Tensor, scale: float
+        self,
+        runtime: PipelineRuntime,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        scale: float,
+        weight: torch.Tensor | None = None,
     ) -> float:
         """One step's schedule (``runtime.action_hooks`` is this driver); then the tied
         gradients' sum over pp, the deferred units' reductions, and every reduction
         waited for (gradients end in the units' ``grad_shard``). Returns the mean loss
-        on every pipeline rank."""
+        on every pipeline rank (token-weighted given ``weight``,
+        :meth:`PipelineRuntime.step`)."""
         try:
-            loss = runtime.step(tokens, targets, scale)
+            loss = runtime.step(tokens, targets, scale, weight)
             self.stages.sync_tied_grads()
             for u in self.drive.units:
                 if u.index in self.deferred:

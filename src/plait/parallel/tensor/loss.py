@@ -64,10 +64,16 @@ def vocab_parallel_loss(
     (``takes_low_precision``): the float32 work happens chunk by chunk inside."""
     group = mesh.axis("tp")
 
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(
-            logits, targets, group, vocab_size, ignore_index, chunk=chunk
-        )
+    def make(reduction: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(
+                logits, targets, group, vocab_size, ignore_index, reduction, chunk
+            )
 
-    loss.takes_low_precision = True  # type: ignore[attr-defined]
-    return loss
+        loss.takes_low_precision = True  # type: ignore[attr-defined]
+        return loss
+
+    mean = make("mean")
+    mean.token_sum = make("sum")  # type: ignore[attr-defined]  # token weighting's form
+    mean.ignore_index = ignore_index  # type: ignore[attr-defined]
+    return mean
