@@ -76,7 +76,8 @@ class Folder:
         if index.is_file():
             where = json.loads(index.read_text())["weight_map"]
         else:
-            where = {k: "model.safetensors" for k in ShardFile(path / "model.safetensors").keys()}
+            one = ShardFile(path / "model.safetensors")
+            where = dict.fromkeys(one.entries, "model.safetensors")
         self.files = {f: ShardFile(path / f) for f in set(where.values())}
         self.where = where
 
@@ -157,9 +158,7 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, fused: bool) -> None:
     whole = w["w1"][2:].reshape(-1)
     for start, end, touched in ((0, 2 * per, 2), (per // 2, per + per // 2, 2), (3, 7, 1)):
         before = folder.bytes_read()
-        got = read_expert_piece(
-            folder, 0, "w1", (E, DIM, F), split, start, end, "qwen", fused
-        )
+        got = read_expert_piece(folder, 0, "w1", (E, DIM, F), split, start, end, "qwen", fused)
         assert torch.equal(got, whole[start:end])
         # the hub reads each touched expert's (f, dim) tensor; fused its (2f, dim) rows
         assert folder.bytes_read() - before == touched * per * 4 * (2 if fused else 1)

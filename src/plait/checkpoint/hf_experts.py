@@ -8,12 +8,9 @@ numbers, both left-multiplied (``nn.Linear`` weights, ``w @ x``):
 * **hub** (what the hub's folders hold and ``save_pretrained`` writes): one tensor per
   expert and projection, ``(f, dim)`` for gate and up, ``(dim, f)`` for down, named
 
-  =========  ============================================================  =====================
-  style      name of expert ``e`` of layer ``i``                           gate / up / down
-  =========  ============================================================  =====================
-  mixtral    ``model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight``  ``w1`` / ``w3`` / ``w2``
-  qwen       ``model.layers.{i}.mlp.experts.{e}.{p}.weight``               ``gate_proj`` / ``up_proj`` / ``down_proj``
-  =========  ============================================================  =====================
+  ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral: gate,
+  up, down) or ``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight``
+  (Qwen2/Qwen3-MoE, style ``qwen``);
 
 * **fused** (``transformers`` 5.x in memory, e.g. ``model.state_dict()`` saved as is):
   ``model.layers.{i}.mlp.experts.gate_up_proj`` ``(E, 2f, dim)`` (gate rows first, then
@@ -91,9 +88,7 @@ def renames(layer: int, style: Style, fused: bool = False) -> dict[str, str]:
 
 def hub_names(layer: int, experts: int, style: Style) -> list[str]:
     """Every hub tensor of layer ``layer``'s ``experts`` experts."""
-    return [
-        hub_name(layer, e, w, style) for e in range(experts) for w in ("w1", "w3", "w2")
-    ]
+    return [hub_name(layer, e, w, style) for e in range(experts) for w in ("w1", "w3", "w2")]
 
 
 def detect_fused(names: Iterable[str], layer: int, experts: int, style: Style) -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 
 class ModelAuxShare:
@@ -81,14 +80,15 @@ class ModelAuxTerm(torch.autograd.Function):
         return grad * (share.experts / share.layers) * f, None, None
 
 
-def link_model_aux(moes: Iterable[nn.Module]) -> ModelAuxShare | None:
-    """Give the MoE layers ``moes`` of one model (in order) one shared
-    :class:`ModelAuxShare` when their scope is 'model' (None: 'layer', nothing done)."""
+def link_model_aux(moes: Iterable[object]) -> ModelAuxShare | None:
+    """Give the MoE layers among ``moes`` (a model's feed-forwards, in order; others are
+    skipped) one shared :class:`ModelAuxShare` when their scope is 'model' (None:
+    'layer', nothing done)."""
     layers = [m for m in moes if getattr(m, "aux_scope", "layer") == "model"]
     if not layers:
         return None
-    share = ModelAuxShare(len(layers), int(layers[0].n_experts))
+    share = ModelAuxShare(len(layers), int(getattr(layers[0], "n_experts")))  # noqa: B009
     for i, m in enumerate(layers):
-        m.aux_share = share
-        m.aux_index = i
+        setattr(m, "aux_share", share)  # noqa: B010
+        setattr(m, "aux_index", i)  # noqa: B010
     return share
