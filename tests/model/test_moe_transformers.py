@@ -187,9 +187,3 @@ def test_model_aux_loss_equals_load_balancing_loss_func(monkeypatch: pytest.Monk
         one = load_balancing_loss_func((lg.detach(),), 4, 2)
         torch.testing.assert_close(m.stats.aux_loss, one, rtol=1e-10, atol=0)
 
-
-def test_shared_gate_needs_shared_experts() -> None:
-    from plait.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="moe_shared_expert_gate gates the shared experts"):
-        ModelConfig(moe_experts=4, moe_shared_expert_gate=True)
