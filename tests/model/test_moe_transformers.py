@@ -6,7 +6,9 @@ expert of another width scaled by ``sigmoid(x · w_gate)``; Qwen3-MoE's: top-3 o
 renormalised), copies its weights into :class:`~plait.model.moe.MoE` through
 :mod:`plait.checkpoint.hf_experts` (the fused in-memory layout), and compares the
 outputs and the gradients of the input and of every weight (float64, rtol 1e-10).
-The load-balancing loss of two MoE layers linked as one model (scope 'model') equals
+A whole 2-layer Mixtral mapped into plait's Transformer gives the same logits, aux loss
+and training gradients (the family's objective; float32 bounds, see its test). The
+load-balancing loss of two MoE layers linked as one model (scope 'model') equals
 ``load_balancing_loss_func`` over both layers' router logits, value and router
 gradients (float64, rtol 1e-10), and a layer's own ``stats.aux_loss`` equals that
 function on its logits alone.
@@ -187,3 +189,84 @@ def test_model_aux_loss_equals_load_balancing_loss_func(monkeypatch: pytest.Monk
         one = load_balancing_loss_func((lg.detach(),), 4, 2)
         torch.testing.assert_close(m.stats.aux_loss, one, rtol=1e-10, atol=0)
 
+
+_LLAMA_NAMES = (  # (transformers suffix, plait suffix) inside layer i
+    ("self_attn.q_proj.weight", "attention.wq.weight"),
+    ("self_attn.k_proj.weight", "attention.wk.weight"),
+    ("self_attn.v_proj.weight", "attention.wv.weight"),
+    ("self_attn.o_proj.weight", "attention.wo.weight"),
+    ("input_layernorm.weight", "attention_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("mlp.gate.weight", "feed_forward.router.gate.weight"),
+)
+
+
+def test_mixtral_model_equals_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-layer ``MixtralForCausalLM`` mapped into plait's Transformer (Llama's names,
+    the experts through :func:`from_fused`) with the family's objective (top-2
+    renormalised, the model-wide aux loss weighted by ``router_aux_loss_coef`` = 0.1, no
+    z-loss): logits, the aux loss and every gradient of ``transformers``' training loss
+    (``output_router_logits``) equal plait's. Float64, but ``transformers``' RMSNorm and
+    rotary tables compute in float32 whatever the model's dtype, so the bounds are
+    float32's: logits and aux loss rtol 1e-5 (atol 1e-5), gradients rtol 1e-4 (atol
+    1e-5); the routing itself is compared at 1e-10 above."""
+    from plait.model.transformer import Transformer
+
+    _float64_routing(monkeypatch)
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda x, *a, **k: histc(x.double(), *a, **k))
+    hf_cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=DIM, intermediate_size=F, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.1, output_router_logits=True,
+        max_position_embeddings=16, experts_implementation="eager",  # float64: no grouped_mm
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(hf_cfg).double()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "layernorm" not in n and n != "model.norm.weight":
+                p.normal_(0, 0.3)
+    cfg = ModelConfig(
+        vocab_size=32, dim=DIM, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=16,
+        rope_theta=hf_cfg.rope_parameters["rope_theta"], norm_eps=hf_cfg.rms_norm_eps,
+        moe_experts=4, moe_top_k=2, moe_hidden_dim=F, moe_aux_loss_coef=0.1,
+        moe_z_loss_coef=0.0, moe_aux_loss_scope="model",
+    )  # fmt: skip
+    ours = Transformer(cfg, seed=0).double()
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    mine = dict(ours.named_parameters())
+    theirs = dict(hf.named_parameters())
+    top = (("model.embed_tokens.weight", "tok_embeddings.weight"),
+           ("model.norm.weight", "norm.weight"), ("lm_head.weight", "output.weight"))  # fmt: skip
+    names = list(top) + [
+        (f"model.layers.{i}.{a}", f"layers.{i}.{b}") for i in range(2) for a, b in _LLAMA_NAMES
+    ]
+    with torch.no_grad():
+        for a, b in names:
+            mine[b].copy_(theirs[a])
+            pairs.append((theirs[a], mine[b]))
+        for i in range(2):
+            ex = hf.model.layers[i].mlp.experts
+            for which, w in from_fused(ex.gate_up_proj, ex.down_proj).items():
+                mine[f"layers.{i}.feed_forward.experts.{which}"].copy_(w)
+    tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(3))
+    out = hf(tokens, labels=tokens)
+    logits = ours(tokens)
+    torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
+    share = ours.layers[0].feed_forward.aux_share
+    assert share is not None and share.layers == 2
+    torch.testing.assert_close(share.loss(), out.aux_loss.detach(), rtol=1e-5, atol=0)
+    out.loss.backward()  # cross-entropy + 0.1 x aux, as transformers trains Mixtral
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 32), tokens[:, 1:].reshape(-1)
+    )
+    ce.backward()  # plait: the aux term enters through the MoE layers' backward
+    for a, b in pairs:
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    for i in range(2):
+        ex = hf.model.layers[i].mlp.experts
+        for which, g in from_fused(ex.gate_up_proj.grad, ex.down_proj.grad).items():
+            got = mine[f"layers.{i}.feed_forward.experts.{which}"].grad
+            torch.testing.assert_close(got, g, rtol=1e-4, atol=1e-5)
