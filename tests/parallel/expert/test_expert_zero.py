@@ -117,16 +117,22 @@ def hf_ref() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("world", "zero"), [pytest.param(2, 0, id="ep2"), pytest.param(4, 3, id="dp4xep2-zero3")]
+    ("world", "zero", "tp"),
+    [
+        pytest.param(2, 0, 1, id="ep2"),
+        pytest.param(4, 3, 1, id="dp4xep2-zero3"),
+        pytest.param(4, 0, 2, id="ep2xtp2"),
+    ],
 )
 def test_transformers_router_under_ep_matches_one_process(
-    pools: Pools, hf_ref: dict[str, Any], world: int, zero: int
+    pools: Pools, hf_ref: dict[str, Any], world: int, zero: int, tp: int
 ) -> None:
     """Qwen2-MoE's router as transformers defines it (top-k weights not renormalised, the
     sigmoid-gated shared expert, one load-balancing loss over both MoE layers whose
     gradient needs both layers' counts summed over the data ranks, no z-loss): ep2 and
-    dp4 x ep2 under ZeRO-3 against one process, as above (rtol 1e-9)."""
-    results = pools(world).run(BODY, 2, 1, zero, 1, 1, "none", 1, "none", None, "hf")
+    dp4 x ep2 under ZeRO-3, and ep2 x tp2 (the gate a replicated weight beside the
+    shared experts' tensor-parallel region) against one process, as above (rtol 1e-9)."""
+    results = pools(world).run(BODY, 2, tp, zero, 1, 1, "none", 1, "none", None, "hf")
     _check(results, hf_ref)
 
 
