@@ -188,9 +188,9 @@ def parallelize(
     dp, cp = mesh.size("dp"), mesh.size("cp")
     for n_experts in _experts(model):  # of every MoE layer
         check_expert_parallel(p.ep, dp, cp, n_experts, p.compression)
-    for m in model.modules():  # the model-wide load-balancing loss spans every stage
-        if isinstance(m, MoE):
-            check_moe_aux_scope(m.aux_scope, m.aux_coef, m.n_experts, mesh.size("pp"))
+    for layer in model.modules():  # the model-wide load-balancing loss spans every stage
+        if isinstance(layer, MoE):
+            check_moe_aux_scope(layer.aux_scope, layer.aux_coef, layer.n_experts, mesh.size("pp"))
     data = mesh.axis(*data_axes(mesh))
     tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
     experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)
