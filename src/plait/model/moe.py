@@ -47,7 +47,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.config.model import expert_hidden_dim as expert_hidden_dim  # re-exported
 from plait.config.model import is_moe_layer as is_moe_layer
-from plait.model.moe_aux import ModelAuxShare, ModelAuxTerm
+from plait.model.moe_aux import ModelAuxShare, model_aux_term
 
 
 @dataclass
@@ -258,9 +258,8 @@ class MoE(nn.Module):
             if self.aux_share is None:  # a layer alone is its own model
                 self.aux_share = ModelAuxShare(1, e)
             per_token = k * f.detach()  # (E,) assignments per token, sums to k
-            self.aux_share.record(self.aux_index, per_token, p_mean)
             aux = e * (per_token * p_mean).sum()  # this layer alone, as transformers'
-            aux_term = ModelAuxTerm.apply(p_mean, self.aux_share, self.aux_index)
+            aux_term = model_aux_term(self.aux_share, self.aux_index, per_token, p_mean)
         else:
             aux = aux_term = e * (f.detach() * p_mean).sum()
         self.stats = MoEStats(aux.detach(), z.detach(), glob.detach(), dropped)

@@ -80,6 +80,17 @@ class ModelAuxTerm(torch.autograd.Function):
         return grad * (share.experts / share.layers) * f, None, None
 
 
+@torch.compiler.disable  # the share is Python state: recorded and read eagerly
+def model_aux_term(
+    share: ModelAuxShare, index: int, per_token: torch.Tensor, probs: torch.Tensor
+) -> torch.Tensor:
+    """Record layer ``index``'s counts per token ``(E,)`` and mean probabilities
+    ``probs`` ``(E,)`` in ``share``; return its :class:`ModelAuxTerm` ``()``."""
+    share.record(index, per_token, probs)
+    out: torch.Tensor = ModelAuxTerm.apply(probs, share, index)
+    return out
+
+
 def link_model_aux(moes: Iterable[object]) -> ModelAuxShare | None:
     """Give the MoE layers among ``moes`` (a model's feed-forwards, in order; others are
     skipped) one shared :class:`ModelAuxShare` when their scope is 'model' (None:
