@@ -162,4 +162,6 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path: Path, fused: bool) -> None:
         assert torch.equal(got, whole[start:end])
         # the hub reads each touched expert's (f, dim) tensor; fused its (2f, dim) rows
         assert folder.bytes_read() - before == touched * per * 4 * (2 if fused else 1)
+    empty = read_expert_piece(folder, 0, "w1", (E, DIM, F), split, 2 * per, 2 * per, "qwen", fused)
+    assert empty.numel() == 0 and empty.dtype == torch.float32
     assert plait_name(0, "w1") == "layers.0.feed_forward.experts.w1"

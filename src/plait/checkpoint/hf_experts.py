@@ -208,8 +208,9 @@ def read_expert_piece(
     lo, hi = first + start // per, first + -(-end // per)  # experts the range touches
     if hi > n_exp or start > end:
         raise CheckpointError(f"{plait_name(layer, which)}: range {start}:{end} past the experts")
-    if hi == lo:
-        return torch.empty(0)
+    if hi == lo:  # an empty range: nothing read
+        name = fused_name(layer, "gate_up") if fused else hub_name(layer, first, which, style)
+        return torch.empty(0, dtype=open_file(name).info(name)[0])
     block = read_experts(open_file, layer, which, lo, hi, style, fused)
     skip = start - (lo - first) * per
     return block.reshape(-1)[skip : skip + end - start]
