@@ -192,6 +192,10 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs a mixture-of-experts model" in err
     err = _bad(["--nproc", "2", "--ep", "2", *moe, "--parallel.compression", "fp16"], capsys)
     assert "compression=fp16 is refused" in err
+    err = _bad(["--nproc", "2", "--pp", "2", *moe, "--model.moe_aux_loss_scope", "model"], capsys)
+    assert "moe_aux_loss_scope='model' is refused with parallel.pp=2" in err
+    err = _bad(["--nproc", "1", *moe, "--model.moe_shared_expert_gate", "true"], capsys)
+    assert "moe_shared_expert_gate gates the shared experts" in err
 
 
 def test_ep_refuses_compression_only() -> None:

@@ -35,11 +35,15 @@ def mlp_params(hidden: int, ffn_hidden: int, mats: int = SWIGLU_MATS) -> int:
     return mats * hidden * ffn_hidden
 
 
-def moe_ffn_params(hidden: int, experts: int, expert_hidden: int, shared: int, routed: int) -> int:
+def moe_ffn_params(
+    hidden: int, experts: int, expert_hidden: int, shared: int, routed: int, gate: bool = False
+) -> int:
     """Weights of one MoE feed-forward: the router ``(E, h)``, ``shared`` always-on
     experts and ``routed`` of the ``experts`` routed ones (all ``E``, or ``top_k`` for
-    the weights one token uses), each a SwiGLU of width ``expert_hidden``."""
-    return hidden * experts + (routed + shared) * mlp_params(hidden, expert_hidden)
+    the weights one token uses), each a SwiGLU of width ``expert_hidden``; with ``gate``
+    the shared experts' ``(1, h)`` gate (Qwen2-MoE's)."""
+    routers = hidden * (experts + int(gate))
+    return routers + (routed + shared) * mlp_params(hidden, expert_hidden)
 
 
 def attention_flops_per_token(n_layers: int, seq_len: int, attention_width: int) -> float:
@@ -64,7 +68,12 @@ def block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -
         return attn + mlp_params(cfg.dim, cfg.hidden_dim)
     routed = cfg.moe_top_k if active else cfg.moe_experts
     return attn + moe_ffn_params(
-        cfg.dim, cfg.moe_experts, expert_hidden_dim(cfg), cfg.moe_shared_experts, routed
+        cfg.dim,
+        cfg.moe_experts,
+        expert_hidden_dim(cfg),
+        cfg.moe_shared_experts,
+        routed,
+        cfg.moe_shared_expert_gate,
     )
 
 

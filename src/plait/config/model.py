@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from plait.config.choices import AttentionKind, ModelFamily, MoERouter, RopeScaling, check_choices
+from plait.config.choices import (
+    AttentionKind,
+    ModelFamily,
+    MoEAuxScope,
+    MoERouter,
+    RopeScaling,
+    check_choices,
+)
 from plait.config.rules.choices import check_positive
 from plait.config.rules.model import check_moe, check_rope_scaling
 from plait.errors import ConfigError
@@ -83,11 +90,26 @@ class ModelConfig:
     """Hidden width of one expert's SwiGLU (default: the dense hidden width / top-k, so a
     token's active feed-forward FLOPs match the dense model's)."""
     moe_router: MoERouter = "softmax"
-    """Router: 'softmax' (softmax over experts, top-k, weights renormalised to sum 1) or
-    'sigmoid' (sigmoid scores, top-k, weights normalised to sum 1; DeepSeek-V3)."""
+    """Router: 'softmax' (softmax over all experts, then the top-k) or 'sigmoid' (sigmoid
+    scores, then the top-k; DeepSeek-V3). moe_norm_topk_prob says whether the k weights
+    are then renormalised."""
+    moe_norm_topk_prob: bool = True
+    """Renormalise each token's top-k router weights to sum 1 (Mixtral always does;
+    Qwen2/Qwen3-MoE's norm_topk_prob). False: the experts' outputs are weighted by the raw
+    top-k scores (softmax probabilities; with k = 1 the Switch Transformer's router)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . w_gate), a (1, dim) gate
+    (Qwen2-MoE's shared_expert_gate); needs moe_shared_experts > 0."""
     moe_aux_loss_coef: float = 0.01
-    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i * P_i in the training
-    loss (0: off)."""
+    """Weight of the load-balancing loss in the training loss (0: off); its form is
+    moe_aux_loss_scope's."""
+    moe_aux_loss_scope: MoEAuxScope = "layer"
+    """'layer': each MoE layer adds the Switch/GShard loss E * sum_i f_i * P_i (f_i the
+    fraction of its assignments routed to expert i, P_i its mean router probability).
+    'model': one loss for the whole model, transformers' load_balancing_loss_func
+    (Mixtral, Qwen-MoE): E * sum_i F_i * P_i with F_i the assignments to i per token and
+    P_i the mean probability of i, both over the tokens of every MoE layer together (F
+    sums to top-k). 'model' needs parallel.pp = 1 (the layers' counts meet in backward)."""
     moe_z_loss_coef: float = 0.001
     """Weight of the router z-loss mean(logsumexp(logits)^2) in the training loss (0: off)."""
     moe_capacity_factor: float = 0.0
@@ -145,6 +167,7 @@ class ModelConfig:
             self.moe_aux_loss_coef,
             self.moe_z_loss_coef,
             self.moe_capacity_factor,
+            self.moe_shared_expert_gate,
         )
 
     @property

@@ -28,7 +28,7 @@ from plait.config.rules.layout import (
     check_ulysses_heads,
     check_world,
 )
-from plait.config.rules.model import check_seq_len, check_tokenizer_vocab
+from plait.config.rules.model import check_moe_aux_scope, check_seq_len, check_tokenizer_vocab
 from plait.config.train import TrainConfig
 
 
@@ -97,6 +97,7 @@ class Config:
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)
         check_expert_parallel(p.ep, dp, p.cp, m.moe_experts, p.compression)
+        check_moe_aux_scope(m.moe_aux_loss_scope, m.moe_aux_loss_coef, m.moe_experts, p.pp)
         if self.log.sample_every:
             check_generation_layout(
                 p.pp, p.cp, p.tp, p.sequence_parallel, m.family, m.factory, "log.sample_every"

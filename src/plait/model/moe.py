@@ -4,9 +4,10 @@
 the layer index matches ``model.moe_every`` (:func:`is_moe_layer`). For the ``T``
 tokens of a call (``x`` ``(batch, seq, dim)`` flattened to ``(T, dim)``):
 
-1. **route** (:class:`Router`): logits ``(T, E)``; softmax (or sigmoid) scores; the
-   top-k experts of each token and their weights (renormalised to sum 1; softmax with
-   k = 1 keeps the raw probability, as Switch does);
+1. **route** (:class:`Router`): logits ``(T, E)``; softmax over all experts (or sigmoid)
+   scores; the top-k experts of each token and their weights (renormalised to sum 1
+   with ``model.moe_norm_topk_prob``, as Mixtral and Qwen-MoE's ``norm_topk_prob``;
+   else the raw scores: with k = 1, Switch's router);
 2. **permute**: the ``T·k`` (token, expert) assignments sorted by expert, top-1 choices
    before top-2 and then by token index inside each expert (the priority order a
    capacity factor drops in: the overflow of an expert is the end of its run);
@@ -21,7 +22,13 @@ tokens of a call (``x`` ``(batch, seq, dim)`` flattened to ``(T, dim)``):
    weighted sum enters the training loss through :class:`AttachAux` (the forward returns
    the block output unchanged; backward adds the losses' gradient), so any loss
    function and the pipeline need no change. Each call's losses, the expert loads and
-   the dropped assignments are kept in :attr:`MoE.stats`.
+   the dropped assignments are kept in :attr:`MoE.stats`. With
+   ``model.moe_aux_loss_scope = "model"`` the load-balancing loss is instead one loss
+   over every MoE layer of the model, ``transformers``' (:mod:`plait.model.moe_aux`).
+
+The shared experts (``model.moe_shared_experts``) add their SwiGLU to every token,
+scaled per token by ``sigmoid(x · w_gate)`` with ``model.moe_shared_expert_gate``
+(Qwen2-MoE's ``shared_expert_gate``, ``(1, dim)``).
 
 Under data parallelism the counts behind ``f`` are summed over the data ranks (the
 dispatcher's ``global_counts``) while ``P`` stays rank-local: the mean over ranks of the
@@ -40,6 +47,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.config.model import expert_hidden_dim as expert_hidden_dim  # re-exported
 from plait.config.model import is_moe_layer as is_moe_layer
+from plait.model.moe_aux import ModelAuxShare, model_aux_term
 
 
 @dataclass
@@ -48,7 +56,8 @@ class MoEStats:
 
     aux_loss: torch.Tensor
     """() the load-balancing loss of this rank's tokens (its mean over the data ranks
-    is the global batch's)."""
+    is the global batch's); scope 'model': this layer's alone, ``E · Σ_i F_i · P_i`` of
+    its own counts (the model's is its :class:`~plait.model.moe_aux.ModelAuxShare`'s)."""
     z_loss: torch.Tensor
     """() the router z-loss of this rank's tokens."""
     load: torch.Tensor
@@ -75,13 +84,17 @@ class AttachAux(torch.autograd.Function):
 
 
 class Router(nn.Module):
-    """Top-k router: ``gate`` ``(E, dim)``; ``kind`` softmax or sigmoid."""
+    """Top-k router: ``gate`` ``(E, dim)``; ``kind`` softmax or sigmoid; ``norm_topk``:
+    the k weights renormalised to sum 1."""
 
-    def __init__(self, dim: int, experts: int, top_k: int, kind: str) -> None:
+    def __init__(
+        self, dim: int, experts: int, top_k: int, kind: str, norm_topk: bool = True
+    ) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, experts, bias=False)
         self.top_k = top_k
         self.kind = kind
+        self.norm_topk = norm_topk
 
     def forward(
         self, x: torch.Tensor
@@ -97,7 +110,7 @@ class Router(nn.Module):
         else:
             scores = probs = torch.softmax(logits, dim=-1)
         top, ids = scores.topk(self.top_k, dim=-1)  # (T, k) each
-        if self.top_k > 1 or self.kind == "sigmoid":
+        if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
         return logits, probs, ids, top
 
@@ -190,11 +203,23 @@ class MoE(nn.Module):
         self.z_coef = cfg.moe_z_loss_coef
         self.capacity_factor = cfg.moe_capacity_factor
         hidden = expert_hidden_dim(cfg)
-        self.router = Router(cfg.dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_router)
+        self.router = Router(
+            cfg.dim, cfg.moe_experts, cfg.moe_top_k, cfg.moe_router, cfg.moe_norm_topk_prob
+        )
         self.experts = Experts(cfg.moe_experts, cfg.dim, hidden)
         self.shared: SharedExperts | None = None
         if cfg.moe_shared_experts > 0:
             self.shared = SharedExperts(cfg.dim, cfg.moe_shared_experts * hidden)
+        self.shared_gate: nn.Linear | None = None
+        """Qwen2-MoE's ``(1, dim)`` gate: the shared output times ``sigmoid(x · w)``
+        (outside the shared experts' tensor-parallel region: a per-token scalar)."""
+        if cfg.moe_shared_expert_gate:
+            self.shared_gate = nn.Linear(cfg.dim, 1, bias=False)
+        self.aux_scope = cfg.moe_aux_loss_scope
+        self.aux_share: ModelAuxShare | None = None
+        """The model's shared routing counts (scope 'model'; set by
+        :func:`~plait.model.moe_aux.link_model_aux`, or a model of this layer alone)."""
+        self.aux_index = 0
         self.dispatcher: LocalDispatch = LocalDispatch()
         self.grad_scale = 1.0
         """The factor the training loss is multiplied by before backward (set by
@@ -227,10 +252,18 @@ class MoE(nn.Module):
         token = order % t  # (N,)
         glob = self.dispatcher.global_counts(counts.to(probs.dtype))  # (E,) over data ranks
         f = glob / glob.sum()  # fraction of assignments per expert
-        aux = e * (f.detach() * probs.mean(0)).sum()
+        p_mean = probs.mean(0)  # (E,) mean router probability
         z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        if self.aux_scope == "model":
+            if self.aux_share is None:  # a layer alone is its own model
+                self.aux_share = ModelAuxShare(1, e)
+            per_token = k * f.detach()  # (E,) assignments per token, sums to k
+            aux = e * (per_token * p_mean).sum()  # this layer alone, as transformers'
+            aux_term = model_aux_term(self.aux_share, self.aux_index, per_token, p_mean)
+        else:
+            aux = aux_term = e * (f.detach() * p_mean).sum()
         self.stats = MoEStats(aux.detach(), z.detach(), glob.detach(), dropped)
-        term = self.aux_coef * aux + self.z_coef * z
+        term = self.aux_coef * aux_term + self.z_coef * z
         return token, flat_w[order], kept_counts, counts, term, dropped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,7 +276,10 @@ class MoE(nn.Module):
         y = y * weight.to(y.dtype)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token, y)  # (T, dim)
         if self.shared is not None:  # on (batch, seq, dim): a sequence-parallel region
-            out = out + self.shared(x).reshape(flat.shape)
+            shared = self.shared(x)  # (batch, seq, dim)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared  # (batch, seq, 1) gate
+            out = out + shared.reshape(flat.shape)
         out = out.view(shape)
         if self.aux_coef or self.z_coef:
             out = AttachAux.apply(out, term, self.grad_scale)

@@ -27,6 +27,7 @@ from plait.model.blockwise_attention import blockwise_attention
 from plait.model.document_mask import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
 from plait.model.moe import MoE, is_moe_layer
+from plait.model.moe_aux import link_model_aux
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -304,6 +305,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        link_model_aux(b.feed_forward for b in self.layers)  # moe_aux_loss_scope 'model'
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

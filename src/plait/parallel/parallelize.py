@@ -71,6 +71,7 @@ from plait.config import (
 )
 from plait.config.rules.features import check_compression
 from plait.config.rules.layout import check_expert_parallel
+from plait.config.rules.model import check_moe_aux_scope
 from plait.mesh import Mesh
 from plait.model.init import InitialValues, has_meta
 from plait.model.moe import MoE
@@ -187,6 +188,9 @@ def parallelize(
     dp, cp = mesh.size("dp"), mesh.size("cp")
     for n_experts in _experts(model):  # of every MoE layer
         check_expert_parallel(p.ep, dp, cp, n_experts, p.compression)
+    for layer in model.modules():  # the model-wide load-balancing loss spans every stage
+        if isinstance(layer, MoE):
+            check_moe_aux_scope(layer.aux_scope, layer.aux_coef, layer.n_experts, mesh.size("pp"))
     data = mesh.axis(*data_axes(mesh))
     tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
     experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)

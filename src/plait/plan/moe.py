@@ -46,6 +46,8 @@ class MoESpec:
     """f: the dense feed-forward width (of the other layers)."""
     n_layers: int
     """L: all layers."""
+    shared_gate: bool = False
+    """Whether the shared experts have a ``(1, h)`` gate (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.experts:
@@ -69,6 +71,7 @@ class MoESpec:
             layers,
             cfg.hidden_dim,
             cfg.n_layers,
+            cfg.moe_shared_expert_gate,
         )
 
     @property
@@ -86,7 +89,9 @@ class MoESpec:
         shape: per MoE layer router, shared and routed experts (``active``: k of them)
         instead of the dense SwiGLU."""
         routed = self.top_k if active else self.experts
-        moe = moe_ffn_params(self.hidden, self.experts, self.expert_hidden, self.shared, routed)
+        moe = moe_ffn_params(
+            self.hidden, self.experts, self.expert_hidden, self.shared, routed, self.shared_gate
+        )
         return self.moe_layers * (moe - mlp_params(self.hidden, self.dense_hidden))
 
     def flops_delta_per_token(self) -> float:

@@ -48,6 +48,17 @@ MOE = ModelConfig(
     moe_aux_loss_coef=0.1,
     moe_z_loss_coef=0.01,
 )
+MOE_HF = replace(
+    MOE,
+    moe_norm_topk_prob=False,
+    moe_shared_expert_gate=True,
+    moe_aux_loss_scope="model",
+    moe_z_loss_coef=0.0,
+)
+"""Qwen2-MoE's router as transformers defines it: top-k weights not renormalised, the
+shared expert gated by sigmoid(x . w), one load-balancing loss over every MoE layer, no
+z-loss."""
+MODELS = {"plait": MOE, "hf": MOE_HF}
 
 
 def _model(cfg: ModelConfig = MOE) -> Transformer:
@@ -114,6 +125,7 @@ def ref() -> dict[str, Any]:
 def _body(
     ctx: WorkerContext, ep: int, tp: int = 1, zero: int = 0, pp: int = 1, cp: int = 1,
     rc: str = "none", micro: int = 1, offload: str = "none", shard: int | None = None,
+    model: str = "plait",
 ) -> dict[str, Any]:  # fmt: skip
     dp = ctx.world_size // (tp * pp * cp)
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
@@ -121,7 +133,7 @@ def _body(
         ep=ep, bucket_mb=0.01, zero=zero, microbatches=2, offload=offload,  # type: ignore[arg-type]
         zero_shard_size=shard,
     )  # fmt: skip
-    pm = parallelize(_model(), mesh, cfg, recompute=rc)  # type: ignore[arg-type]
+    pm = parallelize(_model(MODELS[model]), mesh, cfg, recompute=rc)  # type: ignore[arg-type]
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
     per, r = BATCH // dp, mesh.index("dp")
     losses, norms, aux, ep_bytes, formula = [], [], [], [], []

@@ -8,7 +8,9 @@ reference): the loss and pre-clip gradient norm at every step (clipping bites), 
 load-balancing loss of every MoE layer at every step (each rank's is of its sequence
 shard; the mean over dp x tp is the global batch's), every weight after 5 steps from
 ``local_pieces()``. Layouts: tp2 with SP (ep1, 2 ranks), ep2 x tp2 with SP (dp2 = ep2,
-4 ranks), the same with ZeRO-3.
+4 ranks), the same with ZeRO-3, and with transformers' router options (``MOE_HF``:
+the sigmoid-gated shared expert, whose gate sees the rank's sequence shard like the
+router, and the model-wide load-balancing loss over the counts of every token shard).
 """
 
 from __future__ import annotations
@@ -23,15 +25,21 @@ from plait.config import ParallelConfig
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext
-from tests.parallel.expert.test_expert_parallel import SEQ, _batches, _model, _reference
+from tests.parallel.expert.test_expert_parallel import (
+    MODELS,
+    SEQ,
+    _batches,
+    _model,
+    _reference,
+)
 from tests.parallel.test_parallelize import ATOL, CLIP, LR, RTOL, Piece, Pools, assemble
 
 
-def _body(ctx: WorkerContext, ep: int, tp: int, zero: int) -> dict[str, Any]:
+def _body(ctx: WorkerContext, ep: int, tp: int, zero: int, model: str) -> dict[str, Any]:
     dp = ctx.world_size // tp
     mesh = ctx.mesh(dp=dp, tp=tp)
     cfg = ParallelConfig(ep=ep, zero=zero, sequence_parallel=True, bucket_mb=0.01)
-    pm = parallelize(_model(), mesh, cfg)
+    pm = parallelize(_model(MODELS[model]), mesh, cfg)
     opt = Optimizer(pm, torch.optim.AdamW(pm.parameters(), lr=LR), max_norm=CLIP)
     per, r = _batches()[0][0].shape[0] // dp, mesh.index("dp")
     assert pm.experts is not None and pm.experts.seq_split == tp
@@ -59,19 +67,21 @@ def _body(ctx: WorkerContext, ep: int, tp: int, zero: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("world", "ep", "tp", "zero"),
+    ("world", "ep", "tp", "zero", "model"),
     [
-        pytest.param(2, 1, 2, 0, id="tp2-sp"),
-        pytest.param(4, 2, 2, 0, id="ep2xtp2-sp"),
-        pytest.param(4, 2, 2, 3, id="ep2xtp2-sp-zero3"),
+        pytest.param(2, 1, 2, 0, "plait", id="tp2-sp"),
+        pytest.param(4, 2, 2, 0, "plait", id="ep2xtp2-sp"),
+        pytest.param(4, 2, 2, 3, "plait", id="ep2xtp2-sp-zero3"),
+        pytest.param(4, 2, 2, 3, "hf", id="ep2xtp2-sp-zero3-hf-router"),
     ],
 )
 def test_sequence_parallel_with_moe_matches_one_process(
-    pools: Pools, world: int, ep: int, tp: int, zero: int
+    pools: Pools, world: int, ep: int, tp: int, zero: int, model: str
 ) -> None:
-    ref = _reference(1, 1)
+    ref = _reference(1, 1, MODELS[model])
     assert min(ref["norms"]) > CLIP  # clipping bites at every step
-    results = pools(world).run("tests.parallel.expert.test_expert_sp:_body", ep, tp, zero)
+    body = "tests.parallel.expert.test_expert_sp:_body"
+    results = pools(world).run(body, ep, tp, zero, model)
     for res in results:
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=RTOL, atol=0)
         torch.testing.assert_close(res["norms"], ref["norms"], rtol=RTOL, atol=0)

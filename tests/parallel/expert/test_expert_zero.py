@@ -39,7 +39,7 @@ from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler
 from plait.testing import WorkerContext
 from plait.train.memory import memory_report
-from tests.parallel.expert.test_expert_parallel import MOE, _batches, _model, _reference
+from tests.parallel.expert.test_expert_parallel import MOE, MOE_HF, _batches, _model, _reference
 from tests.parallel.test_parallelize import ATOL, CLIP, LR, RTOL, Piece, Pools, assemble
 from tests.plan.queries import query
 
@@ -108,6 +108,32 @@ def test_hybrid_and_cp_under_ep_match_one_process(
     sharded over their whole replica group), and ep over dp x cp."""
     results = pools(4).run(BODY, 2, 1, zero, 1, cp, "none", 1, "none", shard)
     _check(results, ref)
+
+
+@pytest.fixture(scope="module")
+def hf_ref() -> dict[str, Any]:
+    """One process over the global batch, transformers' router options (MOE_HF)."""
+    return _reference(1, 1, MOE_HF)
+
+
+@pytest.mark.parametrize(
+    ("world", "zero", "tp"),
+    [
+        pytest.param(2, 0, 1, id="ep2"),
+        pytest.param(4, 3, 1, id="dp4xep2-zero3"),
+        pytest.param(4, 0, 2, id="ep2xtp2"),
+    ],
+)
+def test_transformers_router_under_ep_matches_one_process(
+    pools: Pools, hf_ref: dict[str, Any], world: int, zero: int, tp: int
+) -> None:
+    """Qwen2-MoE's router as transformers defines it (top-k weights not renormalised, the
+    sigmoid-gated shared expert, one load-balancing loss over both MoE layers whose
+    gradient needs both layers' counts summed over the data ranks, no z-loss): ep2 and
+    dp4 x ep2 under ZeRO-3, and ep2 x tp2 (the gate a replicated weight beside the
+    shared experts' tensor-parallel region) against one process, as above (rtol 1e-9)."""
+    results = pools(world).run(BODY, 2, tp, zero, 1, 1, "none", 1, "none", None, "hf")
+    _check(results, hf_ref)
 
 
 def test_offload_under_ep_matches_one_process(pools: Pools, ref: dict[str, Any]) -> None:

@@ -71,10 +71,11 @@ def check_moe(
     aux_coef: float,
     z_coef: float,
     capacity_factor: float,
+    shared_gate: bool = False,
 ) -> None:
     """The mixture-of-experts fields of the model (``experts`` 0: dense, nothing else is
     read): k routed experts out of E, a positive layer period and widths, coefficients
-    and capacity factor >= 0."""
+    and capacity factor >= 0, a shared-expert gate only with shared experts."""
     if experts < 0:
         raise ConfigError(f"model.moe_experts must be >= 0 (0: dense), got {experts}.")
     if experts == 0:
@@ -92,3 +93,21 @@ def check_moe(
     ):
         if value < 0:
             raise ConfigError(f"model.{name} must be >= 0, got {value}.")
+    if shared_gate and shared == 0:
+        raise ConfigError(
+            "model.moe_shared_expert_gate gates the shared experts: set "
+            "model.moe_shared_experts > 0 (or leave the gate off)."
+        )
+
+
+def check_moe_aux_scope(scope: str, aux_coef: float, experts: int, pp: int) -> None:
+    """The model-wide load-balancing loss (``scope`` 'model', a positive weight) sums
+    every MoE layer's routing counts before any layer's backward, which a pipeline's
+    stages cannot (each holds some layers, and runs several micro-batches at once)."""
+    if scope == "model" and aux_coef > 0 and experts > 0 and pp > 1:
+        raise ConfigError(
+            f"model.moe_aux_loss_scope='model' is refused with parallel.pp={pp}: the "
+            "loss needs every MoE layer's routing counts before backward, which live on "
+            "other pipeline stages; use moe_aux_loss_scope='layer' (each layer's own "
+            "Switch loss) or pp=1."
+        )

@@ -9,7 +9,9 @@ dense feed-forward. Under sequence parallelism the MoE layer is no region: each 
 routes its own sequence shard (the tp ranks then split the tokens like data ranks: the
 ep group of a rank is at its tp index, the router's and experts' gradients are summed
 over tp as any ``replicate`` weight's under SP, the load-balancing counts over dp x cp x
-tp), and only the shared experts gather the sequence (their region).
+tp), and only the shared experts gather the sequence (their region). Qwen2-MoE's
+shared-expert gate (``(1, dim)``, a per-token scalar times the shared output) is
+``replicate`` like the router: outside the region, on the tokens the router sees.
 """
 
 from __future__ import annotations
@@ -59,4 +61,6 @@ def moe_tp_plan(model: nn.Module) -> ShardingPlan | None:
                 (f"{ff}.shared.w3", "colwise"),
                 (f"{ff}.shared.w2", "rowwise"),
             ]
+        if moe.shared_gate is not None:  # a per-token scalar outside the region
+            plan.append((f"{ff}.shared_gate", "replicate"))
     return plan
