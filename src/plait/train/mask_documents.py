@@ -1,5 +1,6 @@
 """``data.mask_documents``: the end-of-document id of the run's tokenizer, given to the
-model before it is parallelised (:mod:`plait.model.document_mask` explains the mask).
+model before it is parallelised (:mod:`plait.model.document_mask` explains the mask),
+with ``data.restart_positions`` (rotary positions restart at each document).
 
 The end-of-document token is the tokenizer's own where it names one (an ``eos_id``
 attribute), tiktoken's end-of-text token (``<|endoftext|>``) for ``tiktoken:NAME``,
@@ -51,4 +52,5 @@ def enable_document_mask(model: nn.Module, cfg: Config) -> None:
             f"module); {type(model).__name__} has none."
         )
     own = data_eos_id(cfg.data)  # a prepared folder's recorded id comes first
-    model.documents = DocumentIds(own if own is not None else eos_id(data_tokenizer(cfg.data)))
+    eos = own if own is not None else eos_id(data_tokenizer(cfg.data))
+    model.documents = DocumentIds(eos, restart_positions=cfg.data.restart_positions)
