@@ -12,6 +12,7 @@ samples with restarted positions lose exactly what each sample loses alone.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -66,11 +67,24 @@ def _core(kind: str, docs: torch.Tensor | None, window: int | None) -> Any:
         return lambda q, k, v: SDPAttention(window)(q, k, v, docs)
     impl, block = kind.split("-")[1], int(kind.split("-")[2])
     return lambda q, k, v: blockwise_attention(
-        q, k, v, causal=True, block_size=block, impl=impl, doc_ids=docs, window=window  # type: ignore[arg-type]
+        q,
+        k,
+        v,
+        causal=True,
+        block_size=block,
+        impl=impl,
+        doc_ids=docs,
+        window=window,  # type: ignore[arg-type]
     )[0]
 
 
-KINDS = ["sdpa", "blockwise-fused-4", "blockwise-fused-3", "blockwise-reference-4", "blockwise-reference-16"]
+KINDS = [
+    "sdpa",
+    "blockwise-fused-4",
+    "blockwise-fused-3",
+    "blockwise-reference-4",
+    "blockwise-reference-16",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -143,7 +157,14 @@ def test_blockwise_with_documents_and_window_does_not_sync(impl: str) -> None:
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with CountSyncs() as mode:
         out, _ = blockwise_attention(
-            q, k, v, causal=True, block_size=4, impl=impl, doc_ids=docs, window=W  # type: ignore[arg-type]
+            q,
+            k,
+            v,
+            causal=True,
+            block_size=4,
+            impl=impl,
+            doc_ids=docs,
+            window=W,  # type: ignore[arg-type]
         )
         out.backward(dout)
     assert mode.count == {}
@@ -220,14 +241,12 @@ def sample_losses(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Summed cross-entropy of each packed sample ``(1, S, vocab)``."""
     per = F.cross_entropy(logits[0], targets[0], ignore_index=-100, reduction="none")
     bounds = torch.cumsum(torch.tensor([0, *SAMPLES]), 0).tolist()
-    return [float(per[a:b].sum()) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [float(per[a:b].sum()) for a, b in pairwise(bounds)]
 
 
 def alone_losses(model: nn.Module, samples: list[torch.Tensor]) -> list[float]:
     """Each sample run alone: its summed next-token cross-entropy."""
-    return [
-        float(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum")) for s in samples
-    ]
+    return [float(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum")) for s in samples]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "blockwise"])
@@ -265,13 +284,13 @@ def test_packed_samples_with_restarted_positions_equal_each_alone(
 def test_window_and_layer_types_are_checked() -> None:
     """Bad windows and layer lists are refused with one line; the CLI and TOML read the
     per-layer list."""
-    with pytest.raises(ConfigError, match="sliding_window must be >= 1"):
+    with pytest.raises(ConfigError, match=r"sliding_window must be >= 1"):
         ModelConfig(sliding_window=0)
-    with pytest.raises(ConfigError, match="layer_types has 1 entries; model.n_layers is 2"):
+    with pytest.raises(ConfigError, match=r"layer_types has 1 entries; model\.n_layers is 2"):
         ModelConfig(n_layers=2, layer_types=("full_attention",))
     with pytest.raises(ConfigError, match="unknown kind"):
         ModelConfig(n_layers=1, layer_types=("local",))
-    with pytest.raises(ConfigError, match="restart_positions needs data.mask_documents"):
+    with pytest.raises(ConfigError, match=r"restart_positions needs data\.mask_documents"):
         DataConfig(restart_positions=True)
     cfg = load_config(
         None, ["model.n_layers=2", "model.layer_types=sliding_attention, full_attention"]

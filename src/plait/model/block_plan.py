@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal, TypeVar
 
 import numpy as np
@@ -164,7 +165,9 @@ def _ranges(n: int, block: int) -> list[tuple[int, int]]:
     return [(i, min(i + block, n)) for i in range(0, n, block)]
 
 
-def _coalesced(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, i0: int, causal: bool) -> list[Segment]:
+def _coalesced(
+    pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, i0: int, causal: bool
+) -> list[Segment]:
     """A fused kernel's ranges: the keys before the block and its diagonal (causal) or
     all its keys, as unmasked ranges where possible, else one masked range."""
     valid = lo <= hi
@@ -172,9 +175,7 @@ def _coalesced(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, i0: int, causal:
         return []
     first, last = int(lo[valid].min()), int(hi[valid].max()) + 1
     cuts = [first, max(first, min(i0, last)), last] if causal else [first, last]
-    segs = [
-        Segment(a, b, classify(pos, lo, hi, a, b)) for a, b in zip(cuts, cuts[1:], strict=False) if b > a
-    ]
+    segs = [Segment(a, b, classify(pos, lo, hi, a, b)) for a, b in pairwise(cuts) if b > a]
     segs = [s for s in segs if s.kind != "skip"]
     if any(s.kind == "masked" for s in segs):
         return [Segment(first, last, "masked")]
@@ -196,7 +197,9 @@ def blockwise_plan(
         else:
             lo, hi = vis.bounds(pos)
             end = i1 if causal else sk
-            segs = [Segment(j0, j1, classify(pos, lo, hi, j0, j1)) for j0, j1 in _ranges(end, block)]
+            segs = [
+                Segment(j0, j1, classify(pos, lo, hi, j0, j1)) for j0, j1 in _ranges(end, block)
+            ]
             segs = [s for s in segs if s.kind != "skip"]
         blocks.append(QueryBlock(i0, i1, tuple(segs)))
     return BlockPlan(tuple(blocks))
@@ -205,7 +208,11 @@ def blockwise_plan(
 def _plain(i0: int, i1: int, sk: int, block: int, causal: bool, coalesce: bool) -> list[Segment]:
     """Ranges under causal order alone (or no mask): no host data needed."""
     if not causal:
-        return [Segment(0, sk, "full")] if coalesce else [Segment(a, b, "full") for a, b in _ranges(sk, block)]
+        return (
+            [Segment(0, sk, "full")]
+            if coalesce
+            else [Segment(a, b, "full") for a, b in _ranges(sk, block)]
+        )
     if coalesce:
         return ([Segment(0, i0, "full")] if i0 else []) + [Segment(i0, i1, "causal")]
     return [

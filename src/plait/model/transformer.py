@@ -98,7 +98,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by positions.
 
     ``cos`` and ``sin`` are ``(seq, head_dim // 2)``: row ``t`` holds the angles of the
-    position of ``x[:, t]`` (or ``(batch, seq, head_dim // 2)``: positions per row). Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
+    position of ``x[:, t]`` (or ``(batch, seq, head_dim // 2)``: positions per row).
+    Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
     """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)  # (batch, seq, heads, head_dim // 2) each

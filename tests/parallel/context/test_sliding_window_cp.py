@@ -33,8 +33,8 @@ from tests.model.test_sliding_window import (
     EOS,
     SAMPLES,
     TOL,
-    W,
     CountSyncs,
+    W,
     _inputs,
     alone_losses,
     dense_attention,
@@ -135,12 +135,17 @@ TRAIN_CFG = ModelConfig(
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     return [
-        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )
         for _ in range(STEPS)
     ]
 
 
-def _train(ctx: WorkerContext, dp: int, cp: int, tp: int, pp: int, attn: str, sp: bool) -> dict[str, Any]:
+def _train(
+    ctx: WorkerContext, dp: int, cp: int, tp: int, pp: int, attn: str, sp: bool
+) -> dict[str, Any]:
     mesh = ctx.mesh(dp=dp, tp=tp, pp=pp, cp=cp)
     cfg = ParallelConfig(microbatches=2, pipeline_schedule="1f1b", cp_attention=attn)  # type: ignore[arg-type]
     pm = parallelize(Transformer(TRAIN_CFG, seed=3).double(), mesh, cfg, sequence_parallel=sp)

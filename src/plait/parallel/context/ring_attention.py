@@ -43,6 +43,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup, Handle
+from plait.model.block_plan import Kind, Spans, Visibility, cached, classify
 from plait.model.blockwise_attention import (
     Impl,
     acc_dtype,
@@ -52,7 +53,6 @@ from plait.model.blockwise_attention import (
     merge,
     reduce_kv,
 )
-from plait.model.block_plan import Kind, Spans, Visibility, cached, classify
 from plait.model.document_mask import additive, visible
 from plait.parallel.context.layout import SeqLayout, chunk_ids, local_positions, shard_sequence
 
@@ -85,7 +85,9 @@ class RingAttention(nn.Module):
     ) -> None:
         super().__init__()
         if window is not None and (not causal or window < 1):
-            raise ValueError(f"a sliding window needs causal attention and window >= 1, got {window}")
+            raise ValueError(
+                f"a sliding window needs causal attention and window >= 1, got {window}"
+            )
         self.group = group
         self.causal = causal
         self.window = window
@@ -166,7 +168,9 @@ class RingAttention(nn.Module):
             return [(rs, cs, "full")]
         if how == {(0, 0): "causal", (0, 1): "skip", (1, 0): "full", (1, 1): "causal"}:
             return [(rs, cs, "causal")]
-        return [(slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), how[(i, j)]) for i, j in seen]
+        return [
+            (slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c), how[(i, j)]) for i, j in seen
+        ]
 
     def plans(self, local: int, docs: torch.Tensor | None) -> list[list[StepCall]]:
         """:meth:`plan` of every ring step (index: the source rank), built once per batch

@@ -77,7 +77,9 @@ class UlyssesAttention(nn.Module):
     def __init__(self, group: AxisGroup, *, causal: bool = True, window: int | None = None) -> None:
         super().__init__()
         if window is not None and (not causal or window < 1):
-            raise ValueError(f"a sliding window needs causal attention and window >= 1, got {window}")
+            raise ValueError(
+                f"a sliding window needs causal attention and window >= 1, got {window}"
+            )
         self.group = group
         self.causal = causal
         self.window = window
