@@ -6,7 +6,8 @@ softmax over the mask ``j <= i``, ``i - j < W``, same document) to 1e-10 in outp
 gradients, and differ from the windowless result; the host-side block plan skips key
 blocks outside the window and documents; no host-syncing op runs in a forward +
 backward; a model alternating sliding and full layers equals dense cores; packed
-samples with restarted positions lose exactly what each sample loses alone.
+samples with restarted positions lose exactly what each sample loses alone, in the
+built-in model and in a Hugging Face class.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plait.config import DataConfig, ModelConfig
+from plait.config import Config, DataConfig, ModelConfig
 from plait.config.toml_io import load_config
 from plait.errors import ConfigError
 from plait.model import Transformer, transformer
 from plait.model.block_plan import Segment, Visibility, blockwise_plan, document_spans
 from plait.model.blockwise_attention import blockwise_attention
 from plait.model.document_mask import DocumentIds, document_ids
+from plait.model.hf_llama import build_hf_llama
 from plait.model.transformer import SDPAttention
+from plait.train.mask_documents import enable_document_mask
 
 B, H, HK, S, D, W = 2, 4, 2, 16, 8, 5
 EOS = 0
@@ -239,7 +242,7 @@ def packed_batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, list[torch.
 
 def sample_losses(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Summed cross-entropy of each packed sample ``(1, S, vocab)``."""
-    per = F.cross_entropy(logits[0], targets[0], ignore_index=-100, reduction="none")
+    per = F.cross_entropy(logits[0], targets[0], ignore_index=-100, reduction="none").detach()
     bounds = torch.cumsum(torch.tensor([0, *SAMPLES]), 0).tolist()
     return [float(per[a:b].sum()) for a, b in pairwise(bounds)]
 
@@ -296,3 +299,25 @@ def test_window_and_layer_types_are_checked() -> None:
         None, ["model.n_layers=2", "model.layer_types=sliding_attention, full_attention"]
     )
     assert cfg.model.layer_types == ("sliding_attention", "full_attention")
+
+
+def test_hugging_face_class_with_restarted_positions_equals_each_alone() -> None:
+    """``data.mask_documents`` + ``data.restart_positions`` on model.family hf-llama:
+    the restarted ``position_ids`` make ``transformers`` mask the packed samples and
+    rotate them from 0, so each sample's summed loss equals its loss alone (rtol 1e-9),
+    which it does not without them."""
+    pytest.importorskip("transformers")
+    model_cfg = ModelConfig(
+        family="hf-llama", vocab_size=32, dim=32, n_layers=2, n_heads=4, max_seq_len=S
+    )
+    cfg = Config(model=model_cfg, data=DataConfig(mask_documents=True, restart_positions=True))
+    torch.manual_seed(0)
+    model = build_hf_llama(model_cfg).double().requires_grad_(False)
+    tokens, targets, samples = packed_batch()
+    want = [
+        float(F.cross_entropy(model(s[None]).logits[0, :-1], s[1:], reduction="sum"))
+        for s in samples
+    ]
+    assert sample_losses(model(tokens).logits, targets) != pytest.approx(want, rel=1e-6)
+    enable_document_mask(model, cfg)
+    assert sample_losses(model(tokens).logits, targets) == pytest.approx(want, rel=1e-9)

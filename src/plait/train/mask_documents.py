@@ -18,6 +18,7 @@ from plait.data import make_tokenizer
 from plait.data.sources import data_eos_id, data_tokenizer
 from plait.errors import ConfigError
 from plait.model.document_mask import DocumentIds
+from plait.model.hf_positions import add_packed_positions
 
 BYTE_EOS = 0
 """The byte tokenizer's end-of-document id: the NUL byte."""
@@ -43,14 +44,22 @@ def eos_id(tokenizer: str) -> int:
 
 def enable_document_mask(model: nn.Module, cfg: Config) -> None:
     """Turn on document masking in ``model`` (before ``parallelize``) when
-    ``data.mask_documents`` asks for it."""
+    ``data.mask_documents`` asks for it: the built-in Transformer's ``documents``
+    module, or a Hugging Face class's restarted ``position_ids``
+    (:mod:`plait.model.hf_positions`, with ``data.restart_positions``)."""
     if not cfg.data.mask_documents:
         return
-    if not isinstance(getattr(model, "documents", None), DocumentIds):
+    builtin = isinstance(getattr(model, "documents", None), DocumentIds)
+    hf = cfg.model.family != "plait" and cfg.model.factory is None
+    if not builtin and not (hf and cfg.data.restart_positions):
         raise ConfigError(
             f"data.mask_documents needs plait's built-in Transformer (a 'documents' "
-            f"module); {type(model).__name__} has none."
+            f"module), or a Hugging Face class with data.restart_positions; "
+            f"{type(model).__name__} has none."
         )
     own = data_eos_id(cfg.data)  # a prepared folder's recorded id comes first
     eos = own if own is not None else eos_id(data_tokenizer(cfg.data))
-    model.documents = DocumentIds(eos, restart_positions=cfg.data.restart_positions)
+    if builtin:
+        model.documents = DocumentIds(eos, restart_positions=cfg.data.restart_positions)
+    else:
+        add_packed_positions(model, eos)
