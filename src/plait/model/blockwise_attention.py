@@ -213,7 +213,8 @@ def segment_bias(
     device: torch.device,
 ) -> torch.Tensor:
     """The additive mask ``(b or 1, 1, i1 - i0, j1 - j0)`` of a masked range (documents,
-    causal order and the window, by position), built on the device."""
+    causal order and the window, by position), built on the device (a window alone:
+    one mask for every row of the batch, broadcast)."""
     q_pos = torch.arange(i0, i1, device=device) if causal else None
     k_pos = torch.arange(j0, j1, device=device) if causal else None
     q_doc = docs[:, i0:i1] if docs is not None else None
