@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.config import Config, DataConfig, ModelConfig
-from plait.config.toml_io import load_config
+from plait.config.toml_io import dump_toml, load_config
 from plait.errors import ConfigError
 from plait.model import Transformer, transformer
 from plait.model.block_plan import Segment, Visibility, blockwise_plan, document_spans
@@ -284,9 +285,9 @@ def test_packed_samples_with_restarted_positions_equal_each_alone(
     assert (model(tokens, position_ids=pos) - model(tokens)).abs().max() > 1e-4
 
 
-def test_window_and_layer_types_are_checked() -> None:
+def test_window_and_layer_types_are_checked(tmp_path: Path) -> None:
     """Bad windows and layer lists are refused with one line; the CLI and TOML read the
-    per-layer list."""
+    per-layer list, and a written config reads back equal."""
     with pytest.raises(ConfigError, match=r"sliding_window must be >= 1"):
         ModelConfig(sliding_window=0)
     with pytest.raises(ConfigError, match=r"layer_types has 1 entries; model\.n_layers is 2"):
@@ -299,6 +300,9 @@ def test_window_and_layer_types_are_checked() -> None:
         None, ["model.n_layers=2", "model.layer_types=sliding_attention, full_attention"]
     )
     assert cfg.model.layer_types == ("sliding_attention", "full_attention")
+    path = tmp_path / "run.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(str(path)) == cfg
 
 
 def test_hugging_face_class_with_restarted_positions_equals_each_alone() -> None:

@@ -26,7 +26,11 @@ few kernel calls over whole chunks as possible (one per step under both layouts:
 fused kernel tiles them itself), and with document ids (``doc_ids``: the whole
 sequence's, :mod:`plait.model.document_mask`) one call per step whose additive mask holds
 the documents and the causal order by global position; steps where no query sees a key
-are skipped. :attr:`RingAttention.pairs` counts the (query, key) pairs computed and
+are skipped. A sliding window (``window``, global positions) is classified the same way
+(:mod:`plait.model.block_plan`): a step whose keys all lie before every query's window
+is skipped, a partly visible one gets a mask. Every step's calls are planned on the
+host once per batch (no host sync per step). :attr:`RingAttention.pairs` counts the
+(query, key) pairs computed and
 :attr:`RingAttention.events` records (what, step, seconds) when asked, so tests can check
 the balance and the overlap.
 """
@@ -98,7 +102,8 @@ class RingAttention(nn.Module):
         self.events: list[tuple[str, int, float]] = []
         """(what, step, perf_counter seconds): post, compute_start, compute_end, wait."""
         self.pairs = 0
-        """(query, key) score pairs computed so far, forward only (per batch row × head)."""
+        """(query, key) score pairs computed so far, forward only (per batch row × head), by
+        causal order alone (documents and a window not subtracted)."""
 
     def _event(self, what: str, step: int) -> None:
         if self.record_events:
