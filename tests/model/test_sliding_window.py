@@ -250,7 +250,10 @@ def sample_losses(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
 
 def alone_losses(model: nn.Module, samples: list[torch.Tensor]) -> list[float]:
     """Each sample run alone: its summed next-token cross-entropy."""
-    return [float(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum")) for s in samples]
+    with torch.no_grad():
+        return [
+            float(F.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum")) for s in samples
+        ]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "blockwise"])
