@@ -132,13 +132,18 @@ def _grads(out: torch.Tensor, ins: tuple[torch.Tensor, ...]) -> list[torch.Tenso
 
 
 @pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
-@pytest.mark.parametrize("documents", [False, True])
-def test_blockwise_through_the_cuda_glue(force: Any, kernel: str, documents: bool) -> None:
+@pytest.mark.parametrize("masking", ["causal", "documents", "window"])
+def test_blockwise_through_the_cuda_glue(force: Any, kernel: str, masking: str) -> None:
+    """A window alone is one mask for the batch ``(1, 1, sq, sk)``: the glue expands it
+    to the batch and heads the kernels read."""
     force(kernel)
     q, k, v = _inputs()
-    docs = None
+    docs, window = None, None
     mask = torch.ones(40, 40, dtype=torch.bool).tril()
-    if documents:
+    if masking == "window":
+        window = 9
+        mask = mask & ~torch.ones(40, 40, dtype=torch.bool).tril(-window)
+    if masking == "documents":
         tokens = torch.ones(2, 40, dtype=torch.long)
         tokens[0, [5, 6, 33]] = 0
         tokens[1, 20] = 0
@@ -148,7 +153,9 @@ def test_blockwise_through_the_cuda_glue(force: Any, kernel: str, documents: boo
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), (q, k, v)
     )
     for block in (7, 16, 40):
-        out, _ = blockwise_attention(q, k, v, causal=True, block_size=block, doc_ids=docs)
+        out, _ = blockwise_attention(
+            q, k, v, causal=True, block_size=block, doc_ids=docs, window=window
+        )
         for a, b in zip(_grads(out, (q, k, v)), want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert not kernels.disabled()

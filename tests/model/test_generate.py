@@ -75,10 +75,14 @@ def test_greedy_with_the_cache_equals_a_plain_loop() -> None:
     assert len(set(want)) > 3  # not a constant sequence
 
 
-def test_cached_logits_equal_the_full_forward_at_every_position() -> None:
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_logits_equal_the_full_forward_at_every_position(window: int | None) -> None:
     """Prefill in two chunks (the second attends to the cache with a causal mask), then
-    one token at a time: each call's last logits equal the full forward's row."""
-    model = _model()
+    one token at a time: each call's last logits equal the full forward's row (with a
+    sliding window of 4 on the first layer too: the cache applies the same band)."""
+    types = ("sliding_attention", "full_attention")
+    cfg = ModelConfig(**{**CFG.__dict__, "sliding_window": window, "layer_types": types})
+    model = _model(cfg)
     assert isinstance(model, Transformer)
     seq = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -121,6 +121,12 @@ def coerce_value(key: str, tp: Any, value: Any) -> Any:
         raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got None.")
     if typing.get_origin(inner) is Literal:
         return value  # the section's own check refuses any other (config.check_choices)
+    if typing.get_origin(inner) is tuple:  # tuple[str, ...]: a TOML array of strings
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ConfigError(
+            f"config key '{key}' expects a list of strings, got {value!r} ({type(value).__name__})."
+        )
     accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(inner, ())
     ok = isinstance(value, accepted) and (inner is bool or not isinstance(value, bool))
     if ok:

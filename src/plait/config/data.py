@@ -38,7 +38,12 @@ class DataConfig:
     of its own document, a new document starting after each end-of-document token (the
     tokenizer's: id 0, the NUL byte, for 'byte'; tiktoken's end-of-text token).
     Built-in model only (sdpa, blockwise, ring and all-to-all attention), not with
-    parallel.pp > 1; rotary positions stay the window's. See docs/context-parallel.md."""
+    parallel.pp > 1; rotary positions stay the window's unless data.restart_positions.
+    See docs/context-parallel.md."""
+    restart_positions: bool = False
+    """Rotary positions restart at 0 at each document (packed samples: each computes as
+    it would alone). Needs data.mask_documents; built-in model (sdpa, blockwise, ring
+    and all-to-all attention). See docs/context-parallel.md."""
 
     def __post_init__(self) -> None:
         check_choices(self, "data.")
@@ -48,6 +53,11 @@ class DataConfig:
             raise ConfigError(
                 "data.tokenizer must be 'byte' or 'tiktoken:<encoding>' (or 'hf:<path>'), got "
                 f"{self.tokenizer!r}."
+            )
+        if self.restart_positions and not self.mask_documents:
+            raise ConfigError(
+                "data.restart_positions needs data.mask_documents (the document ids say "
+                "where positions restart); set both."
             )
         if self.prefetch < 0:
             raise ConfigError(f"data.prefetch must not be negative, got {self.prefetch}.")

@@ -14,7 +14,7 @@ from plait.config.choices import (
     check_choices,
 )
 from plait.config.rules.choices import check_positive
-from plait.config.rules.model import check_moe, check_rope_scaling
+from plait.config.rules.model import check_attention_window, check_moe, check_rope_scaling
 from plait.errors import ConfigError
 
 
@@ -116,6 +116,13 @@ class ModelConfig:
     """0: dropless (every routed token is computed). > 0: each expert takes at most
     ceil(factor * tokens * k / E) of a rank's routed tokens per layer; the overflow is
     dropped (top-1 choices first, then by token index) and counted."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Hugging Face's semantics): the query at position i sees
+    the keys j with i - sliding_window < j <= i (None: every layer attends to the whole
+    causal prefix). Positions are the sequence's (global under context parallelism)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary, one
+    entry per layer); None: every layer slides when sliding_window is set."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model.")
@@ -169,6 +176,9 @@ class ModelConfig:
             self.moe_capacity_factor,
             self.moe_shared_expert_gate,
         )
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+        check_attention_window(self.sliding_window, self.layer_types, self.n_layers)
 
     @property
     def kv_heads(self) -> int:
@@ -204,6 +214,16 @@ class ModelConfig:
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether block ``layer`` (0-based) uses the MoE feed-forward."""
     return cfg.moe_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def layer_window(cfg: ModelConfig, layer: int) -> int | None:
+    """The attention window of block ``layer`` (0-based): ``cfg.sliding_window`` on a
+    'sliding_attention' layer (every layer when ``layer_types`` is None), else None."""
+    if cfg.sliding_window is None:
+        return None
+    if cfg.layer_types is None or cfg.layer_types[layer] == "sliding_attention":
+        return cfg.sliding_window
+    return None
 
 
 def expert_hidden_dim(cfg: ModelConfig) -> int:

@@ -66,6 +66,8 @@ def _parse_value(key: str, tp: Any, text: str) -> Any:
             if str(choice) == text.strip():
                 return choice
         raise choice_error(key, text, typing.get_args(inner))
+    if typing.get_origin(inner) is tuple:  # tuple[str, ...]: comma-separated
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     try:
         if inner is bool:
             if lowered in _TRUE:

@@ -105,7 +105,7 @@ class Config:
             prompt = len(self.log.sample_prompt.encode("utf-8"))
             check_sample_length(prompt, self.log.sample_tokens, m.max_seq_len)
         if self.data.mask_documents:
-            check_document_mask(p.pp, m.family, m.factory)
+            check_document_mask(p.pp, m.family, m.factory, self.data.restart_positions)
 
     def micro_batch(self, world_size: int) -> int:
         """Per-rank micro-batch (sequences) with the default applied (pp > 1: the per-rank

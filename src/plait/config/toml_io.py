@@ -27,7 +27,10 @@ _ESCAPES = {'"': '"', "\\": "\\", "\n": "n", "\t": "t", "\r": "r", "\b": "b", "\
 
 
 def toml_value(value: Any) -> str:
-    """One value (bool, int, float, str) as TOML text (strings escaped)."""
+    """One value (bool, int, float, str, or a list/tuple of them) as TOML text (strings
+    escaped)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -187,15 +187,15 @@ def _rng(q: torch.Tensor, kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _efficient_bias(bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    """``bias`` ``(b, 1, sq, sk)`` as the efficient kernel reads it: q's dtype, the last
+    """``bias`` ``(b or 1, 1, sq, sk)`` as the efficient kernel reads it: q's dtype, the last
     dimension's storage padded to a multiple of 16 (as SDPA pads it), heads expanded
     (stride 0) -> ``(b, h, sq, sk)``."""
     if bias is None:
         return None
-    b, _, sq, sk = bias.shape
+    _, _, sq, sk = bias.shape  # (b or 1, 1, sq, sk): a window alone is one mask
     pad = -sk % 16
     padded = F.pad(bias.to(q.dtype), (0, pad))[..., :sk]
-    return padded.expand(b, q.shape[1], sq, sk)
+    return padded.expand(q.shape[0], q.shape[1], sq, sk)
 
 
 def _visible_rows(bias: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,10 @@ keys itself, so a query block hands it all its fully visible keys as one range p
 diagonal block (two calls and one merge per query block, not one per key block).
 Ring attention (:mod:`plait.parallel.context.ring_attention`) uses the same block
 functions with the key/value blocks arriving from other ranks. Document masking
-(``doc_ids``, :mod:`plait.model.document_mask`) passes each range's mask as an additive
-bias and skips ranges where no query sees a key.
+(``doc_ids``, :mod:`plait.model.document_mask`) and a sliding window (``window``) pass
+each range's mask as an additive bias and skip ranges where no query sees a key; which
+ranges those are is a :class:`~plait.model.block_plan.BlockPlan` built on the host once
+per batch, so the loops hold no host sync.
 
 Shapes follow :func:`torch.nn.functional.scaled_dot_product_attention`: queries
 ``(batch, heads, seq_q, head_dim)``, keys/values ``(batch, kv_heads, seq_k, head_dim)``
@@ -40,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from plait.model import attention_kernels as kernels
+from plait.model.block_plan import BlockPlan, Visibility, blockwise_plan, cached
 from plait.model.document_mask import additive, visible
 
 Impl = Literal["fused", "reference"]
@@ -178,47 +181,65 @@ def _ranges(n: int, block: int) -> list[tuple[int, int]]:
     return [(i, min(i + block, n)) for i in range(0, n, block)]
 
 
-Segment = tuple[int, int, bool, "torch.Tensor | None"]
-"""A key range ``[j0, j1)`` a query block visits, whether it is a causal diagonal, and
-its additive document mask ``(b, 1, sq, j1 - j0)`` (None: no documents)."""
-
-
-def _segments(
-    i0: int,
-    i1: int,
+def plan_for(
+    sq: int,
     sk: int,
     block: int,
     causal: bool,
     coalesce: bool,
     docs: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> list[Segment]:
-    """The key ranges query block ``[i0, i1)`` visits. The reference visits key blocks of
-    ``block`` keys (its scores are ``(block, block)``); a fused kernel gets the fully
-    visible keys ``[0, i0)`` as one range and the diagonal as another (it tiles them
-    itself). With document ids ``docs`` ``(b, s)`` every range carries its mask (the
-    causal part included), ranges with no visible pair are skipped and a coalesced
-    range starts at its first visible key."""
-    end = i1 if causal else sk
-    if coalesce and docs is None:
-        if not causal:
-            return [(0, sk, False, None)]
-        prefix: list[Segment] = [(0, i0, False, None)] if i0 else []
-        return [*prefix, (i0, i1, True, None)]
-    ranges = [(0, end)] if coalesce else [(j0, min(j1, end)) for j0, j1 in _ranges(end, block)]
+    window: int | None,
+) -> BlockPlan:
+    """The :class:`~plait.model.block_plan.BlockPlan` of one call, built on the host (the
+    document ids copied once per batch and the plan kept on the ids tensor, which every
+    layer shares): no host sync inside the kernels' loops."""
+    build = lambda spans: blockwise_plan(  # noqa: E731
+        sq, sk, block, causal, coalesce, Visibility(causal, window, spans, sk)
+    )
     if docs is None:
-        return [(j0, j1, causal and j1 > i0 + 1, None) for j0, j1 in ranges]
-    out: list[Segment] = []
-    dev = docs.device
-    q_pos = torch.arange(i0, i1, device=dev) if causal else None
-    for j0, j1 in ranges:
-        k_pos = torch.arange(j0, j1, device=dev) if causal else None
-        vis = visible(docs[:, i0:i1], docs[:, j0:j1], q_pos, k_pos)  # (b, 1, sq, sk)
-        cols = vis.any(dim=2).any(dim=1).any(dim=0)  # (sk,)
-        if not bool(cols.any()):
-            continue
-        first = int(cols.nonzero()[0]) if coalesce else 0
-        out.append((j0 + first, j1, False, additive(vis[..., first:], dtype)))
+        return build(None)
+    return cached(docs, ("blockwise", sq, sk, block, causal, coalesce, window), build)
+
+
+def segment_bias(
+    docs: torch.Tensor | None,
+    i0: int,
+    i1: int,
+    j0: int,
+    j1: int,
+    causal: bool,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The additive mask ``(b or 1, 1, i1 - i0, j1 - j0)`` of a masked range (documents,
+    causal order and the window, by position), built on the device (a window alone:
+    one mask for every row of the batch, broadcast)."""
+    q_pos = torch.arange(i0, i1, device=device) if causal else None
+    k_pos = torch.arange(j0, j1, device=device) if causal else None
+    q_doc = docs[:, i0:i1] if docs is not None else None
+    k_doc = docs[:, j0:j1] if docs is not None else None
+    return additive(visible(q_doc, k_doc, q_pos, k_pos, window), dtype)
+
+
+def _calls(
+    plan: BlockPlan,
+    docs: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[int, int, list[tuple[int, int, bool, torch.Tensor | None]]]]:
+    """Per query block ``(i0, i1, [(j0, j1, diagonal, bias)])`` for the kernels."""
+    out = []
+    for qb in plan.blocks:
+        segs = []
+        for sg in qb.segments:
+            bias = None
+            if sg.kind == "masked":
+                bias = segment_bias(docs, qb.i0, qb.i1, sg.j0, sg.j1, causal, window, dtype, device)
+            segs.append((sg.j0, sg.j1, sg.kind == "causal", bias))
+        out.append((qb.i0, qb.i1, segs))
     return out
 
 
@@ -234,16 +255,17 @@ class _Blockwise(torch.autograd.Function):
         scale: float,
         impl: Impl,
         docs: torch.Tensor | None,
+        window: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient
         heads, sq, sk = q.shape[1], q.shape[2], k.shape[2]
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)  # (b, h, sk, d)
         acc, coalesce = acc_dtype(q), _coalesce(q, impl)
+        plan = plan_for(sq, sk, block, causal, coalesce, docs, window)  # on the host
         outs, lses = [], []
-        for i0, i1 in _ranges(sq, block):  # query blocks: outer loop
+        for i0, i1, segs in _calls(plan, docs, causal, window, acc, q.device):  # query blocks
             o = torch.zeros_like(q[:, :, i0:i1], dtype=acc)
             lse = torch.full(o.shape[:-1], float("-inf"), dtype=acc, device=q.device)
-            segs = _segments(i0, i1, sk, block, causal, coalesce, docs, acc)
             for n, (j0, j1, diag, bias) in enumerate(segs):  # key ranges: online softmax
                 ob, lb = block_forward(
                     q[:, :, i0:i1], ke[:, :, j0:j1], ve[:, :, j0:j1], diag, scale, impl, bias
@@ -254,6 +276,7 @@ class _Blockwise(torch.autograd.Function):
         out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.causal, ctx.block, ctx.scale, ctx.impl = causal, block, scale, impl
+        ctx.window, ctx.plan = window, plan
         return out, lse
 
     @staticmethod
@@ -261,13 +284,13 @@ class _Blockwise(torch.autograd.Function):
         ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, docs = ctx.saved_tensors
-        causal, block, scale, impl = ctx.causal, ctx.block, ctx.scale, ctx.impl
-        heads, sq, sk = q.shape[1], q.shape[2], k.shape[2]
+        causal, scale, impl, window = ctx.causal, ctx.scale, ctx.impl, ctx.window
+        heads = q.shape[1]
         dout = torch.zeros_like(out) if dout is None else dout
         ke, ve = expand_kv(k, heads), expand_kv(v, heads)
-        none = (None,) * 5
+        none = (None,) * 6
         coalesce = _coalesce(q, impl)
-        if coalesce and docs is None and dlse is None:
+        if coalesce and docs is None and window is None and dlse is None:
             # FlashAttention-2's backward is itself blockwise (key blocks outer, query
             # blocks inner) and needs only the final out and lse: one call over the
             # whole sequence gives every block's gradient without Python-level
@@ -280,9 +303,9 @@ class _Blockwise(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=acc)
         dk = torch.zeros_like(ke, dtype=acc)
         dv = torch.zeros_like(ve, dtype=acc)
-        for i0, i1 in _ranges(sq, block):
+        for i0, i1, segs in _calls(ctx.plan, docs, causal, window, acc, q.device):
             dl = dlse[:, :, i0:i1] if dlse is not None else None
-            for j0, j1, diag, bias in _segments(i0, i1, sk, block, causal, coalesce, docs, acc):
+            for j0, j1, diag, bias in segs:
                 a, b, c = block_backward(
                     dout[:, :, i0:i1],
                     q[:, :, i0:i1],
@@ -313,6 +336,7 @@ def blockwise_attention(
     scale: float | None = None,
     impl: Impl = "fused",
     doc_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (grouped-query) attention computed in blocks: ``(out, lse)``.
 
@@ -322,8 +346,11 @@ def blockwise_attention(
     reference; a fused kernel takes the visible keys as one range); ``scale`` defaults
     to ``1/sqrt(head_dim)``. ``doc_ids`` ``(batch, seq)`` (self-attention: seq_q ==
     seq_k) restricts attention to tokens of the same document
-    (:mod:`plait.model.document_mask`). Differentiable in ``q``, ``k``, ``v`` through both
-    outputs.
+    (:mod:`plait.model.document_mask`). ``window`` (causal only) is a sliding window:
+    query ``i`` sees keys ``i - window < j <= i``; key blocks wholly outside it are not
+    visited. Which key ranges each query block visits is decided on the host before the
+    kernels (:mod:`plait.model.block_plan`). Differentiable in ``q``, ``k``, ``v``
+    through both outputs.
 
     The forward runs block by block on every device. The backward of a fused kernel
     without documents and without a gradient on ``lse`` is one kernel call over the
@@ -336,6 +363,8 @@ def blockwise_attention(
             f"causal or document-masked blockwise attention needs as many queries as keys "
             f"({q.shape[2]} vs {k.shape[2]})"
         )
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal attention and window >= 1, got {window}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if doc_ids is not None and tuple(doc_ids.shape) != (q.shape[0], q.shape[2]):
@@ -343,5 +372,5 @@ def blockwise_attention(
             f"doc_ids must be (batch, seq) = {(q.shape[0], q.shape[2])}, got {tuple(doc_ids.shape)}"
         )
     sc = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _Blockwise.apply(q, k, v, causal, block_size, sc, impl, doc_ids)
+    out, lse = _Blockwise.apply(q, k, v, causal, block_size, sc, impl, doc_ids, window)
     return out, lse

@@ -71,22 +71,28 @@ class KVCache:
         return sum(b.numel() * b.element_size() for b in (*self._k, *self._v) if b is not None)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
+) -> torch.Tensor:
     """Attention of the new queries ``q`` ``(batch, heads, t, head_dim)`` at positions
     ``start .. start + t - 1`` over the cached ``k``/``v`` ``(batch, kv_heads, start + t,
-    head_dim)``: query ``i`` sees positions ``0 .. start + i``. Returns ``(batch, heads,
-    t, head_dim)``."""
+    head_dim)``: query ``i`` sees positions ``0 .. start + i`` (only the last ``window``
+    of them with a sliding window). Returns ``(batch, heads, t, head_dim)``."""
     t, total = q.shape[2], k.shape[2]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # GQA: key/value head j serves query heads j·groups .. (j+1)·groups - 1
         k = k.repeat_interleave(groups, dim=1)  # (batch, heads, total, head_dim)
         v = v.repeat_interleave(groups, dim=1)
-    if t == 1:  # one new token sees every cached position
+    unbounded = window is None or window >= total
+    if t == 1 and unbounded:  # one new token sees every cached position
         return F.scaled_dot_product_attention(q, k, v)
-    if start == 0:
+    if start == 0 and unbounded:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    pos = torch.arange(total, device=q.device)
-    mask = pos[None, :] <= (start + torch.arange(t, device=q.device))[:, None]  # (t, total)
+    pos = torch.arange(total, device=q.device)[None, :]
+    q_pos = (start + torch.arange(t, device=q.device))[:, None]
+    mask = pos <= q_pos  # (t, total)
+    if window is not None:
+        mask = mask & (q_pos - pos < window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -108,7 +114,8 @@ def _attention(
     k = apply_rotary(k, cos, sin).transpose(1, 2)  # (batch, kv_heads, t, head_dim)
     start = cache.length
     k_all, v_all = cache.update(layer, k, v.transpose(1, 2))  # (batch, kv, start+t, hd)
-    o = cached_attention(q, k_all, v_all, start)  # (batch, heads, t, head_dim)
+    window = getattr(attn.core, "window", None)  # the layer's sliding window
+    o = cached_attention(q, k_all, v_all, start, window)  # (batch, heads, t, head_dim)
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))  # (batch, t, dim)
 
 

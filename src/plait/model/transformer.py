@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
+from plait.config.model import layer_window
 from plait.errors import ConfigError
 from plait.model.blockwise_attention import blockwise_attention
 from plait.model.document_mask import DocumentIds, visible
 from plait.model.init import SEED_ATTR, param_seed
 from plait.model.moe import MoE, is_moe_layer
 from plait.model.moe_aux import link_model_aux
+from plait.model.rotary_positions import rotary_rows
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
@@ -97,12 +99,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by positions.
 
     ``cos`` and ``sin`` are ``(seq, head_dim // 2)``: row ``t`` holds the angles of the
-    position of ``x[:, t]``. Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
+    position of ``x[:, t]`` (or ``(batch, seq, head_dim // 2)``: positions per row).
+    Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
     """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)  # (batch, seq, heads, head_dim // 2) each
-    c = cos[None, :, None, :].float()  # (1, seq, 1, head_dim // 2)
-    s = sin[None, :, None, :].float()
+    # (1 or batch, seq, 1, head_dim // 2); (batch, seq, half) tables: per-row positions
+    c = (cos[:, :, None, :] if cos.dim() == 3 else cos[None, :, None, :]).float()
+    s = (sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]).float()
     out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return out.type_as(x)
 
@@ -112,15 +116,20 @@ class SDPAttention(nn.Module):
     :func:`~torch.nn.functional.scaled_dot_product_attention`:
     ``forward(q, k, v)`` with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``/``v``
     ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``.
-    ``doc_ids`` ``(batch, seq)``: a boolean block-causal mask (same document, not later)."""
+    ``doc_ids`` ``(batch, seq)``: a boolean block-causal mask (same document, not later);
+    ``window``: a sliding window (query ``i`` sees keys ``i - window < j <= i``)."""
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.window = window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
         groups = q.shape[1] // k.shape[1]
-        if doc_ids is not None:
-            return doc_sdpa(q, k, v, doc_ids)
+        if doc_ids is not None or self.window is not None:
+            return doc_sdpa(q, k, v, doc_ids, self.window)
         if groups == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if _SDPA_HAS_GQA:
@@ -131,12 +140,17 @@ class SDPAttention(nn.Module):
 
 
 def doc_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` (``(batch, 1, seq,
-    seq)`` bool; every row sees at least itself, so no row is fully masked)."""
+    """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` and the sliding
+    ``window`` (``(batch or 1, 1, seq, seq)`` bool; every row sees at least itself, so
+    no row is fully masked)."""
     pos = torch.arange(q.shape[2], device=q.device)
-    mask = visible(doc_ids, doc_ids, pos, pos)  # (batch, 1, seq, seq)
+    mask = visible(doc_ids, doc_ids, pos, pos, window)  # (batch or 1, 1, seq, seq)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -148,26 +162,28 @@ class BlockwiseAttention(nn.Module):
     (:func:`~plait.model.blockwise_attention.blockwise_attention`); same call as
     :class:`SDPAttention`."""
 
-    def __init__(self, block_size: int = 128) -> None:
+    def __init__(self, block_size: int = 128, window: int | None = None) -> None:
         super().__init__()
         self.block_size = block_size
+        self.window = window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
         out, _ = blockwise_attention(
-            q, k, v, causal=True, block_size=self.block_size, doc_ids=doc_ids
+            q, k, v, causal=True, block_size=self.block_size, doc_ids=doc_ids, window=self.window
         )
         return out
 
 
-def attention_core(kind: str) -> nn.Module:
-    """The one-device attention core named by ``model.attention``."""
+def attention_core(kind: str, window: int | None = None) -> nn.Module:
+    """The one-device attention core named by ``model.attention`` (``window``: the
+    layer's sliding window, :func:`~plait.config.model.layer_window`)."""
     if kind == "blockwise":
-        return BlockwiseAttention()
+        return BlockwiseAttention(window=window)
     if kind == "sdpa":
-        return SDPAttention()
+        return SDPAttention(window)
     raise ConfigError(f"model.attention must be sdpa or blockwise, got {kind!r}.")
 
 
@@ -182,14 +198,14 @@ class Attention(nn.Module):
     passed to the core only when given, so a core may take ``(q, k, v)`` alone.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.core = attention_core(cfg.attention)
+        self.core = attention_core(cfg.attention, layer_window(cfg, layer))
 
     def forward(
         self,
@@ -262,7 +278,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward: nn.Module = (  # mixture of experts on the layers moe_every picks
             MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg.dim, cfg.hidden_dim)
@@ -374,15 +390,25 @@ class Transformer(nn.Module):
         value = torch.empty(shape, dtype=torch.float32, device="cpu")
         return value.normal_(0.0, std, generator=gen)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids ``(batch, seq)`` -> logits ``(batch, seq, vocab)``.
 
         ``doc_ids`` ``(batch, seq)`` (default: ``self.documents(tokens)``, None unless
         document masking is on, :mod:`plait.model.document_mask`) restrict attention to
-        tokens of the same document."""
+        tokens of the same document. ``position_ids`` ``(batch, seq)``: the rotary
+        position of each token (default: the sequence's, or restarted at each document
+        when ``self.documents.restart_positions``, :mod:`plait.model.rotary_positions`)."""
         seq = tokens.shape[1]
         docs = doc_ids if doc_ids is not None else self.documents(tokens)
-        cos, sin = rope_for(  # (seq, head_dim // 2)
+        rows = rotary_rows(  # (batch, seq, head_dim // 2): per-row positions, or None
+            self.rope_cos, self.rope_sin, self.positions, self.documents, seq, docs, position_ids
+        )
+        cos, sin = rows or rope_for(  # (seq, head_dim // 2)
             self.rope_cos, self.rope_sin, self.positions, seq, self.cfg.max_seq_len
         )
         h = self.tok_embeddings(tokens)  # (batch, seq, dim)

@@ -11,13 +11,18 @@ from os import PathLike
 from plait.errors import ConfigError
 
 
-def check_document_mask(pp: int, family: str, factory: str | None) -> None:
+def check_document_mask(
+    pp: int, family: str, factory: str | None, restart_positions: bool = False
+) -> None:
     """data.mask_documents: the built-in model computes the document ids from its tokens,
-    which later pipeline stages do not see."""
-    if family != "plait" or factory is not None:
+    which later pipeline stages do not see; a Hugging Face class masks packed documents
+    from restarted position_ids (data.restart_positions)."""
+    hf_packed = family != "plait" and restart_positions
+    if (family != "plait" and not hf_packed) or factory is not None:
         raise ConfigError(
-            "data.mask_documents works with plait's built-in model only (model.family = "
-            f"plait, no model.factory); got family {family!r}"
+            "data.mask_documents works with plait's built-in model (model.family = "
+            "plait, no model.factory), or a Hugging Face family with "
+            f"data.restart_positions; got family {family!r}"
             + (f", factory {factory!r}" if factory else "")
             + "."
         )

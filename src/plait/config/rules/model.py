@@ -111,3 +111,27 @@ def check_moe_aux_scope(scope: str, aux_coef: float, experts: int, pp: int) -> N
             "other pipeline stages; use moe_aux_loss_scope='layer' (each layer's own "
             "Switch loss) or pp=1."
         )
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The per-layer attention kinds of ``model.layer_types`` (Hugging Face's names)."""
+
+
+def check_attention_window(
+    window: int | None, layer_types: tuple[str, ...] | None, n_layers: int
+) -> None:
+    """``model.sliding_window`` >= 1 and ``model.layer_types`` one known kind per layer."""
+    if window is not None and window < 1:
+        raise ConfigError(f"model.sliding_window must be >= 1 (None: no window), got {window}.")
+    if layer_types is None:
+        return
+    if len(layer_types) != n_layers:
+        raise ConfigError(
+            f"model.layer_types has {len(layer_types)} entries; model.n_layers is {n_layers}."
+        )
+    unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
+    if unknown:
+        raise ConfigError(
+            f"model.layer_types: unknown kind(s) {', '.join(map(repr, unknown))}; "
+            f"use {' or '.join(LAYER_TYPES)}."
+        )

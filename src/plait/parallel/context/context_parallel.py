@@ -5,7 +5,7 @@ modules have a replaceable ``core`` and which has a ``positions`` module):
 
 * every attention ``core`` becomes :class:`~.ring_attention.RingAttention` (zigzag
   sequence layout) or :class:`~.ulysses_attention.UlyssesAttention` (contiguous) on
-  the cp group;
+  the cp group, keeping each layer's sliding window (in global positions);
 * ``model.positions`` becomes :class:`ShardPositions`, so rotary angles use the
   tokens' global positions;
 * with document masking on (``model.documents.eos_id`` set), ``model.documents``
@@ -87,12 +87,16 @@ def apply_context_parallel(
         )
     group = mesh.axis("cp")
     for m in owners:
+        window = getattr(m.core, "window", None)  # the layer's sliding window, kept
         core: nn.Module = (
-            RingAttention(group, layout=layout) if attention == "ring" else UlyssesAttention(group)
+            RingAttention(group, layout=layout, window=window)
+            if attention == "ring"
+            else UlyssesAttention(group, window=window)
         )
         m.core = core
     model.positions = ShardPositions(layout, cp, index)
     eos = getattr(getattr(model, "documents", None), "eos_id", None)
     if eos is not None:
-        model.documents = ShardDocuments(eos, group, layout)
+        restart = bool(getattr(model.documents, "restart_positions", False))
+        model.documents = ShardDocuments(eos, group, layout, restart)
     return ContextLayout(layout, cp, index)

@@ -23,9 +23,13 @@ from plait.parallel.context.layout import SeqLayout, unshard_sequence
 class ShardDocuments(nn.Module):
     """``forward(local_tokens) -> (batch, S)`` document ids of the whole sequence."""
 
-    def __init__(self, eos_id: int, group: AxisGroup, layout: SeqLayout) -> None:
+    def __init__(
+        self, eos_id: int, group: AxisGroup, layout: SeqLayout, restart_positions: bool = False
+    ) -> None:
         super().__init__()
         self.eos_id = eos_id
+        self.restart_positions = restart_positions
+        """Rotary positions restart at each document (global: from the whole sequence's ids)."""
         self.group = group
         self.layout: SeqLayout = layout
 

@@ -74,10 +74,16 @@ class UlyssesAttention(nn.Module):
     sequence shards (``q`` ``(batch, heads, s/cp, d)``, ``k``/``v`` ``(batch, kv_heads,
     s/cp, d)``)."""
 
-    def __init__(self, group: AxisGroup, *, causal: bool = True) -> None:
+    def __init__(self, group: AxisGroup, *, causal: bool = True, window: int | None = None) -> None:
         super().__init__()
+        if window is not None and (not causal or window < 1):
+            raise ValueError(
+                f"a sliding window needs causal attention and window >= 1, got {window}"
+            )
         self.group = group
         self.causal = causal
+        self.window = window
+        """Sliding window (query p sees keys p - window < j <= p; whole-sequence positions)."""
 
     def forward(
         self,
@@ -87,7 +93,9 @@ class UlyssesAttention(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All-to-all to head shards, attention over the whole sequence, and back;
-        ``doc_ids`` ``(batch, S)`` (the whole sequence's) add the block-causal mask."""
+        ``doc_ids`` ``(batch, S)`` (the whole sequence's) add the block-causal mask, and
+        the window its band (after the all-to-all each rank holds the whole sequence, so
+        positions are global)."""
         g, heads, kv_heads = self.group, q.shape[1], k.shape[1]
         if heads % g.size:
             raise ValueError(f"Ulysses attention: {heads} heads are not divisible by cp={g.size}")
@@ -97,9 +105,9 @@ class UlyssesAttention(nn.Module):
         kh = _SeqToHeads.apply(k, g)  # (b, kv_heads/cp, s, d)
         vh = _SeqToHeads.apply(v, g)
         gqa = qh.shape[1] != kh.shape[1]
-        if doc_ids is not None:
+        if doc_ids is not None or self.window is not None:
             pos = torch.arange(qh.shape[2], device=qh.device) if self.causal else None
-            mask = visible(doc_ids, doc_ids, pos, pos)  # (b, 1, s, s)
+            mask = visible(doc_ids, doc_ids, pos, pos, self.window)  # (b or 1, 1, s, s)
             heads_l = qh.shape[1]  # the masked CUDA kernels take no GQA: expand K/V
             kh, vh = expand_kv(kh, heads_l), expand_kv(vh, heads_l)
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
