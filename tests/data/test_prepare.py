@@ -194,7 +194,7 @@ def test_bad_input_exits_2_naming_the_file(
     latin = tmp_path / "texts" / "latin1.txt"
     latin.parent.mkdir()
     latin.write_bytes("café".encode("latin-1"))
-    _refused([str(latin.parent), *tok], capsys, str(latin), "not UTF-8")
+    _refused([str(latin), *tok], capsys, str(latin), "not UTF-8")  # a folder skips it
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 not really")
     _refused([str(broken), *tok], capsys, str(broken), "not a readable parquet file")
