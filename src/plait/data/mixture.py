@@ -88,6 +88,17 @@ class MixtureDataset:
         self.source, self.k = blend(weights, sum(len(s) for s in sets))
 
     @property
+    def efficiency(self) -> float | None:
+        """Real tokens / window tokens of packed sources, weighted by their windows (None
+        when the sources are not packed)."""
+        effs = [getattr(s, "efficiency", None) for s in self.sets]
+        if any(e is None for e in effs):
+            return None
+        return sum(e * len(s) for e, s in zip(effs, self.sets, strict=True)) / sum(
+            len(s) for s in self.sets
+        )
+
+    @property
     def num_tokens(self) -> int:
         """Tokens of all sources together."""
         return sum(s.num_tokens for s in self.sets)

@@ -432,4 +432,5 @@ class Trainer:
             peak_source=self.peak_source,
             loggers=[lg.name for lg in self.loggers],
             start_memory=self.start_memory or (),
+            packing=getattr(self.train_set, "efficiency", None),
         )
