@@ -78,7 +78,10 @@ def tokenizer_folder(root: Path, template: str | None) -> Path:
 def conversations() -> list[list[dict[str, Any]]]:
     """Conversations of one and several turns, with and without a system message."""
     return [
-        [{"role": "user", "content": "hello world"}, {"role": "assistant", "content": "how are you"}],
+        [
+            {"role": "user", "content": "hello world"},
+            {"role": "assistant", "content": "how are you"},
+        ],
         [
             {"role": "system", "content": "the assistant answers with care."},
             {"role": "user", "content": "the answer?"},

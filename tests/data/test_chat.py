@@ -92,7 +92,10 @@ def test_mask_of_a_template_without_markers_by_hand(llama3: Path, tmp_path: Path
     src = write_jsonl(tmp_path / "chat.jsonl", records)
     prepare(str(src), str(tmp_path / "out"), f"hf:{llama3}")  # a chat file: told by its record
     got = samples_of(tmp_path / "out")
-    as_messages = [*convs[:2], [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]]
+    as_messages = [
+        *convs[:2],
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}],
+    ]
     for (ids, mask), conv in zip(got, as_messages, strict=True):
         want_ids, want_mask = enc(BOS), [0]
         for m in conv:
@@ -115,7 +118,9 @@ def test_untrained_targets_are_ignored_through_mixtures(llama3: Path, tmp_path: 
     x, y = a.batch([0])  # (1, 12) twice: targets are tokens 1..12
     want = torch.from_numpy(ids[1:13].astype(np.int64))
     want[torch.from_numpy(mask[1:13] == 0)] = -100
-    assert torch.equal(y[0], want) and torch.equal(x[0], torch.from_numpy(ids[:12].astype(np.int64)))
+    assert torch.equal(y[0], want) and torch.equal(
+        x[0], torch.from_numpy(ids[:12].astype(np.int64))
+    )
     mix = MixtureDataset([a, b], [0.5, 0.5])
     for i in range(len(mix)):
         s, k = mix.locate(i)
@@ -123,9 +128,7 @@ def test_untrained_targets_are_ignored_through_mixtures(llama3: Path, tmp_path: 
     assert (mix.batch(list(range(len(mix))))[1] == -100).any()
 
 
-def test_one_trained_token_gives_that_tokens_gradient_only(
-    llama3: Path, tmp_path: Path
-) -> None:
+def test_one_trained_token_gives_that_tokens_gradient_only(llama3: Path, tmp_path: Path) -> None:
     """An empty assistant turn: its <|eot_id|> is the one trained token."""
     from plait.parallel.loss import cross_entropy_loss
 
@@ -167,15 +170,21 @@ def test_bad_chat_input_exits_2_with_one_line(
 ) -> None:
     tok = ["--tokenizer", f"hf:{llama3}", "-o", str(tmp_path / "out")]
     good = {"messages": conversations()[0]}
-    role = write_jsonl(tmp_path / "role.jsonl", [good, {"messages": [{"role": "robot", "content": "x"}]}])
+    role = write_jsonl(
+        tmp_path / "role.jsonl", [good, {"messages": [{"role": "robot", "content": "x"}]}]
+    )
     _refused([str(role), *tok], capsys, f"{role}:2", "unknown role 'robot'")
     field = write_jsonl(tmp_path / "field.jsonl", [good, good, {"prompt": "only a prompt"}])
     _refused([str(field), *tok], capsys, f"{field}:3", "no 'completion' field")
     content = write_jsonl(tmp_path / "content.jsonl", [{"messages": [{"role": "user"}]}])
     _refused([str(content), *tok], capsys, f"{content}:1", "no 'role' or no 'content'")
     plain = tokenizer_folder(tmp_path / "plain", None)
-    _refused([str(role), "--tokenizer", f"hf:{plain}", "-o", str(tmp_path / "o2")], capsys,
-             "has no chat template", "--chat-template FILE")
+    _refused(
+        [str(role), "--tokenizer", f"hf:{plain}", "-o", str(tmp_path / "o2")],
+        capsys,
+        "has no chat template",
+        "--chat-template FILE",
+    )
     qwen3 = tmp_path / "rewrites.jinja"
     qwen3.write_text(REWRITES)
     turns = [
@@ -185,8 +194,9 @@ def test_bad_chat_input_exits_2_with_one_line(
         {"role": "assistant", "content": "d"},
     ]
     think = write_jsonl(tmp_path / "think.jsonl", [{"messages": turns}])
-    _refused([str(think), *tok, "--chat-template", str(qwen3)], capsys,
-             "rewrites earlier turns", "Qwen3")
+    _refused(
+        [str(think), *tok, "--chat-template", str(qwen3)], capsys, "rewrites earlier turns", "Qwen3"
+    )
     assert not (tmp_path / "out").exists()
     text = tmp_path / "text.txt"
     text.write_text("plain text")
@@ -201,8 +211,19 @@ def test_template_file_overrides_and_info_reports(
     template.write_text(LLAMA3)
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()])
     out = tmp_path / "out"
-    args = ["data", "prepare", str(src), "-o", str(out), "--tokenizer", f"hf:{plain}",
-            "--chat-template", str(template), "--train-on", "all"]
+    args = [
+        "data",
+        "prepare",
+        str(src),
+        "-o",
+        str(out),
+        "--tokenizer",
+        f"hf:{plain}",
+        "--chat-template",
+        str(template),
+        "--train-on",
+        "all",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "3 chat samples" in printed and "--train-on all" in printed

@@ -71,7 +71,9 @@ def test_every_sample_whole_in_one_window_and_efficiency(packed: tuple[Path, lis
     for end in ends:
         assert begin // width == (end - 1) // width  # inside one window
         if mask[begin:end].any():  # a sample (padding is all 0)
-            assert stream[end - 1] == idx.eos_id and mask[begin] == 0 and mask[begin + 1 : end].all()
+            assert (
+                stream[end - 1] == idx.eos_id and mask[begin] == 0 and mask[begin + 1 : end].all()
+            )
             found.append(bytes(stream[begin : end - 1].astype(np.uint8)).decode())
         else:
             assert (end % width == 0) and (stream[begin:end] == idx.eos_id).all()  # the tail
@@ -96,7 +98,7 @@ def test_document_ids_mark_the_samples(packed: tuple[Path, list[str]]) -> None:
         inner = ends[(ends > lo) & (ends < lo + SEQ + 1)] - lo  # sample ends inside the window
         want = np.searchsorted(inner, np.arange(SEQ), side="right")
         assert docs.tolist() == want.tolist()
-        x, y = train.batch([i])
+        _, y = train.batch([i])
         # a target is kept only inside one sample: never the first token of the next
         starts = np.concatenate([[0], inner])
         for s in starts[1:]:
@@ -130,9 +132,7 @@ def test_packed_batches_and_documents_resume_exactly(packed: tuple[Path, list[st
         assert len(a) == 3 and all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
 
 
-def test_long_samples_refused_or_cut(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_long_samples_refused_or_cut(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "t.txt"
     src.write_text("x" * 100)
     args = ["data", "prepare", str(src), "--tokenizer", "byte", "--pack", "32"]
@@ -143,5 +143,5 @@ def test_long_samples_refused_or_cut(
     assert "1 cut to the window" in capsys.readouterr().out
     assert main(["data", "info", str(tmp_path / "t")]) == 0
     assert "100.0% real tokens" in capsys.readouterr().out
-    with pytest.raises(Exception, match="train.seq_len 32"):
+    with pytest.raises(Exception, match=r"train\.seq_len 32"):
         open_prepared(str(tmp_path / "t"), 64, None)

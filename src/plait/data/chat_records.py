@@ -65,7 +65,7 @@ def record_messages(obj: object, where: str) -> list[Message]:
         raise DataError(f"{where}: 'prompt' and 'completion' must both be text or both lists.")
     missing = "completion" if "prompt" in obj else "messages"
     raise DataError(
-        f"{where}: no {missing!r} field; a chat record is {{\"messages\": [...]}} or "
+        f'{where}: no {missing!r} field; a chat record is {{"messages": [...]}} or '
         '{"prompt": ..., "completion": ...}.'
     )
 

@@ -97,14 +97,14 @@ class ChatTemplate:
         self.variables = dict(self.tok.special_tokens_map)
 
     def _render(self, messages: Sequence[Message], prompt: bool = False) -> tuple[str, list]:
-        out, spans = self._render_jinja(
+        out, spans = self._render_jinja(  # type: ignore[str-unpack]  # returns a pair
             conversations=[list(messages)],
             chat_template=self.template,
             return_assistant_tokens_mask=self.markers,
             add_generation_prompt=prompt,
             **self.variables,
         )
-        return out[0], (spans[0] if spans else [])
+        return str(out[0]), list(spans[0]) if spans else []
 
     def render(self, messages: Sequence[Message]) -> str:
         """The conversation's text, as ``apply_chat_template(tokenize=False)`` gives it."""

@@ -91,12 +91,14 @@ class MixtureDataset:
     def efficiency(self) -> float | None:
         """Real tokens / window tokens of packed sources, weighted by their windows (None
         when the sources are not packed)."""
-        effs = [getattr(s, "efficiency", None) for s in self.sets]
-        if any(e is None for e in effs):
-            return None
-        return sum(e * len(s) for e, s in zip(effs, self.sets, strict=True)) / sum(
-            len(s) for s in self.sets
-        )
+        total, windows = 0.0, 0
+        for s in self.sets:
+            eff = getattr(s, "efficiency", None)
+            if eff is None:
+                return None
+            total += float(eff) * len(s)
+            windows += len(s)
+        return total / windows
 
     @property
     def num_tokens(self) -> int:

@@ -40,9 +40,9 @@ from plait.data.index import (
     shard_name,
     token_dtype_for,
 )
-from plait.data.tokenizers import AnyTokenizer, HFTokenizer, make_tokenizer
 from plait.data.sample_folder import looks_like_chat, prepare_sample_folder, sample_line
 from plait.data.sample_prepare import SampleOptions
+from plait.data.tokenizers import AnyTokenizer, HFTokenizer, make_tokenizer
 from plait.data.walk import skipped_note
 from plait.data.writer import ShardWriter, kept_shards, sidecar_path, write_atomic
 from plait.errors import ConfigError, DataError
@@ -217,7 +217,9 @@ def _samples(
     shard_tokens: int,
     dtype: str,
 ) -> PrepareSummary:
-    idx, notes, done, seconds = prepare_sample_folder(src, root, tok, fld, opts, shard_tokens, dtype)
+    idx, notes, done, seconds = prepare_sample_folder(
+        src, root, tok, fld, opts, shard_tokens, dtype
+    )
     summary = PrepareSummary(
         root,
         int((idx.samples or {}).get("samples", idx.documents)),

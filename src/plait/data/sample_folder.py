@@ -49,9 +49,11 @@ def _params(src: str, tok: AnyTokenizer, opts: SampleOptions, dtype: str) -> dic
 
 def _verify(root: Path, params: dict[str, Any]) -> tuple[Any, bool]:
     idx = read_index(root)
-    old = json.loads((root / PARAMS_NAME).read_text(encoding="utf-8")) if (
-        root / PARAMS_NAME
-    ).is_file() else (idx.samples or {}).get("params")
+    old = (
+        json.loads((root / PARAMS_NAME).read_text(encoding="utf-8"))
+        if (root / PARAMS_NAME).is_file()
+        else (idx.samples or {}).get("params")
+    )
     if old != params:
         raise ConfigError(f"{root} is already prepared from other inputs or options ({old}).")
     bad = idx.problems()
