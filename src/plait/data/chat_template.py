@@ -106,6 +106,15 @@ class ChatTemplate:
         )
         return str(out[0]), list(spans[0]) if spans else []
 
+    def _opening(self) -> str:
+        """What the template writes before a conversation's first turn when that turn is
+        the assistant's (the empty conversation with the generation prompt; "" when the
+        template cannot render an empty conversation)."""
+        try:
+            return self._render([], prompt=True)[0]
+        except Exception:  # a template may index messages[0]
+            return ""
+
     def render(self, messages: Sequence[Message]) -> str:
         """The conversation's text, as ``apply_chat_template(tokenize=False)`` gives it."""
         return self._render(messages)[0]
@@ -119,7 +128,7 @@ class ChatTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], prompt=True)[0] if i else ""
+            before = self._render(messages[:i], prompt=True)[0] if i else self._opening()
             upto = self._render(messages[: i + 1])[0]
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise DataError(
