@@ -20,6 +20,7 @@ from plait.data.sample_prepare import SampleOptions
 
 from .chat_fixtures import (
     BOS,
+    EOS,
     EOT,
     LLAMA3,
     MARKED,
@@ -68,7 +69,9 @@ def test_mask_equals_transformers_generation_mask(
         want = hf.apply_chat_template(
             conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
-        assert ids.tolist() == list(want["input_ids"])
+        assert ids[:-1].tolist() == list(want["input_ids"])  # then the separator
+        assert ids[-1] == hf.convert_tokens_to_ids("<|end_of_text|>") and mask[-1] == 0
+        ids, mask = ids[:-1], mask[:-1]
         expect = np.asarray(want["assistant_masks"], dtype=np.uint8)
         if train_on == "last":  # only the last marked run
             runs = np.flatnonzero(np.diff(np.concatenate([[0], expect])) == 1)
@@ -98,11 +101,13 @@ def test_mask_of_a_template_without_markers_by_hand(llama3: Path, tmp_path: Path
     ]
     for (ids, mask), conv in zip(got, as_messages, strict=True):
         want_ids, want_mask = enc(BOS), [0]
+        end = enc(EOS)  # the separator: <|end_of_text|>, the template writes no such token
         for m in conv:
             head = enc(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n")
             body = enc(m["content"] + EOT)
             want_ids += head + body
             want_mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
+        want_ids, want_mask = want_ids + end, want_mask + [0]
         assert ids.tolist() == want_ids
         assert mask.tolist() == want_mask
 
@@ -140,7 +145,7 @@ def test_one_trained_token_gives_that_tokens_gradient_only(llama3: Path, tmp_pat
     kept = (y != -100).nonzero()
     assert len(kept) == 1
     t = int(kept[0, 1])
-    assert int(y[0, t]) == read_index(tmp_path / "out").eos_id  # <|eot_id|>
+    assert int(y[0, t]) == 1  # <|eot_id|>, the reply's end (its content is empty)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(320, 16), torch.nn.Linear(16, 320)).double()
     grads = []
@@ -231,9 +236,30 @@ def test_template_file_overrides_and_info_reports(
     prepare(str(src), str(tmp_path / "ref"), f"hf:{llama3}", samples=SampleOptions(True, "all"))
     for (i1, m1), (i2, m2) in zip(a, samples_of(tmp_path / "ref"), strict=True):
         assert i1.tolist() == i2.tolist() and m1.tolist() == m2.tolist()
-        assert m1[0] == 0 and m1[1:].all()
+        assert m1[0] == 0 and m1[1:-1].all() and m1[-1] == 0  # all but the ends
     assert main(args) == 0  # a finished folder is verified, not rewritten
     assert "already prepared" in capsys.readouterr().out
     assert main(["data", "info", str(out)]) == 0
     assert "trained tokens (--train-on all)" in capsys.readouterr().out
     assert json.loads((out / "index.json").read_text())["version"] == 2
+
+
+def test_packed_chat_document_ids_are_the_samples(llama3: Path, tmp_path: Path) -> None:
+    """Every conversation ends with the folder's end id (<|end_of_text|>, not the turns'
+    <|eot_id|>), so the ids ``data.mask_documents`` derives from it equal the packed
+    windows' sample numbers (up to the padding, whose tokens are each their own)."""
+    from plait.model.document_mask import document_ids
+
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in conversations()] * 4)
+    prepare(str(src), str(tmp_path / "out"), f"hf:{llama3}", samples=SampleOptions(True, pack=48))
+    idx = read_index(tmp_path / "out")
+    data, _ = open_prepared(str(tmp_path / "out"), 48, None)
+    rows = list(range(len(data)))
+    x, _ = data.batch(rows)
+    want = data.documents(rows)  # (windows, 48)
+    got = document_ids(x, idx.eos_id)
+    for r in rows:
+        real = int(torch.nonzero(x[r] != idx.eos_id).max()) + 2  # through the closing end id
+        assert torch.equal(got[r][:real], want[r][:real])
+        assert real >= 48 or int(want[r, real:].min()) > int(want[r, real - 1])  # padding
+    assert idx.eos_id == 4 and (x == 1).any()  # <|end_of_text|> separates; <|eot_id|> inside

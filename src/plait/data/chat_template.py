@@ -24,6 +24,13 @@ The assistant spans (character ranges of the rendering, one per assistant turn):
   markers with ``--chat-template``.
 
 A token is in a span when its characters overlap it (``transformers``' rule).
+
+Every conversation is followed by a *separator* (:meth:`ChatTemplate.separator`, mask 0):
+a special token of the tokenizer that the template never writes (Llama 3's
+``<|end_of_text|>`` where turns end with ``<|eot_id|>``), recorded as the prepared
+folder's end-of-document id. So, as for text, every sample ends with that id and no
+sample holds it elsewhere, and the document ids that ``data.mask_documents`` derives
+from it mark the samples, not the turns.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from plait.data.tokenizers import EOS_NAMES
 from plait.errors import DataError, install_hint
 
 GENERATION = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -105,6 +113,33 @@ class ChatTemplate:
             **self.variables,
         )
         return str(out[0]), list(spans[0]) if spans else []
+
+    def separator(self) -> int:
+        """The id of a special token the template does not write in a probe conversation:
+        the tokenizer's eos, the usual end-of-text names, its pad token, then its other
+        special tokens, the first unused (DataError when every one is used)."""
+        probe = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+        ]
+        try:
+            used = set(self.encode(probe, "all")[0].tolist())
+        except Exception:  # a template may refuse a system turn
+            used = set(self.encode(probe[1:], "all")[0].tolist())
+        tok = self.tok
+        names = [tok.eos_token, *EOS_NAMES, tok.pad_token, *tok.all_special_tokens]
+        for name in names:
+            if not isinstance(name, str):
+                continue
+            tid = tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != tok.unk_token_id and tid not in used:
+                return tid
+        raise DataError(
+            f"{self.source}: the chat template writes every special token of the tokenizer, "
+            "so none is free to end each sample (its eos, <|end_of_text|>, <|endoftext|>, "
+            "the pad token ...); add one to the tokenizer."
+        )
 
     def _opening(self) -> str:
         """What the template writes before a conversation's first turn when that turn is

@@ -118,6 +118,8 @@ def sample_line(idx: Any) -> str:
     ]
     if s.get("dropped"):
         parts.append(f"{s['dropped']:,} dropped (no trained token)")
+    if s.get("holding_end"):
+        parts.append(f"{s['holding_end']:,} dropped (the text holds the end-of-sample token)")
     if s.get("truncated"):
         parts.append(f"{s['truncated']:,} cut to the window")
     if idx.packed is not None:

@@ -2,15 +2,19 @@
 packing (``--pack SEQ_LEN``) of any samples into whole windows.
 
 Each sample becomes ``(ids, mask)``: a conversation rendered by the tokenizer's chat template
-(:mod:`plait.data.chat_template`; ``mask`` from ``--train-on``), or a text document's ids
-and its end-of-document token (every token trained but the first). A sample with no
-trained token (no assistant turn) is dropped and counted.
+(:mod:`plait.data.chat_template`; ``mask`` from ``--train-on``) and the template's free
+separator token, or a text document's ids and its end-of-document token (every token
+trained but the first). Every sample ends with that id (the folder's ``eos_id``), which
+no sample holds elsewhere, so the document ids ``data.mask_documents`` derives from it
+(:mod:`plait.model.document_mask`) are the samples. A sample with no trained token (no
+assistant turn), or one whose text holds the end id itself, is dropped and counted.
 
 Unpacked, the samples are written one after another, as plain documents are. Packed,
 they go through :class:`~plait.data.packing.Packer` into windows of ``seq_len + 1``
 tokens (inputs are a window's first ``seq_len``, targets its last ``seq_len``), each
 window's free tail padded with the end-of-document token (mask 0). A sample longer than
-a window is cut to it (``--long-samples truncate``) or refused (``refuse``). The
+a window is cut to it, its last token the end id again (``--long-samples truncate``), or
+refused (``refuse``). The
 documents (``documents.bin``) are then the samples and the padding runs, so the document
 ids of any window come from the memory-mapped end offsets.
 
@@ -81,6 +85,7 @@ class SampleStats:
 
     samples: int = 0
     dropped: int = 0
+    holding_end: int = 0
     truncated: int = 0
     trained_tokens: int = 0
     real_tokens: int = 0
@@ -93,21 +98,34 @@ class SampleStats:
     """Index entries of the mask shards."""
 
 
-def iter_samples(
+def make_samples(
     files: list[SourceFile], tok: AnyTokenizer, fld: str, opts: SampleOptions, spec: str
-) -> Iterator[Sample]:
-    """Every sample of ``files`` as ``(ids, mask)`` (see the module's docstring)."""
+) -> tuple[int, Iterator[Sample]]:
+    """``(end_id, samples)``: every sample of ``files`` as ``(ids, mask)``, each ending with
+    ``end_id`` (mask 0), which no sample holds elsewhere: the tokenizer's eos for text, the
+    chat template's free separator for chat (see the module's docstring)."""
     if opts.chat:
         template = ChatTemplate(spec, opts.chat_template)
-        for messages in iter_conversations([f.path for f in files]):
-            yield template.encode(messages, opts.train_on)
-        return
+        sep = template.separator()
+
+        def chats() -> Iterator[Sample]:
+            end, zero = np.asarray([sep], dtype=np.uint32), np.zeros(1, dtype=np.uint8)
+            for messages in iter_conversations([f.path for f in files]):
+                ids, mask = template.encode(messages, opts.train_on)
+                yield np.concatenate([ids, end]), np.concatenate([mask, zero])
+
+        return sep, chats()
+    assert tok.eos_id is not None
     eos = np.asarray([tok.eos_id], dtype=np.uint32)
-    for text in iter_documents(files, fld):
-        ids = np.concatenate([tok.encode(text).astype(np.uint32), eos])
-        mask = np.ones(len(ids), dtype=np.uint8)
-        mask[0] = 0
-        yield ids, mask
+
+    def texts() -> Iterator[Sample]:
+        for text in iter_documents(files, fld):
+            ids = np.concatenate([tok.encode(text).astype(np.uint32), eos])
+            mask = np.ones(len(ids), dtype=np.uint8)
+            mask[0] = 0
+            yield ids, mask
+
+    return int(tok.eos_id), texts()
 
 
 class _Out:
@@ -137,7 +155,7 @@ class _Out:
 def write_samples(
     root: Path,
     samples: Iterator[Sample],
-    tok: AnyTokenizer,
+    end_id: int,
     opts: SampleOptions,
     shard_tokens: int,
     dtype: str,
@@ -148,10 +166,13 @@ def write_samples(
     out = _Out(root, shard_tokens, dtype, stats)
     capacity = None if opts.pack is None else opts.pack + 1
     packer = None if capacity is None else Packer(capacity, opts.buffer)
-    pad = int(tok.eos_id or 0)
+    pad = end_id  # padding: each token its own document, as the end id makes it
     for n, (ids, mask) in enumerate(samples):
         if not mask.any():
             stats.dropped += 1
+            continue
+        if (ids[:-1] == end_id).any():  # its text writes the separator: the ids would break
+            stats.holding_end += 1
             continue
         if capacity is not None and len(ids) > capacity:
             if opts.long_samples == "refuse":
@@ -160,7 +181,9 @@ def write_samples(
                     f"{capacity} (--pack {opts.pack} + 1); raise --pack, or cut long samples "
                     "with --long-samples truncate."
                 )
-            ids, mask = ids[:capacity], mask[:capacity]
+            end = np.asarray([end_id], dtype=ids.dtype)  # a cut sample still ends with it
+            ids = np.concatenate([ids[: capacity - 1], end])
+            mask = np.concatenate([mask[: capacity - 1], np.zeros(1, dtype=np.uint8)])
             stats.truncated += 1
             if not mask.any():
                 stats.dropped += 1
@@ -202,15 +225,15 @@ def prepare_samples(
         window = opts.pack + 1
         shard_tokens = max(window, shard_tokens // window * window)
     t0 = time.perf_counter()
-    stats = write_samples(
-        root, iter_samples(files, tok, fld, opts, tok.name), tok, opts, shard_tokens, dtype
-    )
+    end_id, samples = make_samples(files, tok, fld, opts, tok.name)
+    stats = write_samples(root, samples, end_id, opts, shard_tokens, dtype)
     info: dict[str, Any] = {
         "kind": "chat" if opts.chat else "text",
         "train_on": opts.train_on if opts.chat else "all",
         "samples": stats.samples,
         "trained_tokens": stats.trained_tokens,
         "dropped": stats.dropped,
+        "holding_end": stats.holding_end,
         "truncated": stats.truncated,
         "seconds": round(time.perf_counter() - t0, 3),
     }
@@ -230,7 +253,7 @@ def prepare_samples(
         root=root,
         tokenizer=tok.name,
         vocab_size=tok.vocab_size,
-        eos_id=int(tok.eos_id or 0),
+        eos_id=end_id,
         dtype=dtype,
         shard_tokens=shard_tokens,
         documents=len(stats.ends),
