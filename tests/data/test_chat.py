@@ -107,7 +107,7 @@ def test_mask_of_a_template_without_markers_by_hand(llama3: Path, tmp_path: Path
             body = enc(m["content"] + EOT)
             want_ids += head + body
             want_mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
-        want_ids, want_mask = want_ids + end, want_mask + [0]
+        want_ids, want_mask = want_ids + end, [*want_mask, 0]
         assert ids.tolist() == want_ids
         assert mask.tolist() == want_mask
 
