@@ -135,6 +135,7 @@ CASES: dict[str, Case] = {
             "plait eager,plain eager,plait compiled + float8",
         )
     ),
+    "packing": Case(tables={"layout | windows": _rows("padded", "packed")}),
     "loss_chunk": Case(tables={"loss_chunk | fwd+bwd ms": _rows("0", "32")}),
     "moe": Case(
         tables={

@@ -194,7 +194,7 @@ def test_bad_input_exits_2_naming_the_file(
     latin = tmp_path / "texts" / "latin1.txt"
     latin.parent.mkdir()
     latin.write_bytes("café".encode("latin-1"))
-    _refused([str(latin.parent), *tok], capsys, str(latin), "not UTF-8")
+    _refused([str(latin), *tok], capsys, str(latin), "not UTF-8")  # a folder skips it
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 not really")
     _refused([str(broken), *tok], capsys, str(broken), "not a readable parquet file")
@@ -252,3 +252,27 @@ def test_vocabulary_larger_than_the_dtype(
     )
     s = prepare(str(src), str(out), f"hf:{big.parent}")  # chosen automatically: uint32
     assert s.dtype == "uint32" and decoded_documents(out, f"hf:{big.parent}") == ["w1 w69999 w5"]
+
+
+def test_prepare_and_train_skip_the_same_files_and_prepare_says_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from plait.data.corpus import sorted_files
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    (src / "__pycache__").mkdir()
+    (src / ".git").mkdir()
+    (src / "a.txt").write_text("first text")
+    (src / "sub" / "b.py").write_text("print('second')")
+    (src / "__pycache__" / "m.cpython-312.pyc").write_bytes(b"\x00\x01pyc")
+    (src / ".git" / "HEAD").write_text("ref")
+    (src / ".hidden.txt").write_text("hidden")
+    (src / "blob.bin").write_bytes(b"\x89PNG\x00\x00data")
+    (src / "latin1.txt").write_bytes("café".encode("latin-1"))
+    out = tmp_path / "out"
+    assert main(["data", "prepare", str(src), "-o", str(out), "--tokenizer", "byte"]) == 0
+    printed = capsys.readouterr().out
+    assert f"skipped 2 binary file(s) under {src}: blob.bin, latin1.txt" in printed
+    assert decoded_documents(out, "byte") == ["first text", "print('second')"]
+    assert sorted_files(src, None) == [src / "a.txt", src / "sub" / "b.py"]  # train's rule

@@ -63,6 +63,11 @@ def test_banner_names_mesh_layout_model_batch_and_peak() -> None:
         "warm-up step(s), then cosine decay to x0.1; 2 steps on cpu\n"
         "plait: MFU peak log.peak_tflops = 1 TFLOP/s"
     )
+    packed = dataclasses.replace(FACTS, packing=0.9634)
+    assert (
+        "5,937 training / 312 validation sequences of 32 tokens (packed samples: 96.3% real "
+        "tokens)\n" in banner(cfg, init_mesh(), packed)
+    )
 
 
 def test_banner_precision_and_learning_rate_notes() -> None:

@@ -6,7 +6,16 @@
   shards with an index (:mod:`plait.data.prepare`); ``plait train --data DIR`` reads it.
   Re-running after an interruption finishes the missing shards only; a finished folder
   is verified and not rewritten.
+* Chat or instruction JSONL (``{"messages": [...]}`` or ``{"prompt", "completion"}``
+  records, told by the first record) is rendered with the tokenizer folder's chat template
+  (``--chat-template FILE`` otherwise) and gets a loss mask (``--train-on
+  all|assistant|last``, default assistant); ``--pack SEQ_LEN`` packs samples (chat or
+  text documents) whole into windows of SEQ_LEN + 1 tokens (first-fit decreasing over a
+  buffer of ``--pack-buffer`` samples; ``--long-samples truncate|refuse``).
 * ``plait data info DIR`` prints a prepared folder's index and verifies its files.
+
+A folder source is read by the rule ``plait train --data DIR`` uses: hidden entries,
+``__pycache__`` and binary files are skipped, and prepare prints what it skipped.
 
 Bad input (a missing file or field, an unreadable or empty source, a tokenizer whose
 vocabulary does not fit the token dtype) exits with code 2, naming the file.
@@ -40,6 +49,25 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="token dtype (default: uint16 when the vocabulary fits, else uint32)",
     )
+    prep.add_argument(
+        "--train-on",
+        choices=("all", "assistant", "last"),
+        default=None,
+        help="chat data: the tokens trained (default assistant: every assistant turn)",
+    )
+    prep.add_argument("--chat-template", default=None, help="a jinja chat template file")
+    prep.add_argument(
+        "--pack", type=int, default=None, metavar="SEQ_LEN", help="pack samples into windows"
+    )
+    prep.add_argument(
+        "--long-samples",
+        choices=("truncate", "refuse"),
+        default="truncate",
+        help="--pack: a sample longer than a window is cut (default) or refused",
+    )
+    prep.add_argument(
+        "--pack-buffer", type=int, default=2048, help="--pack: samples packed together"
+    )
     bar = prep.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None)
     bar.add_argument("--no-progress", dest="progress", action="store_false")
@@ -62,12 +90,35 @@ def data_main(rest: Sequence[str]) -> int:
             f"{len(idx.shards)} shard(s); tokenizer {idx.tokenizer} (vocabulary "
             f"{idx.vocab_size:,}, eos {idx.eos_id})"
         )
+        if idx.samples is not None:
+            from plait.data.sample_folder import sample_line
+
+            print(sample_line(idx))
         if bad:
             raise DataError("; ".join(bad))
         print("every file verified (sizes and SHA-256)")
         return 0
     from plait.data.prepare import prepare
+    from plait.data.sample_folder import looks_like_chat
+    from plait.data.sample_prepare import SampleOptions
+    from plait.errors import ConfigError
 
+    chat = looks_like_chat(args.source)
+    if not chat and (args.train_on or args.chat_template):
+        raise ConfigError(
+            f"--train-on and --chat-template are for chat data; {args.source} does not start "
+            'with a {"messages": ...} or {"prompt", "completion"} record.'
+        )
+    samples = None
+    if chat or args.pack is not None:
+        samples = SampleOptions(
+            chat=chat,
+            train_on=args.train_on or "assistant",
+            chat_template=args.chat_template,
+            pack=args.pack,
+            long_samples=args.long_samples,
+            buffer=args.pack_buffer,
+        )
     summary = prepare(
         args.source,
         args.output,
@@ -77,6 +128,9 @@ def data_main(rest: Sequence[str]) -> int:
         shard_tokens=args.shard_tokens,
         dtype=args.dtype,
         progress=args.progress,
+        samples=samples,
     )
+    for note in summary.notes:
+        print(f"plait: {note}")
     print(f"plait: {summary.line()}")
     return 0

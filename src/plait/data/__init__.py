@@ -11,6 +11,14 @@ module                  what it owns
 ``prepare``             ``plait data prepare``: parallel, resumable, verified
 ``writer``              shard files, their sidecars, the finished prefix on resume
 ``shards``              windows over memory-mapped shards; held-out documents
+``walk``                the one folder rule of prepare and train (hidden, binary skipped)
+``chat_records``        chat / prompt-completion JSONL records, checked (file:line)
+``chat_template``       a tokenizer's chat template as transformers renders it; masks
+``packing``             first-fit decreasing over a bounded buffer
+``sample_prepare``      samples with a loss mask, packed or not, into shards
+``sample_folder``       chat told from text; a finished sample folder verified
+``array_shards``        fixed-size shard files of one stream (tokens or mask)
+``packed``              the windows of a packed folder and their document ids
 ``mixture``             weighted blends of sources (Megatron's blended datasets)
 ``sources``             a run's ``(train, val)`` window sets from its ``DataConfig``
 ``sampler``             the stateless batch order, a pure function of ``(seed, step)``

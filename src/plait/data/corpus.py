@@ -5,8 +5,9 @@ Sources (``DataConfig.source``):
 
 * ``"stdlib"``: the running interpreter's standard-library ``.py`` files (always present),
   sorted by relative path, ``site-packages``/``dist-packages`` and test folders skipped;
-* a text file, or a folder of text files read recursively in sorted order (hidden entries,
-  files that are binary or not UTF-8, and entries that are not regular files are skipped);
+* a text file, or a folder of text files read recursively in sorted order by the rule
+  ``plait data prepare`` uses too (:mod:`plait.data.walk`: hidden entries, ``__pycache__``,
+  binary or non-UTF-8 files and entries that are not regular files are skipped);
   a source that is neither a regular file nor a folder (a FIFO) is refused;
 * a pre-tokenized ``.npy`` array or raw ``.bin`` array of ``DataConfig.token_dtype``.
 
@@ -17,7 +18,6 @@ tokenized.
 from __future__ import annotations
 
 import codecs
-import os
 import sysconfig
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import numpy as np
 from plait.config import DataConfig
 from plait.data.index import is_prepared
 from plait.data.tokenizers import make_tokenizer
+from plait.data.walk import SKIP_DIRS, walk
 from plait.errors import ConfigError, DataError
 
 SEPARATOR = b"\n\n"
@@ -54,17 +55,11 @@ def stdlib_root() -> Path:
 
 
 def sorted_files(root: Path, suffix: str | None) -> list[Path]:
-    """Files under ``root``, sorted by relative POSIX path; hidden and skipped folders pruned."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in _SKIP_DIRS]
-        for name in filenames:
-            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
-                continue
-            if not (Path(dirpath) / name).is_file():  # FIFOs, sockets, devices: never read
-                continue
-            found.append(Path(dirpath) / name)
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+    """Text files under ``root`` by the shared folder rule (:mod:`plait.data.walk`: hidden,
+    ``__pycache__``, non-regular and binary files skipped), sorted by relative POSIX path;
+    the built-in corpus also skips ``site-packages``, ``dist-packages`` and test folders."""
+    skip = _SKIP_DIRS if root == stdlib_root() else SKIP_DIRS
+    return walk(root, suffix, skip)[0]
 
 
 def _join_texts(files: list[Path], max_bytes: int) -> bytes:

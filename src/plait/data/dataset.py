@@ -28,7 +28,13 @@ class WindowSet(Protocol):
         ...
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor."""
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor; a target
+        the loss must skip (an untrained token of chat data) is the ignore index, -100."""
+        ...
+
+    def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """``(len(indices), seq_len)`` int64 document (sample) number of every input token
+        within its window, for packed data; None where the ids follow from the tokens."""
         ...
 
 
@@ -70,6 +76,10 @@ class TokenDataset:
         windows = np.stack([self._window(int(i)) for i in indices]).astype(np.int64)
         w = torch.from_numpy(windows)  # (batch, seq + 1)
         return w[:, :-1], w[:, 1:]
+
+    def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """None: the document ids follow from the tokens (:mod:`plait.model.document_mask`)."""
+        return None
 
 
 def check_enough(dataset: WindowSet, global_batch: int, name: str) -> None:

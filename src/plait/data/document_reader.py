@@ -1,7 +1,9 @@
 """The documents of a ``plait data prepare`` source, in a fixed order.
 
-A source is a file or a folder (files read recursively, sorted by relative path, hidden
-entries skipped). Each file is read by its kind:
+A source is a file or a folder (read by the rule ``plait train --data DIR`` uses too,
+:mod:`plait.data.walk`: recursively, sorted by relative path, hidden entries,
+``__pycache__`` and binary files skipped; :func:`plan_source` returns what it skipped).
+Each file is read by its kind:
 
 * ``.jsonl`` / ``.ndjson``: one JSON object per line, the document is its ``field``;
 * ``.parquet``: one document per row, the column ``field`` (pyarrow);
@@ -19,11 +21,11 @@ Every problem is a :class:`~plait.errors.DataError` (exit code 2) naming the fil
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.data.walk import walk
 from plait.errors import DataError, install_hint
 
 JSONL = (".jsonl", ".ndjson")
@@ -55,14 +57,6 @@ def _kind(path: Path) -> str:
     return "text"
 
 
-def _walk(root: Path) -> list[Path]:
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [Path(dirpath) / n for n in filenames if not n.startswith(".")]
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
 def _load_hf(path: Path, field: str):  # type: ignore[no-untyped-def]
     try:
         import datasets
@@ -86,10 +80,11 @@ def _load_hf(path: Path, field: str):  # type: ignore[no-untyped-def]
     return ds
 
 
-def _check_file(f: SourceFile, field: str) -> None:
+def _check_file(f: SourceFile, field: str | None) -> None:
     """Open ``f`` and check what can be checked cheaply (see the module's docstring)."""
     if f.kind == "hf-dataset":
-        _load_hf(f.path, field)
+        if field is not None:
+            _load_hf(f.path, field)
         return
     try:
         with f.path.open("rb") as fh:
@@ -98,9 +93,9 @@ def _check_file(f: SourceFile, field: str) -> None:
         raise DataError(f"{f.path}: cannot read it ({exc.strerror or exc}).") from exc
     if f.kind == "jsonl":
         first = next((ln for ln in head.splitlines() if ln.strip()), None)
-        if first is not None and len(first) < len(head):
+        if field is not None and first is not None and len(first) < len(head):
             _record(first, f.path, 1, field)
-    elif f.kind == "parquet":
+    elif f.kind == "parquet" and field is not None:
         import pyarrow.parquet as pq
 
         try:
@@ -109,30 +104,37 @@ def _check_file(f: SourceFile, field: str) -> None:
             raise DataError(f"{f.path}: not a readable parquet file ({exc}).") from exc
         if field not in names:
             raise DataError(f"{f.path}: no column {field!r} (columns: {names}); use --field.")
-    else:
+    elif f.kind == "text":
         _text(f.path, head)
 
 
-def plan_source(src: str | Path, field: str) -> list[SourceFile]:
-    """The files of ``src`` in reading order, checked (DataError naming the file)."""
+def plan_source(src: str | Path, field: str | None) -> tuple[list[SourceFile], list[Path]]:
+    """``(files, skipped)``: the files of ``src`` in reading order, checked (DataError naming
+    the file), and the binary files of a folder that the shared rule skipped. ``field``
+    None: records are checked as they are read (chat data)."""
     root = Path(src).expanduser()
     if not root.exists():
         raise DataError(f"{root} does not exist; give a text, JSONL or parquet file or a folder.")
+    skipped: list[Path] = []
     if is_hf_dataset(root):
         files = [SourceFile(root, "hf-dataset")]
     elif root.is_dir():
-        files = [SourceFile(p, _kind(p)) for p in _walk(root) if p.is_file()]
+        kept, skipped = walk(root)
+        files = [SourceFile(p, _kind(p)) for p in kept]
     elif root.is_file():
         files = [SourceFile(root, _kind(root))]
     else:
         raise DataError(f"{root} is neither a regular file nor a folder.")
     if not files:
-        raise DataError(f"{root} is empty: no files to read (hidden files are skipped).")
+        raise DataError(
+            f"{root} is empty: no files to read (hidden and binary files are skipped"
+            f"{f'; {len(skipped)} binary' if skipped else ''})."
+        )
     for f in files:
         _check_file(f, field)
     if all(f.kind != "hf-dataset" and f.path.stat().st_size == 0 for f in files):
         raise DataError(f"{root} is empty: every file is 0 bytes.")
-    return files
+    return files, skipped
 
 
 def _text(path: Path, data: bytes) -> str:

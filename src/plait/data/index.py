@@ -12,6 +12,20 @@ A prepared folder holds::
 spec), ``vocab_size``, ``eos_id``, ``dtype``, ``shard_tokens``, ``documents``, ``tokens``,
 ``shards`` (``file``, ``tokens``, ``sha256`` each), ``document_ends`` (``file``,
 ``sha256``) and ``source`` (what was read, with ``field``).
+
+Chat or instruction data, and packed data (:mod:`plait.data.sample_prepare`), add
+(index version 2)::
+
+    mask_00000.bin ...   uint8 loss mask beside each shard, one byte a token (1: the token
+                         is a trained target)
+    "masks"              the mask shards (``file``, ``tokens``, ``sha256`` each)
+    "samples"            what was prepared: ``kind`` (chat | text), ``train_on``,
+                         ``template``, ``samples``, ``trained_tokens``, ``dropped``,
+                         ``truncated``
+    "packed"             for ``--pack SEQ_LEN``: ``seq_len``, ``window`` (= seq_len + 1
+                         tokens), ``windows``, ``real_tokens``, ``algorithm``, ``buffer``;
+                         the stream is then whole windows, and the documents are the
+                         samples and the padding runs
 """
 
 from __future__ import annotations
@@ -32,7 +46,10 @@ FORMAT = "plait-shards"
 """``index.json``'s ``format`` value."""
 
 VERSION = 1
-"""``index.json``'s ``version`` value."""
+"""``index.json``'s ``version`` value for plain token shards."""
+
+VERSION_SAMPLES = 2
+"""``index.json``'s ``version`` with a loss mask or packed windows."""
 
 DOCUMENTS_NAME = "documents.bin"
 """File of the documents' end offsets (uint64)."""
@@ -83,12 +100,30 @@ class ShardIndex:
     shards: list[dict[str, Any]]
     document_ends: dict[str, Any]
     source: dict[str, Any]
+    masks: list[dict[str, Any]] | None = None
+    """The loss-mask shards (one beside each token shard), None for plain text."""
+    samples: dict[str, Any] | None = None
+    """What chat/instruction or packed preparation did (see the module's docstring)."""
+    packed: dict[str, Any] | None = None
+    """The packing of ``--pack`` (see the module's docstring), None when unpacked."""
+
+    @property
+    def packing_efficiency(self) -> float | None:
+        """Real tokens / window tokens of a packed folder (None when unpacked)."""
+        if self.packed is None:
+            return None
+        return int(self.packed["real_tokens"]) / max(1, self.tokens)
 
     def as_json(self) -> dict[str, Any]:
         """The index as written to ``index.json``."""
+        extra = {
+            k: v
+            for k, v in (("masks", self.masks), ("samples", self.samples), ("packed", self.packed))
+            if v is not None
+        }
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION_SAMPLES if extra else VERSION,
             "tokenizer": self.tokenizer,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
@@ -99,6 +134,7 @@ class ShardIndex:
             "shards": self.shards,
             "document_ends": self.document_ends,
             "source": self.source,
+            **extra,
         }
 
     def write(self) -> None:
@@ -112,6 +148,7 @@ class ShardIndex:
         item = 2 if self.dtype == "uint16" else 4
         out: list[str] = []
         files = [(s["file"], s["tokens"] * item, s["sha256"]) for s in self.shards]
+        files += [(m["file"], m["tokens"], m["sha256"]) for m in self.masks or []]
         files.append((self.document_ends["file"], self.documents * 8, self.document_ends["sha256"]))
         for name, size, digest in files:
             f = self.root / name
@@ -136,9 +173,10 @@ def read_index(path: str | Path) -> ShardIndex:
         raise DataError(f"{file}: cannot read the index ({exc}).") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise DataError(f"{file} is not a plait prepared-data index (format {FORMAT!r}).")
-    if raw.get("version") != VERSION:
+    if raw.get("version") not in (VERSION, VERSION_SAMPLES):
         raise DataError(
-            f"{file} has index version {raw.get('version')}; this plait reads {VERSION}."
+            f"{file} has index version {raw.get('version')}; this plait reads {VERSION} and "
+            f"{VERSION_SAMPLES}."
         )
     try:
         idx = ShardIndex(
@@ -153,7 +191,14 @@ def read_index(path: str | Path) -> ShardIndex:
             shards=list(raw["shards"]),
             document_ends=dict(raw["document_ends"]),
             source=dict(raw.get("source", {})),
+            masks=None if raw.get("masks") is None else list(raw["masks"]),
+            samples=None if raw.get("samples") is None else dict(raw["samples"]),
+            packed=None if raw.get("packed") is None else dict(raw["packed"]),
         )
+        if idx.masks is not None and [int(m["tokens"]) for m in idx.masks] != [
+            int(s["tokens"]) for s in idx.shards
+        ]:
+            raise ValueError("the mask shards do not match the token shards")
         shard_tokens = sum(int(s["tokens"]) for s in idx.shards)
         for entry in [*idx.shards, idx.document_ends]:
             str(entry["file"]), str(entry["sha256"])

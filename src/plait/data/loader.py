@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""``(inputs, targets)``, each ``(batch, seq)``."""
+Batch = tuple[torch.Tensor, ...]
+"""``(inputs, targets)``, each ``(batch, seq)``, and any further per-token tensors of the
+step (a packed set's document ids): every tensor is pinned alike."""
 
 
 class BackgroundLoader:
@@ -46,10 +47,8 @@ class BackgroundLoader:
             if read is None:  # the owner is gone
                 return
             try:
-                x, y = read(step)
-                if self.pin:
-                    x, y = x.pin_memory(), y.pin_memory()
-                item = (x, y)
+                got = read(step)
+                item = tuple(t.pin_memory() for t in got) if self.pin else tuple(got)
             except BaseException as exc:  # handed to the consumer, raised there
                 item = exc
             del read

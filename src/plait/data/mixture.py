@@ -75,11 +75,30 @@ class MixtureDataset:
                 raise DataError(
                     f"source {i} of the mixture has no window of {s.seq_len} + 1 tokens."
                 )
+        packed = {getattr(s, "efficiency", None) is not None for s in sets}
+        if len(packed) != 1:
+            raise DataError(
+                "a mixture blends packed and unpacked folders; prepare every source with the "
+                "same --pack SEQ_LEN, or none with it."
+            )
         eos = {s.eos_id for s in sets}
         self.sets = list(sets)
         self.seq_len = sets[0].seq_len
         self.eos_id: int | None = eos.pop() if len(eos) == 1 else None
         self.source, self.k = blend(weights, sum(len(s) for s in sets))
+
+    @property
+    def efficiency(self) -> float | None:
+        """Real tokens / window tokens of packed sources, weighted by their windows (None
+        when the sources are not packed)."""
+        total, windows = 0.0, 0
+        for s in self.sets:
+            eff = getattr(s, "efficiency", None)
+            if eff is None:
+                return None
+            total += float(eff) * len(s)
+            windows += len(s)
+        return total / windows
 
     @property
     def num_tokens(self) -> int:
@@ -107,3 +126,15 @@ class MixtureDataset:
             sx, sy = self.sets[s].batch([locs[r][1] for r in rows])  # (rows, seq) twice
             x[rows], y[rows] = sx, sy
         return x, y
+
+    def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """The sources' document ids of the windows (None for unpacked sources)."""
+        locs = [self.locate(int(i)) for i in indices]
+        out = torch.empty(len(locs), self.seq_len, dtype=torch.long)  # (batch, seq)
+        for s in sorted({s for s, _ in locs}):
+            rows = [r for r, (src, _) in enumerate(locs) if src == s]
+            docs = self.sets[s].documents([locs[r][1] for r in rows])
+            if docs is None:
+                return None
+            out[rows] = docs
+        return out

@@ -40,7 +40,10 @@ from plait.data.index import (
     shard_name,
     token_dtype_for,
 )
+from plait.data.sample_folder import looks_like_chat, prepare_sample_folder, sample_line
+from plait.data.sample_prepare import SampleOptions
 from plait.data.tokenizers import AnyTokenizer, HFTokenizer, make_tokenizer
+from plait.data.walk import skipped_note
 from plait.data.writer import ShardWriter, kept_shards, sidecar_path, write_atomic
 from plait.errors import ConfigError, DataError
 
@@ -160,8 +163,11 @@ def prepare(
     shard_tokens: int = 1 << 26,
     dtype: str | None = None,
     progress: bool | None = None,
+    samples: SampleOptions | None = None,
 ) -> PrepareSummary:
-    """Prepare ``src`` into the folder ``out`` (see the module's docstring)."""
+    """Prepare ``src`` into the folder ``out`` (see the module's docstring). ``samples``
+    (or a chat JSONL source, told by its first record) prepares samples with a loss mask,
+    packed or not (:mod:`plait.data.sample_prepare`)."""
     if workers < 1 or shard_tokens < 1:
         raise ConfigError("--workers and --shard-tokens must be positive.")
     tok = make_tokenizer(tokenizer)
@@ -170,11 +176,16 @@ def prepare(
         raise ConfigError(f"--dtype must be uint16 or uint32, got {dtype!r}.")
     _check_tokenizer(tok, dtype)
     root = Path(out).expanduser()
+    if samples is None and looks_like_chat(src):
+        samples = SampleOptions(chat=True)
+    if samples is not None:
+        return _samples(src, root, tok, fld, samples, shard_tokens, dtype)
     params = _params(src, tok.name, fld, shard_tokens, dtype)
     t0 = time.perf_counter()
     if (root / INDEX_NAME).is_file():
         return _verify_done(root, params, workers, t0)
-    files = plan_source(src, fld)
+    files, skipped = plan_source(src, fld)
+    note = skipped_note(Path(src).expanduser(), skipped)
     if root.is_dir() and any(root.iterdir()) and not (root / PARAMS_NAME).is_file():
         raise ConfigError(
             f"{root} is not empty and holds no preparation to finish; give a new or empty "
@@ -185,13 +196,42 @@ def prepare(
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     try:
-        return _prepare(root, files, tok, params, workers, fld, src, progress, t0)
+        summary = _prepare(root, files, tok, params, workers, fld, src, progress, t0)
     except DataError:
         if created and not any(root.glob("shard_*.bin")):  # nothing kept: leave no trace
             for p in root.iterdir():
                 p.unlink()
             root.rmdir()
         raise
+    if note:
+        summary.notes.insert(0, note)
+    return summary
+
+
+def _samples(
+    src: str,
+    root: Path,
+    tok: AnyTokenizer,
+    fld: str,
+    opts: SampleOptions,
+    shard_tokens: int,
+    dtype: str,
+) -> PrepareSummary:
+    idx, notes, done, seconds = prepare_sample_folder(
+        src, root, tok, fld, opts, shard_tokens, dtype
+    )
+    summary = PrepareSummary(
+        root,
+        int((idx.samples or {}).get("samples", idx.documents)),
+        idx.tokens,
+        len(idx.shards),
+        seconds,
+        1,
+        already_done=done,
+        dtype=idx.dtype,
+        notes=[*notes, sample_line(idx)],
+    )
+    return summary
 
 
 def _prepare(

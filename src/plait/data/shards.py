@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,12 +28,19 @@ _MASK64 = np.uint64((1 << 64) - 1)
 
 
 class ShardStream:
-    """The token stream of a prepared folder: ``read(a, b)`` is tokens ``[a, b)``."""
+    """The token stream of a prepared folder: ``read(a, b)`` is tokens ``[a, b)`` (or, with
+    ``files`` and ``dtype``, another stream beside it: the loss mask's ``mask_*.bin``)."""
 
-    def __init__(self, index: ShardIndex) -> None:
+    def __init__(
+        self,
+        index: ShardIndex,
+        files: list[dict[str, Any]] | None = None,
+        dtype: str | None = None,
+    ) -> None:
         self.index = index
-        self.dtype = np.dtype(index.dtype)
-        sizes = np.asarray([int(s["tokens"]) for s in index.shards], dtype=np.int64)
+        self.files = index.shards if files is None else files
+        self.dtype = np.dtype(dtype or index.dtype)
+        sizes = np.asarray([int(s["tokens"]) for s in self.files], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # (n_shards + 1,)
         self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
 
@@ -42,7 +50,7 @@ class ShardStream:
     def _shard(self, i: int) -> tuple[mmap.mmap, np.ndarray]:
         m = self._maps.get(i)
         if m is None:
-            path = self.index.root / str(self.index.shards[i]["file"])
+            path = self.index.root / str(self.files[i]["file"])
             with path.open("rb") as f:  # the map keeps its own handle
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             m = mm, np.frombuffer(mm, dtype=self.dtype)  # (shard_tokens,), read-only view
@@ -112,9 +120,26 @@ def runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(d == 1), np.flatnonzero(d == -1)
 
 
+def mask_stream(stream: ShardStream) -> ShardStream | None:
+    """The loss-mask stream beside a token stream (None when the folder has no mask)."""
+    masks = stream.index.masks
+    return None if masks is None else ShardStream(stream.index, masks, "uint8")
+
+
+def ignore_untrained(targets: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+    """``targets`` ``(batch, seq)`` with every target whose mask byte is 0 set to the loss's
+    ignore index (``mask`` ``(batch, seq)`` uint8, the targets' own tokens' flags)."""
+    from plait.parallel.chunked_loss import IGNORE_INDEX
+
+    out = targets.clone()
+    out[torch.from_numpy(mask == 0)] = IGNORE_INDEX
+    return out
+
+
 class SegmentDataset:
     """Windows of ``seq_len + 1`` tokens over token ranges ``[starts[k], stops[k])`` of a
-    stream, the ranges joined in order (a window may span ranges and shards)."""
+    stream, the ranges joined in order (a window may span ranges and shards). A folder
+    with a loss mask gives the ignore index as the target of every untrained token."""
 
     def __init__(
         self, stream: ShardStream, starts: np.ndarray, stops: np.ndarray, seq_len: int
@@ -122,6 +147,7 @@ class SegmentDataset:
         if seq_len <= 0:
             raise ConfigError(f"seq_len must be positive, got {seq_len}.")
         self.stream = stream
+        self.masks = mask_stream(stream)
         self.seq_len = seq_len
         self.eos_id: int | None = stream.index.eos_id
         self.seg_start = np.asarray(starts, dtype=np.int64)  # (n_seg,) stream offsets
@@ -136,8 +162,10 @@ class SegmentDataset:
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
-    def window(self, i: int) -> np.ndarray:
-        """Window ``i``: ``(seq_len + 1,)`` tokens of the stream's dtype."""
+    def window(self, i: int, stream: ShardStream | None = None) -> np.ndarray:
+        """Window ``i``: ``(seq_len + 1,)`` tokens of the stream's dtype (of ``stream``, a
+        stream beside the tokens, when given)."""
+        stream = stream or self.stream
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
         lo, hi = i * self.seq_len, i * self.seq_len + self.seq_len + 1
@@ -146,7 +174,7 @@ class SegmentDataset:
         while lo < hi:
             end = min(hi, int(self.virtual[k + 1]))
             off = int(self.seg_start[k]) - int(self.virtual[k])
-            parts.append(self.stream.read(lo + off, end + off))
+            parts.append(stream.read(lo + off, end + off))
             lo, k = end, k + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -156,15 +184,30 @@ class SegmentDataset:
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
         w = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]).astype(np.int64))
-        return w[:, :-1], w[:, 1:]  # (batch, seq) twice
+        if self.masks is None:
+            return w[:, :-1], w[:, 1:]  # (batch, seq) twice
+        m = np.stack([self.window(int(i), self.masks) for i in indices])  # (batch, seq + 1)
+        return w[:, :-1], ignore_untrained(w[:, 1:], m[:, 1:])
+
+    def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """None: the document ids of an unpacked window follow from its tokens
+        (:mod:`plait.model.document_mask`); packed folders give them
+        (:class:`~plait.data.packed.PackedDataset`)."""
+        return None
 
 
 def open_prepared(
     path: str, seq_len: int, val_fraction: float | None
 ) -> tuple[SegmentDataset, SegmentDataset | None]:
     """``(train, val)`` window sets of a prepared folder: with ``val_fraction`` the
-    held-out documents are the validation set; with None every document trains (val None)."""
+    held-out documents are the validation set; with None every document trains (val None).
+    A packed folder gives :class:`~plait.data.packed.PackedDataset` windows (held out by
+    window)."""
     stream = ShardStream(read_index(path))
+    if stream.index.packed is not None:
+        from plait.data.packed import open_packed
+
+        return open_packed(stream, seq_len, val_fraction)  # type: ignore[return-value]
     ends = np.asarray(stream.document_ends(), dtype=np.int64)  # (n_docs,)
     if len(ends) != stream.index.documents or (len(ends) and ends[-1] != len(stream)):
         raise DataError(f"{path}: documents.bin does not match the index; prepare it again.")

@@ -73,6 +73,8 @@ class RunFacts:
     val_note: str = ""
     """How many windows the validation set holds and how it is evaluated
     (:meth:`plait.train.validation.Validation.describe`)."""
+    packing: float | None = None
+    """Real tokens / window tokens of packed training data (None: not packed)."""
 
 
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
@@ -101,7 +103,14 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{'; torch.compile per block' if t.compile else ''}\n"
         f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
         f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
-        f"of {t.seq_len} tokens" + (f"; {run.val_note}" if run.val_note else "") + "\n"
+        f"of {t.seq_len} tokens"
+        + (
+            f" (packed samples: {run.packing:.1%} real tokens)"
+            if run.packing is not None
+            else ""
+        )
+        + (f"; {run.val_note}" if run.val_note else "")
+        + "\n"
         f"plait: global batch {t.global_batch} = dp {mesh.size('dp')} x micro-batch "
         f"{run.micro_batch} x "
         f"{'pipeline micro-batches' if mesh.size('pp') > 1 else 'accumulation'} "

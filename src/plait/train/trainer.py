@@ -419,4 +419,5 @@ class Trainer:
             loggers=[lg.name for lg in self.loggers],
             start_memory=self.start_memory or (),
             val_note=self.validation.describe(),
+            packing=getattr(self.train_set, "efficiency", None),
         )
