@@ -144,7 +144,8 @@ def disabled() -> dict[str, dict[str, str]]:
 
 
 def fallbacks() -> dict[str, int]:
-    """Per call site, the calls made there after a kernel had failed there (a benchmark that times a fused row checks this stays unchanged)."""
+    """Per call site, the calls made there after a kernel had failed there (a benchmark
+    that times a fused row checks this stays unchanged)."""
     return dict(_FALLBACKS)
 
 
