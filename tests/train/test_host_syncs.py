@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -80,12 +80,25 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[st
             yield mode.counts
 
 
-def _config(clip: float, **model: Any) -> Config:
+def _corpus(folder: Path, document: int | None = None) -> str:
+    """A small byte corpus (this file) as a .npy source, an end-of-document byte (0) every
+    ``document`` tokens when given (several documents a window)."""
+    text = np.frombuffer(Path(__file__).read_bytes(), dtype=np.uint8).astype(np.uint16)
+    text = text.copy()
+    if document:
+        text[::document] = 0
+    path = folder / f"corpus{document or ''}.npy"
+    np.save(path, text)
+    return str(path)
+
+
+def _config(clip: float, source: str, **model: Any) -> Config:
     cfg = tiny_config(steps=2)
+    cfg = replace(cfg, data=replace(cfg.data, source=source))
     return replace(
         cfg,
-        model=replace(cfg.model, **model),
-        train=replace(cfg.train, grad_clip=clip, eval_every=0),
+        model=replace(cfg.model, max_seq_len=16, **model),
+        train=replace(cfg.train, grad_clip=clip, eval_every=0, global_batch=2, seq_len=16),
         data=replace(cfg.data, prefetch=0),
     )
 
@@ -106,32 +119,27 @@ LOSS_AFTER = "HostScalar.value @ trainer:train_step"
 PREV_NORM = "HostScalar.value @ optim:check_pending"
 SYNC_FREE = {LOSS_AFTER: 1, PREV_NORM: 1}
 
-CASES: dict[str, tuple[Callable[[], Config], dict[str, int]]] = {
+CASES: dict[str, tuple[float, str, dict[str, int]]] = {
     # clipping needs the norm's value before the update: one read; the trainer reads the
     # loss before the step to decide on skipping
-    "sdpa, clipped": (lambda: _config(1.0), {NORM: 1, LOSS_ITEM: 1}),
+    "sdpa, clipped": (1.0, "sdpa", {NORM: 1, LOSS_ITEM: 1}),
     # no clipping: the optimizer reads nothing; the trainer reads the loss once, after
     # the optimizer's kernels are launched (to log it and stop on a non-finite loss)
-    "sdpa, no clipping": (lambda: _config(0.0), SYNC_FREE),
-    "blockwise, no clipping": (lambda: _config(0.0, attention="blockwise"), SYNC_FREE),
+    "sdpa, no clipping": (0.0, "sdpa", SYNC_FREE),
+    "blockwise, no clipping": (0.0, "blockwise", SYNC_FREE),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_trainer_step_syncs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    make, allowed = CASES[case]
-    assert dict(_trainer_step(make(), monkeypatch)) == allowed
+def test_trainer_step_syncs(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clip, attention, allowed = CASES[case]
+    cfg = _config(clip, _corpus(tmp_path), attention=attention)
+    assert dict(_trainer_step(cfg, monkeypatch)) == allowed
 
 
 def _documents(tmp_path: Path, attention: str) -> Config:
-    text = np.frombuffer(Path(__file__).read_bytes() * 2, dtype=np.uint8).astype(np.uint16)
-    text = text.copy()
-    text[::10] = 0  # an end-of-document byte every 10 tokens: several documents a window
-    np.save(tmp_path / "docs.npy", text)
-    cfg = _config(0.0, attention=attention)
-    return replace(
-        cfg, data=replace(cfg.data, source=str(tmp_path / "docs.npy"), mask_documents=True)
-    )
+    cfg = _config(0.0, _corpus(tmp_path, document=10), attention=attention)
+    return replace(cfg, data=replace(cfg.data, mask_documents=True))
 
 
 def test_document_masking_sdpa_step_syncs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
