@@ -10,7 +10,8 @@ environment, working folder) is put back, and it must not leave a process group
 behind. Scripts that start their own processes (``plait train``, children) still do.
 
 A new script without an entry in :data:`CASES` fails :func:`test_every_script_has_a_case`.
-The GPU-only scripts run their CPU forms here; ``gpu_all.sh`` is syntax-checked.
+The GPU-only scripts run their CPU forms here; ``gpu_all.sh`` is syntax-checked and
+``gpu_all.py --dry`` runs in ``test_gpu_all.py``.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ CASES: dict[str, Case] = {
             ]
         }
     ),
+    "gpu_all": Case(),  # checked by tests/benchmarks/test_gpu_all.py (--dry)
+    "gpu_plan_rows": Case(),  # run by gpu_all --dry
+    "gpu_rows": Case(),  # gpu_all's rows (a module), checked by test_gpu_all.py
     "gpu_step": Case(  # checked by test_gpu_step_tiny
         (
             "--device",
