@@ -19,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks.gpu_rows import ROWS
+
+from benchmarks import gpu_all
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [p for p in (str(ROOT),) if p not in sys.path]
-
-from benchmarks import gpu_all  # noqa: E402
-from benchmarks.gpu_rows import ROWS  # noqa: E402
-
 DRY_LIMIT_S = 300
 
 
@@ -87,7 +85,14 @@ def test_dry_run_records_fails_skips_and_reruns(tmp_path: Path, wheels: Path) ->
     ok = [n for n, x in recs.items() if n not in ("env", "step_plait_eager", "offload_7b")]
     assert all(recs[n]["status"] == "ok" for n in ok), {n: recs[n] for n in ok}
     assert recs["step_plait_compiled"]["figures"][0]["run"] == "plait compiled"
-    assert recs["attention"]["figures"] and "ms" in recs["attention"]["figures"][-1]
+    cores = ["SDPA", "blockwise, block 16", "blockwise, block 32", "blockwise, block whole"]
+    cores.append("ring, cp 1 (own block)")
+    for name, docs in (("attention", None), ("attention_documents", 20)):
+        figures = recs[name]["figures"]  # attention_gpu --tiny: every core at 64 and 128
+        assert [(f["sequence"], f["attention"]) for f in figures] == [
+            (s, c) for s in (64, 128) for c in cores
+        ]
+        assert all(f["ms"] > 0 and f["documents"] == docs for f in figures)
     assert "aten::_scaled_dot_product_flash_attention(" in (out / "schemas.txt").read_text()
     table = (out / "table.md").read_text()
     assert "| step_plait_eager | failed |" in table and "| offload_7b | skipped |" in table

@@ -53,7 +53,7 @@ def _rows(*keys: str) -> list[tuple[str, ...]]:
 
 IMPLS_ZERO = ("zero3", "fsdp2", "zero1", "zero2", "dp", "zro")
 CASES: dict[str, Case] = {
-    "attention_gpu": Case(("--documents", "20")),  # checked by test_attention_gpu_tiny
+    "attention_gpu": Case(("--documents", "20")),  # run by test_gpu_all.py (gpu_all --dry)
     "checkpoint_stall_gpu": Case(
         ("--device", "cpu"), {"save | stall per save ms": _rows("sync", "async")}
     ),
@@ -286,20 +286,6 @@ def test_tiny_run_prints_its_tables(name: str) -> None:
                 if tuple(r[: len(key) - 1]) == key[:-1] and r[len(key) - 1].startswith(key[-1])
             ]
             assert hit, f"{name}: table {header!r} has no row {key}; rows: {rows}"
-
-
-def test_attention_gpu_tiny() -> None:
-    """``attention_gpu.py --tiny`` on the CPU: every core at both sequences."""
-    out = run_script("attention_gpu", CASES["attention_gpu"].args)
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
-    names = [c[1].strip() for c in rows[1:]]
-    want = ["SDPA", "blockwise, block 16", "blockwise, block 32", "blockwise, block whole"]
-    want.append("ring, cp 1 (own block)")
-    assert names == want * 2
-    assert [c[0].strip() for c in rows[1:]] == ["64"] * 5 + ["128"] * 5
-    for c in rows[1:]:
-        assert float(c[2]) > 0 and float(c[3]) > 0
-    assert "documents of 20 tokens" in out
 
 
 def test_gpu_step_tiny(tmp_path: Path) -> None:
