@@ -145,8 +145,8 @@ def preflight(a: argparse.Namespace) -> dict[str, Any]:
         env["capability"] = f"{props.major}.{props.minor}"
         env["device_gb"] = props.total_memory / 1e9
     else:
-        env["device"] = f"cpu (checks against the {a.machine}: {MACHINES[a.machine]} GB)"
         env["device_gb"], env["host_gb"] = MACHINES[a.machine]
+        env["device"] = f"cpu (--dry; rows checked against the {a.machine}'s memory)"
     env["device_gb"] = a.device_gb or env["device_gb"]
     env["host_gb"] = a.host_gb or env["host_gb"]
     return env
