@@ -245,9 +245,11 @@ def run_row(row: Row, a: argparse.Namespace, out: Path) -> dict[str, Any]:
     rec: dict[str, Any] = {"row": row.name, "dry": a.dry, "seconds": round(seconds, 1)}
     rec.update(limit_s=limit, budget_s=row.budget_s, exit=code)
     rec["table"] = [ln for ln in lines if ln.startswith("|")][-20:]
-    figures = out / f"{row.name}.jsonl"
-    if figures.exists():
-        rec["figures"] = [json.loads(x) for x in figures.read_text().splitlines() if x.strip()]
+    path = out / f"{row.name}.jsonl"
+    figures = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    figures += [json.loads(ln[len("RESULT ") :]) for ln in lines if ln.startswith("RESULT ")]
+    if figures:  # the row's own records (offload.py's child prints one RESULT line)
+        rec["figures"] = figures
     error = None
     if code is None:
         error = f"killed at its limit of {limit} s"

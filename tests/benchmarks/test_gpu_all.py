@@ -105,6 +105,12 @@ def test_dry_run_records_fails_skips_and_reruns(tmp_path: Path, wheels: Path) ->
     assert retry.returncode == 0, retry.stdout[-2000:]
     assert _records(out)[-1]["row"] == "step_plait_eager"
     assert _records(out)[-1]["status"] == "ok"
+    # on a host that fits, the offload row runs: its child's RESULT line is its figure
+    other = tmp_path / "other"
+    r = _gpu_all("--dry", "--out", str(other), "--wheels", str(wheels), "--only", "offload_7b")
+    assert r.returncode == 0, r.stdout[-2000:]
+    (offload,) = _records(other)[-1]["figures"]
+    assert offload["variant"] == "after" and offload["host_peak"] > 0
 
 
 def test_no_cuda_fails_fast_with_one_line(tmp_path: Path, wheels: Path) -> None:
