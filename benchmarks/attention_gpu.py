@@ -7,8 +7,11 @@ blocks of 128, 1024 and the whole sequence, and :class:`RingAttention` on a cp a
 one rank (its own block as one causal kernel call: what a ring step costs per block),
 for sequences 4096 and 16384. Time: median of ``--repeats`` runs after two warm-up runs,
 CUDA-synchronised; the ratio is to SDPA at the same sequence (target: <= 1.3 for large
-blocks). With document masking (``--documents N``: an end-of-document token every N
-tokens) both sides use the block-causal mask (SDPA: a boolean mask).
+blocks). A blockwise or ring row during which a fused kernel failed (and the fallback
+ran: :func:`plait.model.attention_kernels.fallbacks`) is refused: recorded as failed
+with the kernel's error, not timed as fused. With document masking (``--documents N``:
+an end-of-document token every N tokens) both sides use the block-causal mask (SDPA: a
+boolean mask).
 
 Usage (repository root): ``python benchmarks/attention_gpu.py [--out benchmarks/RESULTS.md]``;
 ``--tiny`` runs a small CPU version (float32, 4/2 heads of 16, sequences 64 and 128,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -104,6 +108,37 @@ def _cores(
     return sdpa, blockwise, rg
 
 
+def fused_problem() -> str | None:
+    """Why the row just timed is not a fused-kernel figure: a kernel failed during it
+    (at some call site) and the fallback ran instead; None when it is."""
+    from plait.model import attention_kernels as kernels
+
+    failed, fell = kernels.disabled(), kernels.fallbacks()
+    if not failed and not fell:
+        return None
+    where = "; ".join(
+        f"{k} at {site}: {line}" for site, d in failed.items() for k, line in d.items()
+    )
+    return f"ran the fallback ({sum(fell.values())} calls): {where or 'a kernel failed'}"
+
+
+def measure(
+    name: str, fused: bool, fn: Callable[[], None], device: torch.device, repeats: int
+) -> tuple[float | None, str | None]:
+    """(seconds, None), or (None, the error) when ``fn`` raised or (``fused``) a kernel
+    failed and the fallback ran: such a row is refused, not reported as fused."""
+    from plait.model import attention_kernels as kernels
+
+    kernels.reset()
+    try:
+        t = _time(fn, device, repeats)
+    except Exception as exc:  # recorded, and the next row runs
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"{type(exc).__name__}: {line}"
+    problem = fused_problem() if fused else None
+    return (None, problem) if problem else (t, None)
+
+
 def rows(
     seqs: list[int],
     blocks: list[int | None],
@@ -114,8 +149,10 @@ def rows(
     device: torch.device,
     repeats: int,
     documents: int | None,
+    jsonl: str | None = None,
 ) -> list[list[str]]:
-    """Table rows: sequence, attention, ms, ratio to SDPA."""
+    """Table rows (sequence, attention, ms, ratio to SDPA), each printed and appended to
+    ``jsonl`` as soon as measured; a failing row is recorded with its error."""
     out = []
     for s in seqs:
         g = torch.Generator(device=device).manual_seed(0)
@@ -124,15 +161,28 @@ def rows(
             for h in (heads, kv_heads, kv_heads, heads)
         )
         sdpa, blockwise, ring = _cores(s, heads, kv_heads, device, documents)
-        base = _time(_fwd_bwd(sdpa, q, k, v, dout), device, repeats)
-        out.append([str(s), "SDPA", f"{base * 1e3:.2f}", "1.00"])
+        cores: list[tuple[str, bool, Callable[..., torch.Tensor]]] = [("SDPA", False, sdpa)]
         for block in blocks:
             core = functools.partial(blockwise, block_size=s if block is None else block)
-            t = _time(_fwd_bwd(core, q, k, v, dout), device, repeats)
-            name = f"blockwise, block {'whole' if block is None else block}"
-            out.append([str(s), name, f"{t * 1e3:.2f}", f"{t / base:.2f}"])
-        t = _time(_fwd_bwd(ring, q, k, v, dout), device, repeats)
-        out.append([str(s), "ring, cp 1 (own block)", f"{t * 1e3:.2f}", f"{t / base:.2f}"])
+            cores.append((f"blockwise, block {'whole' if block is None else block}", True, core))
+        cores.append(("ring, cp 1 (own block)", True, ring))
+        base: float | None = None
+        for name, fused, core in cores:
+            t, error = measure(name, fused, _fwd_bwd(core, q, k, v, dout), device, repeats)
+            if name == "SDPA":
+                base = t
+            if t is None:
+                row = [str(s), name, f"failed: {error}", "-"]
+            else:
+                ratio = f"{t / base:.2f}" if base else "-"
+                row = [str(s), name, f"{t * 1e3:.2f}", ratio]
+            print(f"| {' | '.join(row)} |", flush=True)
+            out.append(row)
+            if jsonl:
+                rec = {"sequence": s, "attention": name, "documents": documents}
+                rec.update({"ms": t * 1e3} if t is not None else {"error": error})
+                with open(jsonl, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
     return out
 
 
@@ -142,6 +192,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--documents", type=int, default=None, help="EOS every N tokens")
     ap.add_argument("--out", default=None, help="append the table to this markdown file")
+    ap.add_argument("--jsonl", default=None, help="append each row here as soon as measured")
     a = ap.parse_args()
     if a.tiny:
         device, dtype = torch.device("cpu"), torch.float32
@@ -153,23 +204,27 @@ def main() -> None:
         device, dtype = torch.device("cuda"), torch.bfloat16
         seqs, blocks, shape = [4096, 16384], [128, 1024, None], (16, 8, 128)
         repeats = a.repeats
-    table = rows(seqs, blocks, *shape, dtype, device, repeats, a.documents)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    lines = [
+    head = (
         f"One attention layer, forward + backward: {shape[0]} heads, {shape[1]} KV heads, "
         f"head {shape[2]}, {str(dtype).removeprefix('torch.')}, causal, batch 1"
         + (f", documents of {a.documents} tokens" if a.documents else "")
-        + f"; {dev}, torch {torch.__version__}; median of {repeats}.",
+        + f"; {dev}, torch {torch.__version__}; median of {repeats}."
+    )
+    print(head + "\n\n| sequence | attention | ms | x SDPA |\n|---:|---|---:|---:|", flush=True)
+    table = rows(seqs, blocks, *shape, dtype, device, repeats, a.documents, a.jsonl)
+    lines = [
+        head,
         "",
         "| sequence | attention | ms | x SDPA |",
         "|---:|---|---:|---:|",
         *[f"| {' | '.join(r)} |" for r in table],
     ]
-    text = "\n".join(lines)
-    print(text)
     if a.out:
         with open(a.out, "a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
+            f.write("\n" + "\n".join(lines) + "\n")
+    if any(r[2].startswith("failed") for r in table):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

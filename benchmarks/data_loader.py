@@ -130,6 +130,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8_000, help="BPE vocabulary")
     p.add_argument("--out", type=Path, default=None, help="append the section to this file")
     p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
+    p.add_argument("--no-prepare", action="store_true", help="part 1 only (gpu_all's row)")
     a = p.parse_args()
     if a.tiny:
         a.tokens, a.steps, a.prepare_mb, a.vocab = 1_000_000, 2, 1, 512
@@ -140,7 +141,7 @@ def main() -> None:
         other = random_folder(tmp / "b", a.tokens // 4, 1)
         loads = loader_rows(folder, other, a.steps)
         (tmp / "prep").mkdir()
-        preps = prepare_rows(tmp / "prep", a.prepare_mb, a.vocab)
+        preps = [] if a.no_prepare else prepare_rows(tmp / "prep", a.prepare_mb, a.vocab)
     load = os.getloadavg()[0]
     device = (
         torch.cuda.get_device_name(0)

@@ -162,6 +162,17 @@ def plain_row(
     return _timed(step, a, device)
 
 
+def _force_backend(backend: str) -> None:
+    """Make every ``torch.compile`` of this process use ``backend`` (plait's per-block
+    compile names inductor itself)."""
+    real = torch.compile
+
+    def compile_with(*args: Any, **kw: Any) -> Any:
+        return real(*args, **{**kw, "backend": backend})
+
+    torch.compile = compile_with  # type: ignore[assignment]
+
+
 def skip_reason(row: str, device: torch.device) -> str | None:
     """Why ``row`` cannot run here (None: it can)."""
     if "float8" in row:
@@ -191,7 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--jsonl", default=None, help="append each row here as soon as measured")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend for the compiled rows ('eager': the CPU check of the "
+        "wiring, without a compiler)",
+    )
     a = p.parse_args(argv)
+    if a.compile_backend != "inductor":
+        _force_backend(a.compile_backend)
     device = torch.device(a.device)
     a.seq = a.seq or (32 if a.tiny else 2048)
     a.batch = a.batch or 4
@@ -214,32 +234,56 @@ def main(argv: list[str] | None = None) -> int:
     for row in [r.strip() for r in a.rows.split(",") if r.strip()]:
         if row not in ROWS:
             raise SystemExit(f"gpu_step: unknown row {row!r}; rows are {', '.join(ROWS)}")
-        why = skip_reason(row, device)
-        if why is not None:
-            print(f"| {row} | skipped: {why} | | | |", flush=True)
-            results.append({"run": row, "skipped": why})
-            continue
-        compiled = "compiled" in row
-        if row.startswith("plait"):
-            r = plait_row(cfg, a, x, y, compiled, "float8" in row)
-        else:
-            r = plain_row(cfg, a, x, y, compiled)
-        tps = a.batch * a.seq / r["seconds"]
-        mfu = tps * fpt / peak.flops if peak.flops else None
-        mem = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
-        mfu_s = "-" if mfu is None else f"{100 * mfu:.1f} %"
-        print(f"| {row} | {tps:,.0f} | {mfu_s} | {mem} | {r['loss']:.4f} |", flush=True)
-        results.append({"run": row, "tokens_per_s": tps, "mfu": mfu, **r})
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset() if compiled else None
+        result = measure_row(row, cfg, a, x, y, fpt, peak.flops)
+        results.append(result)
+        if a.jsonl:  # as soon as measured: a later row that dies loses nothing
+            with open(a.jsonl, "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(
                 {"device": str(device), "torch": torch.__version__, "rows": results}, f, indent=1
             )
-    return 0
+    return 1 if any("error" in r for r in results) else 0
+
+
+def measure_row(
+    row: str,
+    cfg: ModelConfig,
+    a: argparse.Namespace,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    fpt: float,
+    peak_flops_: float | None,
+) -> dict[str, Any]:
+    """One row, printed as soon as measured; a row that raises is printed and returned
+    with its error (the next row still runs)."""
+    device = x.device
+    why = skip_reason(row, device)
+    if why is not None:
+        print(f"| {row} | skipped: {why} | | | |", flush=True)
+        return {"run": row, "skipped": why}
+    compiled = "compiled" in row
+    try:
+        if row.startswith("plait"):
+            r = plait_row(cfg, a, x, y, compiled, "float8" in row)
+        else:
+            r = plain_row(cfg, a, x, y, compiled)
+    except Exception as exc:  # recorded, and the next row runs
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"| {row} | failed: {type(exc).__name__}: {line} | | | |", flush=True)
+        return {"run": row, "error": f"{type(exc).__name__}: {line}"}
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset() if compiled else None
+    tps = a.batch * a.seq / r["seconds"]
+    mfu = tps * fpt / peak_flops_ if peak_flops_ else None
+    mem = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
+    mfu_s = "-" if mfu is None else f"{100 * mfu:.1f} %"
+    print(f"| {row} | {tps:,.0f} | {mfu_s} | {mem} | {r['loss']:.4f} |", flush=True)
+    return {"run": row, "tokens_per_s": tps, "mfu": mfu, **r}
 
 
 if __name__ == "__main__":

@@ -174,10 +174,16 @@ def _in_child(variant: str) -> dict[str, Any]:
         argv = sys.argv[1:i] + sys.argv[i + 2 :]
     res = subprocess.run(
         [sys.executable, __file__, *argv, "--child", variant],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
-    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
-    return dict(json.loads(line[len("RESULT ") :]))
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if res.returncode or line is None:  # recorded with its reason; the other variants run
+        last = (res.stderr.strip() or res.stdout.strip() or "no output").splitlines()[-1]
+        out = {"variant": variant, "error": f"exit {res.returncode}: {last}"}
+    else:
+        out = dict(json.loads(line[len("RESULT ") :]))
+    print(f"# {variant}: {out.get('error') or 'done'}", flush=True)  # as each one ends
+    return out
 
 
 # ----------------------------------------------------------------------------- model check
@@ -459,7 +465,7 @@ def main() -> None:
     title = f"Host AdamW over 8 flat fp32 buffers, {a.adam_numel:,} parameters (median of 5):"
     lines = [title, "", *adam_table(a.adam_numel), ""]
     rows = [_in_child(v) for v in a.variants.split(",")]  # a process each: its own peak
-    n = rows[0]["params"]
+    n = next((r["params"] for r in rows if "params" in r), 0)
     lines += [
         f"Training: {n / 1e6:.1f} M parameters, ZeRO-{a.zero}, {a.dtype}, batch {a.batch} x "
         f"{a.seq} x accumulation {a.accum}, {a.device}, mean of {a.steps} steps after "
@@ -470,6 +476,9 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error']} |" + " |" * 8)
+            continue
         dev = "-" if r["device_peak"] is None else f"{r['device_peak'] / 2**30:.2f}"
         lines.append(
             f"| {r['variant']} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | {r['mfu']:.2%} | "

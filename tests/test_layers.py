@@ -63,7 +63,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.config",),
     ("plait.arch",),  # torch-free: the model's arithmetic, for plait.model and plait.plan
     ("plait.comm",),
-    ("plait.collectives", "plait.mesh", "plait.pieces"),
+    ("plait.collectives", "plait.mesh", "plait.pieces", "plait.host_scalar"),
     ("plait.model",),
     ("plait.parallel", "plait.optim", "plait.checkpoint"),
     # viz sits beside train, as docs/architecture.md places it: the trainer draws its

@@ -28,13 +28,21 @@ One :meth:`Optimizer.step`:
 4. clipping by ``max_norm / (norm + 1e-6)`` (torch's formula), the inner step, and
    under ZeRO the copy of the masters back into the model dtype and the all-gather of
    the updated shards (stages 1/2).
+
+Without clipping, loss scaling or the "skip" policy (and without ZeRO-Offload), nothing
+in the step depends on the norm's value, so the step does not wait for it (no host
+sync on a GPU, :attr:`Optimizer.sync_free`): the norm stays on the device, a copy to
+the host is started (:class:`plait.host_scalar.HostScalar`), and its finiteness is
+checked when :attr:`StepReport.grad_norm` is read or at the start of the next step,
+whichever is first. A non-finite norm then raises :class:`NonFiniteError` as before,
+with the step it belongs to, after that step's update (the run stops either way).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +53,7 @@ from plait import comm
 from plait.comm import AxisGroup
 from plait.config import NONFINITES, NonFinite
 from plait.config.rules.choices import check_choice
+from plait.host_scalar import HostScalar
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel
@@ -58,10 +67,19 @@ _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
 class StepReport:
     """What one optimizer step did."""
 
-    grad_norm: float  # global L2 norm before clipping (after unscaling)
+    norm: float | HostScalar  # global L2 norm before clipping (after unscaling)
     skipped: bool
     loss_scale: float | None  # the scale the step's loss was multiplied by (fp16)
     reason: str = ""
+    check: Callable[[], None] | None = None  # a sync-free step's deferred finiteness check
+
+    @property
+    def grad_norm(self) -> float:
+        """The norm as a number (a sync-free step: waits for the norm's copy only, and
+        raises :class:`NonFiniteError` if it is not finite)."""
+        if self.check is not None:
+            self.check()
+        return self.norm if isinstance(self.norm, float) else self.norm.value()
 
 
 @runtime_checkable
@@ -182,6 +200,7 @@ class Optimizer:
         self.nonfinite = nonfinite
         self.steps = 0
         self.skipped = 0
+        self._pending: tuple[int, HostScalar] | None = None  # a sync-free step's norm
         self.target: OptimizerTarget = (
             model if isinstance(model, OptimizerTarget) else PlainModule(model)
         )
@@ -237,9 +256,39 @@ class Optimizer:
         else:
             self.inner.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def sync_free(self) -> bool:
+        """Whether :meth:`step` runs without reading the norm on the host: no clipping,
+        no loss scaler, the "error" policy, no ZeRO-Offload (see the module docstring)."""
+        host = self.sharded.host if self.sharded is not None else None
+        return (
+            self.max_norm == 0
+            and self.scaler is None
+            and self.nonfinite == "error"
+            and (host is None)
+        )
+
+    def check_pending(self) -> None:
+        """Raise :class:`NonFiniteError` if the last sync-free step's norm was not finite
+        (waits for that norm's copy to the host, not for later work); a no-op otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            step, norm = pending
+            value = norm.value()
+            if not math.isfinite(value):
+                raise NonFiniteError(
+                    f"optimizer step {step}: the gradient norm is not finite ({value}), "
+                    "found after the step (without clipping the step does not wait for the "
+                    "norm); stopping. Set precision.nonfinite = 'skip' to skip such steps "
+                    "instead, or lower the learning rate."
+                )
+
     @torch.no_grad()
     def step(self, loss_finite: bool = True) -> StepReport:
         """Unscale, measure the global norm, skip or clip, step, write back (see above)."""
+        self.check_pending()
+        if self.sync_free and loss_finite:
+            return self._step_sync_free()
         scale = self.scaler.scale if self.scaler is not None else None
         grads = self._master_grads()
         host = self.sharded.host if self.sharded is not None else None
@@ -280,6 +329,19 @@ class Optimizer:
             self.scaler.update(found_inf=False)
         self.steps += 1
         return StepReport(norm, False, scale)
+
+    def _step_sync_free(self) -> StepReport:
+        """The step without reading the norm (:attr:`sync_free`): the inner step at once,
+        the norm's host copy started, its check deferred."""
+        grads = self._master_grads()
+        norm = HostScalar(self._global_norm_tensor(grads))
+        if self.sharded is not None:
+            self.sharded.step(grads)
+        else:
+            self.inner.step()
+        self.steps += 1
+        self._pending = (self.steps, norm)
+        return StepReport(norm, False, None, check=self.check_pending)
 
     def master_tensors(self) -> list[torch.Tensor]:
         """The separate fp32 master tensors (empty when the masters are the parameters)."""
@@ -333,8 +395,12 @@ class Optimizer:
         return [p.grad for p in self._params if p.grad is not None]
 
     def _global_norm(self, grads: list[torch.Tensor]) -> float:
+        """:meth:`_global_norm_tensor` read on the host (one sync on a GPU)."""
+        return float(self._global_norm_tensor(grads).item())
+
+    def _global_norm_tensor(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm over every element of the model, each counted once: the weighted local
-        squared norm, summed over the norm groups."""
+        squared norm, summed over the norm groups; a float64 scalar on the device."""
         # the collective runs where the gradients live (NCCL cannot reduce CPU tensors)
         device = (
             self.zero.device
@@ -361,4 +427,4 @@ class Optimizer:
             sq = sq.reshape(1)
             for group in self._groups:
                 comm.all_reduce(sq, group, op="sum")
-        return float(sq.sqrt().item())
+        return sq.sqrt().reshape(())

@@ -10,7 +10,8 @@ environment, working folder) is put back, and it must not leave a process group
 behind. Scripts that start their own processes (``plait train``, children) still do.
 
 A new script without an entry in :data:`CASES` fails :func:`test_every_script_has_a_case`.
-The GPU-only scripts run their CPU forms here; ``gpu_all.sh`` is syntax-checked.
+The GPU-only scripts run their CPU forms here; ``gpu_all.sh`` is syntax-checked and
+``gpu_all.py --dry`` runs in ``test_gpu_all.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _rows(*keys: str) -> list[tuple[str, ...]]:
 
 IMPLS_ZERO = ("zero3", "fsdp2", "zero1", "zero2", "dp", "zro")
 CASES: dict[str, Case] = {
-    "attention_gpu": Case(("--documents", "20")),  # checked by test_attention_gpu_tiny
+    "attention_gpu": Case(("--documents", "20")),  # run by test_gpu_all.py (gpu_all --dry)
     "checkpoint_stall_gpu": Case(
         ("--device", "cpu"), {"save | stall per save ms": _rows("sync", "async")}
     ),
@@ -121,6 +122,9 @@ CASES: dict[str, Case] = {
             ]
         }
     ),
+    "gpu_all": Case(),  # checked by tests/benchmarks/test_gpu_all.py (--dry)
+    "gpu_plan_rows": Case(),  # run by gpu_all --dry
+    "gpu_rows": Case(),  # gpu_all's rows (a module), checked by test_gpu_all.py
     "gpu_step": Case(  # checked by test_gpu_step_tiny
         (
             "--device",
@@ -283,20 +287,6 @@ def test_tiny_run_prints_its_tables(name: str) -> None:
                 if tuple(r[: len(key) - 1]) == key[:-1] and r[len(key) - 1].startswith(key[-1])
             ]
             assert hit, f"{name}: table {header!r} has no row {key}; rows: {rows}"
-
-
-def test_attention_gpu_tiny() -> None:
-    """``attention_gpu.py --tiny`` on the CPU: every core at both sequences."""
-    out = run_script("attention_gpu", CASES["attention_gpu"].args)
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
-    names = [c[1].strip() for c in rows[1:]]
-    want = ["SDPA", "blockwise, block 16", "blockwise, block 32", "blockwise, block whole"]
-    want.append("ring, cp 1 (own block)")
-    assert names == want * 2
-    assert [c[0].strip() for c in rows[1:]] == ["64"] * 5 + ["128"] * 5
-    for c in rows[1:]:
-        assert float(c[2]) > 0 and float(c[3]) > 0
-    assert "documents of 20 tokens" in out
 
 
 def test_gpu_step_tiny(tmp_path: Path) -> None:

@@ -144,7 +144,42 @@ def test_loader_pins_batches_for_cuda(byte_folder: Path) -> None:
         for step in range(3):
             x, y = loader.get(step)
             assert x.is_pinned() and y.is_pinned()
+            assert x.is_contiguous() and y.is_contiguous()
             on_gpu = x.to("cuda", non_blocking=True)
             assert torch.equal(on_gpu.cpu(), read(step)[0])
     finally:
         loader.close()
+
+
+def test_pinned_batches_are_contiguous_buffers(
+    byte_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The windows' inputs and targets are views (``w[:, :-1]``, ``w[:, 1:]``); the loader
+    copies each into a contiguous buffer from the pinned allocator (replaced here by the
+    plain one: the CPU-only machine has no page-locking), never pinning the view itself
+    (a strided pinned tensor makes the asynchronous copy go through pageable memory)."""
+    import plait.data.loader as loader_mod
+
+    asked: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def fake_pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        asked.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(loader_mod, "_pinned_empty", fake_pinned_empty)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pytest.fail("pinned a view"))
+    train, _ = open_prepared(str(byte_folder), 32, 0.05)
+    sampler = BatchSampler(len(train), 4, 0, 1, seed=0)
+
+    def read(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return train.batch(sampler.rank_indices(step))
+
+    assert not read(0)[0].is_contiguous()  # the case that matters: views of the windows
+    loader = BackgroundLoader(read, depth=1, pin=True)
+    try:
+        x, y = loader.get(0)
+    finally:
+        loader.close()
+    assert x.is_contiguous() and y.is_contiguous()
+    assert torch.equal(x, read(0)[0]) and torch.equal(y, read(0)[1])
+    assert asked[:2] == [((4, 32), x.dtype), ((4, 32), y.dtype)]

@@ -73,12 +73,15 @@ def test_whole_sequence_fused_backward_equals_reference(causal: bool) -> None:
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_a_failing_kernel_is_disabled_and_the_reference_takes_over(
+def test_a_failing_kernel_is_disabled_at_its_call_site_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A kernel that raises (an unsupported shape on some GPU, say) is reported once,
-    not chosen again, and the blocks are still computed exactly."""
+    """A kernel that raises (an unsupported shape on some GPU, say) is reported once per
+    call site and not chosen there again, the blocks are still computed exactly, and the
+    calls made there afterwards are counted as fallbacks; another call site (here the
+    backward, and a direct :func:`kernels.choose`) keeps the kernel."""
     monkeypatch.setattr(kernels, "_DISABLED", {})
+    monkeypatch.setattr(kernels, "_FALLBACKS", {})
     real = kernels.forward
 
     def failing(kernel: kernels.Kernel, *args: object, **kw: object) -> object:
@@ -89,12 +92,29 @@ def test_a_failing_kernel_is_disabled_and_the_reference_takes_over(
     monkeypatch.setattr(kernels, "forward", failing)
     g = torch.Generator().manual_seed(4)
     q, k = (torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    with pytest.warns(RuntimeWarning, match="cpu kernel failed \\(no kernel for this shape\\)"):
+    q.requires_grad_()
+    with pytest.warns(RuntimeWarning, match="cpu kernel failed at .*block_forward"):
         out, _ = blockwise_attention(q, k, k, causal=True, block_size=4)
-    assert kernels.disabled() == {"cpu": "no kernel for this shape"}
-    assert kernels.choose(q, k, k, True, None) is None
+    (site,) = kernels.disabled()
+    assert site.endswith("blockwise_attention.block_forward"), site
+    assert kernels.disabled() == {site: {"cpu": "no kernel for this shape"}}
+    assert kernels.choose(q, k, k, True, None, site=site) is None
+    assert kernels.choose(q, k, k, True, None) == "cpu"  # this test is another site
+    # 3 query blocks of 4, 4, 1 rows: a diagonal call each, and one call over the keys
+    # before it for the last two (coalesced): 5 calls, every one after the first failure
+    assert kernels.fallbacks() == {site: 5}
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    used: list[str] = []
+    real_bwd = kernels.backward
+    monkeypatch.setattr(
+        kernels, "backward", lambda kn, *a, **kw: used.append(kn) or real_bwd(kn, *a, **kw)
+    )
+    out.sum().backward()  # the backward's own sites still run the fused kernel
+    assert used and set(used) == {"cpu"}
+    assert list(kernels.disabled()) == [site]
+    kernels.reset()
+    assert kernels.disabled() == {} and kernels.fallbacks() == {}
 
 
 def test_running_out_of_memory_in_a_kernel_propagates_and_keeps_it_enabled(
@@ -104,6 +124,7 @@ def test_running_out_of_memory_in_a_kernel_propagates_and_keeps_it_enabled(
     score blocks), so the error reaches the caller (the launcher names it) and the kernel
     is not disabled for the rest of the run."""
     monkeypatch.setattr(kernels, "_DISABLED", {})
+    monkeypatch.setattr(kernels, "_FALLBACKS", {})
 
     def oom(kernel: kernels.Kernel, *args: object, **kw: object) -> object:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

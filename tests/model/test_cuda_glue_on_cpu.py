@@ -114,7 +114,9 @@ def force(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setattr(kernels, "_aten", FAKE)
         monkeypatch.setattr(kernels, "_DISABLED", {})
         monkeypatch.setattr(
-            kernels, "choose", lambda q, k, v, c, bias: "efficient" if bias is not None else kernel
+            kernels,
+            "choose",
+            lambda q, k, v, c, bias, site=None: "efficient" if bias is not None else kernel,
         )
 
     return use

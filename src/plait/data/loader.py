@@ -3,7 +3,10 @@
 :class:`BackgroundLoader` reads this rank's batch of steps ``start, start + 1, ...`` (the
 sampler's :meth:`~plait.data.sampler.BatchSampler.rank_indices`, so the order is the
 sampler's pure function of ``(seed, step)``) into a bounded queue of ``depth`` batches,
-in pinned memory when ``pin`` (CUDA; the copy to the device can then be asynchronous).
+in pinned memory when ``pin`` (CUDA; the copy to the device can then be asynchronous):
+each tensor is copied into a fresh *contiguous* pinned buffer (:func:`pinned`), since a
+pinned strided view (the inputs ``w[:, :-1]`` of a window ``w``) would make
+``.to(device, non_blocking=True)`` stage it through a pageable contiguous copy first.
 ``get(step)`` returns step ``step``'s batch: the queued one when the steps run in order,
 otherwise (a jump, e.g. after a resume) the thread restarts at ``step``. A failure in the
 thread is raised by ``get``.
@@ -22,6 +25,18 @@ import torch
 Batch = tuple[torch.Tensor, ...]
 """``(inputs, targets)``, each ``(batch, seq)``, and any further per-token tensors of the
 step (a packed set's document ids): every tensor is pinned alike."""
+
+
+def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a new contiguous page-locked buffer (one copy, whatever ``t``'s
+    strides): what an asynchronous host-to-device copy needs to stay asynchronous."""
+    buf = _pinned_empty(t.shape, t.dtype)  # (same shape as t), contiguous
+    buf.copy_(t)
+    return buf
 
 
 class BackgroundLoader:
@@ -48,7 +63,7 @@ class BackgroundLoader:
                 return
             try:
                 got = read(step)
-                item = tuple(t.pin_memory() for t in got) if self.pin else tuple(got)
+                item = tuple(pinned(t) for t in got) if self.pin else tuple(got)
             except BaseException as exc:  # handed to the consumer, raised there
                 item = exc
             del read

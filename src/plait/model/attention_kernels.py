@@ -25,14 +25,22 @@ masking) goes to the ``cpu`` or ``efficient`` kernel (flash and the cuDNN path h
 take none). :func:`choose` returns None where no fused kernel applies (float64 on
 CUDA, other devices): callers then use the pure-PyTorch reference.
 
+A kernel that raises (other than running out of memory) is disabled *at its call site*
+(:func:`call_site`: the blockwise forward, its backward, a ring step, ...), with a
+warning, and SDPA's next choice or the reference serves that site from then on; other
+sites keep it. :func:`disabled` and :func:`fallbacks` report both per site, and
+:func:`reset` forgets them (a benchmark row, a test).
+
 Rows that see no key of a block under a mask get ``out = 0``, ``lse = -inf`` (the
 kernels' own value for such rows varies: the CPU kernel returns lse 0).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal, TypeVar
 
 import torch
@@ -74,48 +82,87 @@ def _sdpa_choice(
 
 
 def choose(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bias: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    bias: torch.Tensor | None,
+    site: str | None = None,
 ) -> Kernel | None:
     """The fused kernel for these inputs (heads already expanded), or None. A kernel
-    that failed once in this process (:func:`disabled`) is not chosen again: SDPA's
-    choice among the others is taken instead."""
+    that failed at this call site (``site``: see :func:`call_site`; derived from the
+    caller when None) is not chosen there again: SDPA's choice among the others is taken
+    instead. Other call sites keep every kernel."""
     if not available(q):
         return None
+    off = _DISABLED.get(site if site is not None else call_site(), {}) if _DISABLED else {}
     if q.device.type == "cpu":
-        return None if "cpu" in _DISABLED else "cpu"
+        return None if "cpu" in off else "cpu"
     mask = _efficient_bias(bias, q)  # as the efficient kernel would get it
     kernel = _sdpa_choice(q, k, v, causal, mask)
-    if kernel in _DISABLED:
+    if kernel in off:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
         names["cudnn"] = "CUDNN_ATTENTION"
-        allowed = [getattr(SDPBackend, b) for n, b in names.items() if n not in _DISABLED]
+        allowed = [getattr(SDPBackend, b) for n, b in names.items() if n not in off]
         with sdpa_kernel([*allowed, SDPBackend.MATH]):
             kernel = _sdpa_choice(q, k, v, causal, mask)
     if kernel is not None and bias is not None:
         kernel = "efficient"  # the one CUDA kernel here that takes an additive mask
-    return None if kernel in _DISABLED else kernel
+    return None if kernel in off else kernel
 
 
-_DISABLED: dict[str, str] = {}
-"""Kernels that raised in this process -> the first line of their error."""
+_DISABLED: dict[str, dict[str, str]] = {}
+"""Call site -> the kernels that raised there -> the first line of their error."""
+_FALLBACKS: dict[str, int] = {}
+"""Call site -> calls made there after a kernel had failed there (each ran SDPA's next
+choice or the reference, not necessarily the kernel a clean process would have run)."""
+_HERE = __file__
 
 
-def disabled() -> dict[str, str]:
-    """The kernels that failed in this process and are no longer chosen (kernel ->
-    first line of its error); the GPU tests check this stays empty."""
-    return dict(_DISABLED)
+def call_site(depth: int = 2) -> str:
+    """The call site a kernel failure is charged to: the first ``depth`` frames outside
+    this module, outermost first, as ``module.function`` joined by ``>`` (e.g.
+    ``blockwise_attention.forward>blockwise_attention.block_forward``): the per-block
+    helpers are called from several places (blockwise, ring), so their caller counts too."""
+    frame = sys._getframe(1)
+    names: list[str] = []
+    while frame is not None and len(names) < depth:
+        code = frame.f_code
+        if code.co_filename != _HERE:
+            names.append(f"{Path(code.co_filename).stem}.{code.co_name}")
+        frame = frame.f_back  # type: ignore[assignment]
+    return ">".join(reversed(names))
 
 
-def _disable(kernel: Kernel, exc: RuntimeError) -> None:
+def disabled() -> dict[str, dict[str, str]]:
+    """The kernels that failed, per call site (site -> kernel -> first line of its
+    error); they are no longer chosen at that site. The GPU tests check this stays
+    empty; ``benchmarks/attention_gpu.py`` reports it."""
+    return {site: dict(kernels) for site, kernels in _DISABLED.items()}
+
+
+def fallbacks() -> dict[str, int]:
+    """Per call site, the calls made there after a kernel had failed there (a benchmark
+    that times a fused row checks this stays unchanged)."""
+    return dict(_FALLBACKS)
+
+
+def reset() -> None:
+    """Forget every failure and fallback count (a new benchmark row or test)."""
+    _DISABLED.clear()
+    _FALLBACKS.clear()
+
+
+def _disable(site: str, kernel: Kernel, exc: RuntimeError) -> None:
     line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    _DISABLED[kernel] = line
+    _DISABLED.setdefault(site, {})[kernel] = line
     warnings.warn(
-        f"plait attention: the {kernel} kernel failed ({line}); another kernel or the "
-        "reference computes these blocks from now on",
+        f"plait attention: the {kernel} kernel failed at {site} ({line}); another kernel "
+        "or the reference computes its blocks there from now on",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
@@ -128,7 +175,7 @@ def fused_forward(
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`forward` with the kernel :func:`choose` picks; None when none applies.
-    A kernel that raises is disabled and the next choice is tried."""
+    A kernel that raises is disabled at this call site and the next choice is tried."""
     return _first_working(
         q, k, v, causal, bias, lambda kn: forward(kn, q, k, v, causal, scale, bias)
     )
@@ -160,16 +207,30 @@ def _first_working(
     call: Callable[[Kernel], T],
 ) -> T | None:
     """``call(kernel)`` for the kernels :func:`choose` picks in turn: one that raises is
-    disabled and the next is tried; None when none applies. Running out of memory is
-    not the kernel's fault (the plain fallback needs more): it propagates, and the
-    kernel stays enabled."""
-    while (kernel := choose(q, k, v, causal, bias)) is not None:
+    disabled at the caller's site and the next is tried; None when none applies.
+    Running out of memory is not the kernel's fault (the plain fallback needs more): it
+    propagates, and the kernel stays enabled. The site is looked up only once a kernel
+    has failed somewhere (no cost on the path without failures)."""
+    site = call_site() if _DISABLED else None
+    fell_back = bool(site is not None and _DISABLED.get(site))
+    while True:
+        kernel = choose(q, k, v, causal, bias, site=site or "")
+        if kernel is None:
+            break
         try:
-            return call(kernel)
+            got = call(kernel)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
-            _disable(kernel, exc)
+            site = site or call_site()
+            _disable(site, kernel, exc)
+            fell_back = True
+            continue
+        if fell_back and site is not None:
+            _FALLBACKS[site] = _FALLBACKS.get(site, 0) + 1
+        return got
+    if fell_back and site is not None:
+        _FALLBACKS[site] = _FALLBACKS.get(site, 0) + 1
     return None
 
 

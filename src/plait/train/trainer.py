@@ -33,6 +33,7 @@ from torch import nn
 from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
 from plait.data import BackgroundLoader, BatchSampler, check_enough, make_datasets
+from plait.host_scalar import HostScalar
 from plait.mesh import Mesh
 from plait.model.factory import (
     build_meta_model,
@@ -46,7 +47,7 @@ from plait.parallel.checks import validate_run
 from plait.parallel.compression import adam_in_front
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
-from plait.parallel.precision import DynamicLossScaler, optimizer_kernel
+from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
@@ -222,8 +223,20 @@ class Trainer:
             self.model.compressor.set_lr(lr)
         x, y = self._batch(step)
         loss = self.model.step(x, y, micro_batches=self.accum, loss_scale=self.optimizer.loss_scale)
-        mean = float(loss.item())
-        report = self.optimizer.step(loss_finite=math.isfinite(mean))
+        if self.optimizer.sync_free:  # the step does not wait for the loss: read it after
+            pending = HostScalar(loss)
+            report = self.optimizer.step()
+            mean = pending.value()  # waits for forward + backward, not the optimizer's kernels
+            if not math.isfinite(mean):
+                raise NonFiniteError(
+                    f"optimizer step {self.optimizer.steps}: the loss is not finite ({mean}), "
+                    "found after the step (without clipping the step does not wait for the "
+                    "loss); stopping. Set precision.nonfinite = 'skip' to skip such steps "
+                    "instead, or lower the learning rate."
+                )
+        else:
+            mean = float(loss.item())
+            report = self.optimizer.step(loss_finite=math.isfinite(mean))
         self.optimizer.zero_grad(set_to_none=True)
         if not report.skipped:
             self.state.sched_step += 1
