@@ -66,7 +66,7 @@ def test_samples_and_generate_use_the_index_tokenizer(bpe_folder: Path) -> None:
     encode with the prepared folder's tokenizer, not ``data.tokenizer``'s default."""
     from dataclasses import replace
 
-    from plait.cli.generate import _saved_tokenizer
+    from plait.cli.model_source import _saved_tokenizer
     from plait.train.sample import TrainingSamples
     from tests.tiny import tiny_config
 
