@@ -22,6 +22,7 @@ import torch
 
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.hf import hf_to_plait, plait_to_hf
+from plait.checkpoint.read import CheckpointReader
 
 ADAPTER_CONFIG = "adapter_config.json"
 """A PEFT adapter's configuration file."""
@@ -171,3 +172,51 @@ def merge_lora(tensors: Mapping[str, torch.Tensor], scale: float) -> dict[str, t
         delta = scale * (b.to(wide) @ a.to(wide))  # (out, in)
         out[layer + ".weight"] = (w.to(wide) + delta).to(w.dtype)
     return out
+
+
+def lora_factors(layer: str) -> tuple[str, str]:
+    """The names of ``layer``'s two factors (A, B)."""
+    return f"{layer}.lora_A.weight", f"{layer}.lora_B.weight"
+
+
+def lora_scale(meta: Mapping[str, Any]) -> float:
+    """alpha / rank of the run a checkpoint's metadata records (its ``lora`` section)."""
+    lora = meta.get("config", {}).get("lora", {})
+    rank, alpha = lora.get("rank"), lora.get("alpha")
+    if not rank or alpha is None:
+        raise CheckpointError("the checkpoint holds LoRA factors but records no lora.rank/alpha")
+    return float(alpha) / int(rank)
+
+
+def read_tensor(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """The whole one-device tensor ``name`` of a checkpoint, in its stored dtype."""
+    shape = list(reader.entry(name).shape)
+    numel = int(torch.Size(shape).numel())
+    return reader.read(name, "param", None, 0, numel).view(shape)
+
+
+def export_peft(reader: CheckpointReader, out: str | Path) -> dict[str, Any]:
+    """Write the LoRA adapter of checkpoint ``reader`` as a PEFT adapter folder ``out``
+    (a new or empty folder; the base model stays where it came from). Returns a summary
+    (step, tensors, rank, files)."""
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise CheckpointError(f"{target} exists and is not an empty folder; choose a new -o")
+    cfg = reader.meta.get("config", {})
+    lora = cfg.get("lora", {})
+    names = [n for n in reader.params if is_lora_name(n)]
+    if not names:
+        raise CheckpointError(f"checkpoint {reader.folder} holds no LoRA adapter")
+    lora_scale(reader.meta)  # records its rank and alpha
+    tensors = {n: read_tensor(reader, n) for n in names}
+    family = cfg.get("model", {}).get("family", "plait")
+    base = cfg.get("train", {}).get("init_from")
+    write_peft_adapter(
+        target, tensors, float(lora["alpha"]), float(lora.get("dropout", 0.0)), family, base
+    )
+    return {
+        "step": reader.step,
+        "tensors": len(tensors),
+        "rank": int(lora["rank"]),
+        "files": [ADAPTER_CONFIG, ADAPTER_WEIGHTS],
+    }
