@@ -71,7 +71,15 @@ def test_lora_state_bytes_equal_the_planner(
     layout = Layout(dp=dp, tp=tp, zero=zero)
     precision = PRECISIONS["fp32" if dtype == "fp32" else "bf16-mixed"]
     q = Query.of_layout(
-        spec, layout, MEMORY_ONLY, precision, RUNTIMES["plait"], 8, 0.0, None, LoraSpec(RANK, TARGETS)
+        spec,
+        layout,
+        MEMORY_ONLY,
+        precision,
+        RUNTIMES["plait"],
+        8,
+        0.0,
+        None,
+        LoraSpec(RANK, TARGETS),
     )
     for got in results:
         mem = memory_per_rank(q, layout, got["rank"])

@@ -20,8 +20,8 @@ from torch import nn
 from plait.checkpoint.files import verify_collective
 from plait.checkpoint.folder import FolderLock, remove_temporaries
 from plait.checkpoint.format import CheckpointError
-from plait.checkpoint.peft_io import is_lora_name
 from plait.checkpoint.load import check_model, load_pieces, open_weights, restore_training_state
+from plait.checkpoint.peft_io import is_lora_name
 from plait.checkpoint.read import CheckpointReader
 from plait.checkpoint.resume import find_checkpoint
 from plait.checkpoint.state import TrainState

@@ -109,7 +109,9 @@ def test_init_from_a_peft_made_adapter(tmp_path: Path) -> None:
         got = pm(_tokens())
     saved = {n: p for n, p in made.named_parameters() if "lora_" in n}
     a = dict(pm.named_parameters())["module.module.layers.1.attention.wv.lora_A.weight"]
-    assert torch.equal(a, saved["base_model.model.model.layers.1.self_attn.v_proj.lora_A.default.weight"])
+    assert torch.equal(
+        a, saved["base_model.model.model.layers.1.self_attn.v_proj.lora_A.default.weight"]
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=TOL)
 
 

@@ -24,7 +24,7 @@ from plait.config import LoraConfig
 from plait.config.rules.lora import LORA_TARGETS
 from plait.errors import ConfigError
 from plait.model.init import param_seed
-from plait.parallel.lora.branch import ADAPTABLE, LoraBranch, attach, local_features
+from plait.parallel.lora.branch import ADAPTABLE, LoraBranch, attach, local_features, weight_of
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,11 +32,7 @@ from plait.parallel.tensor.layers import (
     set_shard_info,
     shard_info,
 )
-from plait.parallel.tensor.sequence import sum_grad_over_tp
-
-GRAD_SUMS_ATTR = "plait_grad_sums"
-"""Where :func:`~plait.parallel.tensor.sequence.sum_grad_over_tp` remembers a
-parameter's gradient-sum groups (a key-value block replicated over tp ranks)."""
+from plait.parallel.tensor.sequence import grad_sum_groups, sum_grad_over_tp
 
 
 @dataclass
@@ -105,7 +101,7 @@ def apply_lora(
     out = LoraApplied()
     for name in sorted(layers, key=list(modules).index):
         layer = modules[name]
-        w: torch.Tensor = layer.weight  # (out_local, in_local)
+        w = weight_of(layer)  # (out_local, in_local)
         a, b = _factors(layer, cfg.rank, dtypes[id(w)], w.device)
         for factor, p in (("lora_A", a), ("lora_B", b)):
             key = f"{name}.{factor}.weight"
@@ -135,7 +131,8 @@ def apply_lora(
 
 def _full_shape(layer: nn.Module, factor: str, rank: int) -> tuple[int, int]:
     """The one-device shape of ``layer``'s ``factor``: A ``(rank, in)``, B ``(out, rank)``."""
-    fin, fout = int(layer.in_features), int(layer.out_features)  # one-device features
+    fin, fout = layer.in_features, layer.out_features  # one-device features
+    assert isinstance(fin, int) and isinstance(fout, int)
     return (rank, fin) if factor == "lora_A" else (fout, rank)
 
 
@@ -154,7 +151,7 @@ def _factors(
         set_shard_info(a, TPShard.replicated(layer.group.size))
         sum_grad_over_tp(a, layer.group)
         set_shard_info(b, layer.info)
-        for group in getattr(layer.weight, GRAD_SUMS_ATTR, []):
+        for group in grad_sum_groups(weight_of(layer)):  # (key/value replicas)
             sum_grad_over_tp(b, group)
     elif isinstance(layer, RowParallelLinear):
         set_shard_info(a, layer.info)

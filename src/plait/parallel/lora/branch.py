@@ -51,8 +51,8 @@ class LoraBranch:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in)`` (the layer's local input) -> ``(..., out)`` (its local output)."""
-        a: torch.Tensor = self.layer.lora_A.weight  # (rank, in)
-        b: torch.Tensor = self.layer.lora_B.weight  # (out, rank)
+        a = factor(self.layer, "lora_A")  # (rank, in)
+        b = factor(self.layer, "lora_B")  # (out, rank)
         if self.dropout and self.layer.training:
             x = F.dropout(x, self.dropout)
         h = F.linear(x.to(a.dtype), a)  # (..., rank)
@@ -95,7 +95,22 @@ def _add_branch(branch: LoraBranch) -> Any:
     return hook
 
 
+def factor(layer: nn.Module, name: str) -> torch.Tensor:
+    """``layer``'s factor ``name`` ("lora_A" / "lora_B") weight."""
+    child = layer.get_submodule(name)
+    w = child.weight
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def weight_of(layer: nn.Module) -> torch.Tensor:
+    """``layer``'s (local) weight ``(out_local, in_local)``."""
+    w = layer.weight
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
 def local_features(layer: nn.Module) -> tuple[int, int]:
     """(in, out) features this rank's piece of ``layer`` multiplies."""
-    w: torch.Tensor = layer.weight  # (out_local, in_local)
+    w = weight_of(layer)  # (out_local, in_local)
     return int(w.shape[1]), int(w.shape[0])
