@@ -86,3 +86,22 @@ def test_lora_state_bytes_equal_the_planner(
         want = {"params": mem.params, "grads": mem.grads, "master": mem.master}
         want["optimizer"] = mem.optimizer
         assert {k: got[k] for k in want} == want, f"rank {got['rank']}"
+
+
+def test_plan_cli_counts_lora(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plait plan --lora-rank`` reports the planner's LoRA memory (less state than full
+    training of the same layout); a rank of 0 exits 2."""
+    import json
+
+    from plait.cli import main
+
+    args = ["plan", "--model", "llama2-7b", "--devices", "8", "--zero", "1", "--json"]
+    args += ["--global-batch", "8"]
+    assert main(args) == 0
+    full = json.loads(capsys.readouterr().out)["memory_bytes"]
+    assert main([*args, "--lora-rank", "16", "--lora-targets", "q,v"]) == 0
+    lora = json.loads(capsys.readouterr().out)["memory_bytes"]
+    assert lora["state"] < full["state"] / 2  # 2-byte frozen base vs 4 + 12/8 bytes/param
+    assert lora["activations"] == full["activations"]
+    assert main([*args, "--lora-rank", "0"]) == 2
+    assert "lora.rank must be >= 1" in capsys.readouterr().err
