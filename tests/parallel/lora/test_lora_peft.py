@@ -116,9 +116,9 @@ def test_init_from_a_peft_made_adapter(tmp_path: Path) -> None:
 
 
 def test_resume_is_bit_exact(tmp_path: Path) -> None:
-    """A LoRA run under ZeRO-1 dp2 (built-in model, bf16-free) saved at step 2 and
-    resumed to step 4 ends with the same tensors, adapters, base and optimizer state,
-    bit for bit, as the run that went through."""
+    """A LoRA run under ZeRO-1 dp2 (built-in model, fp32) saved at step 2 and resumed
+    to step 4 ends with the same tensors, adapters, base and optimizer state, bit for
+    bit, as the run that went through; its banner names the adapters' size."""
     from tests.tiny import tiny_args
 
     common = ["train", *tiny_args(50_000), *LORA, "--nproc", "2", "--parallel.zero", "1"]
@@ -134,6 +134,9 @@ def test_resume_is_bit_exact(tmp_path: Path) -> None:
     assert sorted(one.params) == sorted(two.params)
     assert any(".lora_B." in n for n in one.params) and "output.weight" in one.params
     assert "exp_avg" in one.kinds("layers.0.attention.wq.lora_A.weight")
+    adapters = sum(e.numel for n, e in one.params.items() if ".lora_" in n)
+    line = f"LoRA rank 4, alpha 8 (scale 2) on q,v,o,down: {adapters:,} adapter parameters"
+    assert line in r.stdout, r.stdout  # the banner says what is trained
     for name in one.params:
         for kind in one.kinds(name):
             numel = one.entry(name).numel

@@ -6,7 +6,20 @@ says how an adapter attaches to a plain or tensor-parallel linear layer and whic
 factor is split or replicated.
 """
 
-from plait.parallel.lora.apply import LoraApplied, LoraValues, apply_lora, lora_layers
+from plait.parallel.lora.apply import (
+    LoraApplied,
+    LoraValues,
+    adapter_parameters,
+    apply_lora,
+    lora_layers,
+)
 from plait.parallel.lora.branch import LoraBranch
 
-__all__ = ["LoraApplied", "LoraBranch", "LoraValues", "apply_lora", "lora_layers"]
+__all__ = [
+    "LoraApplied",
+    "LoraBranch",
+    "LoraValues",
+    "adapter_parameters",
+    "apply_lora",
+    "lora_layers",
+]

@@ -64,6 +64,21 @@ def lora_layers(model: nn.Module, targets: tuple[str, ...]) -> dict[str, list[st
     return found
 
 
+def adapter_parameters(model: nn.Module, cfg: LoraConfig) -> int:
+    """The parameters the adapters of ``cfg`` add to the one-device ``model`` (before
+    ``parallelize``; 0 when LoRA is off): ``rank · (in + out)`` per adapted layer."""
+    if cfg.rank is None:
+        return 0
+    modules = dict(model.named_modules())
+    found = lora_layers(model, cfg.target_names)
+    return sum(
+        cfg.rank * _full_shape(modules[n], "lora_A", 1)[1]
+        + cfg.rank * _full_shape(modules[n], "lora_B", 1)[0]
+        for names in found.values()
+        for n in names
+    )
+
+
 def initial_factor(seed: int, name: str, shape: tuple[int, int]) -> torch.Tensor:
     """The one-device initial value of factor ``name`` (float32, CPU): ``lora_A``
     ``(rank, in)`` as PEFT draws it (``kaiming_uniform_(a=sqrt(5))``: uniform in
