@@ -122,7 +122,7 @@ writing; a module of ``plait.config`` imports (of plait) only errors and the par
 its own (longest prefix wins)."""
 
 PLAN_ORDER: list[tuple[str, ...]] = [
-    ("text", "hardware", "layout", "modelspec", "moe"),  # the words: what is planned
+    ("text", "hardware", "layout", "modelspec", "moe", "lora"),  # the words: what is planned
     ("profile_toml", "query"),  # the inputs: a hardware file, the query
     (  # the terms: activations, ZeRO units, links, compression, offload, kernels
         "activations",

@@ -377,14 +377,16 @@ class Optimizer:
     def local_pieces(self) -> list[LocalPiece]:
         """The model's pieces (:meth:`OptimizerTarget.local_pieces`) that this optimizer
         steps, each with its master values (``value``) and the key of its optimizer
-        state (``key``): what a checkpoint saves and restores."""
+        state (``key``), and the frozen parameters' pieces as the model describes them
+        (no state): what a checkpoint saves and restores."""
         self.flush()
         pieces = self.target.local_pieces()
+        frozen = [p for p in pieces if not p.key.requires_grad]  # saved, not stepped
         if self.sharded is not None:
-            described = [self.sharded.describe(p) for p in pieces]
-            return [p for p in described if p is not None]
+            described = [self.sharded.describe(p) for p in pieces if p.key.requires_grad]
+            return [p for p in described if p is not None] + frozen
         mine = {id(p) for p in self._params}
-        return [p for p in pieces if id(p.key) in mine]
+        return [p for p in pieces if id(p.key) in mine] + frozen
 
     # ------------------------------------------------------------------ pieces
 

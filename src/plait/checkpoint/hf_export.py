@@ -25,6 +25,13 @@ from typing import Any
 from plait.checkpoint.files import _bytes_of, fsync_dir
 from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config, plait_to_hf
+from plait.checkpoint.peft_io import (
+    is_lora_name,
+    lora_factors,
+    lora_scale,
+    read_tensor,
+)
+from plait.checkpoint.peft_io import merge_lora as merged_weights
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
 
@@ -89,11 +96,16 @@ def _header(shard: list[tuple[str, str, list[int], str]]) -> bytes:
 
 
 def export_hf(
-    source: str | Path | CheckpointReader, out: str | Path, shard_size: int = DEFAULT_SHARD_SIZE
+    source: str | Path | CheckpointReader,
+    out: str | Path,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    merge_lora: bool = False,
 ) -> dict[str, Any]:
     """Write checkpoint ``source`` (a folder, or a reader already opened and verified) as
     a Hugging Face Llama folder ``out`` (created; it must not exist or be empty);
-    returns a summary (step, tensors, parameters, bytes, files)."""
+    returns a summary (step, tensors, parameters, bytes, files). A checkpoint with LoRA
+    adapters needs ``merge_lora`` (each adapted weight written as ``W + (alpha/r) B A``;
+    the adapter alone: :func:`~plait.checkpoint.peft_io.export_peft`)."""
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     m = _model_config(reader)
     family = m.family
@@ -102,8 +114,17 @@ def export_hf(
         raise CheckpointError(f"{out} exists and is not an empty folder; choose a new -o")
     if shard_size < 1:
         raise CheckpointError(f"--shard-size must be positive, got {shard_size}")
+    adapted = {n[: -len(".lora_A.weight")] for n in reader.params if n.endswith(".lora_A.weight")}
+    if adapted and not merge_lora:
+        raise CheckpointError(
+            f"checkpoint {reader.folder} holds LoRA adapters: export them with --format peft, "
+            "or write merged weights with --merge-lora"
+        )
+    scale = lora_scale(reader.meta) if adapted else 1.0
     tensors = []
     for name, e in reader.params.items():
+        if is_lora_name(name):
+            continue
         if e.dtype not in _ST_DTYPE:
             raise CheckpointError(f"checkpoint {reader.folder}: {name} is stored as {e.dtype}")
         tensors.append((plait_to_hf(name, family), name, list(e.shape), e.dtype))
@@ -123,6 +144,11 @@ def export_hf(
                 fh.write(_header(shard))
                 for hf_name, name, shape, _ in shard:
                     t = reader.read(name, "param", None, 0, _numel(shape))  # then dropped
+                    layer = name[: -len(".weight")]
+                    if layer in adapted:  # W + scale · B A, in W's dtype
+                        parts = {n: read_tensor(reader, n) for n in lora_factors(layer)}
+                        parts[name] = t.view(shape)
+                        t = merged_weights(parts, scale)[name]
                     fh.write(_bytes_of(t))
                     total += t.numel() * t.element_size()
                     weight_map[hf_name] = file

@@ -22,6 +22,7 @@ name, before the model is sharded).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,26 @@ def _check_shape(reader: CheckpointReader, lp: LocalPiece, source: str) -> None:
 
 
 @torch.no_grad()
-def load_pieces(ts: TrainState, reader: CheckpointReader, optimizer_state: bool = True) -> None:
+def load_pieces(
+    ts: TrainState,
+    reader: CheckpointReader,
+    optimizer_state: bool = True,
+    absent_ok: Callable[[str], bool] | None = None,
+) -> None:
     """Every piece this rank holds: its values into the model (and the masters), and
-    with ``optimizer_state`` its optimizer state, read from ``reader``'s byte ranges."""
+    with ``optimizer_state`` its optimizer state, read from ``reader``'s byte ranges.
+    A piece ``reader`` lacks whose name ``absent_ok`` accepts keeps its value (LoRA's
+    adapters when the base model comes from ``train.init_from``)."""
     source = str(reader.folder)
     opt = ts.optimizer
     opt_pieces = {_ident(lp): lp for lp in opt.local_pieces()}
     model_pieces = ts.model.local_pieces()
     done: set[tuple[Any, ...]] = set()
+    if absent_ok is not None:
+        keep = [lp for lp in opt_pieces.values() if lp.name not in reader.params]
+        done = {_ident(lp) for lp in keep if absent_ok(lp.name)}
+        opt_pieces = {i: lp for i, lp in opt_pieces.items() if i not in done}
+        model_pieces = [lp for lp in model_pieces if _ident(lp) not in done]
     for mp in model_pieces:
         _check_shape(reader, mp, source)
         ident = _ident(mp)

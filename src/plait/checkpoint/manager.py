@@ -21,6 +21,7 @@ from plait.checkpoint.files import verify_collective
 from plait.checkpoint.folder import FolderLock, remove_temporaries
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.load import check_model, load_pieces, open_weights, restore_training_state
+from plait.checkpoint.peft_io import is_lora_name
 from plait.checkpoint.read import CheckpointReader
 from plait.checkpoint.resume import find_checkpoint
 from plait.checkpoint.state import TrainState
@@ -69,6 +70,8 @@ class Checkpointing:
             if self.root is not None and self.reader.folder.parent.resolve() == self.root.resolve():
                 self.resumed_from = self.reader.folder.name
         self.init_from = t.init_from
+        self.lora = cfg.lora.enabled
+        """LoRA adapters are attached (their factors may be absent from init_from)."""
         self.weights: CheckpointReader | None = None
         """``init_from``'s weights (a checkpoint folder, a consolidated file or a Hugging
         Face model folder)."""
@@ -135,8 +138,13 @@ class Checkpointing:
         full model by name and shape (no tensor data is read here: every rank reads its
         own pieces in :meth:`restore`)."""
         reader = self.reader or self.weights
-        if reader is not None:
-            shapes = {n: list(e.shape) for n, e in reader.params.items()}
+        if reader is not None:  # (the adapters are attached later, by parallelize)
+            lora = self.lora
+            shapes = {
+                n: list(e.shape)
+                for n, e in reader.params.items()
+                if not (lora and is_lora_name(n))
+            }
             check_model(shapes, model, self.source or str(reader.folder))
 
     def restore(self, ts: TrainState, say: Callable[[str], None] | None = None) -> int:
@@ -144,7 +152,8 @@ class Checkpointing:
         (rank 0's progress messages) hears where the run started from."""
         if self.reader is None:
             if self.weights is not None:
-                load_pieces(ts, self.weights, optimizer_state=False)
+                absent = is_lora_name if self.lora else None  # new adapters: their init
+                load_pieces(ts, self.weights, optimizer_state=False, absent_ok=absent)
                 self.load_report["bytes_read"] = self.weights.bytes_read
                 self.weights.close()
                 self.weights = None

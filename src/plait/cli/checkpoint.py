@@ -9,7 +9,11 @@
 * ``plait checkpoint export PATH --format hf -o DIR [--shard-size BYTES]`` writes the
   model as a Hugging Face Llama folder (``config.json``, safetensors shards and their
   index) that ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads,
-  streaming tensor by tensor.
+  streaming tensor by tensor; a LoRA run's checkpoint needs ``--merge-lora`` (each
+  adapted weight written as ``W + (alpha/r) B A``).
+* ``plait checkpoint export PATH --format peft -o DIR`` writes a LoRA run's adapter as a
+  PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+  ``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the ``transformers`` base.
 
 PATH is a checkpoint folder (``step_<n>``) or a checkpoint root (what its ``latest``
 names). A corrupt checkpoint is reported with the failing file (exit code 2). The
@@ -40,7 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
     exp = sub.add_parser("export", help="write the model in another format (Hugging Face)")
     exp.add_argument("path", help="checkpoint folder or checkpoint root")
-    exp.add_argument("--format", choices=["hf"], default="hf", help="hf: a Hugging Face folder")
+    exp.add_argument(
+        "--format",
+        choices=["hf", "peft"],
+        default="hf",
+        help="hf: a Hugging Face folder; peft: the LoRA adapter as a PEFT adapter folder",
+    )
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="--format hf of a LoRA checkpoint: write each adapted weight as W + (alpha/r) B A",
+    )
     exp.add_argument("-o", "--output", required=True, help="the folder to write (new or empty)")
     exp.add_argument(
         "--shard-size",
@@ -55,9 +69,23 @@ def _parser() -> argparse.ArgumentParser:
 def _export(args: argparse.Namespace) -> int:
     """``plait checkpoint export``."""
     from plait.checkpoint import DEFAULT_SHARD_SIZE, export_hf
+    from plait.checkpoint.format import CheckpointError
+    from plait.checkpoint.peft_io import export_peft
 
     reader = _open(args.path)
-    summary = export_hf(reader, args.output, args.shard_size or DEFAULT_SHARD_SIZE)
+    if args.format == "peft":
+        if args.merge_lora:
+            raise CheckpointError("--merge-lora goes with --format hf (merged weights)")
+        got = export_peft(reader, args.output)
+        print(
+            f"plait: wrote the LoRA adapter (rank {got['rank']}, {got['tensors']} tensors) of "
+            f"step {got['step']} of {reader.folder} to {args.output}; load it with "
+            f"peft.PeftModel.from_pretrained(base_model, {str(args.output)!r})"
+        )
+        return 0
+    summary = export_hf(
+        reader, args.output, args.shard_size or DEFAULT_SHARD_SIZE, merge_lora=args.merge_lora
+    )
     print(
         f"plait: wrote {args.output} ({len(summary['files'])} safetensors file(s), "
         f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "

@@ -26,6 +26,7 @@ from plait.config import (
     ZERO_STAGES,
 )
 from plait.config.rules.layout import check_world
+from plait.config.rules.lora import check_lora
 from plait.errors import ConfigError
 from plait.plan.hardware import PRESETS as HARDWARE
 from plait.plan.layout import (
@@ -35,6 +36,7 @@ from plait.plan.layout import (
     precision_preset,
     runtime_preset,
 )
+from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
 from plait.plan.moe_report import moe_from_args, moe_section
 from plait.plan.profile_toml import load_hardware
@@ -88,6 +90,22 @@ def _plan_parser() -> argparse.ArgumentParser:
     moe.add_argument("--shared-experts", type=int, default=0)
     moe.add_argument("--moe-every", type=int, default=1, help="every n-th layer is MoE")
     moe.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    lo = p.add_argument_group("LoRA (docs/fine-tuning.md): a frozen base, trained adapters")
+    lo.add_argument(
+        "--lora-rank",
+        "--lora.rank",
+        dest="lora_rank",
+        type=int,
+        help="adapters of this rank; memory counts the base without gradients or optimizer "
+        "state (step time still counts full training's data-parallel traffic)",
+    )
+    lo.add_argument(
+        "--lora-targets",
+        "--lora.targets",
+        dest="lora_targets",
+        default="q,k,v,o,gate,up,down",
+        help="adapted layers, comma-separated (default: all seven)",
+    )
     h = p.add_argument_group("hardware")
     h.add_argument(
         "--hardware",
@@ -290,9 +308,12 @@ def plan_main(argv: Sequence[str]) -> int:
     if ns.ep > 1 and not ns.experts:  # as `plait train` refuses parallel.ep on a dense model
         raise ConfigError(f"--ep {ns.ep} needs a mixture-of-experts model: set --experts.")
     moe = moe_from_args(ns, spec) if ns.experts else None
+    if ns.lora_rank is not None:
+        check_lora(ns.lora_rank, 1.0, 0.0)
+    lora = LoraSpec(ns.lora_rank, ns.lora_targets) if ns.lora_rank is not None else None
     if ns.search:
         gb = ns.global_batch or devices
-        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe)
+        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora)
         space = Space(offload=("none", ns.offload)) if ns.offload != "none" else None
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
@@ -332,7 +353,7 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.compression_rank,
     )
     gb = ns.global_batch or layout.global_batch
-    q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe)
+    q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora)
     if moe is not None and (dp * cp % ns.ep or ns.experts % ns.ep):
         raise ConfigError(
             f"--ep {ns.ep} must divide the data ranks dp x cp = {dp * cp} and the "

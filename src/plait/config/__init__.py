@@ -64,6 +64,7 @@ from plait.config.choices import (
 from plait.config.data import DataConfig
 from plait.config.launch import LaunchConfig
 from plait.config.log import LogConfig
+from plait.config.lora import LoraConfig
 from plait.config.model import ModelConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
@@ -91,6 +92,7 @@ __all__ = [
     "DataConfig",
     "LaunchConfig",
     "LogConfig",
+    "LoraConfig",
     "ModelConfig",
     "NonFinite",
     "Offload",

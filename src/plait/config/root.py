@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from plait.config.data import DataConfig
 from plait.config.launch import LaunchConfig
 from plait.config.log import LogConfig
+from plait.config.lora import LoraConfig
 from plait.config.model import ModelConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
@@ -50,6 +51,8 @@ class Config:
     """Metrics and progress."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Local process start-up."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters on a frozen base (off unless lora.rank is set)."""
 
     def validate(self, world_size: int) -> None:
         """Check the sections against each other for a world of ``world_size`` ranks.

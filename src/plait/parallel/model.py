@@ -31,6 +31,7 @@ from plait.parallel.compression import Compressor
 from plait.parallel.context.context_parallel import ContextLayout
 from plait.parallel.data_parallel import DataParallel
 from plait.parallel.expert import ExpertLayout, expert_split
+from plait.parallel.lora.frozen import frozen_pieces
 from plait.parallel.loss import LossFn, loss_input
 from plait.parallel.pipeline.engine import PipelineEngine
 from plait.parallel.pipeline.split import PipelineStages
@@ -159,6 +160,8 @@ class ParallelModel(nn.Module):
         (the tied copy is written by the first stage); the data wrapper spans dp x cp,
         so cp replicas are covered by its own write flags."""
         own = self.data_wrapper.local_pieces()  # each wrapper describes its own pieces
+        writer = self.mesh.axis(*data_axes(self.mesh)).index == 0
+        own += frozen_pieces(self.data_wrapper.module, writer)  # LoRA's base, whole
         tp_index = self.mesh.index("tp")
         stages = self.stages
         skip = stages.tied if stages is not None and stages.pp_index > 0 else None

@@ -6,6 +6,12 @@ file never changes) in this fixed order (docs/api.md describes it too):
 1. **tensor / sequence parallelism** over the tp axis (when it has several ranks): a
    TP plan as data (default: the built-in transformer's), applied in place by
    :func:`~plait.parallel.tensor.sharding_plan.apply_tensor_parallel`;
+1c. **LoRA** (``lora.rank`` set): every parameter is frozen (the base cast to the
+   compute dtype under bf16/fp16, since a frozen tensor needs no fp32 master) and the
+   targeted linear layers get adapters, split like the base layer they attach to
+   (:func:`~plait.parallel.lora.apply_lora`; after tensor parallelism, so that each
+   adapter sees its layer's local product; before the split and the data-parallel
+   wrappers, which then shard and reduce only the adapters);
 2. **context parallelism** over cp (when it has several ranks): every attention core
    becomes ring or all-to-all (Ulysses) attention on the cp group and the token
    positions become the rank's global positions
@@ -61,9 +67,11 @@ from typing import Any
 
 from torch import nn
 
+from plait.checkpoint.peft_io import read_peft_adapter
 from plait.config import (
     Config,
     CPAttention,
+    LoraConfig,
     ParallelConfig,
     PrecisionConfig,
     Recompute,
@@ -72,8 +80,9 @@ from plait.config import (
 from plait.config.rules.features import check_compression
 from plait.config.rules.layout import check_expert_parallel
 from plait.config.rules.model import check_moe_aux_scope
+from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.model.init import InitialValues, has_meta
+from plait.model.init import SEED_ATTR, InitialValues, has_meta
 from plait.model.moe import MoE
 from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
@@ -82,6 +91,7 @@ from plait.parallel.data_parallel import DataParallel
 from plait.parallel.expert import ExpertGradSync, apply_expert_parallel
 from plait.parallel.expert.tp_plan import moe_tp_plan
 from plait.parallel.float8 import apply_float8, check_float8
+from plait.parallel.lora import LoraValues, apply_lora
 from plait.parallel.loss import LossFn, cross_entropy_loss
 from plait.parallel.materialize import LocalInit, materialize_module, tensor_names
 from plait.parallel.model import ParallelModel, data_axes
@@ -120,6 +130,7 @@ def parallelize(
     compressor: Compressor | None = None,
     compile: bool | None = None,
     loss_chunk: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -135,7 +146,8 @@ def parallelize(
     ``ignore_index``), ``compressor`` (a gradient compressor for plain data parallelism;
     default: the one ``parallel.compression`` names), ``compile`` (torch.compile each
     block; default: ``train.compile``), ``loss_chunk`` (tokens per chunk of the
-    default loss; default ``train.loss_chunk``). The degrees come from ``mesh``.
+    default loss; default ``train.loss_chunk``), ``lora`` (low-rank adapters on the
+    frozen model; default: the ``lora`` section). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -194,6 +206,11 @@ def parallelize(
     data = mesh.axis(*data_axes(mesh))
     tokens = mesh.axis(*data_axes(mesh), "tp") if sp else None  # SP: tp ranks route too
     experts = apply_expert_parallel(model, mesh, p.ep, data, values, tokens)
+    # 1c. LoRA: freeze the model, attach adapters split like their base layers.
+    if lora is None and full is not None:
+        lora = full.lora
+    if lora is not None and lora.enabled:
+        values = _apply_lora(model, lora, full, values, policy, precision.float8)
     names, aliases = _one_device_names(model)
     init: LocalInit | None = None
     param_names = list(names.values())
@@ -319,6 +336,37 @@ def parallelize(
     return ParallelModel(
         wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts
     )
+
+
+def _apply_lora(
+    model: nn.Module,
+    lora: LoraConfig,
+    full: Config | None,
+    values: InitialValues | None,
+    policy: PrecisionPolicy,
+    float8: bool,
+) -> InitialValues | None:
+    """Step 1c: :func:`~plait.parallel.lora.apply_lora` with the run's seed, the base in
+    the compute dtype when the precision keeps fp32 masters (the frozen base needs no
+    master), and ``lora.init_from``'s adapter; returns the initial values to materialise
+    from (the adapters' first) for a meta-built model."""
+    if float8:
+        raise ConfigError("LoRA with precision.float8 is not supported; turn one of them off")
+    assert lora.rank is not None
+    seed = values.seed if values is not None else getattr(model, SEED_ATTR, None)
+    if seed is None:  # a model built on a real device: the run's seed
+        seed = full.train.seed if full is not None else 0
+    family = full.model.family if full is not None else "plait"
+    initial = (
+        read_peft_adapter(lora.init_from, lora.rank, lora.alpha, family)
+        if lora.init_from
+        else None
+    )
+    base_dtype = policy.param_dtype if policy.needs_master_weights else None
+    applied = apply_lora(model, lora, seed=seed, base_dtype=base_dtype, initial=initial)
+    if values is None:
+        return None
+    return LoraValues(values, applied.values)  # type: ignore[return-value]
 
 
 def _experts(model: nn.Module) -> list[int]:

@@ -13,7 +13,7 @@ The modules import one way, in levels (``tests/test_layers.py`` checks this orde
 that the import graph has no cycle; a module imports only its own level or earlier):
 
 0. the words: ``text`` (sizes and durations in messages), ``hardware``, ``layout``,
-   ``modelspec``, ``moe``;
+   ``modelspec``, ``moe``, ``lora``;
 1. the inputs: ``profile_toml`` (hardware files), ``query``;
 2. the terms: ``activations``, ``units``, ``network``, ``compression``,
    ``offload_time``, ``offload``, ``pipeline_zero``, ``overheads``, ``compute``,

@@ -17,6 +17,10 @@ row-parallel biases are replicated. Pipeline stage j holds its layers, the first
 the embedding, the last the final norm and head (a tied head is a second copy when
 pp > 1, as in Megatron-LM).
 
+**LoRA** (``q.lora``): the base is frozen, held (its tensor/pipeline share) in the
+compute dtype with no gradient, master or optimizer state; the adapters are the trained
+parameters above, one ZeRO unit per block (:func:`lora_stage`).
+
 **Activations**: :mod:`plait.plan.activations` per layer and micro-batch, times the
 micro-batches a stage holds at its peak: GPipe m; 1F1B ``min(m, p - j)`` on stage j
 (Narayanan et al. 2021, section 2.2); interleaved 1F1B ``((v-1)·p + 2·(p-j-1) + 1)/v``
@@ -49,10 +53,11 @@ from plait.plan.activations import (
     layer_activation_bytes,
 )
 from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload import device_state
 from plait.plan.query import Query
-from plait.plan.units import stage_layers, stage_units, zero_state_bytes
+from plait.plan.units import Unit, lora_unit, stage_layers, stage_units, zero_state_bytes
 
 ZERO2_KEPT_BUCKETS = 3
 """ZeRO-2's reduce-scatter buffers kept across steps: the runtime's
@@ -256,7 +261,14 @@ def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> M
     of its shard group (rank 0 holds the most non-padding elements)."""
     spec, precision = q.model, q.precision
     sp = stage_params(spec, layout, stage)
-    if layout.zero >= 1:  # the runtime's padded flat units, exactly
+    if q.lora is not None:  # the frozen base plus the trained adapters
+        sp, units, frozen = lora_stage(q.lora, spec, layout, sp)
+        weights, grads, master, optimizer = _trained_state(
+            sp, units, layout, precision, shard_rank
+        )
+        weights += frozen * precision.param_bytes
+        weights, master, optimizer = device_state(weights, master, optimizer, layout.offload)
+    elif layout.zero >= 1:  # the runtime's padded flat units, exactly
         units = stage_units(spec, layout.tp, layout.pp, stage, layout.edge_trim)
         f = layout.shard_factor
         weights, grads, master, optimizer = zero_state_bytes(
@@ -279,6 +291,30 @@ def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> M
     return MemoryBreakdown(
         stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer
     )
+
+
+def lora_stage(
+    lora: LoraSpec, spec: ModelSpec, layout: Layout, base: StageParams
+) -> tuple[StageParams, tuple[Unit, ...], int]:
+    """What one rank of a stage holding ``base`` trains under LoRA: its blocks' adapters
+    (as :class:`StageParams`, and as ZeRO's units: one per block), and the frozen base
+    parameters it also holds."""
+    unit = lora_unit(spec, layout.tp, lora)
+    units = (unit,) * base.layers
+    n = sum(sum(u) for u in units)
+    trained = StageParams(n, base.layers * len(unit), base.layers, sum(unit) if units else 0)
+    return trained, units, base.params
+
+
+def _trained_state(
+    sp: StageParams, units: tuple[Unit, ...], layout: Layout, precision: Precision, rank: int
+) -> tuple[float, float, float, float]:
+    """The state bytes of LoRA's adapters: replicated (stage 0), or ZeRO's padded flat
+    units (one per block) on rank ``rank`` of the shard group."""
+    if layout.zero == 0:
+        return state_bytes(sp.params, sp.tensors, layout, precision)
+    f = layout.shard_factor
+    return zero_state_bytes(units, layout.zero, f, rank % f, precision)
 
 
 def memory_per_rank(q: Query, layout: Layout, shard_rank: int = 0) -> MemoryBreakdown:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
+from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
 
@@ -45,6 +46,8 @@ class Query:
     moe: MoESpec | None = None
     """The mixture-of-experts part of the model (None: dense): the search then also tries
     every expert-parallel degree ep that divides dp·cp and the experts."""
+    lora: LoraSpec | None = None
+    """LoRA adapters on a frozen base (None: the whole model is trained)."""
 
     def __post_init__(self) -> None:
         for key in ("devices", "global_batch", "seq_len"):
@@ -69,6 +72,7 @@ class Query:
         seq_len: int,
         headroom: float = 0.05,
         moe: MoESpec | None = None,
+        lora: LoraSpec | None = None,
     ) -> Query:
         """The query whose devices and global batch are ``layout``'s."""
         return cls(
@@ -81,4 +85,5 @@ class Query:
             runtime,
             headroom,
             moe,
+            lora,
         )

@@ -19,6 +19,7 @@ import math
 
 from plait.plan.activations import kv_heads_local
 from plait.plan.layout import Precision
+from plait.plan.lora import COLUMN_TARGETS, LoraSpec
 from plait.plan.modelspec import ModelSpec
 
 Unit = tuple[int, ...]
@@ -48,6 +49,25 @@ def block_tensors(spec: ModelSpec, tp: int) -> Unit:
         return (h, q * h, kv * h, kv * h, h * q, h, f * h, f * h, h * f)
     # gpt: ln1 (gain, bias), q/k/v/o (weight, bias), ln2, fc1, fc2
     return (h, h, q * h, q, kv * h, kv, kv * h, kv, h * q, h, h, h, f * h, f, h * f, h)
+
+
+def lora_unit(spec: ModelSpec, tp: int, lora: LoraSpec) -> Unit:
+    """One block's adapter factors on one tensor-parallel rank, in module order (A then
+    B of each target): a column-parallel layer ``(in -> out)`` keeps A ``r·in`` whole and
+    B ``(out/t)·r``; a row-parallel one A ``r·(in/t)`` and B ``out·r`` whole."""
+    h, d, r = spec.hidden, spec.head_dim, lora.rank
+    q = spec.n_heads // tp * d
+    kv = kv_heads_local(spec, tp) * d
+    f = spec.ffn_hidden // tp
+    local_out = {"q": q, "k": kv, "v": kv, "gate": f, "up": f}  # column: (in h, out local)
+    local_in = {"o": spec.n_heads // tp * d, "down": f}  # row: (in local, out h)
+    out: list[int] = []
+    for t in lora.ordered:
+        if t in COLUMN_TARGETS:
+            out += [r * h, local_out[t] * r]
+        else:
+            out += [r * local_in[t], h * r]
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -75,6 +75,20 @@ class RunFacts:
     (:meth:`plait.train.validation.Validation.describe`)."""
     packing: float | None = None
     """Real tokens / window tokens of packed training data (None: not packed)."""
+    adapters: int = 0
+    """LoRA: the adapters' parameters in the one-device model (0: no LoRA)."""
+
+
+def lora_line(cfg: Config, adapters: int, params: int) -> str:
+    """The banner's LoRA line: rank, scale, targets, what is trained."""
+    lo = cfg.lora
+    share = 100.0 * adapters / max(params, 1)
+    return (
+        f"plait: LoRA rank {lo.rank}, alpha {lo.alpha:g} (scale {lo.scale:g}) on "
+        f"{','.join(lo.target_names)}: {adapters:,} adapter parameters trained "
+        f"({share:.2f}% of the model's); the base is frozen ({cfg.precision.dtype})"
+        + (f"; adapters from {lo.init_from}" if lo.init_from else "")
+    )
 
 
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
@@ -116,7 +130,8 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{'pipeline micro-batches' if mesh.size('pp') > 1 else 'accumulation'} "
         f"{run.accumulation}; {lr_note}; "
         f"{t.steps} steps on {mesh.device.type}\n"
-        f"plait: MFU peak {run.peak_source}"
+        + (f"{lora_line(cfg, run.adapters, run.params)}\n" if cfg.lora.enabled else "")
+        + f"plait: MFU peak {run.peak_source}"
         + (f"\n{start_memory_line(run.start_memory)}" if run.start_memory else "")
         + outputs_note(cfg, run.loggers)
     )

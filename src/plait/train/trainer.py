@@ -45,6 +45,7 @@ from plait.model.init import has_meta
 from plait.optim import Optimizer, StepReport
 from plait.parallel.checks import validate_run
 from plait.parallel.compression import adam_in_front
+from plait.parallel.lora import adapter_parameters
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
@@ -145,6 +146,7 @@ class Trainer:
         base = one_device_model(cfg, self.device)
         self.base = base  # the one-device model; parallelize shards it in place
         self.params = model_params(base, cfg.model)  # before sharding
+        self.adapters = adapter_parameters(base, cfg.lora)  # LoRA's, one-device
         self.flops_per_token = model_flops_per_token(base, cfg.model, cfg.train.seq_len)
         self.model_note = describe_model(base, cfg.model)
         self.show_progress = show_progress
@@ -433,4 +435,5 @@ class Trainer:
             start_memory=self.start_memory or (),
             val_note=self.validation.describe(),
             packing=getattr(self.train_set, "efficiency", None),
+            adapters=self.adapters,
         )

@@ -82,6 +82,11 @@ def sum_grad_over_tp(param: torch.Tensor, group: AxisGroup) -> Any:
     return None if param.is_meta else sum_grad_over(param, group)
 
 
+def grad_sum_groups(param: torch.Tensor) -> list[AxisGroup]:
+    """The groups :func:`sum_grad_over_tp` sums ``param``'s gradient over."""
+    return list(param.__dict__.get(_GRAD_SUMS, []))
+
+
 def register_grad_sums(param: torch.Tensor) -> None:
     """Register again the gradient sums :func:`sum_grad_over_tp` remembered on
     ``param`` (after it was given storage)."""
