@@ -88,6 +88,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, TaskArgs]:
     from plait.cli.common import check_output_path, parse_run_flags
     from plait.cli.generate import checkpoint_defaults
     from plait.cli.train import pretrained_defaults
+    from plait.config import ModelConfig
     from plait.config.coerce import config_from_dict
     from plait.config.toml_io import load_config_data
     from plait.train.lm_eval_tasks import resolve_tasks
@@ -109,6 +110,8 @@ def _config(rest: Sequence[str]) -> tuple[Config, TaskArgs]:
         )
     checkpoint_defaults(data)
     pretrained_defaults(data)  # a Hugging Face folder: the sizes and tokenizer from it
+    limit = data.get("model", {}).get("max_seq_len", ModelConfig.max_seq_len)
+    data["train"].setdefault("seq_len", limit)  # training's default may exceed the model's
     cfg = config_from_dict(data)
     specs = resolve_tasks(ns.tasks, ns.include_path)
     args = TaskArgs(
