@@ -5,7 +5,7 @@ A tiny ``LlamaForCausalLM`` (random, float64) and a BPE tokenizer with a BOS pos
 are made here (``save_pretrained``; nothing is downloaded). The bundled tasks of
 ``tests/fixtures/lm_eval`` — 8 multiple-choice questions, 4 documents for rolling
 perplexity (two longer than the model's 64-token context: several windows), 4 greedy
-generations — run through the same ``simple_evaluate`` with ``HFLM`` (float64, batch 1)
+generations — run through the same ``simple_evaluate`` with ``HFLM`` (float64, batch 8)
 and with :class:`~plait.train.lm_eval_adapter.PlaitLM` in one process, tp2 and dp2 (the
 worker pool): the accuracies and every greedy decision are equal exactly, the
 log-likelihoods to rel 1e-9 and the perplexities to rel 1e-6 (float64: the two models sum
@@ -63,9 +63,7 @@ def make_model(folder: Path) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 0)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
     )
@@ -114,18 +112,19 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(folder: Path) -> dict[str, Any]:
-    """The harness's ``HFLM`` on the transformers model, float64, batch 1."""
+    """The harness's ``HFLM`` on the transformers model, float64, batch 8."""
     from lm_eval.models.huggingface import HFLM
 
     from plait.train.lm_eval_tasks import run_tasks
 
-    hf = HFLM(pretrained=str(folder), dtype="float64", batch_size=1, device="cpu")
+    hf = HFLM(pretrained=str(folder), dtype="float64", batch_size=8, device="cpu")
     out = _summary(run_tasks(hf, _specs(), bootstrap_iters=0))
     assert out is not None
     return out
 
 
-def _greedy_sequence(folder: Path) -> tuple[list[int], torch.Tensor]:
+@pytest.fixture(scope="module")
+def greedy(folder: Path) -> tuple[list[int], torch.Tensor]:
     """A prompt followed by transformers' 10 greedy tokens, and transformers' float64
     log-softmax over it ``(len - 1, vocab)``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
@@ -177,7 +176,9 @@ def _check(got: dict[str, Any], want: dict[str, Any]) -> None:
         for (lp, greedy), (lp_want, greedy_want) in zip(doc_got, doc_want, strict=True):
             assert greedy == greedy_want
             assert lp == pytest.approx(lp_want, rel=1e-9)
-    rolling = zip(got["resps"]["plait_tiny_rolling"], want["resps"]["plait_tiny_rolling"], strict=True)
+    rolling = zip(
+        got["resps"]["plait_tiny_rolling"], want["resps"]["plait_tiny_rolling"], strict=True
+    )
     for [lp], [lp_want] in rolling:
         assert lp == pytest.approx(lp_want, rel=1e-9)
     assert got["resps"]["plait_tiny_gen"] == want["resps"]["plait_tiny_gen"]
@@ -201,10 +202,11 @@ def test_tasks_equal_the_harness_on_transformers(
     pools: Callable[[int], WorkerPool],
     folder: Path,
     reference: dict[str, Any],
+    greedy: tuple[list[int], torch.Tensor],
     world: int,
     layout: dict[str, int],
 ) -> None:
-    seq, logp = _greedy_sequence(folder)
+    seq, logp = greedy
     if world == 1:
         runs = [_body(None, str(folder), layout, seq)]
     else:
@@ -256,7 +258,9 @@ def test_cli_runs_the_doc_command(
     want = reference["results"]["plait_tiny_choice"]
     assert results["plait_tiny_choice"]["acc,none"] == want["acc,none"]
     ppl = results["plait_tiny_rolling"]["word_perplexity,none"]
-    assert ppl == pytest.approx(reference["results"]["plait_tiny_rolling"]["word_perplexity,none"], rel=1e-4)
+    assert ppl == pytest.approx(
+        reference["results"]["plait_tiny_rolling"]["word_perplexity,none"], rel=1e-4
+    )
 
 
 @pytest.mark.parametrize(

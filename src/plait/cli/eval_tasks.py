@@ -29,7 +29,6 @@ from plait.errors import ConfigError
 
 if TYPE_CHECKING:
     from plait.config import Config
-    from plait.launch.local import RankEnv
     from plait.mesh import Mesh
     from plait.train.lm_eval_tasks import TaskSpec
 

@@ -84,7 +84,7 @@ def eval_tokenizer(spec: str) -> Any:
     return PlainTokenizer(spec)
 
 
-class PlaitLM(TemplateLM):  # type: ignore[misc]
+class PlaitLM(TemplateLM):
     """A :class:`ParallelModel` as an lm-evaluation-harness ``LM`` (module docstring)."""
 
     def __init__(

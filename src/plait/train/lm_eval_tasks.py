@@ -85,8 +85,8 @@ def resolve_tasks(tasks: str, include_path: Sequence[str] = ()) -> list[TaskSpec
                 f"unknown task {name!r}: not a task YAML file and not a task {where}{more}."
             )
         yaml_path = getattr(entry, "yaml_path", None)
-        folder = str(Path(yaml_path).parent) if yaml_path and include else None
-        out.append(TaskSpec(name, folder, include))
+        where_yaml = str(Path(yaml_path).parent) if yaml_path and include else None
+        out.append(TaskSpec(name, where_yaml, include))
     return out
 
 

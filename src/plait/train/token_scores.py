@@ -84,7 +84,9 @@ def vocab_scores(
         sums = torch.exp(x - top[..., None]).sum(-1)  # (b, s)
         comm.all_reduce(sums, tp)
         mine = (y >= start) & (y < start + shard)
-        target = torch.where(mine, x.gather(-1, (y - start).clamp(0, shard - 1)[..., None])[..., 0], 0.0)
+        target = torch.where(
+            mine, x.gather(-1, (y - start).clamp(0, shard - 1)[..., None])[..., 0], 0.0
+        )
         comm.all_reduce(target, tp)
         logp = target - top - torch.log(sums)
         big = torch.iinfo(torch.long).max
@@ -165,7 +167,9 @@ def _batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
 def _gathered(model: ParallelModel) -> Iterator[None]:
     """Without a pipeline under ZeRO: every unit's parameters gathered for the block."""
     zero = model.zero
-    with zero.gathered() if zero is not None and model.pipeline is None else contextlib.nullcontext():
+    with (
+        zero.gathered() if zero is not None and model.pipeline is None else contextlib.nullcontext()
+    ):
         yield
 
 
