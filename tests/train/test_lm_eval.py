@@ -8,9 +8,10 @@ perplexity (two longer than the model's 64-token context: several windows), 4 gr
 generations — run through the same ``simple_evaluate`` with ``HFLM`` (float64, batch 8)
 and with :class:`~plait.train.lm_eval_adapter.PlaitLM` in one process, tp2, dp2, pp2
 (no generation: it needs pp = 1) and cp2 (the worker pool; batches of 3 rows, so the
-pipeline's 2 micro-batches need a padding row): the accuracies and every greedy decision are equal exactly, the
-log-likelihoods to rel 1e-9 and the perplexities to rel 1e-6 (float64: the two models sum
-in other orders, ~1e-12 apart), the generated texts equal. Since a random model's answers
+pipeline's 2 micro-batches need a padding row): the accuracies and every greedy
+decision are equal exactly, the log-likelihoods to rel 1e-9 and the perplexities to rel
+1e-6 (float64: the two models sum in other orders, seen up to ~1e-10 apart), the
+generated texts equal. Since a random model's answers
 are never its arg-max, the per-token scores are also checked on a sequence that *is*
 ``transformers``' greedy continuation (every decision true there). ``plait eval --tasks``
 runs docs/fine-tuning.md's command in-process; an unknown task exits 2 with one line.

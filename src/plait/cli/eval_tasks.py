@@ -134,8 +134,8 @@ def run_on(mesh: Mesh, cfg: Config, args: TaskArgs) -> dict[str, Any] | None:
 
     model = load_model(cfg, mesh)
     m = cfg.model
-    lm = PlaitLM(model, eval_tokenizer(cfg.data.tokenizer), m.vocab_size, m.max_seq_len)
-    lm.batch_size = args.batch_size
+    tokenizer = eval_tokenizer(cfg.data.tokenizer)
+    lm = PlaitLM(model, tokenizer, m.vocab_size, m.max_seq_len, batch_size=args.batch_size)
     return run_tasks(
         lm,
         args.specs,
