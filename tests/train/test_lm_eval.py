@@ -273,6 +273,7 @@ def test_cli_runs_the_doc_command(
     [
         ("no_such_task", str(FIXTURES), "unknown task 'no_such_task'"),
         ("missing.yaml", None, "--tasks missing.yaml: no such task file"),
+        ("plait_tiny_choice", str(FIXTURES), "--apply-chat-template: the tokenizer hf:"),
     ],
 )
 def test_unknown_task_exits_2_with_one_line(
@@ -285,6 +286,8 @@ def test_unknown_task_exits_2_with_one_line(
     from plait.cli import main
 
     more = ["--include-path", include] if include else []
+    if "chat" in message:  # the test tokenizer has no chat template
+        more.append("--apply-chat-template")
     assert main(["eval", "--init-from", str(folder), "--tasks", tasks, *more]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err

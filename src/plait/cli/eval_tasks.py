@@ -113,6 +113,14 @@ def _config(rest: Sequence[str]) -> tuple[Config, TaskArgs]:
     data["train"].setdefault("seq_len", limit)  # training's default may exceed the model's
     cfg = config_from_dict(data)
     specs = resolve_tasks(ns.tasks, ns.include_path)
+    if ns.apply_chat_template:
+        from plait.train.lm_eval_adapter import eval_tokenizer
+
+        if not getattr(eval_tokenizer(cfg.data.tokenizer), "chat_template", None):
+            raise ConfigError(
+                f"--apply-chat-template: the tokenizer {cfg.data.tokenizer} has no chat "
+                "template (chat_template.jinja, or chat_template in tokenizer_config.json)."
+            )
     args = TaskArgs(
         specs,
         ns.limit,
