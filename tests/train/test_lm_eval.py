@@ -14,7 +14,8 @@ decision are equal exactly, the log-likelihoods to rel 1e-9 and the perplexities
 generated texts equal. Since a random model's answers
 are never its arg-max, the per-token scores are also checked on a sequence that *is*
 ``transformers``' greedy continuation (every decision true there). ``plait eval --tasks``
-runs docs/fine-tuning.md's command in-process; an unknown task exits 2 with one line.
+runs docs/fine-tuning.md's command in-process; ``--apply-chat-template`` renders the
+folder's chat template as ``HFLM`` does; an unknown task exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -137,20 +138,14 @@ def greedy(folder: Path) -> tuple[list[int], torch.Tensor]:
     return [int(i) for i in ids[0]], logp
 
 
-def _body(
-    ctx: WorkerContext | None, folder: str, layout: dict[str, int], seq: list[int]
-) -> dict[str, Any]:
-    """Load the folder into plait (float64) on ``layout`` and run the tasks; also score
-    ``seq`` directly."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+def _plait_lm(ctx: WorkerContext | None, folder: str, layout: dict[str, int]) -> Any:
+    """The folder's model loaded into plait (float64) on ``layout``, as a ``PlaitLM``."""
     from plait.checkpoint import load_hf_weights, pretrained_config
     from plait.config import ParallelConfig
     from plait.mesh import init_mesh
     from plait.model.factory import build_model
     from plait.parallel.parallelize import parallelize
     from plait.train.lm_eval_adapter import PlaitLM, eval_tokenizer
-    from plait.train.lm_eval_tasks import run_tasks
-    from plait.train.token_scores import score_sequences
 
     tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
     world = 1 if ctx is None else ctx.world_size
@@ -158,10 +153,21 @@ def _body(
     model = build_model(pretrained_config(folder), seed=0).double()
     pm = parallelize(model, mesh, ParallelConfig(tp=tp, pp=pp, cp=cp, microbatches=2))
     load_hf_weights(pm, folder)
-    lm = PlaitLM(pm, eval_tokenizer(f"hf:{folder}"), VOCAB, CONTEXT, batch_size=3)
-    tasks = [t for t in TASKS if pp == 1 or t != "tiny_gen"]  # generation needs pp = 1
+    return PlaitLM(pm, eval_tokenizer(f"hf:{folder}"), VOCAB, CONTEXT, batch_size=3)
+
+
+def _body(
+    ctx: WorkerContext | None, folder: str, layout: dict[str, int], seq: list[int]
+) -> dict[str, Any]:
+    """Run the tasks on ``layout``; also score ``seq`` directly."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    from plait.train.lm_eval_tasks import run_tasks
+    from plait.train.token_scores import score_sequences
+
+    lm = _plait_lm(ctx, folder, layout)
+    tasks = [t for t in TASKS if layout.get("pp", 1) == 1 or t != "tiny_gen"]  # needs pp = 1
     summary = _summary(run_tasks(lm, _specs(tasks), bootstrap_iters=0))
-    scores = score_sequences(pm, [seq], VOCAB)[0]
+    scores = score_sequences(lm.model, [seq], VOCAB)[0]
     return {"summary": summary, "scores": torch.from_numpy(scores)}
 
 
@@ -291,3 +297,42 @@ def test_unknown_task_exits_2_with_one_line(
     assert main(["eval", "--init-from", str(folder), "--tasks", tasks, *more]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_template_prompts_equal_the_harness(folder: Path, tmp_path: Path) -> None:
+    """``--apply-chat-template``: the prompts rendered by the folder's chat template and
+    the answers equal ``HFLM``'s (one process, the multiple-choice task)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from plait.train.lm_eval_tasks import run_tasks
+
+    chat = tmp_path / "chat"
+    shutil.copytree(folder, chat)
+    tok = transformers.AutoTokenizer.from_pretrained(chat)
+    tok.chat_template = CHAT
+    tok.save_pretrained(chat)
+    specs = _specs(["tiny_choice"])
+    hf = HFLM(pretrained=str(chat), dtype="float64", batch_size=8, device="cpu")
+    want = _summary(run_tasks(hf, specs, apply_chat_template=True, bootstrap_iters=0))
+    lm = _plait_lm(None, str(chat), {})
+    results = run_tasks(lm, specs, apply_chat_template=True, bootstrap_iters=0)
+    assert results is not None and want is not None
+    first = results["samples"]["plait_tiny_choice"][0]["arguments"][0][0]
+    assert first.startswith("<s>user: Question:") and first.endswith("assistant:")
+    got = _summary(results)
+    assert got is not None
+    for metric in ("acc,none", "acc_norm,none"):
+        assert (
+            got["results"]["plait_tiny_choice"][metric]
+            == want["results"]["plait_tiny_choice"][metric]
+        )
+    docs = zip(got["resps"]["plait_tiny_choice"], want["resps"]["plait_tiny_choice"], strict=True)
+    for doc_got, doc_want in docs:
+        for (lp, greedy), (lp_want, greedy_want) in zip(doc_got, doc_want, strict=True):
+            assert greedy == greedy_want and lp == pytest.approx(lp_want, rel=1e-9)
