@@ -4,7 +4,7 @@
 command     what it does                                     module
 ==========  ===============================================  =========================
 train       train the built-in transformer                   :mod:`plait.cli.train`
-eval        mean next-token loss and perplexity on a file     :mod:`plait.cli.eval`
+eval        loss on a file; ``--tasks``: lm-eval-harness    :mod:`plait.cli.eval`
 generate    continue a prompt (KV cache; greedy or sampled)  :mod:`plait.cli.generate`
 plan        predict memory and step time; search layouts      :mod:`plait.cli.plan`
 calibrate   alias of ``plait bench calibrate``                :mod:`plait.cli.bench`
@@ -110,7 +110,11 @@ def _data() -> Command:
 
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
-    "eval": (_eval, "mean next-token loss and perplexity of a model on a token file"),
+    "eval": (
+        _eval,
+        "mean next-token loss and perplexity of a model on a token file; --tasks: "
+        "lm-evaluation-harness tasks",
+    ),
     "generate": (_generate, "continue a prompt with a checkpoint's model (KV cache)"),
     "plan": (_plan, "predict memory and step time; search layouts"),
     "calibrate": (_calibrate, "alias of `plait bench calibrate`"),

@@ -19,6 +19,9 @@ contiguous slice; the loss averaged over dp). Windows that do not fill a whole b
 are evaluated too, weighted exactly: groups of dp windows (each dp rank one window,
 repeated to fill its slice), then single windows (every rank the same one), so the
 result is the mean over all windows on any layout.
+
+``plait eval --tasks TASK_OR_YAML`` runs lm-evaluation-harness tasks instead
+(:mod:`plait.cli.eval_tasks`).
 """
 
 from __future__ import annotations
@@ -168,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
             "Mean next-token loss and perplexity of the model in --init-from (a checkpoint "
             "folder or consolidated weights file) over the windows tokens[i*S : i*S+S+1] "
             "of --data in file order, S = --seq-len. Layout flags and --config as for "
-            "plait train (--nproc --dp --tp --pp --cp --zero, --model.* ...)."
+            "plait train (--nproc --dp --tp --pp --cp --zero, --model.* ...). With "
+            "--tasks TASK_OR_YAML: lm-evaluation-harness tasks instead (plait eval --tasks "
+            "x --help)."
         ),
     )
     p.add_argument("--config", metavar="PATH", help="TOML file with the run's configuration")
@@ -237,7 +242,12 @@ def _run(cfg: Config, env: RankEnv | None, tokens: Any, batches: int | None) -> 
 
 
 def eval_main(rest: Sequence[str]) -> int:
-    """``plait eval``."""
+    """``plait eval``; with ``--tasks``, lm-evaluation-harness tasks
+    (:mod:`plait.cli.eval_tasks`)."""
     from plait.cli.common import run_as_rank
 
+    if any(a == "--tasks" or a.startswith("--tasks=") for a in rest):
+        from plait.cli.eval_tasks import eval_tasks_main
+
+        return eval_tasks_main(rest)
     return run_as_rank(_eval, rest)

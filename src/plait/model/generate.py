@@ -167,8 +167,11 @@ def generate(
     device: torch.device | str = "cpu",
     logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     agree: Callable[[int], int] | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """``s.max_new_tokens`` token ids continuing ``prompt`` (the prompt not included)."""
+    """``s.max_new_tokens`` token ids continuing ``prompt`` (the prompt not included), or
+    fewer: ``stop`` (given the new tokens so far, after each one) ends the decode early
+    when it returns True (every rank that must feed the same tokens decides alike)."""
     if not prompt:
         raise ConfigError("the prompt is empty: give at least one token of text.")
     generator = torch.Generator().manual_seed(s.seed)
@@ -182,5 +185,7 @@ def generate(
         if agree is not None:
             token = agree(token)
         out.append(token)
+        if stop is not None and stop(out):
+            break
         tokens = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
     return out

@@ -104,10 +104,15 @@ def _agree(group: comm.AxisGroup, device: torch.device) -> Callable[[int], int]:
 
 
 def sample_tokens(
-    model: ParallelModel, prompt: Sequence[int], settings: SampleSettings, kv_cache: bool = True
+    model: ParallelModel,
+    prompt: Sequence[int],
+    settings: SampleSettings,
+    kv_cache: bool = True,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> Sample:
     """``settings.max_new_tokens`` tokens continuing ``prompt`` on every rank of the
-    model's mesh (the same tokens on each; see the module docstring). Collective: every
+    model's mesh (the same tokens on each; see the module docstring), or fewer when
+    ``stop`` (:func:`~plait.model.generate.generate`) ends the decode. Collective: every
     rank calls it with the same arguments."""
     mesh = model.mesh
     inner = inner_model(model)
@@ -125,7 +130,7 @@ def sample_tokens(
     try:
         with zero.gathered() if zero is not None else contextlib.nullcontext():
             decoder = make_decoder(inner, max_len, kv_cache)
-            tokens = generate(decoder, prompt, settings, mesh.device, logits_fn, agree)
+            tokens = generate(decoder, prompt, settings, mesh.device, logits_fn, agree, stop)
     finally:
         model.train(was_training)
     return Sample(tokens, time.perf_counter() - t0)
