@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 def _config(rest: Sequence[str]) -> tuple[Config, TaskArgs]:
     """The run's config and the tasks, every check done (one line each)."""
     from plait.cli.common import check_output_path, parse_run_flags
-    from plait.cli.generate import checkpoint_defaults
+    from plait.cli.model_source import checkpoint_defaults
     from plait.cli.train import pretrained_defaults
     from plait.config import ModelConfig
     from plait.config.coerce import config_from_dict
