@@ -73,6 +73,8 @@ class RunFacts:
     val_note: str = ""
     """How many windows the validation set holds and how it is evaluated
     (:meth:`plait.train.validation.Validation.describe`)."""
+    optimizer_note: str = ""
+    """Which parameters which optimizer steps (Muon, Adafactor; empty: AdamW)."""
 
 
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
@@ -108,6 +110,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{run.accumulation}; {lr_note}; "
         f"{t.steps} steps on {mesh.device.type}\n"
         f"plait: MFU peak {run.peak_source}"
+        + (f"\nplait: {run.optimizer_note}" if run.optimizer_note else "")
         + (f"\n{start_memory_line(run.start_memory)}" if run.start_memory else "")
         + outputs_note(cfg, run.loggers)
     )
