@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from plait.comm import AxisGroup
 from plait.optimizers.newton_schulz import NS_COEFFICIENTS, NS_DTYPES, adjust_lr, zeropower
 
+TPLayout = Callable[[torch.Tensor], Any]
+"""A parameter's tensor-parallel layout (``plait.parallel.tensor.layers.shard_info``)."""
 MatrixStep = Callable[[list[dict[str, Any]]], None]
 """Steps the Muon groups (given the groups; gradients on their params' ``.grad``)."""
 
@@ -53,14 +56,26 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], in_out: bool) -> tuple[int
 
 
 def muon_direction(
-    grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any]
+    grad: torch.Tensor,
+    buf: torch.Tensor,
+    group: dict[str, Any],
+    pieces: tuple[Any, AxisGroup] | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """Advance the momentum ``buf`` (in place) by the whole gradient ``grad`` (both the
+    """Advance the momentum ``buf`` (in place) by the gradient ``grad`` (both the
     parameter's shape) and return the orthogonalised update (the parameter's shape, in
-    the Newton-Schulz dtype) and its adjusted learning rate."""
+    the Newton-Schulz dtype) and its adjusted learning rate.
+
+    ``pieces``: ``grad`` is this rank's piece of a tensor-parallel matrix, ``(layout,
+    tp group)`` with the layout's ``gather(local, group)`` and ``shard(full, index)``
+    (:class:`plait.parallel.tensor.layers.TPShard`): the momentum stays a piece
+    (element-wise), the update to orthogonalise is gathered whole over tp (counted by
+    plait.comm), and this rank's piece of the result is returned."""
     mu = group["momentum"]
     buf.lerp_(grad, 1 - mu)
     u = grad.lerp(buf, mu) if group["nesterov"] else buf
+    if pieces is not None:
+        layout, tp = pieces
+        u = layout.gather(u, tp)  # the whole matrix (stack) on every tp rank
     coeffs, steps, eps = tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"]
     dtype = NS_DTYPES[group["ns_dtype"]]
     in_out = group["in_out"]
@@ -70,7 +85,10 @@ def muon_direction(
         mats = [m.T if in_out else m for m in u.unbind(0)]
         outs = [zeropower(m, coeffs, steps, eps, dtype) for m in mats]  # type: ignore[arg-type]
         o = torch.stack([m.T if in_out else m for m in outs])
-    return o, adjust_lr(group["lr"], group["adjust_lr_fn"], matrix_shape(u.shape, in_out))
+    lr_adj = adjust_lr(group["lr"], group["adjust_lr_fn"], matrix_shape(u.shape, in_out))
+    if pieces is not None:
+        o = pieces[0].shard(o, pieces[1].index)
+    return o, lr_adj
 
 
 def apply_update(p: torch.Tensor, o: torch.Tensor, lr: float, wd: float, lr_adj: float) -> None:
@@ -146,6 +164,9 @@ class Muon(torch.optim.Optimizer):
             self._adamw.state = self.state
         self.matrix_step: MatrixStep | None = None
         """Steps the Muon groups elsewhere (ZeRO's owner exchange); None: here."""
+        self.tp: tuple[TPLayout, AxisGroup] | None = None
+        """Tensor parallelism: (a parameter's layout or None, the tp group); a matrix
+        cut over tp is gathered whole before Newton-Schulz (:func:`muon_direction`)."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -167,6 +188,15 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
-                o, lr_adj = muon_direction(p.grad, state["momentum_buffer"], group)
+                o, lr_adj = muon_direction(
+                    p.grad, state["momentum_buffer"], group, self.pieces_of(p)
+                )
                 apply_update(p, o, group["lr"], group["weight_decay"], lr_adj)
         return loss
+
+    def pieces_of(self, p: torch.Tensor) -> tuple[Any, AxisGroup] | None:
+        """``(layout, tp group)`` of a parameter cut over tensor parallelism; else None."""
+        if self.tp is None:
+            return None
+        layout = self.tp[0](p)
+        return (layout, self.tp[1]) if layout is not None and layout.dim is not None else None

@@ -14,7 +14,9 @@ from torch import nn
 
 from plait.config import Config
 from plait.errors import ConfigError
+from plait.mesh import Mesh
 from plait.optimizers import Muon, split_params
+from plait.parallel.tensor.layers import shard_info
 
 
 def make_muon(model: nn.Module, cfg: Config, lr0: float) -> Muon:
@@ -55,6 +57,9 @@ def make_muon(model: nn.Module, cfg: Config, lr0: float) -> Muon:
         ns_dtype=o.muon_ns_dtype,
         betas=(t.beta1, t.beta2),
     )
+    mesh = getattr(model, "mesh", None)
+    if isinstance(mesh, Mesh) and mesh.size("tp") > 1:  # matrices cut over tp
+        opt.tp = (shard_info, mesh.axis("tp"))
     return opt
 
 

@@ -191,17 +191,17 @@ def check_optimizer(
     optimizer: str, tp: int, zero: int, dtype: str, compression: str, compression_adam: str
 ) -> None:
     """train.optimizer: Muon and Adafactor need each matrix whole. Muon gets it under
-    data parallelism and ZeRO 0-3 (one owner rank per matrix, docs/optimizers.md), not
-    yet across tensor-parallel pieces; Adafactor's row and column statistics run on whole
-    parameters only (one process, pipeline or plain fp32 data parallelism). Neither
-    replaces top-k compression's Adam in front of the exchange."""
+    data parallelism, ZeRO 0-3 (one owner rank per matrix) and tensor parallelism (the
+    update gathered over tp; docs/optimizers.md); Adafactor's row and column statistics
+    run on whole parameters only (one process, pipeline or plain fp32 data
+    parallelism). Neither replaces top-k compression's Adam in front of the exchange."""
     if optimizer == "adamw":
         return
-    if tp > 1:
+    if optimizer == "adafactor" and tp > 1:
         raise ConfigError(
-            f"train.optimizer = {optimizer!r} with parallel.tp = {tp}: the matrices are cut "
-            "across tensor-parallel ranks and this optimizer needs each whole; use tp = 1 "
-            "(dp, ZeRO, pp, ep combine) or train.optimizer = 'adamw'."
+            f"train.optimizer = 'adafactor' with parallel.tp = {tp}: the matrices are cut "
+            "across tensor-parallel ranks and Adafactor's row and column statistics need "
+            "each whole; use tp = 1 or train.optimizer = 'muon'/'adamw'."
         )
     if optimizer == "adafactor" and (zero > 0 or dtype != "fp32"):
         raise ConfigError(

@@ -144,6 +144,7 @@ class ShardedMasters:
                 int(optimizer.defaults["ns_steps"]),
             )
             self.inner.matrix_step = self.owners
+            self.inner.tp = optimizer.tp
         if offload:
             from plait.parallel.zero.offload import HostStep
 

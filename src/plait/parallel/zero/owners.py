@@ -36,6 +36,7 @@ from plait import comm
 from plait.comm import AxisGroup
 from plait.optimizers.muon import apply_update, matrix_shape, muon_direction
 from plait.optimizers.newton_schulz import adjust_lr, ns_flops
+from plait.parallel.tensor.layers import shard_info
 from plait.parallel.zero.flat import FlatUnit
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class Matrix:
     index: int  # the parameter's index in the unit
     group: int  # the index of its param group
     flops: int  # Newton-Schulz FLOPs of one step (every expert of a stack)
+    full_shape: tuple[int, ...]  # the whole parameter's shape (across tp pieces)
     owner: int = 0  # index of the owner in the unit's shard group
 
     @property
@@ -69,6 +71,15 @@ class Matrix:
         a = max(self.start, rank * s)
         b = min(self.start + self.numel, (rank + 1) * s)
         return (a - self.start, b - self.start) if a < b else (0, 0)
+
+
+def whole_shape(p: torch.Tensor, local: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of parameter ``p`` across its tensor-parallel pieces (``local``: this
+    rank's piece)."""
+    info = shard_info(p)
+    if info is None or info.dim is None:
+        return local
+    return tuple(info.full if d == info.dim else n for d, n in enumerate(local))
 
 
 def assign_owners(flops: list[int], ranks: int) -> list[int]:
@@ -122,11 +133,12 @@ class MatrixOwners:
                 gi = group_of.get(p)
                 if gi is None or gi not in muon_groups:
                     continue
-                shape = tuple(u.shapes[i])
+                shape = whole_shape(p, tuple(u.shapes[i]))
                 count = shape[0] if len(shape) == 3 else 1
                 flops = count * ns_flops(matrix_shape(shape, in_out[gi]), ns_steps)
                 key = id(shard)
-                self.by_group.setdefault(key, (shard, []))[1].append(Matrix(u, i, gi, flops))
+                mat = Matrix(u, i, gi, flops, shape)
+                self.by_group.setdefault(key, (shard, []))[1].append(mat)
         for shard, mats in self.by_group.values():
             for m, owner in zip(mats, assign_owners([m.flops for m in mats], shard.size)):
                 m.owner = owner
@@ -186,7 +198,8 @@ class MatrixOwners:
             key = (m.unit.index, m.index)
             if key not in self.momentum:
                 self.momentum[key] = torch.zeros_like(grad)
-            o, _ = muon_direction(grad, self.momentum[key], param_groups[m.group])
+            pieces = self.masters.inner.pieces_of(m.unit.params[m.index])  # type: ignore[attr-defined]
+            o, _ = muon_direction(grad, self.momentum[key], param_groups[m.group], pieces)
             updates[id(m)] = o.to(dtype).reshape(-1)
         # 3. scatter: each rank's piece of each update back
         back = [updates[id(m)][slice(*m.piece(s))] for s in range(n) for m in mine]
@@ -200,7 +213,8 @@ class MatrixOwners:
                 held = local[id(m)]
                 if held is not None:
                     group = param_groups[m.group]
-                    shape = matrix_shape(tuple(m.unit.shapes[m.index]), group["in_out"])
+                    shape = m.full_shape
+                    shape = matrix_shape(shape, group["in_out"])
                     lr_adj = adjust_lr(group["lr"], group["adjust_lr_fn"], shape)
                     o = got[d][at_d : at_d + b - a]
                     apply_update(held[0], o, group["lr"], group["weight_decay"], lr_adj)
