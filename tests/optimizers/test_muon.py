@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from plait.cli import main
 from plait import comm
+from plait.cli import main
 from plait.config import Config, ModelConfig, TrainConfig
 from plait.errors import ConfigError
 from plait.model import Transformer
@@ -37,7 +37,9 @@ TOL = 1e-10  # float64 weights and Newton-Schulz: only the order of sums differs
 
 
 def _model() -> nn.Module:
-    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+    cfg = ModelConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ
+    )
     return Transformer(cfg, seed=0).double()
 
 
@@ -53,7 +55,10 @@ def _cfg(ns_dtype: str = "bfloat16") -> Config:
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [
-        (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -69,7 +74,9 @@ def test_one_process_is_torch_muon_plus_adamw_bit_for_bit() -> None:
     opt = Optimizer(ours, make_muon(ours, cfg, cfg.train.lr))
     split = split_params(ref)
     assert {n for n, _ in split.adamw} == {
-        "tok_embeddings.weight", "output.weight", "norm.weight",
+        "tok_embeddings.weight",
+        "output.weight",
+        "norm.weight",
         *(f"layers.{i}.{k}_norm.weight" for i in range(2) for k in ("attention", "ffn")),
     }
     muon = torch.optim.Muon([p for _, p in split.muon], lr=0.02)
@@ -143,7 +150,7 @@ def test_owners_balance_within_one_item() -> None:
 
 
 def test_bad_input_is_refused() -> None:
-    with pytest.raises(ConfigError, match="train.optimizer"):
+    with pytest.raises(ConfigError, match=r"train\.optimizer"):
         TrainConfig(optimizer="lion")  # type: ignore[arg-type]
     cfg = _cfg()
     cfg.parallel.tp = 2
@@ -167,7 +174,10 @@ def _reference(steps: int, clip: float) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "weights": {k: p.detach().clone() for k, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "weights": {k: p.detach().clone() for k, p in model.named_parameters()},
+    }
 
 
 def _body_zero(ctx: WorkerContext, stage: int, steps: int, clip: float) -> dict[str, Any]:
@@ -214,7 +224,9 @@ def test_zero_dp2_equals_one_process(pools: Callable[[int], WorkerPool], stage: 
     assert not math.isnan(results[0]["losses"][-1])
 
 
-def _body_tp(ctx: WorkerContext, dp: int, stage: int | None, steps: int, clip: float) -> dict[str, Any]:
+def _body_tp(
+    ctx: WorkerContext, dp: int, stage: int | None, steps: int, clip: float
+) -> dict[str, Any]:
     """tp2 (plain, no clipping: a plain module's norm is not summed over tp) or dp2 x
     tp2 under ZeRO-``stage``: Muon gathers each tp-cut matrix before Newton-Schulz."""
     from plait.parallel.tensor.layers import shard_info

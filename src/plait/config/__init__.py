@@ -20,8 +20,8 @@ Inside the package, in import order (``tests/test_layers.py`` checks it):
 
 * **rules**: :mod:`plait.config.rules` (one module per kind of rule);
 * **values**: one module per section, in section order (:mod:`~plait.config.model`,
-  :mod:`~plait.config.parallel`, :mod:`~plait.config.train`,
-  :mod:`~plait.config.optim`, :mod:`~plait.config.precision`, :mod:`~plait.config.data`, :mod:`~plait.config.log`,
+  :mod:`~plait.config.parallel`, :mod:`~plait.config.train`, :mod:`~plait.config.optim`,
+  :mod:`~plait.config.precision`, :mod:`~plait.config.data`, :mod:`~plait.config.log`,
   :mod:`~plait.config.launch`), the allowed values (:mod:`~plait.config.choices`) and the
   root :class:`Config` (:mod:`~plait.config.root`); this package re-exports the names
   other packages use;
@@ -95,9 +95,9 @@ __all__ = [
     "LaunchConfig",
     "LogConfig",
     "ModelConfig",
-    "OptimConfig",
     "NonFinite",
     "Offload",
+    "OptimConfig",
     "PPGradReduce",
     "ParallelConfig",
     "PlannedSchedule",

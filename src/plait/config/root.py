@@ -14,10 +14,10 @@ from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
 from plait.config.rules.features import (
     check_compression,
-    check_optimizer,
     check_document_mask,
     check_generation_layout,
     check_offload,
+    check_optimizer,
     check_sample_length,
 )
 from plait.config.rules.layout import (

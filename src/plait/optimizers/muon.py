@@ -80,10 +80,10 @@ def muon_direction(
     dtype = NS_DTYPES[group["ns_dtype"]]
     in_out = group["in_out"]
     if u.ndim == 2:
-        o = zeropower(u, coeffs, steps, eps, dtype)  # type: ignore[arg-type]
+        o = zeropower(u, coeffs, steps, eps, dtype)
     else:  # (experts, ., .): each expert's (out, in) matrix on its own
         mats = [m.T if in_out else m for m in u.unbind(0)]
-        outs = [zeropower(m, coeffs, steps, eps, dtype) for m in mats]  # type: ignore[arg-type]
+        outs = [zeropower(m, coeffs, steps, eps, dtype) for m in mats]
         o = torch.stack([m.T if in_out else m for m in outs])
     lr_adj = adjust_lr(group["lr"], group["adjust_lr_fn"], matrix_shape(u.shape, in_out))
     if pieces is not None:

@@ -140,7 +140,8 @@ class MatrixOwners:
                 mat = Matrix(u, i, gi, flops, shape)
                 self.by_group.setdefault(key, (shard, []))[1].append(mat)
         for shard, mats in self.by_group.values():
-            for m, owner in zip(mats, assign_owners([m.flops for m in mats], shard.size)):
+            owners = assign_owners([m.flops for m in mats], shard.size)
+            for m, owner in zip(mats, owners, strict=True):
                 m.owner = owner
         self.momentum: dict[tuple[int, int], torch.Tensor] = {}
         """The owner's momentum of each of its matrices, whole, keyed (unit, index)."""
