@@ -4,7 +4,7 @@ Layers, left to right (docs/architecture.md draws them, with what each package o
 test below checks that its table and :data:`LAYERS` say the same):
 
     errors → config → arch → comm → collectives / mesh / pieces → model → parallel /
-           optim / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
+           optim / optimizers / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces"),
     ("plait.model",),
-    ("plait.parallel", "plait.optim", "plait.checkpoint"),
+    ("plait.parallel", "plait.optim", "plait.optimizers", "plait.checkpoint"),
     # viz sits beside train, as docs/architecture.md places it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
     (
