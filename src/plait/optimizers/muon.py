@@ -11,8 +11,8 @@ instance sharing these groups and this state), so it is bit-equal to AdamW.
 
 Under ZeRO the Muon groups hold flat shard segments, not whole matrices: the ZeRO
 wrapper sets :attr:`Muon.matrix_step` to its owner exchange
-(:class:`plait.parallel.zero.owners.MatrixOwners`), which gathers each matrix's gradient
-on one rank, calls :func:`muon_direction` there and scatters the update back.
+(:class:`plait.parallel.zero.owners.MatrixOwners`), which gathers each matrix's momentum
+update on one rank, calls :func:`orthogonalize` there and scatters the update back.
 """
 
 from __future__ import annotations
@@ -55,24 +55,25 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], in_out: bool) -> tuple[int
     return (int(shape[2]), int(shape[1])) if in_out else (int(shape[1]), int(shape[2]))
 
 
-def muon_direction(
-    grad: torch.Tensor,
-    buf: torch.Tensor,
-    group: dict[str, Any],
-    pieces: tuple[Any, AxisGroup] | None = None,
-) -> tuple[torch.Tensor, float]:
-    """Advance the momentum ``buf`` (in place) by the gradient ``grad`` (both the
-    parameter's shape) and return the orthogonalised update (the parameter's shape, in
-    the Newton-Schulz dtype) and its adjusted learning rate.
-
-    ``pieces``: ``grad`` is this rank's piece of a tensor-parallel matrix, ``(layout,
-    tp group)`` with the layout's ``gather(local, group)`` and ``shard(full, index)``
-    (:class:`plait.parallel.tensor.layers.TPShard`): the momentum stays a piece
-    (element-wise), the update to orthogonalise is gathered whole over tp (counted by
-    plait.comm), and this rank's piece of the result is returned."""
+def advance_momentum(grad: torch.Tensor, buf: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Advance the momentum ``buf`` (in place) by ``grad`` and return the matrix to
+    orthogonalise: ``g + mu (B - g)`` (Nesterov) or ``B``. Element-wise, so a piece of a
+    matrix (a ZeRO shard, a tp block) advances on its own."""
     mu = group["momentum"]
     buf.lerp_(grad, 1 - mu)
-    u = grad.lerp(buf, mu) if group["nesterov"] else buf
+    return grad.lerp(buf, mu) if group["nesterov"] else buf
+
+
+def orthogonalize(
+    u: torch.Tensor, group: dict[str, Any], pieces: tuple[Any, AxisGroup] | None = None
+) -> tuple[torch.Tensor, float]:
+    """The Newton-Schulz orthogonalisation of ``u`` (the parameter's shape; a 3-D stack
+    matrix by matrix) in the group's dtype, and the adjusted learning rate.
+
+    ``pieces``: ``u`` is this rank's piece of a tensor-parallel matrix, ``(layout, tp
+    group)`` with the layout's ``gather(local, group)`` and ``shard(full, index)``
+    (:class:`plait.parallel.tensor.layers.TPShard`): ``u`` is gathered whole over tp
+    (counted by plait.comm) and this rank's piece of the result is returned."""
     if pieces is not None:
         layout, tp = pieces
         u = layout.gather(u, tp)  # the whole matrix (stack) on every tp rank
@@ -166,7 +167,7 @@ class Muon(torch.optim.Optimizer):
         """Steps the Muon groups elsewhere (ZeRO's owner exchange); None: here."""
         self.tp: tuple[TPLayout, AxisGroup] | None = None
         """Tensor parallelism: (a parameter's layout or None, the tp group); a matrix
-        cut over tp is gathered whole before Newton-Schulz (:func:`muon_direction`)."""
+        cut over tp is gathered whole before Newton-Schulz (:func:`orthogonalize`)."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -188,9 +189,8 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad)
-                o, lr_adj = muon_direction(
-                    p.grad, state["momentum_buffer"], group, self.pieces_of(p)
-                )
+                u = advance_momentum(p.grad, state["momentum_buffer"], group)
+                o, lr_adj = orthogonalize(u, group, self.pieces_of(p))
                 apply_update(p, o, group["lr"], group["weight_decay"], lr_adj)
         return loss
 

@@ -7,12 +7,16 @@ rank of its unit's shard group, chosen to balance the Newton-Schulz FLOPs over t
 (:func:`assign_owners`: largest first, to the least-loaded rank; Moonlight's distributed
 Muon, Liu et al. 2025). One step (:meth:`MatrixOwners.__call__`):
 
-1. **gather**: every rank sends its piece of each matrix's (clipped) gradient to the
-   matrix's owner, one ``all_to_all_v`` per shard group through :mod:`plait.comm`;
-2. the owner concatenates the pieces (the shards are consecutive ranges of the flat unit,
-   so in rank order they are the whole flattened matrix), advances the matrix's momentum
-   (held by the owner only, whole) and orthogonalises
-   (:func:`plait.optimizers.muon.muon_direction`);
+1. every rank advances the momentum of its pieces (element-wise, so the momentum is
+   optimizer state sharded exactly as ZeRO shards the masters: checkpoints save and
+   reshard it like AdamW's moments) with its piece of the (clipped) gradient
+   (:func:`plait.optimizers.muon.advance_momentum`);
+2. **gather**: it sends its piece of each matrix's momentum update to the matrix's
+   owner, one ``all_to_all_v`` per shard group through :mod:`plait.comm`; the owner
+   concatenates the pieces (the shards are consecutive ranges of the flat unit, so in
+   rank order they are the whole flattened matrix) and orthogonalises it
+   (:func:`plait.optimizers.muon.orthogonalize`; a tensor-parallel piece is gathered
+   whole over tp first);
 3. **scatter**: the owner sends each rank its piece of the update (in the master dtype:
    a bf16 update is exact in it), a second ``all_to_all_v``;
 4. every rank applies decay and update to its master piece
@@ -34,7 +38,7 @@ from torch import nn
 
 from plait import comm
 from plait.comm import AxisGroup
-from plait.optimizers.muon import apply_update, matrix_shape, muon_direction
+from plait.optimizers.muon import advance_momentum, apply_update, matrix_shape, orthogonalize
 from plait.optimizers.newton_schulz import adjust_lr, ns_flops
 from plait.parallel.tensor.layers import shard_info
 from plait.parallel.zero.flat import FlatUnit
@@ -143,16 +147,15 @@ class MatrixOwners:
             owners = assign_owners([m.flops for m in mats], shard.size)
             for m, owner in zip(mats, owners, strict=True):
                 m.owner = owner
-        self.momentum: dict[tuple[int, int], torch.Tensor] = {}
-        """The owner's momentum of each of its matrices, whole, keyed (unit, index)."""
         self._slot = {id(s.unit): s for s in masters.slots}
 
     def matrices(self) -> list[Matrix]:
         """Every Muon matrix, in exchange order."""
         return [m for _, mats in self.by_group.values() for m in mats]
 
-    def _local(self, m: Matrix, me: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(master piece, gradient piece) of ``m`` on shard ``me``; None: none held."""
+    def _local(self, m: Matrix, me: int) -> tuple[nn.Parameter, torch.Tensor] | None:
+        """(optimizer segment, gradient piece) of ``m`` on shard ``me`` (the segment is
+        a view of the master piece); None: none held."""
         a, b = m.piece(me)
         if a == b:
             return None
@@ -161,7 +164,7 @@ class MatrixOwners:
         for seg, s, e in slot.segments:
             if s == lo and e == lo + b - a:
                 assert seg.grad is not None
-                return slot.master[s:e], seg.grad
+                return seg, seg.grad
         raise RuntimeError(f"no optimizer segment for {m.unit.names[m.index]}")
 
     @torch.no_grad()
@@ -177,16 +180,27 @@ class MatrixOwners:
         me, n = g.index, g.size
         dtype = self.masters.slots[0].master.dtype
         device = self.masters.slots[0].master.device
+        inner = self.masters.inner
         local = {id(m): self._local(m, me) for m in mats}
-        # 1. gather: my piece of each matrix to its owner, in matrix order per owner
+        # 1. momentum of my pieces; 2. gather: my piece of each update to its owner
         sends = [[m for m in mats if m.owner == d] for d in range(n)]
-        out = [local[id(m)][1] for d in range(n) for m in sends[d] if local[id(m)] is not None]  # type: ignore[index]
+        out = []
+        for d in range(n):
+            for m in sends[d]:
+                held = local[id(m)]
+                if held is None:
+                    continue
+                seg, grad = held
+                state = inner.state[seg]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                out.append(advance_momentum(grad, state["momentum_buffer"], param_groups[m.group]))
         send_splits = [sum(m.piece(me)[1] - m.piece(me)[0] for m in sends[d]) for d in range(n)]
         mine = sends[me]
         recv_splits = [sum(m.piece(s)[1] - m.piece(s)[0] for m in mine) for s in range(n)]
         flat = torch.cat(out) if out else torch.zeros(0, dtype=dtype, device=device)
         got = comm.all_to_all_v(flat, g, send_splits, recv_splits).split(recv_splits)
-        # 2. the owner: whole gradients, momentum, Newton-Schulz
+        # the owner: whole updates, Newton-Schulz
         at = [0] * n
         updates: dict[int, torch.Tensor] = {}
         for m in mine:
@@ -195,12 +209,9 @@ class MatrixOwners:
                 a, b = m.piece(s)
                 parts.append(got[s][at[s] : at[s] + b - a])
                 at[s] += b - a
-            grad = torch.cat(parts).view(m.unit.shapes[m.index])
-            key = (m.unit.index, m.index)
-            if key not in self.momentum:
-                self.momentum[key] = torch.zeros_like(grad)
-            pieces = self.masters.inner.pieces_of(m.unit.params[m.index])  # type: ignore[attr-defined]
-            o, _ = muon_direction(grad, self.momentum[key], param_groups[m.group], pieces)
+            u = torch.cat(parts).view(m.unit.shapes[m.index])
+            pieces = inner.pieces_of(m.unit.params[m.index])  # type: ignore[attr-defined]
+            o, _ = orthogonalize(u, param_groups[m.group], pieces)
             updates[id(m)] = o.to(dtype).reshape(-1)
         # 3. scatter: each rank's piece of each update back
         back = [updates[id(m)][slice(*m.piece(s))] for s in range(n) for m in mine]
@@ -218,5 +229,5 @@ class MatrixOwners:
                     shape = matrix_shape(shape, group["in_out"])
                     lr_adj = adjust_lr(group["lr"], group["adjust_lr_fn"], shape)
                     o = got[d][at_d : at_d + b - a]
-                    apply_update(held[0], o, group["lr"], group["weight_decay"], lr_adj)
+                    apply_update(held[0].data, o, group["lr"], group["weight_decay"], lr_adj)
                 at_d += b - a
