@@ -351,7 +351,8 @@ def test_round_trip(tmp_path: Path, cfg: Config) -> None:
 
 def test_to_dict_omits_none() -> None:
     data = config_to_dict(Config())
-    assert set(data) == {"model", "parallel", "train", "optim", "precision", "data", "log", "launch"}
+    sections = {"model", "parallel", "train", "optim", "precision", "data", "log", "launch"}
+    assert set(data) == sections
     assert "dp" not in data["parallel"] and "metrics" not in data["log"]
     assert data["train"]["steps"] == 500
     assert "n_kv_heads = " not in dump_toml(Config())
