@@ -4,7 +4,8 @@ Layers, left to right (docs/architecture.md draws them, with what each package o
 test below checks that its table and :data:`LAYERS` say the same):
 
     errors → config → arch → comm → collectives / mesh / pieces → model →
-           parallel / optim / optimizers / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
+           parallel / optim / optimizers / checkpoint →
+           train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
