@@ -3,8 +3,9 @@
 Layers, left to right (docs/architecture.md draws them, with what each package owns; the
 test below checks that its table and :data:`LAYERS` say the same):
 
-    errors → config → arch → comm → collectives / mesh / pieces → model → parallel /
-           optim / checkpoint → train / ps / plan / bench / testing / viz → launch → cli
+    errors → config → arch → comm → collectives / mesh / pieces → model →
+           parallel / optim / optimizers / checkpoint →
+           train / ps / plan / bench / testing / viz → launch → cli
 
 Every import of every module under ``src/plait`` is read with :mod:`ast` — ``import``
 and ``from ... import`` statements anywhere (inside functions, under ``if
@@ -65,7 +66,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plait.comm",),
     ("plait.collectives", "plait.mesh", "plait.pieces", "plait.host_scalar"),
     ("plait.model",),
-    ("plait.parallel", "plait.optim", "plait.checkpoint"),
+    ("plait.parallel", "plait.optim", "plait.optimizers", "plait.checkpoint"),
     # viz sits beside train, as docs/architecture.md places it: the trainer draws its
     # measured pipeline timeline with plait.viz, and viz needs only errors and parallel.
     (

@@ -60,7 +60,8 @@ from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
 from plait.pieces import LocalPiece
 
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "SparseAdam")
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
+_WHOLE_TENSORS = ("Adafactor",)  # row/column statistics: not on ZeRO's flat shards
 
 
 @dataclass
@@ -209,6 +210,11 @@ class Optimizer:
         self.sharded: ShardedMasters | None = None
         self._params: list[torch.Tensor] = []
         if self.zero is not None:
+            if type(optimizer).__name__ in _WHOLE_TENSORS:
+                raise TypeError(
+                    f"{type(optimizer).__name__} keeps row and column statistics of whole "
+                    "matrices; ZeRO's flat shards cut them (use zero = 0 with fp32)"
+                )
             self.sharded = ShardedMasters(self.zero, optimizer)
             self.inner = self.sharded.inner
             if self.sharded.host is not None:  # offload: step units during backward?

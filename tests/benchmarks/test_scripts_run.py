@@ -155,6 +155,13 @@ CASES: dict[str, Case] = {
     "moe_zero": Case(
         tables={"ZeRO | dtype": _rows("0 | fp32", "1 | fp32", "2 | fp32", "3 | fp32", "3 | bf16")}
     ),
+    "muon_step": Case(
+        tables={
+            "ZeRO | optimizer": _rows(
+                "0 | adamw", "0 | muon", "1 | adamw", "1 | muon", "3 | adamw", "3 | muon"
+            )
+        }
+    ),
     "offload": Case(
         tables={
             "threads | fused (M params/s)": _rows("1"),

@@ -351,7 +351,7 @@ def test_round_trip(tmp_path: Path, cfg: Config) -> None:
 
 def test_to_dict_omits_none() -> None:
     data = config_to_dict(Config())
-    sections = {"model", "parallel", "train", "precision", "data", "log", "launch", "lora"}
+    sections = {"model", "parallel", "train", "optim", "precision", "data", "log", "launch", "lora"}
     assert set(data) == sections
     assert "dp" not in data["parallel"] and "metrics" not in data["log"]
     assert "rank" not in data["lora"]  # None: LoRA off

@@ -20,7 +20,7 @@ Inside the package, in import order (``tests/test_layers.py`` checks it):
 
 * **rules**: :mod:`plait.config.rules` (one module per kind of rule);
 * **values**: one module per section, in section order (:mod:`~plait.config.model`,
-  :mod:`~plait.config.parallel`, :mod:`~plait.config.train`,
+  :mod:`~plait.config.parallel`, :mod:`~plait.config.train`, :mod:`~plait.config.optim`,
   :mod:`~plait.config.precision`, :mod:`~plait.config.data`, :mod:`~plait.config.log`,
   :mod:`~plait.config.launch`), the allowed values (:mod:`~plait.config.choices`) and the
   root :class:`Config` (:mod:`~plait.config.root`); this package re-exports the names
@@ -40,6 +40,7 @@ from plait.config.choices import (
     CP_ATTENTIONS,
     NONFINITES,
     OFFLOADS,
+    OPTIMIZERS,
     PIPELINE_SCHEDULES,
     PLANNED_SCHEDULES,
     PP_GRAD_REDUCES,
@@ -66,6 +67,7 @@ from plait.config.launch import LaunchConfig
 from plait.config.log import LogConfig
 from plait.config.lora import LoraConfig
 from plait.config.model import ModelConfig
+from plait.config.optim import OptimConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
 from plait.config.root import Config
@@ -76,6 +78,7 @@ __all__ = [
     "CP_ATTENTIONS",
     "NONFINITES",
     "OFFLOADS",
+    "OPTIMIZERS",
     "PIPELINE_SCHEDULES",
     "PLANNED_SCHEDULES",
     "PP_GRAD_REDUCES",
@@ -96,6 +99,7 @@ __all__ = [
     "ModelConfig",
     "NonFinite",
     "Offload",
+    "OptimConfig",
     "PPGradReduce",
     "ParallelConfig",
     "PlannedSchedule",

@@ -40,6 +40,12 @@ CompressionAdam = Literal["before", "after"]
 TopKScope = Literal["tensor", "bucket"]
 """Where top-k picks its largest entries: within each matrix, or across a bucket's matrices."""
 WandbMode = Literal["off", "offline", "online"]
+OptimizerName = Literal["adamw", "muon", "adafactor"]
+"""The optimizer of a run (``train.optimizer``; docs/optimizers.md)."""
+MuonLrAdjust = Literal["original", "match_rms_adamw"]
+"""Muon's per-matrix learning-rate scaling (``torch.optim.Muon``'s ``adjust_lr_fn``)."""
+NSDType = Literal["bfloat16", "float32", "float64"]
+"""The dtype Muon's Newton-Schulz iteration runs in."""
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
 PresetStyle = Literal["llama", "gpt"]
@@ -61,6 +67,7 @@ TOPK_SCOPES: tuple[TopKScope, ...] = get_args(TopKScope)
 NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 TOKEN_DTYPES: tuple[TokenDType, ...] = get_args(TokenDType)
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
 ZERO_MEANING = (

@@ -10,6 +10,7 @@ from plait.config.launch import LaunchConfig
 from plait.config.log import LogConfig
 from plait.config.lora import LoraConfig
 from plait.config.model import ModelConfig
+from plait.config.optim import OptimConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
 from plait.config.rules.features import (
@@ -17,6 +18,7 @@ from plait.config.rules.features import (
     check_document_mask,
     check_generation_layout,
     check_offload,
+    check_optimizer,
     check_sample_length,
 )
 from plait.config.rules.layout import (
@@ -43,6 +45,8 @@ class Config:
     """The parallel layout."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimisation and evaluation."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Muon's and Adafactor's hyper-parameters (train.optimizer picks one)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Mixed precision and loss scaling."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -95,6 +99,9 @@ class Config:
             self.precision.reduce_dtype,
             p.compression_adam,
             self.precision.nonfinite,
+        )
+        check_optimizer(
+            t.optimizer, p.tp, p.zero, self.precision.dtype, p.compression, p.compression_adam
         )
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)

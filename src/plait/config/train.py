@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.config.choices import LrDecayShape, LrSchedule, Recompute, check_choices
+from plait.config.choices import (
+    LrDecayShape,
+    LrSchedule,
+    OptimizerName,
+    Recompute,
+    check_choices,
+)
 from plait.config.rules.choices import check_positive
 from plait.config.rules.schedule import check_lr_schedule
 from plait.errors import ConfigError
@@ -40,6 +46,10 @@ class TrainConfig:
     """Linear scaling rule: multiply lr by global_batch / base_batch (reported at start)."""
     base_batch: int = 16
     """Reference global batch for the linear scaling rule."""
+    optimizer: OptimizerName = "adamw"
+    """'adamw'; 'muon' (Muon on the 2-D hidden matrices, AdamW at train.lr on the
+    embeddings, output head, norms and biases; keys optim.muon_*); 'adafactor'
+    (torch.optim.Adafactor on every parameter, at train.lr). See docs/optimizers.md."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms and biases)."""
     beta1: float = 0.9

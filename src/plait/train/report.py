@@ -77,6 +77,8 @@ class RunFacts:
     """Real tokens / window tokens of packed training data (None: not packed)."""
     adapters: int = 0
     """LoRA: the adapters' parameters in the one-device model (0: no LoRA)."""
+    optimizer_note: str = ""
+    """Which parameters which optimizer steps (Muon, Adafactor; empty: AdamW)."""
 
 
 def lora_line(cfg: Config, adapters: int, params: int) -> str:
@@ -118,11 +120,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
         f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
         f"of {t.seq_len} tokens"
-        + (
-            f" (packed samples: {run.packing:.1%} real tokens)"
-            if run.packing is not None
-            else ""
-        )
+        + (f" (packed samples: {run.packing:.1%} real tokens)" if run.packing is not None else "")
         + (f"; {run.val_note}" if run.val_note else "")
         + "\n"
         f"plait: global batch {t.global_batch} = dp {mesh.size('dp')} x micro-batch "
@@ -132,6 +130,7 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
         f"{t.steps} steps on {mesh.device.type}\n"
         + (f"{lora_line(cfg, run.adapters, run.params)}\n" if cfg.lora.enabled else "")
         + f"plait: MFU peak {run.peak_source}"
+        + (f"\nplait: {run.optimizer_note}" if run.optimizer_note else "")
         + (f"\n{start_memory_line(run.start_memory)}" if run.start_memory else "")
         + outputs_note(cfg, run.loggers)
     )

@@ -53,6 +53,7 @@ from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
 from plait.train.mask_documents import enable_document_mask
+from plait.train.matrix_optim import make_adafactor, make_muon, optimizer_note
 from plait.train.memory import (
     MemoryReport,
     gather_start_memory,
@@ -81,7 +82,12 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     fused (or foreach) kernels where the device has them (:func:`optimizer_kernel`);
     plain SGD with the same decay where top-k compression applies Adam on each rank
     before the exchange (``parallel.compression_adam``: SGD's coupled decay then equals
-    AdamW's decoupled one)."""
+    AdamW's decoupled one). ``train.optimizer`` 'muon' / 'adafactor': see
+    :mod:`plait.train.matrix_optim`."""
+    if cfg.train.optimizer == "muon":
+        return make_muon(model, cfg, lr_at(0, cfg))
+    if cfg.train.optimizer == "adafactor":
+        return make_adafactor(model, cfg, lr_at(0, cfg))
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     t = cfg.train
@@ -220,7 +226,7 @@ class Trainer:
         the optimizer's report). The learning rate follows :attr:`sched_step`."""
         lr = lr_at(self.sched_step, self.cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # Muon's groups: their own peak
         if self.model.compressor is not None:  # before backward: residuals in step units
             self.model.compressor.set_lr(lr)
         x, y = self._batch(step)
@@ -436,4 +442,5 @@ class Trainer:
             val_note=self.validation.describe(),
             packing=getattr(self.train_set, "efficiency", None),
             adapters=self.adapters,
+            optimizer_note=optimizer_note(self.model, self.cfg),
         )

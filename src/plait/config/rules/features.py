@@ -190,3 +190,33 @@ def parse_step_window(text: str) -> tuple[int, int]:
             f"1-based, inclusive), e.g. '3-5'; got {text!r}."
         )
     return start, end
+
+
+def check_optimizer(
+    optimizer: str, tp: int, zero: int, dtype: str, compression: str, compression_adam: str
+) -> None:
+    """train.optimizer: Muon and Adafactor need each matrix whole. Muon gets it under
+    data parallelism, ZeRO 0-3 (one owner rank per matrix) and tensor parallelism (the
+    update gathered over tp; docs/optimizers.md); Adafactor's row and column statistics
+    run on whole parameters only (one process, pipeline or plain fp32 data
+    parallelism). Neither replaces top-k compression's Adam in front of the exchange."""
+    if optimizer == "adamw":
+        return
+    if optimizer == "adafactor" and tp > 1:
+        raise ConfigError(
+            f"train.optimizer = 'adafactor' with parallel.tp = {tp}: the matrices are cut "
+            "across tensor-parallel ranks and Adafactor's row and column statistics need "
+            "each whole; use tp = 1 or train.optimizer = 'muon'/'adamw'."
+        )
+    if optimizer == "adafactor" and (zero > 0 or dtype != "fp32"):
+        raise ConfigError(
+            f"train.optimizer = 'adafactor' with parallel.zero = {zero}, precision.dtype = "
+            f"{dtype!r}: ZeRO's flat shards cut the matrices whose row and column statistics "
+            "Adafactor keeps; use zero = 0 with fp32, or train.optimizer = 'muon'/'adamw'."
+        )
+    if compression == "topk" and compression_adam == "before":
+        raise ConfigError(
+            f"train.optimizer = {optimizer!r} with top-k compression's Adam before the "
+            "exchange (parallel.compression_adam = 'before'): the ranks would step Adam; "
+            "set parallel.compression_adam = 'after'."
+        )

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.optimizers.muon import Muon
 from plait.parallel.precision import is_low_precision
 from plait.parallel.zero.cpu_adam import host_optimizer
 from plait.parallel.zero.flat import FlatUnit
+from plait.parallel.zero.owners import MatrixOwners
 from plait.parallel.zero.wrapper import ZeroDataParallel
 from plait.pieces import LocalPiece
 
@@ -108,6 +110,12 @@ class ShardedMasters:
                 groups[group]["params"].append(seg)
                 segments.append((seg, start, end))
             self.slots.append(Slot(u, master, alias, segments, pieces))
+        muon = isinstance(optimizer, Muon)
+        if muon:
+            if offload:
+                raise TypeError("Muon under ZeRO-Offload is not supported (offload = 'none')")
+            for g in groups:  # their params are flat shard pieces, not matrices
+                g["sharded"] = g["muon"]
         build = host_optimizer if offload else rebuild  # the host: fused CPU AdamW
         self.inner = (
             build(optimizer, groups)
@@ -125,6 +133,18 @@ class ShardedMasters:
                     at = u.lo + a - u.offsets[i]
                     self._segment_at[(id(u.params[i]), at)] = (slot, held, a, b)
         self.host: HostStep | None = None  # ZeRO-Offload's host side
+        self.owners: MatrixOwners | None = None  # Muon: one owner rank per matrix
+        if muon:
+            assert isinstance(self.inner, Muon) and isinstance(optimizer, Muon)
+            self.owners = MatrixOwners(
+                self,
+                {gi for gi, g in enumerate(base) if g["muon"]},
+                group_of,
+                {gi: bool(g["in_out"]) for gi, g in enumerate(base)},
+                int(optimizer.defaults["ns_steps"]),
+            )
+            self.inner.matrix_step = self.owners
+            self.inner.tp = optimizer.tp
         if offload:
             from plait.parallel.zero.offload import HostStep
 
