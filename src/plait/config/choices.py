@@ -28,6 +28,13 @@ PPGradReduce = Literal["step", "microbatch"]
 AttentionKind = Literal["sdpa", "blockwise"]
 ModelFamily = Literal["plait", "hf-llama"]
 RopeScaling = Literal["none", "linear", "llama3"]
+AttentionBias = Literal["none", "qkv", "qkvo"]
+"""Which attention projections have biases: none (Llama), q/k/v (Qwen2), all four."""
+QKNorm = Literal["none", "head", "projection"]
+"""RMSNorm of queries and keys before RoPE: none, per head (Qwen3), over the whole
+projection (OLMo 2)."""
+NormPlacement = Literal["pre", "post"]
+"""Where a block's norms sit: before each sublayer (Llama) or on its output (OLMo 2)."""
 CPAttention = Literal["ring", "ulysses"]
 MoERouter = Literal["softmax", "sigmoid"]
 Compression = Literal["none", "fp16", "bf16", "topk", "powersgd"]

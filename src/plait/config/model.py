@@ -5,9 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from plait.config.choices import AttentionKind, ModelFamily, MoERouter, RopeScaling, check_choices
+from plait.config.choices import (
+    AttentionBias,
+    AttentionKind,
+    ModelFamily,
+    MoERouter,
+    NormPlacement,
+    QKNorm,
+    RopeScaling,
+    check_choices,
+)
 from plait.config.rules.choices import check_positive
-from plait.config.rules.model import check_moe, check_rope_scaling
+from plait.config.rules.model import check_layer_types, check_moe, check_rope_scaling
 from plait.errors import ConfigError
 
 
@@ -50,6 +59,26 @@ class ModelConfig:
     """'llama3' scaling's original_max_position_embeddings (the pretraining length)."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm."""
+    head_width: int | None = None
+    """Width of one attention head (default: dim / n_heads); Qwen3 and Gemma set another
+    (the q/k/v projections are n_heads·head_width and kv_heads·head_width wide)."""
+    attention_bias: AttentionBias = "none"
+    """Biases of the attention projections: 'none' (Llama), 'qkv' (Qwen2: q, k and v) or
+    'qkvo' (all four; Llama's attention_bias = true). Under tensor parallelism a
+    column-parallel bias is split with its rows, the row-parallel one added once."""
+    qk_norm: QKNorm = "none"
+    """RMSNorm of queries and keys before RoPE: 'none', 'head' (one gain of head_width per
+    head, shared by the heads; Qwen3) or 'projection' (over the whole q and k projections,
+    one gain per channel; OLMo 2: under tensor parallelism its sums of squares are
+    all-reduced over tp)."""
+    norm_placement: NormPlacement = "pre"
+    """'pre': x + f(norm(x)) (Llama); 'post': x + norm(f(x)) (OLMo 2)."""
+    sliding_window: int | None = None
+    """Sliding attention window W (Hugging Face semantics: the query at i sees keys j with
+    i - W < j <= i); None: full causal attention."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary), one
+    per layer; None: every layer sliding when sliding_window is set."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the output head."""
     init_std: float = 0.02
@@ -114,16 +143,19 @@ class ModelConfig:
             rope_original_max_seq_len=self.rope_original_max_seq_len,
             norm_eps=self.norm_eps,
             init_std=self.init_std,
+            head_width=self.head_width,
+            sliding_window=self.sliding_window,
         )
+        check_layer_types(self.layer_types, self.n_layers)
         check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
-        if self.dim % self.n_heads:
+        if self.head_width is None and self.dim % self.n_heads:
             raise ConfigError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})."
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}) "
+                "(or set model.head_width)."
             )
-        if (self.dim // self.n_heads) % 2:
+        if self.head_dim % 2:
             raise ConfigError(
-                f"the head dimension dim/n_heads = {self.dim // self.n_heads} must be even "
-                "for rotary positions."
+                f"the head dimension {self.head_dim} must be even for rotary positions."
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(
@@ -154,8 +186,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
+        """Width of one attention head (head_width, default dim / n_heads)."""
+        return self.head_width if self.head_width is not None else self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:

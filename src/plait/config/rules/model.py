@@ -37,6 +37,23 @@ def check_rope_scaling(kind: str, low_freq_factor: float, high_freq_factor: floa
         )
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Hugging Face's names of the attention of one layer (``layer_types``)."""
+
+
+def check_layer_types(layer_types: tuple[str, ...] | None, n_layers: int) -> None:
+    """``model.layer_types``: one of :data:`LAYER_TYPES` per layer."""
+    if layer_types is None:
+        return
+    if len(layer_types) != n_layers:
+        raise ConfigError(
+            f"model.layer_types has {len(layer_types)} entries, model.n_layers is {n_layers}."
+        )
+    bad = [t for t in layer_types if t not in LAYER_TYPES]
+    if bad:
+        raise ConfigError(f"model.layer_types: {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}.")
+
+
 def check_pretrained_model(
     given: Mapping[str, object], fixed: Mapping[str, object], source: str
 ) -> None:
