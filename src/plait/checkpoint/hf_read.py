@@ -3,7 +3,8 @@
 :func:`open_hf` opens a Hugging Face folder (``config.json`` plus ``model.safetensors``
 or the shards of ``model.safetensors.index.json``) as a
 :class:`~plait.checkpoint.read.CheckpointReader` whose tensors carry the *model's*
-names (:func:`~plait.checkpoint.hf.hf_to_plait`) and one whole-tensor piece each.
+names (the family's :class:`~plait.arch.spec.FamilySpec`) and one whole-tensor piece
+each (a part of a fused tensor: its rows).
 Only the files' headers are read here; every tensor is checked against the shapes
 ``config.json`` implies, and every shard the index names must exist. The weights are
 then read exactly as a resume reads plait's own shards: each rank, after parallelize,
@@ -23,15 +24,9 @@ import torch
 
 from plait.checkpoint.files import ShardFile
 from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
-from plait.checkpoint.hf import (
-    HF_CONFIG,
-    HF_INDEX,
-    HF_SINGLE,
-    hf_shapes,
-    hf_to_plait,
-    model_fields,
-    read_hf_config,
-)
+from plait.arch.families import family_named
+from plait.arch.spec import concat_shape, hf_tensors
+from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, model_fields, read_hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
 from plait.pieces import LocalPiece
@@ -74,34 +69,56 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     """The Hugging Face model in ``folder`` as a reader with the model's names
     (``family`` 'plait': the built-in transformer's; 'hf-llama': Hugging Face's own).
     Reads the headers only; CheckpointError (exit 2) names a missing config.json or
-    shard, an unsupported architecture, a missing tensor or one of the wrong shape."""
+    shard, an unsupported architecture, a missing tensor or one of the wrong shape.
+
+    The part of a fused tensor (Phi-3's ``qkv_proj``) is a piece whose ``start`` is
+    minus the elements before it in the stored tensor: element ``e`` of the part is
+    element ``e - start`` of the stored one, and the reader's negative positions
+    (the other parts) are never read."""
     folder = Path(folder)
     source = str(folder)
     cfg = ModelConfig(**model_fields(read_hf_config(folder), source))
-    expected = hf_shapes(cfg)
+    spec = family_named(cfg.arch)
+    if family == "hf-llama" and spec.fused:
+        raise CheckpointError(
+            f"{source}: {spec.architecture} keeps fused tensors; model.family 'hf-llama' "
+            "loads Llama-named weights only (use the built-in transformer)"
+        )
+    expected = hf_tensors(spec, cfg)
     files: dict[str, ShardFile] = {}
     params: dict[str, ParamEntry] = {}
     for hf_name, file in _weight_files(folder).items():
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the embedding matrix is the head
-        name = hf_to_plait(hf_name, family)
-        if name is None:
+        if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        if hf_name not in expected:
-            raise CheckpointError(f"{source}: tensor {hf_name!r} in {file} is not a Llama weight")
+        parts = expected.get(hf_name)
+        if parts is None:
+            raise CheckpointError(
+                f"{source}: tensor {hf_name!r} in {file} is not a {spec.architecture} weight "
+                f"of the shapes {HF_CONFIG} gives (plait does not load it)"
+            )
         f = files.get(file)
         if f is None:
             f = files[file] = ShardFile(folder / file)
         dt, shape, _, _ = f.info(hf_name)
-        if shape != expected[hf_name]:
+        if shape != concat_shape(parts):
             raise CheckpointError(
                 f"{source}: tensor {hf_name!r} in {file} has shape {shape}, but {HF_CONFIG} "
-                f"implies {expected[hf_name]}"
+                f"implies {concat_shape(parts)}"
             )
         dname = dtype_to_name(dt)
-        piece = Piece(file, 0, f.numel(hf_name), None, {"param": hf_name})
-        params[name] = ParamEntry(shape, dname, dname, [piece])
-    missing = [n for n in expected if hf_to_plait(n, family) not in params]
+        before = 0
+        for plait_name, part_shape in parts:
+            numel = _numel(part_shape)
+            name = hf_name if family == "hf-llama" else plait_name
+            piece = Piece(file, -before, numel, None, {"param": hf_name})
+            params[name] = ParamEntry(part_shape, dname, dname, [piece])
+            before += numel
+    missing = [
+        hf for hf, parts in expected.items()
+        if (hf if family == "hf-llama" else parts[0][0]) not in params
+    ]
     if missing:
         raise CheckpointError(f"{source}: tensor {missing[0]!r} is in no weights file")
     reader = CheckpointReader.__new__(CheckpointReader)
@@ -111,6 +128,13 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     reader._files = files
     reader._cache = {}
     return reader
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.config.choices import (
+    Architecture,
     AttentionBias,
     AttentionKind,
     ModelFamily,
@@ -73,6 +74,10 @@ class ModelConfig:
     all-reduced over tp)."""
     norm_placement: NormPlacement = "pre"
     """'pre': x + f(norm(x)) (Llama); 'post': x + norm(f(x)) (OLMo 2)."""
+    arch: Architecture = "llama"
+    """The Hugging Face family whose names and config.json the weights are read and
+    exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
+    olmo2); set from config.json by --init-from a Hugging Face folder."""
     sliding_window: int | None = None
     """Sliding attention window W (Hugging Face semantics: the query at i sees keys j with
     i - W < j <= i); None: full causal attention."""
@@ -125,6 +130,8 @@ class ModelConfig:
     dropped (top-1 choices first, then by token index) and counted."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from JSON or TOML
+            self.layer_types = tuple(self.layer_types)
         check_choices(self, "model.")
         check_positive(
             "model.",

@@ -56,6 +56,23 @@ def llama_config(cfg: ModelConfig) -> Any:
             f"model.attention {cfg.attention!r} is plait's own kernel; model.family "
             "'hf-llama' uses transformers' attention: use model.attention 'sdpa'."
         )
+    bad = [
+        f"model.{k} = {getattr(cfg, k)!r}"
+        for k, plain in (
+            ("arch", ("llama", "mistral")),
+            ("attention_bias", ("none",)),
+            ("qk_norm", ("none",)),
+            ("norm_placement", ("pre",)),
+            ("head_width", (None, cfg.dim // cfg.n_heads)),
+            ("sliding_window", (None,)),
+        )
+        if getattr(cfg, k) not in plain
+    ]
+    if bad:
+        raise ConfigError(
+            f"model.family 'hf-llama' builds LlamaForCausalLM, which has no {bad[0]}; "
+            "use the built-in transformer (model.family 'plait'), which loads every family."
+        )
     transformers = import_transformers()
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,

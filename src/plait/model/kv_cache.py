@@ -124,7 +124,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     h = model.tok_embeddings(tokens)  # (batch, t, dim)
     for i, layer in enumerate(model.layers):
         block = cast(Block, layer)  # its modules may be parallel versions (same names)
-        attend = functools.partial(_attention, block.attention, cos=cos, sin=sin, cache=cache, layer=i)
+        attn = block.attention
+        attend = functools.partial(_attention, attn, cos=cos, sin=sin, cache=cache, layer=i)
         h = block.residual(h, block.attention_norm, attend)
         h = block.residual(h, block.ffn_norm, block.feed_forward)
     cache.advance(t)
