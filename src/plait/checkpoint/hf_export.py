@@ -24,10 +24,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from plait.checkpoint.files import _bytes_of, fsync_dir
-from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.arch.families import family_named
 from plait.arch.spec import concat_shape, hf_tensors
+from plait.checkpoint.files import _bytes_of, fsync_dir
+from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
@@ -119,8 +119,8 @@ def export_hf(
     source: str | Path | CheckpointReader, out: str | Path, shard_size: int = DEFAULT_SHARD_SIZE
 ) -> dict[str, Any]:
     """Write checkpoint ``source`` (a folder, or a reader already opened and verified) as
-    a Hugging Face folder ``out`` of its ``model.arch`` family (created; it must not exist or be empty);
-    returns a summary (step, tensors, parameters, bytes, files)."""
+    a Hugging Face folder ``out`` of its ``model.arch`` family (created; it must not exist
+    or be empty); returns a summary (step, tensors, parameters, bytes, files)."""
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     m = _model_config(reader)
     out = Path(out)

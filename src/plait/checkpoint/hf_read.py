@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from plait.checkpoint.files import ShardFile
-from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
 from plait.arch.families import family_named
 from plait.arch.spec import concat_shape, hf_tensors
+from plait.checkpoint.files import ShardFile
+from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, model_fields, read_hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
@@ -116,7 +116,8 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
             params[name] = ParamEntry(part_shape, dname, dname, [piece])
             before += numel
     missing = [
-        hf for hf, parts in expected.items()
+        hf
+        for hf, parts in expected.items()
         if (hf if family == "hf-llama" else parts[0][0]) not in params
     ]
     if missing:

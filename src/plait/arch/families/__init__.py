@@ -16,7 +16,15 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 """plait's short name (``model.arch``) -> the spec of each family plait loads."""
 
-__all__ = ["FAMILIES", "REFUSED", "FamilyError", "FamilySpec", "Refused", "family_named", "family_of"]
+__all__ = [
+    "FAMILIES",
+    "REFUSED",
+    "FamilyError",
+    "FamilySpec",
+    "Refused",
+    "family_named",
+    "family_of",
+]
 
 
 def supported_architectures() -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from plait.arch.spec import Fields, FamilyError, FamilySpec, HFConfig, refuse
+from plait.arch.spec import FamilyError, FamilySpec, Fields, HFConfig, refuse
 from plait.config import ModelConfig
 
 ATTENTION_NAMES = tuple(

@@ -13,7 +13,7 @@ from plait.arch.families.common import (
     base_fields,
     limits,
 )
-from plait.arch.spec import Fields, FamilySpec, HFConfig
+from plait.arch.spec import FamilySpec, Fields, HFConfig
 from plait.config import ModelConfig
 
 
@@ -30,14 +30,18 @@ SPEC = FamilySpec(
     name="llama",
     architecture="LlamaForCausalLM",
     model_type="llama",
-    features=("RMSNorm pre-norm, GQA, rotate-half RoPE (linear, llama3 scaling), SwiGLU",
-              "attention_bias: biases on q/k/v/o"),
+    features=(
+        "RMSNorm pre-norm, GQA, rotate-half RoPE (linear, llama3 scaling), SwiGLU",
+        "attention_bias: biases on q/k/v/o",
+    ),
     refuses=("MLP biases (plait's MLP has none)",),
     to_fields=_fields,
     to_config=_config,
     names=ATTENTION_NAMES + MLP_NAMES + PRE_NORM_NAMES,
     expresses=limits(
-        attention_bias=("none", "qkvo"), qk_norm=("none",), norm_placement=("pre",),
+        attention_bias=("none", "qkvo"),
+        qk_norm=("none",),
+        norm_placement=("pre",),
         sliding_window=(None,),
     ),
 )

@@ -15,7 +15,7 @@ from plait.arch.families.common import (
     window_config,
     window_fields,
 )
-from plait.arch.spec import Fields, FamilySpec, HFConfig
+from plait.arch.spec import FamilySpec, Fields, HFConfig
 from plait.config import ModelConfig
 
 

@@ -14,7 +14,7 @@ from plait.arch.families.common import (
     base_fields,
     limits,
 )
-from plait.arch.spec import Fields, FamilySpec, HFConfig
+from plait.arch.spec import FamilySpec, Fields, HFConfig
 from plait.config import ModelConfig
 
 

@@ -14,7 +14,7 @@ from plait.arch.families.common import (
     window_config,
     window_fields,
 )
-from plait.arch.spec import Fields, FamilySpec, HFConfig, refuse
+from plait.arch.spec import FamilySpec, Fields, HFConfig, refuse
 from plait.config import ModelConfig
 
 

@@ -17,7 +17,7 @@ from plait.arch.families.common import (
     window_config,
     window_fields,
 )
-from plait.arch.spec import Fields, FamilySpec, HFConfig
+from plait.arch.spec import FamilySpec, Fields, HFConfig
 from plait.config import ModelConfig
 
 
@@ -46,7 +46,5 @@ SPEC = FamilySpec(
     to_fields=_fields,
     to_config=_config,
     names=ATTENTION_NAMES + QK_NORM_NAMES + MLP_NAMES + PRE_NORM_NAMES,
-    expresses=limits(
-        attention_bias=("none", "qkvo"), qk_norm=("head",), norm_placement=("pre",)
-    ),
+    expresses=limits(attention_bias=("none", "qkvo"), qk_norm=("head",), norm_placement=("pre",)),
 )

@@ -20,9 +20,7 @@ _MOE = (
 REFUSED: tuple[Refused, ...] = (
     Refused("gemma", "GemmaForCausalLM", "gemma", _GEMMA),
     Refused("gemma2", "Gemma2ForCausalLM", "gemma2", _GEMMA2),
-    Refused(
-        "gemma3", "Gemma3ForCausalLM", "gemma3_text", _GEMMA2 + ", and per-layer-type RoPE"
-    ),
+    Refused("gemma3", "Gemma3ForCausalLM", "gemma3_text", _GEMMA2 + ", and per-layer-type RoPE"),
     Refused(
         "gemma3-vlm",
         "Gemma3ForConditionalGeneration",
@@ -30,7 +28,9 @@ REFUSED: tuple[Refused, ...] = (
         "it is a vision-language model; plait takes text models only",
     ),
     Refused("mixtral", "MixtralForCausalLM", "mixtral", _MOE),
-    Refused("qwen2-moe", "Qwen2MoeForCausalLM", "qwen2_moe", _MOE + " (nor its gated shared expert)"),
+    Refused(
+        "qwen2-moe", "Qwen2MoeForCausalLM", "qwen2_moe", _MOE + " (nor its gated shared expert)"
+    ),
     Refused("qwen3-moe", "Qwen3MoeForCausalLM", "qwen3_moe", _MOE),
     Refused(
         "deepseek-v3",
