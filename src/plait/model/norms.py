@@ -53,10 +53,9 @@ class ProjectionRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, seq, local width)`` normalised by the whole projection's RMS."""
-        if self.group is None:
-            return super().forward(x)
         xf = x.float()
-        ss = xf.pow(2).sum(-1, keepdim=True)  # (batch, seq, 1) this rank's part
-        ss = reduce_from_region(copy_to_region(ss, self.group), self.group) / self.replicas
-        y = xf * torch.rsqrt(ss / self.width + self.eps)
+        ss = x.double().pow(2).sum(-1, keepdim=True)  # (batch, seq, 1) this rank's part
+        if self.group is not None:
+            ss = reduce_from_region(copy_to_region(ss, self.group), self.group) / self.replicas
+        y = xf * torch.rsqrt((ss / self.width).float() + self.eps)
         return y.type_as(x) * self.weight
