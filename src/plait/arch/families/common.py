@@ -136,7 +136,8 @@ def window_config(m: ModelConfig, gated: bool) -> HFConfig:
     if gated:
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
         out["use_sliding_window"] = m.sliding_window is not None
-        out["max_window_layers"] = sliding[0] if sliding else n
+        if sliding:  # the first windowed layer (transformers' default otherwise)
+            out["max_window_layers"] = sliding[0]
         out["layer_types"] = types
     elif m.layer_types is not None:
         out["layer_types"] = types

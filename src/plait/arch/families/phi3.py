@@ -28,7 +28,6 @@ def _fields(hf: Mapping[str, Any], source: str) -> Fields:
 def _config(m: ModelConfig) -> HFConfig:
     out = {**base_config(m, SPEC), **window_config(m, gated=False)}
     out.pop("head_dim")
-    out["original_max_position_embeddings"] = m.max_seq_len
     out["rope_parameters"] = {**out["rope_parameters"], "partial_rotary_factor": 1.0}
     return {**out, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0}
 
