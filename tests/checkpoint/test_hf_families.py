@@ -6,7 +6,8 @@ Qwen3 with a head width of 16 where dim / heads is 8; Phi-3's fused tensors) and
 with ``save_pretrained`` in several shards; nothing is downloaded. Checked:
 
 * the float64 loss through the Python API (:func:`plait.checkpoint.load_hf_weights`)
-  equals transformers' (rel 1e-10) in one process and under tp2 (the pool);
+  equals transformers' (rel 1e-10; OLMo 2 1e-9, see the test) in one process
+  and under tp2 (the pool);
 * greedy generation (plait's KV-cache decoder) equals transformers' ``generate`` tokens
   (float64, no near-tie: the top-2 margin of every step exceeds 1e-4);
 * ``plait checkpoint export --format hf`` after one training step (one process; Phi-3
@@ -119,8 +120,13 @@ def test_float64_loss_equals_transformers(
         if world == 1
         else pools(world).run(_fp64_body, folder, layout)
     )
+    # OLMo 2: its post-norms round their outputs to float32 (as transformers' do) right
+    # on the residual stream, so the RoPE tables' float32 rounding (transformers computes
+    # the angles in float32, plait in float64) flips some of their last bits: seen at
+    # 2e-10 relative; a wrong norm moves the loss by 1e-3 or more
+    rel = 1e-9 if family == "olmo2" else 1e-10
     for loss in got:
-        assert loss == pytest.approx(want, rel=1e-10)
+        assert loss == pytest.approx(want, rel=rel)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -199,7 +205,8 @@ def test_config_round_trips(family: str) -> None:
     theirs["architectures"] = [FAMILIES[family].architecture]
     m = ModelConfig(**model_fields(theirs, "test"))
     mine = hf_config(m, "float32")
-    skip = {"torch_dtype", "dtype", "architectures", "use_cache"}
+    # the token ids are the tokenizer's (plait writes None), the dtype the weights'
+    skip = {"torch_dtype", "dtype", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id"}
     for key, value in mine.items():
         if key in theirs and key not in skip:
             assert value == theirs[key], key

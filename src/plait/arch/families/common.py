@@ -165,6 +165,11 @@ def base_config(m: ModelConfig, spec: FamilySpec) -> HFConfig:
         "hidden_act": "silu",
         "initializer_range": m.init_std,
         "use_cache": True,
+        # the tokenizer's ids are not the model's: None rather than a family default
+        # outside the vocabulary (Phi-3's 32000)
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
 
 
