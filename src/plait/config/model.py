@@ -161,8 +161,9 @@ class ModelConfig:
                 "(or set model.head_width)."
             )
         if self.head_dim % 2:
+            what = "dim/n_heads" if self.head_width is None else "model.head_width"
             raise ConfigError(
-                f"the head dimension {self.head_dim} must be even for rotary positions."
+                f"the head dimension {what} = {self.head_dim} must be even for rotary positions."
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(
