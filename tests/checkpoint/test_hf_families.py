@@ -121,9 +121,10 @@ def test_float64_loss_equals_transformers(
         else pools(world).run(_fp64_body, folder, layout)
     )
     # OLMo 2: its post-norms round their outputs to float32 (as transformers' do) right
-    # on the residual stream, so the RoPE tables' float32 rounding (transformers computes
-    # the angles in float32, plait in float64) flips some of their last bits: seen at
-    # 2e-10 relative; a wrong norm moves the loss by 1e-3 or more
+    # on the residual stream, so a last-bit difference before them (the RoPE tables:
+    # transformers computes the angles in float32, plait in float64; the q/k norm's sum
+    # of squares: plait in float64, for tp) flips some float32 bits: seen at 2e-10
+    # relative; a wrong norm moves the loss by 1e-3 or more
     rel = 1e-9 if family == "olmo2" else 1e-10
     for loss in got:
         assert loss == pytest.approx(want, rel=rel)

@@ -43,9 +43,10 @@ class ProjectionRMSNorm(RMSNorm):
     norm). On one device it is :class:`RMSNorm`; tensor parallelism sets ``group`` (the
     tp axis), ``width`` (the whole projection's width) and ``replicas`` (tp ranks that
     hold the same key/value heads): the local sums of squares are then summed over
-    ``group`` and divided by ``replicas`` before the mean over ``width``; they are
-    accumulated in float64 (then the mean rounded to float32, as on one device), so the
-    ranks' other order of summation rarely moves the float32 result."""
+    ``group`` and divided by ``replicas`` before the mean over ``width``. On one device
+    and under tp alike they are accumulated in float64 and the mean rounded to float32
+    (transformers takes a float32 mean: the same to a float32 rounding), so the ranks'
+    other order of summation rarely moves the float32 result."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__(dim, eps)
@@ -55,10 +56,9 @@ class ProjectionRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, seq, local width)`` normalised by the whole projection's RMS."""
-        if self.group is None:
-            return super().forward(x)  # transformers' float32 mean
         xf = x.float()
         ss = x.double().pow(2).sum(-1, keepdim=True)  # (batch, seq, 1) this rank's part
-        ss = reduce_from_region(copy_to_region(ss, self.group), self.group) / self.replicas
+        if self.group is not None:
+            ss = reduce_from_region(copy_to_region(ss, self.group), self.group) / self.replicas
         y = xf * torch.rsqrt((ss / self.width).float() + self.eps)
         return y.type_as(x) * self.weight
