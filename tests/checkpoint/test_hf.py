@@ -25,7 +25,14 @@ import pytest
 import torch
 
 from plait.checkpoint import load_hf_weights, pretrained_config
-from plait.config import Config, DataConfig, LogConfig, ParallelConfig, TrainConfig
+from plait.config import (
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from plait.errors import ConfigError
 from plait.mesh import init_mesh
 from plait.model.factory import build_model
@@ -278,5 +285,7 @@ def test_mistral_loads_and_its_window_is_carried_over(tmp_path: Path) -> None:
     transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "window")
     got = pretrained_config(tmp_path / "window")
     assert (got.arch, got.sliding_window, got.layer_types) == ("mistral", 8, None)
-    with pytest.raises(ConfigError, match="'hf-llama' builds LlamaForCausalLM, which has no"):
-        build_model(pretrained_config(tmp_path / "window", family="hf-llama"), seed=0)
+    own = build_model(pretrained_config(tmp_path / "window", family="hf-llama"), seed=0)
+    assert type(own).__name__ == "MistralForCausalLM" and own.config.sliding_window == 8
+    with pytest.raises(ConfigError, match="builds transformers' LlamaForCausalLM, which has no"):
+        build_model(ModelConfig(dim=32, qk_norm="head", family="hf"), seed=0)

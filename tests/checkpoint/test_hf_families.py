@@ -35,6 +35,7 @@ from plait.arch.families import FAMILIES, REFUSED
 from plait.checkpoint import CheckpointError, export_hf, load_hf_weights, pretrained_config
 from plait.checkpoint.hf import hf_config, model_fields
 from plait.config import ModelConfig, ParallelConfig
+from plait.errors import ConfigError
 from plait.mesh import init_mesh
 from plait.model.factory import build_model
 from plait.model.generate import SampleSettings, generate, make_decoder
@@ -128,6 +129,47 @@ def test_float64_loss_equals_transformers(
     rel = 1e-9 if family == "olmo2" else 1e-10
     for loss in got:
         assert loss == pytest.approx(want, rel=rel)
+
+
+HF_LAYOUTS = [(f, 1, {}) for f in CONFIGS] + [
+    (f, 2, {"tp": 2}) for f in ("qwen2", "qwen3", "mistral")
+]
+
+
+@pytest.mark.parametrize("family,world,layout", HF_LAYOUTS, ids=lambda v: str(v))
+def test_transformers_own_class_equals_transformers(
+    pools: Callable[[int], WorkerPool],
+    dirs: dict[str, Path],
+    family: str,
+    world: int,
+    layout: dict[str, int],
+) -> None:
+    """model.family 'hf': transformers' own class of the family, loaded rank-locally by
+    its own names (Phi-3's fused tensors whole), in one process and tp2 (Qwen3's per-head
+    q/k norms replicated, their gradients summed)."""
+    folder = str(dirs[family])
+    want = hf_loss(dirs[family], torch.float64)
+    got = (
+        [_fp64_body(None, folder, layout, family="hf")]
+        if world == 1
+        else pools(world).run(_fp64_body, folder, layout, family="hf")
+    )
+    for loss in got:
+        assert loss == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_transformers_own_class_refuses_tp_by_name(dirs: dict[str, Path], family: str) -> None:
+    from plait.config import Config, TrainConfig
+    from plait.parallel.checks import validate_run
+
+    cfg = Config(
+        model=pretrained_config(dirs[family], family="hf"),
+        parallel=ParallelConfig(tp=2),
+        train=TrainConfig(global_batch=2, seq_len=16),
+    )
+    with pytest.raises(ConfigError, match=f"model.arch {family}: .* Use model.family 'plait'"):
+        validate_run(cfg, 2)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -230,10 +272,10 @@ def test_refusals_name_the_reason(dirs: dict[str, Path], tmp_path: Path) -> None
     ):
         model_fields({**base, "architectures": ["GPT2LMHeadModel"]}, "x")
     yarn = {**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}
-    with pytest.raises(CheckpointError, match="Qwen2ForCausalLM with RoPE scaling 'yarn'.*YaRN"):
+    with pytest.raises(CheckpointError, match=r"Qwen2ForCausalLM with RoPE scaling 'yarn'.*YaRN"):
         model_fields(yarn, "x")
     partial = {**base, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}
-    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5"):
+    with pytest.raises(CheckpointError, match=r"partial_rotary_factor 0\.5"):
         model_fields(partial, "x")
     # a Phi-3 folder whose fused tensor contradicts config.json
     bad = tmp_path / "phi3"

@@ -28,8 +28,9 @@ No tensor changes layout: plait's rotary embedding pairs channel ``j`` with ``j 
 head_dim/2`` of each head (``apply_rotary``), which is Hugging Face's ``rotate_half``
 convention, so the q/k rows are taken as stored. A fused tensor (Phi-3's ``qkv_proj``,
 ``gate_up_proj``) holds several plait tensors' rows one after the other. With
-``model.family = "hf-llama"`` the model *is* ``LlamaForCausalLM`` and the names are
-Hugging Face's own (the identity map). This module needs no torch.
+``model.family = "hf"`` (old name ``hf-llama``) the model *is* transformers' class and
+the names are Hugging Face's own (the identity map, fused tensors whole). This module
+needs no torch.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from plait.arch.families import FAMILIES, family_named, family_of
 from plait.arch.spec import TOP_NAMES, FamilyError, FamilySpec, concat_shape, hf_tensors
 from plait.checkpoint.format import CheckpointError
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 
 HF_CONFIG = "config.json"
 """The model's configuration file in a Hugging Face folder."""
@@ -67,11 +69,11 @@ def _spec(family: str | FamilySpec) -> FamilySpec:
 def hf_to_plait(name: str, family: str = "plait", arch: str | FamilySpec = "llama") -> str | None:
     """The model's name of the Hugging Face tensor ``name`` of family ``arch`` (None: not
     a weight plait keeps, e.g. an old ``rotary_emb.inv_freq`` buffer); ``family``
-    'hf-llama': itself. A fused tensor maps to its first part
+    'hf' (or 'hf-llama'): itself. A fused tensor maps to its first part
     (:func:`~plait.arch.spec.hf_tensors` lists every part)."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    if family == "hf-llama":
+    if family in HF_FAMILIES:
         return name
     spec = _spec(arch)
     for hf, ours in TOP_NAMES:
@@ -93,7 +95,7 @@ def hf_to_plait(name: str, family: str = "plait", arch: str | FamilySpec = "llam
 def plait_to_hf(name: str, family: str = "plait", arch: str | FamilySpec = "llama") -> str:
     """The Hugging Face name of the model's tensor ``name`` in family ``arch`` (the fused
     tensor holding it, for Phi-3's q/k/v and gate/up); inverse of :func:`hf_to_plait`."""
-    if family == "hf-llama":
+    if family in HF_FAMILIES:
         return name
     spec = _spec(arch)
     for hf, ours in TOP_NAMES:

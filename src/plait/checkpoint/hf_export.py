@@ -31,6 +31,7 @@ from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 
 DEFAULT_SHARD_SIZE = 5 * 1024**3
 """Bytes per shard file when none is given (Hugging Face's default, 5 GB)."""
@@ -59,7 +60,7 @@ Tensor = tuple[str, list[str], list[int], str]
 def _hf_tensors(reader: CheckpointReader, m: ModelConfig) -> dict[str, list[str]]:
     """Hugging Face name -> the checkpoint's tensors whose rows it holds, in the family's
     order (``hf-llama``: each tensor under its own name)."""
-    if m.family == "hf-llama":
+    if m.family in HF_FAMILIES:
         return {name: [name] for name in reader.params}
     out: dict[str, list[str]] = {}
     for hf_name, parts in hf_tensors(family_named(m.arch), m).items():

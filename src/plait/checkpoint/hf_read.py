@@ -29,6 +29,7 @@ from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, model_fields, read_hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 from plait.pieces import LocalPiece
 
 
@@ -67,7 +68,8 @@ def _weight_files(folder: Path) -> dict[str, str]:
 
 def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     """The Hugging Face model in ``folder`` as a reader with the model's names
-    (``family`` 'plait': the built-in transformer's; 'hf-llama': Hugging Face's own).
+    (``family`` 'plait': the built-in transformer's; 'hf' or 'hf-llama': Hugging Face's
+    own, a fused tensor whole).
     Reads the headers only; CheckpointError (exit 2) names a missing config.json or
     shard, an unsupported architecture, a missing tensor or one of the wrong shape.
 
@@ -79,12 +81,10 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     source = str(folder)
     cfg = ModelConfig(**model_fields(read_hf_config(folder), source))
     spec = family_named(cfg.arch)
-    if family == "hf-llama" and spec.fused:
-        raise CheckpointError(
-            f"{source}: {spec.architecture} keeps fused tensors; model.family 'hf-llama' "
-            "loads Llama-named weights only (use the built-in transformer)"
-        )
+    own = family in HF_FAMILIES  # transformers' class: its own names, fused tensors whole
     expected = hf_tensors(spec, cfg)
+    if own:
+        expected = {hf: [(hf, concat_shape(parts))] for hf, parts in expected.items()}
     files: dict[str, ShardFile] = {}
     params: dict[str, ParamEntry] = {}
     for hf_name, file in _weight_files(folder).items():
@@ -111,7 +111,7 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
         before = 0
         for plait_name, part_shape in parts:
             numel = _numel(part_shape)
-            name = hf_name if family == "hf-llama" else plait_name
+            name = plait_name
             piece = Piece(file, -before, numel, None, {"param": hf_name})
             params[name] = ParamEntry(part_shape, dname, dname, [piece])
             before += numel
@@ -147,7 +147,7 @@ def load_hf_weights(model: Any, folder: str | Path, optimizer: Any = None) -> in
     parallelize (and after the optimizer is made). The model's family is taken from its
     names. Returns the tensor bytes this rank read."""
     pieces: list[LocalPiece] = model.local_pieces()
-    family = "hf-llama" if any(p.name.startswith("model.") for p in pieces) else "plait"
+    family = "hf" if any(p.name.startswith("model.") for p in pieces) else "plait"
     reader = open_hf(folder, family)
     try:
         masters = {}

@@ -26,7 +26,10 @@ PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 PPGradReduce = Literal["step", "microbatch"]
 AttentionKind = Literal["sdpa", "blockwise"]
-ModelFamily = Literal["plait", "hf-llama"]
+ModelFamily = Literal["plait", "hf", "hf-llama"]
+HF_FAMILIES: tuple[str, ...] = ("hf", "hf-llama")
+"""The model.family values that build transformers' own class ('hf-llama': the old name,
+an alias of 'hf')."""
 RopeScaling = Literal["none", "linear", "llama3"]
 AttentionBias = Literal["none", "qkv", "qkvo"]
 """Which attention projections have biases: none (Llama), q/k/v (Qwen2), all four."""

@@ -93,9 +93,10 @@ class ModelConfig:
     or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
     only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
     family: ModelFamily = "plait"
-    """Which model the size fields build: 'plait' (the built-in transformer) or
-    'hf-llama' (Hugging Face transformers' LlamaForCausalLM from a LlamaConfig with these
-    sizes, randomly initialised, nothing downloaded; needs the extra plait[hf]).
+    """Which model the size fields build: 'plait' (the built-in transformer) or 'hf'
+    (Hugging Face transformers' own class of model.arch, e.g. LlamaForCausalLM or
+    Qwen2ForCausalLM, from its config with these sizes, randomly initialised, nothing
+    downloaded; needs the extra plait[hf]); 'hf-llama' is the old name of 'hf'.
     docs/models.md maps the fields."""
     factory: str | None = None
     """Your own model: 'package.module:function', called as function(model_config) after

@@ -126,9 +126,7 @@ def start_parallel(
     model = parallelize(base, mesh, cfg)
     prec = cfg.precision
     scaler = (
-        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window)
-        if prec.dtype == "fp16"
-        else None
+        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window) if prec.dtype == "fp16" else None
     )
     optimizer = Optimizer(
         model,

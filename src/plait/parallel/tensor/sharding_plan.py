@@ -50,7 +50,7 @@ from plait.comm.group import AxisGroup
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.tensor.hf_llama_sharding_plan import HF_LLAMA_TP_PLAN, is_hf_llama
+from plait.parallel.tensor.hf_llama_sharding_plan import hf_tp_plan, is_hf_llama
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -115,7 +115,7 @@ def default_sharding_plan(model: nn.Module) -> ShardingPlan:
     if own is not None:
         return tuple(own)
     if is_hf_llama(model):
-        return HF_LLAMA_TP_PLAN
+        return hf_tp_plan(model)
     rows = qk_norm_rows(model)
     return (*TRANSFORMER_TP_PLAN, *rows) if rows else TRANSFORMER_TP_PLAN
 
@@ -290,7 +290,7 @@ def apply_tensor_parallel(
     group = mesh.axis("tp")
     tp, sp = group.size, sequence_parallel
     plan = default_sharding_plan(model) if plan is None else plan
-    if sp and tp > 1 and plan is HF_LLAMA_TP_PLAN:
+    if sp and tp > 1 and is_hf_llama(model):
         raise ConfigError(
             f"sequence parallelism is not supported for {type(model).__name__}: its forward "
             "derives positions and the causal mask from the hidden states' length, which "
