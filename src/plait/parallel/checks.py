@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from plait.config import Config
+from plait.arch.families import family_named
 from plait.config.choices import HF_FAMILIES
 from plait.errors import ConfigError
 from plait.model.factory import check_model
@@ -92,6 +93,7 @@ def check_hf_llama(cfg: Config) -> None:
         ),
     ]
     arch = cfg.model.arch
+    cls = family_named(arch).architecture
     tp_refused = {
         "phi3": "its fused qkv_proj and gate_up_proj are split only by the built-in transformer",
         "olmo2": "its q/k norms over the whole projection need the built-in transformer's "
@@ -107,7 +109,7 @@ def check_hf_llama(cfg: Config) -> None:
         if bad:
             raise ConfigError(
                 f"{what} is not supported for model.family '{cfg.model.family}' "
-                "(transformers' own class): plait splits and rewires only its own Transformer "
+                f"(transformers' {cls}): plait splits and rewires only its own Transformer "
                 f"that way. Use {instead} (dp, ZeRO 1-3 and tp work), or model.family "
                 "'plait'."
             )
