@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from plait.config import Config
 from plait.arch.families import family_named
+from plait.config import Config
 from plait.config.choices import HF_FAMILIES
 from plait.errors import ConfigError
 from plait.model.factory import check_model
