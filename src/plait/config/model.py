@@ -79,12 +79,56 @@ class ModelConfig:
     exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
     olmo2); set from config.json by --init-from a Hugging Face folder."""
     sliding_window: int | None = None
-    """Sliding-window attention (Hugging Face's semantics): the query at position i sees
-    the keys j with i - sliding_window < j <= i (None: every layer attends to the whole
-    causal prefix). Positions are the sequence's (global under context parallelism)."""
+    """Sliding attention window W (Hugging Face semantics: the query at i sees keys j with
+    i - W < j <= i); None: full causal attention."""
     layer_types: tuple[str, ...] | None = None
-    """Per layer, 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary, one
-    entry per layer); None: every layer slides when sliding_window is set."""
+    """Per layer 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary), one
+    per layer; None: every layer sliding when sliding_window is set."""
+    tie_embeddings: bool = False
+    """Share the token-embedding matrix with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    attention: AttentionKind = "sdpa"
+    """Attention kernel on one device: 'sdpa' (torch's fused scaled_dot_product_attention)
+    or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
+    only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
+    family: ModelFamily = "plait"
+    """Which model the size fields build: 'plait' (the built-in transformer) or 'hf'
+    (Hugging Face transformers' own class of model.arch, e.g. LlamaForCausalLM or
+    Qwen2ForCausalLM, from its config with these sizes, randomly initialised, nothing
+    downloaded; needs the extra plait[hf]); 'hf-llama' is the old name of 'hf'.
+    docs/models.md maps the fields."""
+    factory: str | None = None
+    """Your own model: 'package.module:function', called as function(model_config) after
+    torch.manual_seed(train.seed); it returns an nn.Module mapping token ids (batch, seq)
+    to logits (batch, seq, vocab) or to an output with .logits. The module must be
+    importable (installed, on PYTHONPATH or in the current folder). Overrides family."""
+    moe_experts: int = 0
+    """Routed experts per mixture-of-experts layer (E); 0: every feed-forward is dense
+    (docs/moe.md)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (k <= moe_experts)."""
+    moe_every: int = 1
+    """Layer i uses the MoE feed-forward when (i + 1) % moe_every == 0 (1: every layer,
+    2: every second layer, ...); the others stay dense."""
+    moe_shared_experts: int = 0
+    """Always-on experts (DeepSeek style), computed for every token beside the routed ones
+    (one SwiGLU of width moe_shared_experts * moe_hidden_dim)."""
+    moe_hidden_dim: int | None = None
+    """Hidden width of one expert's SwiGLU (default: the dense hidden width / top-k, so a
+    token's active feed-forward FLOPs match the dense model's)."""
+    moe_router: MoERouter = "softmax"
+    """Router: 'softmax' (softmax over experts, top-k, weights renormalised to sum 1) or
+    'sigmoid' (sigmoid scores, top-k, weights normalised to sum 1; DeepSeek-V3)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss E * sum_i f_i * P_i in the training
+    loss (0: off)."""
+    moe_z_loss_coef: float = 0.001
+    """Weight of the router z-loss mean(logsumexp(logits)^2) in the training loss (0: off)."""
+    moe_capacity_factor: float = 0.0
+    """0: dropless (every routed token is computed). > 0: each expert takes at most
+    ceil(factor * tokens * k / E) of a rank's routed tokens per layer; the overflow is
+    dropped (top-1 choices first, then by token index) and counted."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_types, list):  # from JSON or TOML
