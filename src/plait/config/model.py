@@ -79,11 +79,12 @@ class ModelConfig:
     exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
     olmo2); set from config.json by --init-from a Hugging Face folder."""
     sliding_window: int | None = None
-    """Sliding attention window W (Hugging Face semantics: the query at i sees keys j with
-    i - W < j <= i); None: full causal attention."""
+    """Sliding-window attention (Hugging Face's semantics): the query at position i sees
+    the keys j with i - sliding_window < j <= i (None: every layer attends to the whole
+    causal prefix). Positions are the sequence's (global under context parallelism)."""
     layer_types: tuple[str, ...] | None = None
-    """Per layer 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary), one
-    per layer; None: every layer sliding when sliding_window is set."""
+    """Per layer, 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary, one
+    entry per layer); None: every layer slides when sliding_window is set."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the output head."""
     init_std: float = 0.02
