@@ -67,6 +67,7 @@ def same_split(a: TPSplit | None, b: TPSplit | None) -> bool:
         return a is None and b is None
     return a.same_block(b)
 
+
 @dataclass
 class LocalPiece:
     """A run of elements of one parameter that this rank holds.

@@ -35,8 +35,12 @@ COLORS: dict[Op, str] = {
 """Bar colour of each compute action (chunk 0; later chunks are darker)."""
 COMM_COLOR = "#7f7f7f"
 """Colour of the thin line marking communication."""
-LABELS = {Op.FORWARD: "forward", Op.BACKWARD: "backward",
-          Op.BACKWARD_INPUT: "backward (input grad)", Op.BACKWARD_WEIGHT: "weight grad"}
+LABELS = {
+    Op.FORWARD: "forward",
+    Op.BACKWARD: "backward",
+    Op.BACKWARD_INPUT: "backward (input grad)",
+    Op.BACKWARD_WEIGHT: "weight grad",
+}
 
 Record = tuple[int, Action, float, float]
 
@@ -103,8 +107,9 @@ def draw_timeline(
     t0 = min(s for _, _, s, _ in recs)
     span = max(e for *_, e in recs) - t0
     # at most MAX_FIGURE_INCHES tall: a chart of hundreds of ranks stays a bounded image
-    fig = Figure(figsize=(min(4 + 0.32 * len(recs) / p, 18),
-                          min(0.9 + 0.55 * p, MAX_FIGURE_INCHES)), dpi=dpi)
+    fig = Figure(
+        figsize=(min(4 + 0.32 * len(recs) / p, 18), min(0.9 + 0.55 * p, MAX_FIGURE_INCHES)), dpi=dpi
+    )
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     bars: dict[tuple[int, Any], list[tuple[float, float]]] = {}  # (row, colour) -> spans
@@ -117,11 +122,17 @@ def draw_timeline(
             continue
         bars.setdefault((y, _shade(COLORS[a.op], a.stage // p, v)), []).append((s - t0, e - s))
         if label and (e - s) / span > 0.012 * len(str(a.microbatch)):
-            ax.text(s - t0 + (e - s) / 2, y, str(a.microbatch), ha="center", va="center",
-                    color="white", fontsize=7)
+            ax.text(
+                s - t0 + (e - s) / 2,
+                y,
+                str(a.microbatch),
+                ha="center",
+                va="center",
+                color="white",
+                fontsize=7,
+            )
     for (y, color), spans in bars.items():  # one collection per row and colour: fast
-        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color, edgecolor="white",
-                       linewidth=0.6)
+        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color, edgecolor="white", linewidth=0.6)
     for y, spans in comms.items():
         ax.broken_barh(spans, (y - 0.44, 0.04), facecolors=COMM_COLOR, linewidth=0)
     ax.set_yticks(range(p))
@@ -135,8 +146,14 @@ def draw_timeline(
     handles = [Patch(color=COLORS[o], label=LABELS[o]) for o in used]
     if any(a.op.is_comm for _, a, _, _ in recs):
         handles.append(Patch(color=COMM_COLOR, label="communication (and its wait)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28 - 0.1 / p),
-              ncol=len(handles), frameon=False, fontsize=8)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28 - 0.1 / p),
+        ncol=len(handles),
+        frameon=False,
+        fontsize=8,
+    )
     fig.tight_layout()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,9 @@ CASES: dict[str, Case] = {
             "AdamW kernel (optimizer step alone) | CPU (ms)": _rows("default", "foreach", "fused"),
         }
     ),
+    "family_step": Case(
+        tables={"family | step (ms)": _rows("llama", "qwen2", "qwen3", "phi3", "olmo2")}
+    ),
     "generate": Case(
         tables={
             "model | new tokens": [

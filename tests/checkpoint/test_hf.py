@@ -24,8 +24,16 @@ from typing import Any
 import pytest
 import torch
 
-from plait.checkpoint import CheckpointError, load_hf_weights, pretrained_config
-from plait.config import Config, DataConfig, LogConfig, ParallelConfig, TrainConfig
+from plait.checkpoint import load_hf_weights, pretrained_config
+from plait.config import (
+    Config,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from plait.errors import ConfigError
 from plait.mesh import init_mesh
 from plait.model.factory import build_model
 from plait.parallel.parallelize import parallelize
@@ -260,9 +268,9 @@ def test_rope_scaling_is_carried_over(hf_dirs: dict[str, Path]) -> None:
     assert unscaled != pytest.approx(hf_loss(hf_dirs["scaled"], torch.float64), rel=1e-7)
 
 
-def test_mistral_loads_and_a_sliding_window_is_refused(tmp_path: Path) -> None:
+def test_mistral_loads_and_its_window_is_carried_over(tmp_path: Path) -> None:
     """MistralForCausalLM without a sliding window is Llama's block: it loads and
-    computes transformers' loss; with a window it is refused by name."""
+    computes transformers' loss; its window is carried over to model.sliding_window."""
     torch.manual_seed(3)
     cfg = transformers.MistralConfig(
         **TINY_HF,
@@ -275,5 +283,9 @@ def test_mistral_loads_and_a_sliding_window_is_refused(tmp_path: Path) -> None:
         assert got["eval"] == pytest.approx(hf_loss(folder), rel=1e-5)
     cfg.sliding_window = 8
     transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "window")
-    with pytest.raises(CheckpointError, match="MistralForCausalLM with a sliding attention"):
-        pretrained_config(tmp_path / "window")
+    got = pretrained_config(tmp_path / "window")
+    assert (got.arch, got.sliding_window, got.layer_types) == ("mistral", 8, None)
+    own = build_model(pretrained_config(tmp_path / "window", family="hf-llama"), seed=0)
+    assert type(own).__name__ == "MistralForCausalLM" and own.config.sliding_window == 8
+    with pytest.raises(ConfigError, match="builds transformers' LlamaForCausalLM, which has no"):
+        build_model(ModelConfig(dim=32, qk_norm="head", family="hf"), seed=0)

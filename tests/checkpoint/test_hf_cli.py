@@ -80,12 +80,18 @@ def test_bad_hf_folders_exit_2(
     empty.mkdir()
     assert "has no config.json" in _bad([*base, str(empty)], capsys)
 
-    qwen = _copy(src, tmp_path / "qwen")
-    cfg = json.loads((qwen / "config.json").read_text())
-    cfg["architectures"] = ["Qwen2ForCausalLM"]
-    (qwen / "config.json").write_text(json.dumps(cfg))
-    err = _bad([*base, str(qwen)], capsys)
-    assert "architecture Qwen2ForCausalLM is not supported (its q/k/v projections" in err
+    gemma = _copy(src, tmp_path / "gemma")
+    cfg = json.loads((gemma / "config.json").read_text())
+    cfg["architectures"] = ["Gemma2ForCausalLM"]
+    (gemma / "config.json").write_text(json.dumps(cfg))
+    err = _bad([*base, str(gemma)], capsys)
+    assert "architecture Gemma2ForCausalLM is not supported (its block needs the (1 + w)" in err
+    assert "plait loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in err
+
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (gemma / "config.json").write_text(json.dumps(cfg))
+    err = _bad([*base, str(gemma)], capsys)
+    assert "architecture GPTNeoXForCausalLM is not supported; plait loads LlamaForCausalLM" in err
 
     scaled = _copy(src, tmp_path / "scaled")
     cfg = json.loads((scaled / "config.json").read_text())

@@ -56,7 +56,7 @@ def test_bad_factories_are_refused(path: str, message: str) -> None:
 def test_factory_config_field_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"package\.module:function"):
         ModelConfig(factory="no_colon")
-    with pytest.raises(ConfigError, match=r"model\.family must be plait or hf-llama"):
+    with pytest.raises(ConfigError, match=r"model\.family must be plait, hf or hf-llama"):
         ModelConfig(family="gpt2")  # type: ignore[arg-type]
 
 

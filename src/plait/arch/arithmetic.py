@@ -77,6 +77,15 @@ def block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -
     )
 
 
+def block_vector_params(cfg: ModelConfig) -> int:
+    """The attention's vectors of one block beside its two norm gains: the projection
+    biases (``attention_bias``) and the query/key norm gains (``qk_norm``)."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    biases = {"none": 0, "qkv": q + 2 * kv, "qkvo": q + 2 * kv + cfg.dim}[cfg.attention_bias]
+    norms = {"none": 0, "head": 2 * cfg.head_dim, "projection": q + kv}[cfg.qk_norm]
+    return biases + norms
+
+
 def param_count(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:
     """Number of parameters of ``Transformer(cfg)``, computed from the config.
 
@@ -86,7 +95,7 @@ def param_count(cfg: ModelConfig, include_embeddings: bool = True, active: bool 
     parameters one token uses (router, shared experts and ``top_k`` routed experts).
     """
     layers = sum(block_matmul_params(cfg, i, active) for i in range(cfg.n_layers))
-    body = layers + cfg.n_layers * 2 * cfg.dim + cfg.dim  # + two RMSNorm gains, final norm
+    body = layers + cfg.n_layers * (2 * cfg.dim + block_vector_params(cfg)) + cfg.dim
     if not include_embeddings:
         return body
     vocab = cfg.vocab_size * cfg.dim

@@ -98,6 +98,7 @@ def measure_device(
         x = torch.randn(4 * n, n, requires_grad=True, **kw)
         w = torch.randn(n, n, requires_grad=True, **kw)
         g = torch.randn(4 * n, n, **kw)
+
         def lin(x: Any = x, w: Any = w, g: Any = g) -> None:
             (x @ w.t()).backward(g)
 

@@ -194,9 +194,7 @@ def with_tp_grids(hw: Hardware, results: list[dict[str, Any]], clock: str) -> Ha
         if not all(p.get(key) for p in parts):
             continue
         first = parts[0][key]
-        slowest = [
-            (d, t, max(p[key][i][2] for p in parts)) for i, (d, t, _) in enumerate(first)
-        ]
+        slowest = [(d, t, max(p[key][i][2] for p in parts)) for i, (d, t, _) in enumerate(first)]
         points = tp_block_scale_points(hw, slowest, sp)
         hw = replace(hw, sp_block_scale=points) if sp else replace(hw, tp_block_scale=points)
     return hw

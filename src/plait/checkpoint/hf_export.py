@@ -6,11 +6,13 @@ shards of at most ``shard_size`` bytes (one ``model.safetensors`` when everythin
 and ``model.safetensors.index.json``, which ``transformers.AutoModelForCausalLM.
 from_pretrained`` loads. It streams: the shard plan and every header come from the
 metadata alone, then each tensor is assembled from the byte ranges of its saved pieces
+(a fused tensor, Phi-3's ``qkv_proj``, from its parts one after another)
 (:meth:`~plait.checkpoint.read.CheckpointReader.read`, a tensor-parallel block walked
 in bounded chunks), written, and dropped, so the process holds one tensor plus a
 bounded read buffer, never the model. The values are the stored ones (the fp32 masters
 when the run had them), written in that dtype; the names are mapped by
-:func:`~plait.checkpoint.hf.plait_to_hf` (the identity for ``hf-llama``). A factory
+``model.arch``'s :class:`~plait.arch.spec.FamilySpec`, which also writes its
+``config.json`` (the identity for ``hf-llama``). A factory
 model is refused (plait does not know its Hugging Face class).
 """
 
@@ -22,9 +24,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from plait.arch.families import family_named
+from plait.arch.spec import concat_shape, hf_tensors
 from plait.checkpoint.files import _bytes_of, fsync_dir
 from plait.checkpoint.format import CheckpointError, dtype_from_name
-from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config, plait_to_hf
+from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config
 from plait.checkpoint.peft_io import (
     is_lora_name,
     lora_factors,
@@ -34,6 +38,7 @@ from plait.checkpoint.peft_io import (
 from plait.checkpoint.peft_io import merge_lora as merged_weights
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 
 DEFAULT_SHARD_SIZE = 5 * 1024**3
 """Bytes per shard file when none is given (Hugging Face's default, 5 GB)."""
@@ -55,12 +60,36 @@ def _model_config(reader: CheckpointReader) -> ModelConfig:
         raise CheckpointError(msg) from None
 
 
-def _plan(
-    tensors: list[tuple[str, str, list[int], str]], shard_size: int
-) -> list[list[tuple[str, str, list[int], str]]]:
-    """Tensors ``(hf name, plait name, shape, dtype)`` cut into shards of at most
-    ``shard_size`` bytes each (a larger tensor gets a shard of its own)."""
-    shards: list[list[tuple[str, str, list[int], str]]] = [[]]
+Tensor = tuple[str, list[str], list[int], str]
+"""``(Hugging Face name, plait names of its parts, shape, dtype)`` of one written tensor."""
+
+
+def _hf_tensors(reader: CheckpointReader, m: ModelConfig) -> dict[str, list[str]]:
+    """Hugging Face name -> the checkpoint's tensors whose rows it holds, in the family's
+    order (``hf-llama``: each tensor under its own name)."""
+    params = [n for n in reader.params if not is_lora_name(n)]  # adapters: merged or apart
+    if m.family in HF_FAMILIES:
+        return {name: [name] for name in params}
+    out: dict[str, list[str]] = {}
+    for hf_name, parts in hf_tensors(family_named(m.arch), m).items():
+        names = [n for n, _ in parts]
+        missing = [n for n in names if n not in reader.params]
+        if missing:
+            raise CheckpointError(f"checkpoint {reader.folder} has no tensor {missing[0]!r}")
+        out[hf_name] = names
+    extra = set(params) - {n for names in out.values() for n in names}
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {reader.folder}: tensor {sorted(extra)[0]!r} has no "
+            f"{m.arch} name (a mixture of experts?)"
+        )
+    return out
+
+
+def _plan(tensors: list[Tensor], shard_size: int) -> list[list[Tensor]]:
+    """Tensors cut into shards of at most ``shard_size`` bytes each (a larger tensor gets
+    a shard of its own)."""
+    shards: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
         n = _nbytes(t[2], t[3])
@@ -83,7 +112,7 @@ def _nbytes(shape: list[int], dtype: str) -> int:
     return _numel(shape) * dtype_from_name(dtype).itemsize
 
 
-def _header(shard: list[tuple[str, str, list[int], str]]) -> bytes:
+def _header(shard: list[Tensor]) -> bytes:
     head: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     off = 0
     for hf_name, _, shape, dtype in shard:
@@ -102,13 +131,12 @@ def export_hf(
     merge_lora: bool = False,
 ) -> dict[str, Any]:
     """Write checkpoint ``source`` (a folder, or a reader already opened and verified) as
-    a Hugging Face Llama folder ``out`` (created; it must not exist or be empty);
-    returns a summary (step, tensors, parameters, bytes, files). A checkpoint with LoRA
-    adapters needs ``merge_lora`` (each adapted weight written as ``W + (alpha/r) B A``;
-    the adapter alone: :func:`~plait.checkpoint.peft_io.export_peft`)."""
+    a Hugging Face folder ``out`` of its ``model.arch`` family (created; it must not exist
+    or be empty); returns a summary (step, tensors, parameters, bytes, files). A
+    checkpoint with LoRA adapters needs ``merge_lora`` (each adapted weight written as
+    ``W + (alpha/r) B A``; the adapter alone: :func:`~plait.checkpoint.peft_io.export_peft`)."""
     reader = source if isinstance(source, CheckpointReader) else CheckpointReader(source)
     m = _model_config(reader)
-    family = m.family
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} exists and is not an empty folder; choose a new -o")
@@ -121,13 +149,15 @@ def export_hf(
             "or write merged weights with --merge-lora"
         )
     scale = lora_scale(reader.meta) if adapted else 1.0
+    config = hf_config(m, "float32")  # refuses a model its family cannot hold, before work
     tensors = []
-    for name, e in reader.params.items():
-        if is_lora_name(name):
-            continue
-        if e.dtype not in _ST_DTYPE:
-            raise CheckpointError(f"checkpoint {reader.folder}: {name} is stored as {e.dtype}")
-        tensors.append((plait_to_hf(name, family), name, list(e.shape), e.dtype))
+    for hf_name, parts in _hf_tensors(reader, m).items():
+        dts = {reader.entry(n).dtype for n in parts}
+        dt = dts.pop() if len(dts) == 1 else "float32"
+        if dt not in _ST_DTYPE:
+            raise CheckpointError(f"checkpoint {reader.folder}: {parts[0]} is stored as {dt}")
+        shape = concat_shape([(n, list(reader.entry(n).shape)) for n in parts])
+        tensors.append((hf_name, parts, shape, dt))
     dtypes = {t[3] for t in tensors}
     shards = _plan(tensors, shard_size)
     names = (
@@ -142,19 +172,23 @@ def export_hf(
         for file, shard in zip(names, shards, strict=True):
             with open(out / file, "wb") as fh:
                 fh.write(_header(shard))
-                for hf_name, name, shape, _ in shard:
-                    t = reader.read(name, "param", None, 0, _numel(shape))  # then dropped
-                    layer = name[: -len(".weight")]
-                    if layer in adapted:  # W + scale · B A, in W's dtype
-                        parts = {n: read_tensor(reader, n) for n in lora_factors(layer)}
-                        parts[name] = t.view(shape)
-                        t = merged_weights(parts, scale)[name]
-                    fh.write(_bytes_of(t))
-                    total += t.numel() * t.element_size()
+                for hf_name, parts, _, dt in shard:
+                    for name in parts:  # a fused tensor: its parts' rows one after another
+                        part_shape = list(reader.entry(name).shape)
+                        t = reader.read(name, "param", None, 0, _numel(part_shape))  # dropped
+                        layer = name[: -len(".weight")]
+                        if layer in adapted:  # W + scale · B A, in W's dtype
+                            fac = {n: read_tensor(reader, n) for n in lora_factors(layer)}
+                            fac[name] = t.view(part_shape)
+                            t = merged_weights(fac, scale)[name]
+                        t = t.to(dtype_from_name(dt))
+                        fh.write(_bytes_of(t))
+                        total += t.numel() * t.element_size()
                     weight_map[hf_name] = file
                 fh.flush()
                 os.fsync(fh.fileno())
-        config = hf_config(m, dtypes.pop() if len(dtypes) == 1 else "float32")
+        dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+        config = {**config, "torch_dtype": dtype, "dtype": dtype}
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n", "utf-8")
         if len(shards) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -3,7 +3,8 @@
 :func:`open_hf` opens a Hugging Face folder (``config.json`` plus ``model.safetensors``
 or the shards of ``model.safetensors.index.json``) as a
 :class:`~plait.checkpoint.read.CheckpointReader` whose tensors carry the *model's*
-names (:func:`~plait.checkpoint.hf.hf_to_plait`) and one whole-tensor piece each.
+names (the family's :class:`~plait.arch.spec.FamilySpec`) and one whole-tensor piece
+each (a part of a fused tensor: its rows).
 Only the files' headers are read here; every tensor is checked against the shapes
 ``config.json`` implies, and every shard the index names must exist. The weights are
 then read exactly as a resume reads plait's own shards: each rank, after parallelize,
@@ -21,19 +22,14 @@ from typing import Any
 
 import torch
 
+from plait.arch.families import family_named
+from plait.arch.spec import concat_shape, hf_tensors
 from plait.checkpoint.files import ShardFile
 from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
-from plait.checkpoint.hf import (
-    HF_CONFIG,
-    HF_INDEX,
-    HF_SINGLE,
-    hf_shapes,
-    hf_to_plait,
-    model_fields,
-    read_hf_config,
-)
+from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, model_fields, read_hf_config
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 from plait.pieces import LocalPiece
 
 
@@ -72,36 +68,58 @@ def _weight_files(folder: Path) -> dict[str, str]:
 
 def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     """The Hugging Face model in ``folder`` as a reader with the model's names
-    (``family`` 'plait': the built-in transformer's; 'hf-llama': Hugging Face's own).
+    (``family`` 'plait': the built-in transformer's; 'hf' or 'hf-llama': Hugging Face's
+    own, a fused tensor whole).
     Reads the headers only; CheckpointError (exit 2) names a missing config.json or
-    shard, an unsupported architecture, a missing tensor or one of the wrong shape."""
+    shard, an unsupported architecture, a missing tensor or one of the wrong shape.
+
+    The part of a fused tensor (Phi-3's ``qkv_proj``) is a piece whose ``start`` is
+    minus the elements before it in the stored tensor: element ``e`` of the part is
+    element ``e - start`` of the stored one, and the reader's negative positions
+    (the other parts) are never read."""
     folder = Path(folder)
     source = str(folder)
     cfg = ModelConfig(**model_fields(read_hf_config(folder), source))
-    expected = hf_shapes(cfg)
+    spec = family_named(cfg.arch)
+    own = family in HF_FAMILIES  # transformers' class: its own names, fused tensors whole
+    expected = hf_tensors(spec, cfg)
+    if own:
+        expected = {hf: [(hf, concat_shape(parts))] for hf, parts in expected.items()}
     files: dict[str, ShardFile] = {}
     params: dict[str, ParamEntry] = {}
     for hf_name, file in _weight_files(folder).items():
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the embedding matrix is the head
-        name = hf_to_plait(hf_name, family)
-        if name is None:
+        if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        if hf_name not in expected:
-            raise CheckpointError(f"{source}: tensor {hf_name!r} in {file} is not a Llama weight")
+        parts = expected.get(hf_name)
+        if parts is None:
+            raise CheckpointError(
+                f"{source}: tensor {hf_name!r} in {file} is not a {spec.architecture} weight "
+                f"of the shapes {HF_CONFIG} gives (plait does not load it)"
+            )
         f = files.get(file)
         if f is None:
             f = files[file] = ShardFile(folder / file)
         dt, shape, _, _ = f.info(hf_name)
-        if shape != expected[hf_name]:
+        if shape != concat_shape(parts):
             raise CheckpointError(
                 f"{source}: tensor {hf_name!r} in {file} has shape {shape}, but {HF_CONFIG} "
-                f"implies {expected[hf_name]}"
+                f"implies {concat_shape(parts)}"
             )
         dname = dtype_to_name(dt)
-        piece = Piece(file, 0, f.numel(hf_name), None, {"param": hf_name})
-        params[name] = ParamEntry(shape, dname, dname, [piece])
-    missing = [n for n in expected if hf_to_plait(n, family) not in params]
+        before = 0
+        for plait_name, part_shape in parts:
+            numel = _numel(part_shape)
+            name = plait_name
+            piece = Piece(file, -before, numel, None, {"param": hf_name})
+            params[name] = ParamEntry(part_shape, dname, dname, [piece])
+            before += numel
+    missing = [
+        hf
+        for hf, parts in expected.items()
+        if (hf if family == "hf-llama" else parts[0][0]) not in params
+    ]
     if missing:
         raise CheckpointError(f"{source}: tensor {missing[0]!r} is in no weights file")
     reader = CheckpointReader.__new__(CheckpointReader)
@@ -113,6 +131,13 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     return reader
 
 
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 @torch.no_grad()
 def load_hf_weights(model: Any, folder: str | Path, optimizer: Any = None) -> int:
     """Fill the pieces ``model`` (anything with ``local_pieces()``, e.g. a
@@ -122,7 +147,7 @@ def load_hf_weights(model: Any, folder: str | Path, optimizer: Any = None) -> in
     parallelize (and after the optimizer is made). The model's family is taken from its
     names. Returns the tensor bytes this rank read."""
     pieces: list[LocalPiece] = model.local_pieces()
-    family = "hf-llama" if any(p.name.startswith("model.") for p in pieces) else "plait"
+    family = "hf" if any(p.name.startswith("model.") for p in pieces) else "plait"
     reader = open_hf(folder, family)
     try:
         masters = {}

@@ -15,6 +15,7 @@ pipeline    pipeline schedules: draw | show                  :mod:`plait.cli.pip
 plot        draw runs' metrics (loss, val, tokens/s, comm)   :mod:`plait.cli.plot`
 tune        hyperparameter search on Ray Tune                :mod:`plait.cli.tune`
 data        ``plait data prepare | info``: token shards      :mod:`plait.cli.data`
+models      the Hugging Face families plait loads / refuses  :mod:`plait.cli.models`
 ==========  ===============================================  =========================
 
 Each sub-command is a function taking the arguments after its name and returning an
@@ -108,6 +109,12 @@ def _data() -> Command:
     return data_main
 
 
+def _models() -> Command:
+    from plait.cli.models import models_main
+
+    return models_main
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "train": (_train, "train the built-in transformer"),
     "eval": (
@@ -125,6 +132,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[], Command], str]] = {
     "plot": (_plot, "draw runs' metrics (loss, validation loss, tokens/s, comm) into a PNG"),
     "tune": (_tune, "hyperparameter search on Ray Tune (each trial a multi-rank run)"),
     "data": (_data, "prepare data: `plait data prepare SRC -o DIR --tokenizer SPEC` | info"),
+    "models": (_models, "the Hugging Face families plait loads and exports, and those it refuses"),
 }
 """Sub-command name -> (the function that imports and returns it, one-line help)."""
 

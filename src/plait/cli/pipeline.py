@@ -42,21 +42,34 @@ def _cost(text: str) -> Fraction:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="plait pipeline", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
-    for name, text in (("draw", "write the schedule's Gantt chart (PNG)"),
-                       ("show", "print every rank's actions and the simulated bubble")):
+    for name, text in (
+        ("draw", "write the schedule's Gantt chart (PNG)"),
+        ("show", "print every rank's actions and the simulated bubble"),
+    ):
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
         s.add_argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
         s.add_argument("--microbatches", type=int, default=8, help="micro-batches m (default 8)")
         s.add_argument("--chunks", type=int, default=1, help="chunks per rank v (interleaved)")
         s.add_argument("--forward", type=_cost, default=Fraction(1), help="forward cost")
-        s.add_argument("--backward", type=_cost, default=Fraction(2),
-                       help="backward cost (I = W = half of it for zb)")
+        s.add_argument(
+            "--backward",
+            type=_cost,
+            default=Fraction(2),
+            help="backward cost (I = W = half of it for zb)",
+        )
         s.add_argument("--comm", type=_cost, default=Fraction(0), help="cost per comm batch")
-        s.add_argument("--placement", choices=PLACEMENTS, default="adjacent",
-                       help="where the send/receive actions go (default adjacent)")
-        s.add_argument("--rendezvous", action="store_true",
-                       help="sends block until received (validate and simulate so)")
+        s.add_argument(
+            "--placement",
+            choices=PLACEMENTS,
+            default="adjacent",
+            help="where the send/receive actions go (default adjacent)",
+        )
+        s.add_argument(
+            "--rendezvous",
+            action="store_true",
+            help="sends block until received (validate and simulate so)",
+        )
         if name == "draw":
             s.add_argument("--out", help="PNG path (default <schedule>.png)")
     return p
@@ -86,8 +99,13 @@ def _build(ns: argparse.Namespace) -> tuple[Schedule, SimResult]:
         check_output_path(ns.out or f"{ns.schedule}.png", "--out")
     sched = build_schedule(ns.schedule, ns.stages, ns.microbatches, ns.chunks, ns.placement)
     validate(sched, rendezvous=ns.rendezvous)
-    costs = Costs(forward=ns.forward, backward=ns.backward, backward_input=ns.backward / 2,
-                  backward_weight=ns.backward / 2, comm=ns.comm)
+    costs = Costs(
+        forward=ns.forward,
+        backward=ns.backward,
+        backward_input=ns.backward / 2,
+        backward_weight=ns.backward / 2,
+        comm=ns.comm,
+    )
     return sched, simulate(sched, costs, ns.rendezvous)
 
 
@@ -98,8 +116,10 @@ def _textbook(s: Schedule) -> str:
     if s.name == "interleaved":
         of_1f1b = float(Fraction(p - 1, v * (m + p - 1)))
         own = float(Fraction(p - 1, v * m + p - 1))
-        return (f"textbook: idle = (1/v)(p-1)/(m+p-1) = {of_1f1b:.4f} of the 1F1B step, "
-                f"(p-1)/(vm+p-1) = {own:.4f} of its own")
+        return (
+            f"textbook: idle = (1/v)(p-1)/(m+p-1) = {of_1f1b:.4f} of the 1F1B step, "
+            f"(p-1)/(vm+p-1) = {own:.4f} of its own"
+        )
     if s.name == "naive":
         return f"textbook (p-1)/p = {float(Fraction(p - 1, p)):.4f}"
     return "ZB-H1 at F = I = W: (p-1)/(3m+p-1) = " + f"{float(Fraction(p - 1, 3 * m + p - 1)):.4f}"
@@ -119,9 +139,13 @@ def pipeline_main(argv: Sequence[str]) -> int:
         print(f"wrote {out}: {title}, simulated bubble {float(sim.bubble):.4f}")
         return 0
     for r, acts in enumerate(sched.actions):
-        steps = [" ".join(map(str, st)) if st[0].op.is_compute else
-                 "[" + " ".join(map(str, st)) + "]" for st in comm_steps(acts)]
+        steps = [
+            " ".join(map(str, st)) if st[0].op.is_compute else "[" + " ".join(map(str, st)) + "]"
+            for st in comm_steps(acts)
+        ]
         print(f"rank {r}: {' '.join(steps)}")
-    print(f"makespan {float(sim.makespan):g}, bubble {float(sim.bubble):.4f} "
-          f"({_textbook(sched)}), peak in-flight per rank {list(sim.peak_inflight)}")
+    print(
+        f"makespan {float(sim.makespan):g}, bubble {float(sim.bubble):.4f} "
+        f"({_textbook(sched)}), peak in-flight per rank {list(sim.peak_inflight)}"
+    )
     return 0

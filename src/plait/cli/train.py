@@ -220,7 +220,7 @@ def pretrained_defaults(data: dict[str, Any]) -> list[str]:
     check_pretrained_model(model, fixed, str(init_from))
     model.update({k: v for k, v in fixed.items() if k not in model})
     open_hf(init_from, str(model.get("family", "plait"))).close()
-    arch = "the built-in transformer" if model.get("family", "plait") == "plait" else "hf-llama"
+    arch = "the built-in transformer" if model.get("family", "plait") == "plait" else "hf"
     notes = [
         f"model from {init_from}/config.json: {fixed['n_layers']} layers, dim {fixed['dim']}, "
         f"{fixed['n_heads']} heads ({fixed['n_kv_heads']} key/value), vocabulary "

@@ -66,6 +66,7 @@ def _eager(fn: F) -> F:
 
     return boundary  # type: ignore[return-value]
 
+
 # ---------------------------------------------------------------- plain helpers
 
 

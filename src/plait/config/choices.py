@@ -30,8 +30,20 @@ PipelineSchedule = Literal["naive", "gpipe", "1f1b", "interleaved", "zb"]
 Balance = Literal["equal", "measured"]
 PPGradReduce = Literal["step", "microbatch"]
 AttentionKind = Literal["sdpa", "blockwise"]
-ModelFamily = Literal["plait", "hf-llama"]
+ModelFamily = Literal["plait", "hf", "hf-llama"]
+HF_FAMILIES: tuple[str, ...] = ("hf", "hf-llama")
+"""The model.family values that build transformers' own class ('hf-llama': the old name,
+an alias of 'hf')."""
 RopeScaling = Literal["none", "linear", "llama3"]
+AttentionBias = Literal["none", "qkv", "qkvo"]
+"""Which attention projections have biases: none (Llama), q/k/v (Qwen2), all four."""
+QKNorm = Literal["none", "head", "projection"]
+"""RMSNorm of queries and keys before RoPE: none, per head (Qwen3), over the whole
+projection (OLMo 2)."""
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"]
+"""The Hugging Face families plait loads (:data:`plait.arch.families.FAMILIES`)."""
+NormPlacement = Literal["pre", "post"]
+"""Where a block's norms sit: before each sublayer (Llama) or on its output (OLMo 2)."""
 CPAttention = Literal["ring", "ulysses"]
 MoERouter = Literal["softmax", "sigmoid"]
 MoEAuxScope = Literal["layer", "model"]

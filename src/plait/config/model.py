@@ -6,10 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.config.choices import (
+    Architecture,
+    AttentionBias,
     AttentionKind,
     ModelFamily,
     MoEAuxScope,
     MoERouter,
+    NormPlacement,
+    QKNorm,
     RopeScaling,
     check_choices,
 )
@@ -57,6 +61,31 @@ class ModelConfig:
     """'llama3' scaling's original_max_position_embeddings (the pretraining length)."""
     norm_eps: float = 1e-5
     """Epsilon inside RMSNorm."""
+    head_width: int | None = None
+    """Width of one attention head (default: dim / n_heads); Qwen3 and Gemma set another
+    (the q/k/v projections are n_heads·head_width and kv_heads·head_width wide)."""
+    attention_bias: AttentionBias = "none"
+    """Biases of the attention projections: 'none' (Llama), 'qkv' (Qwen2: q, k and v) or
+    'qkvo' (all four; Llama's attention_bias = true). Under tensor parallelism a
+    column-parallel bias is split with its rows, the row-parallel one added once."""
+    qk_norm: QKNorm = "none"
+    """RMSNorm of queries and keys before RoPE: 'none', 'head' (one gain of head_width per
+    head, shared by the heads; Qwen3) or 'projection' (over the whole q and k projections,
+    one gain per channel; OLMo 2: under tensor parallelism its sums of squares are
+    all-reduced over tp)."""
+    norm_placement: NormPlacement = "pre"
+    """'pre': x + f(norm(x)) (Llama); 'post': x + norm(f(x)) (OLMo 2)."""
+    arch: Architecture = "llama"
+    """The Hugging Face family whose names and config.json the weights are read and
+    exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
+    olmo2); set from config.json by --init-from a Hugging Face folder."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Hugging Face's semantics): the query at position i sees
+    the keys j with i - sliding_window < j <= i (None: every layer attends to the whole
+    causal prefix). Positions are the sequence's (global under context parallelism)."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary, one
+    entry per layer); None: every layer slides when sliding_window is set."""
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the output head."""
     init_std: float = 0.02
@@ -66,9 +95,10 @@ class ModelConfig:
     or 'blockwise' (plait's exact block-by-block online-softmax attention, which saves
     only O(seq) per head for backward). Under parallel.cp > 1 the cp attention is used."""
     family: ModelFamily = "plait"
-    """Which model the size fields build: 'plait' (the built-in transformer) or
-    'hf-llama' (Hugging Face transformers' LlamaForCausalLM from a LlamaConfig with these
-    sizes, randomly initialised, nothing downloaded; needs the extra plait[hf]).
+    """Which model the size fields build: 'plait' (the built-in transformer) or 'hf'
+    (Hugging Face transformers' own class of model.arch, e.g. LlamaForCausalLM or
+    Qwen2ForCausalLM, from its config with these sizes, randomly initialised, nothing
+    downloaded; needs the extra plait[hf]); 'hf-llama' is the old name of 'hf'.
     docs/models.md maps the fields."""
     factory: str | None = None
     """Your own model: 'package.module:function', called as function(model_config) after
@@ -116,15 +146,10 @@ class ModelConfig:
     """0: dropless (every routed token is computed). > 0: each expert takes at most
     ceil(factor * tokens * k / E) of a rank's routed tokens per layer; the overflow is
     dropped (top-1 choices first, then by token index) and counted."""
-    sliding_window: int | None = None
-    """Sliding-window attention (Hugging Face's semantics): the query at position i sees
-    the keys j with i - sliding_window < j <= i (None: every layer attends to the whole
-    causal prefix). Positions are the sequence's (global under context parallelism)."""
-    layer_types: tuple[str, ...] | None = None
-    """Per layer, 'full_attention' or 'sliding_attention' (Hugging Face's vocabulary, one
-    entry per layer); None: every layer slides when sliding_window is set."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # from JSON or TOML
+            self.layer_types = tuple(self.layer_types)
         check_choices(self, "model.")
         check_positive(
             "model.",
@@ -143,16 +168,19 @@ class ModelConfig:
             rope_original_max_seq_len=self.rope_original_max_seq_len,
             norm_eps=self.norm_eps,
             init_std=self.init_std,
+            head_width=self.head_width,
+            sliding_window=self.sliding_window,
         )
         check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
-        if self.dim % self.n_heads:
+        if self.head_width is None and self.dim % self.n_heads:
             raise ConfigError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})."
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}) "
+                "(or set model.head_width)."
             )
-        if (self.dim // self.n_heads) % 2:
+        if self.head_dim % 2:
+            what = "dim/n_heads" if self.head_width is None else "model.head_width"
             raise ConfigError(
-                f"the head dimension dim/n_heads = {self.dim // self.n_heads} must be even "
-                "for rotary positions."
+                f"the head dimension {what} = {self.head_dim} must be even for rotary positions."
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(
@@ -176,8 +204,6 @@ class ModelConfig:
             self.moe_capacity_factor,
             self.moe_shared_expert_gate,
         )
-        if self.layer_types is not None:
-            self.layer_types = tuple(self.layer_types)
         check_attention_window(self.sliding_window, self.layer_types, self.n_layers)
 
     @property
@@ -187,8 +213,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.dim // self.n_heads
+        """Width of one attention head (head_width, default dim / n_heads)."""
+        return self.head_width if self.head_width is not None else self.dim // self.n_heads
 
     @property
     def hidden_dim(self) -> int:

@@ -192,8 +192,11 @@ def launch_local(
 
     # the agent's own log lines repeat the child's traceback; we report it ourselves
     # (and "Received 15 death signal": the launcher says what happened in one line)
-    for name in ["torch.distributed.elastic", "torch.multiprocessing",
-                 *logging.root.manager.loggerDict]:
+    for name in [
+        "torch.distributed.elastic",
+        "torch.multiprocessing",
+        *logging.root.manager.loggerDict,
+    ]:
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     config = LaunchConfig(

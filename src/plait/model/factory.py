@@ -34,6 +34,7 @@ from torch import nn
 
 from plait.arch import flops_per_token, param_count
 from plait.config import ModelConfig
+from plait.config.choices import HF_FAMILIES
 from plait.errors import ConfigError
 from plait.model.init import build_on_meta, uninitialisable
 from plait.model.transformer import Transformer
@@ -87,7 +88,7 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
                 f"model.factory {cfg.factory!r} returned {type(model).__name__}, not an nn.Module."
             )
         return model
-    if cfg.family == "hf-llama":
+    if cfg.family in HF_FAMILIES:
         from plait.model.hf_llama import build_hf_llama
 
         torch.manual_seed(seed)
@@ -127,7 +128,7 @@ def build_meta_model(cfg: ModelConfig, seed: int) -> nn.Module:
             )
             return build_model(cfg, seed)
         return model
-    if cfg.family == "hf-llama":
+    if cfg.family in HF_FAMILIES:
         from plait.model.hf_llama import build_hf_llama
 
         return build_on_meta(build_hf_llama, cfg, seed=seed)
@@ -139,7 +140,7 @@ def check_model(cfg: ModelConfig) -> None:
     transformers is installed for ``hf-llama`` and the sizes map onto a LlamaConfig."""
     if cfg.factory is not None:
         load_factory(cfg.factory)
-    elif cfg.family == "hf-llama":
+    elif cfg.family in HF_FAMILIES:
         from plait.model.hf_llama import llama_config
 
         llama_config(cfg)
@@ -154,7 +155,7 @@ def describe_model(model: nn.Module, cfg: ModelConfig) -> str:
     """A few words naming the model for the run's banner."""
     if cfg.factory is not None:
         return f"{type(model).__name__} from model.factory {cfg.factory}"
-    what = "Hugging Face LlamaForCausalLM, " if cfg.family == "hf-llama" else ""
+    what = f"Hugging Face {type(model).__name__}, " if cfg.family in HF_FAMILIES else ""
     return f"{what}{cfg.n_layers} layers, dim {cfg.dim}"
 
 

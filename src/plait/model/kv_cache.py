@@ -21,13 +21,14 @@ every cp rank holds the whole model.
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from plait.errors import ConfigError
-from plait.model.transformer import Attention, Block, Transformer, apply_rotary
+from plait.model.transformer import Attention, Block, Transformer
 
 
 class KVCache:
@@ -106,14 +107,9 @@ def _attention(
 ) -> torch.Tensor:
     """The block's attention on the new tokens ``x`` ``(batch, t, dim)`` with the cache."""
     b, t, _ = x.shape
-    hd = attn.head_dim
-    q = attn.wq(x).view(b, t, -1, hd)  # (batch, t, heads, head_dim)
-    k = attn.wk(x).view(b, t, -1, hd)  # (batch, t, kv_heads, head_dim)
-    v = attn.wv(x).view(b, t, -1, hd)  # (batch, t, kv_heads, head_dim)
-    q = apply_rotary(q, cos, sin).transpose(1, 2)  # (batch, heads, t, head_dim)
-    k = apply_rotary(k, cos, sin).transpose(1, 2)  # (batch, kv_heads, t, head_dim)
+    q, k, v = attn.qkv(x, cos, sin)  # (batch, [kv_]heads, t, head_dim): the model's own
     start = cache.length
-    k_all, v_all = cache.update(layer, k, v.transpose(1, 2))  # (batch, kv, start+t, hd)
+    k_all, v_all = cache.update(layer, k, v)  # (batch, kv, start+t, hd)
     window = getattr(attn.core, "window", None)  # the layer's sliding window
     o = cached_attention(q, k_all, v_all, start, window)  # (batch, heads, t, head_dim)
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))  # (batch, t, dim)
@@ -135,9 +131,10 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
     h = model.tok_embeddings(tokens)  # (batch, t, dim)
     for i, layer in enumerate(model.layers):
         block = cast(Block, layer)  # its modules may be parallel versions (same names)
-        a = _attention(block.attention, block.attention_norm(h), cos, sin, cache, i)
-        h = h + a
-        h = h + block.feed_forward(block.ffn_norm(h))
+        attn = block.attention
+        attend = functools.partial(_attention, attn, cos=cos, sin=sin, cache=cache, layer=i)
+        h = block.residual(h, block.attention_norm, attend)
+        h = block.residual(h, block.ffn_norm, block.feed_forward)
     cache.advance(t)
     last = model.norm(h[:, -1:])  # (batch, 1, dim)
     return model.output(last)[:, 0]  # (batch, vocab)

@@ -16,219 +16,51 @@ on the order modules are materialised in, or on which other parameters exist.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.config.model import layer_window
 from plait.errors import ConfigError
-from plait.model.blockwise_attention import blockwise_attention
-from plait.model.document_mask import DocumentIds, visible
+from plait.model.attention import (
+    Attention,
+    BlockwiseAttention,
+    SDPAttention,
+    attention_core,
+    doc_sdpa,
+)
+from plait.model.document_mask import DocumentIds
 from plait.model.init import SEED_ATTR, param_seed
 from plait.model.moe import MoE, is_moe_layer
 from plait.model.moe_aux import link_model_aux
+from plait.model.norms import RMSNorm
+from plait.model.rope import apply_rotary, rope_tables, scale_rope
 from plait.model.rotary_positions import rotary_rows
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Attention",
+    "Block",
+    "BlockwiseAttention",
+    "FeedForward",
+    "RMSNorm",
+    "SDPAttention",
+    "TokenPositions",
+    "Transformer",
+    "apply_rotary",
+    "attention_core",
+    "doc_sdpa",
+    "lm_loss",
+    "materialize",
+    "rope_for",
+    "rope_tables",
+    "scale_rope",
+]
 
 IGNORE_INDEX = -100
 """Target value that :func:`lm_loss` skips."""
-
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned per-channel gain (no bias)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))  # (dim,)
-
-    def reset_parameters(self) -> None:
-        """Set the gain to ones."""
-        with torch.no_grad():
-            self.weight.fill_(1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dimension of ``x`` (any leading shape), in float32."""
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
-
-
-def scale_rope(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """``inv_freq`` ``(head_dim // 2,)`` float64 with ``cfg.rope_scaling`` applied, as
-    Hugging Face's ``linear`` and ``llama3`` rope types compute it."""
-    if cfg.rope_scaling == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_scaling != "llama3":
-        return inv_freq
-    old, low, high = (
-        cfg.rope_original_max_seq_len,
-        cfg.rope_low_freq_factor,
-        cfg.rope_high_freq_factor,
-    )
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / low, inv_freq / cfg.rope_factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
-    medium = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, cfg: ModelConfig | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary cos/sin tables, each ``(max_seq_len, head_dim // 2)`` float32 on the CPU.
-
-    Pair ``j`` of a head (channels ``j`` and ``j + head_dim/2``) rotates at frequency
-    ``theta ** (-2j / head_dim)`` (scaled by ``cfg``'s ``rope_scaling``, if given,
-    :func:`scale_rope`); the angles are computed in float64.
-    """
-    f64, cpu = torch.float64, torch.device("cpu")
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=f64, device=cpu) / head_dim)
-    if cfg is not None:
-        inv_freq = scale_rope(inv_freq, cfg)
-    pos = torch.arange(max_seq_len, dtype=f64, device=cpu)
-    angles = torch.outer(pos, inv_freq)  # (max_seq_len, head_dim // 2)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``(batch, seq, heads, head_dim)`` by positions.
-
-    ``cos`` and ``sin`` are ``(seq, head_dim // 2)``: row ``t`` holds the angles of the
-    position of ``x[:, t]`` (or ``(batch, seq, head_dim // 2)``: positions per row).
-    Channels ``j`` and ``j + head_dim/2`` form a rotated pair.
-    """
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)  # (batch, seq, heads, head_dim // 2) each
-    # (1 or batch, seq, 1, head_dim // 2); (batch, seq, half) tables: per-row positions
-    c = (cos[:, :, None, :] if cos.dim() == 3 else cos[None, :, None, :]).float()
-    s = (sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]).float()
-    out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return out.type_as(x)
-
-
-class SDPAttention(nn.Module):
-    """Causal grouped-query attention core through torch's fused
-    :func:`~torch.nn.functional.scaled_dot_product_attention`:
-    ``forward(q, k, v)`` with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``/``v``
-    ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``.
-    ``doc_ids`` ``(batch, seq)``: a boolean block-causal mask (same document, not later);
-    ``window``: a sliding window (query ``i`` sees keys ``i - window < j <= i``)."""
-
-    def __init__(self, window: int | None = None) -> None:
-        super().__init__()
-        self.window = window
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
-        groups = q.shape[1] // k.shape[1]
-        if doc_ids is not None or self.window is not None:
-            return doc_sdpa(q, k, v, doc_ids, self.window)
-        if groups == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        k = k.repeat_interleave(groups, dim=1)  # torch < 2.5: (batch, heads, seq, head_dim)
-        v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def doc_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    doc_ids: torch.Tensor | None,
-    window: int | None = None,
-) -> torch.Tensor:
-    """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` and the sliding
-    ``window`` (``(batch or 1, 1, seq, seq)`` bool; every row sees at least itself, so
-    no row is fully masked)."""
-    pos = torch.arange(q.shape[2], device=q.device)
-    mask = visible(doc_ids, doc_ids, pos, pos, window)  # (batch or 1, 1, seq, seq)
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-class BlockwiseAttention(nn.Module):
-    """Causal attention core computed block by block with an online softmax
-    (:func:`~plait.model.blockwise_attention.blockwise_attention`); same call as
-    :class:`SDPAttention`."""
-
-    def __init__(self, block_size: int = 128, window: int | None = None) -> None:
-        super().__init__()
-        self.block_size = block_size
-        self.window = window
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
-        out, _ = blockwise_attention(
-            q, k, v, causal=True, block_size=self.block_size, doc_ids=doc_ids, window=self.window
-        )
-        return out
-
-
-def attention_core(kind: str, window: int | None = None) -> nn.Module:
-    """The one-device attention core named by ``model.attention`` (``window``: the
-    layer's sliding window, :func:`~plait.config.model.layer_window`)."""
-    if kind == "blockwise":
-        return BlockwiseAttention(window=window)
-    if kind == "sdpa":
-        return SDPAttention(window)
-    raise ConfigError(f"model.attention must be sdpa or blockwise, got {kind!r}.")
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary positions.
-
-    The head counts used in :meth:`forward` are read from the projection shapes, so a
-    wrapper may shard ``wq``/``wk``/``wv`` by output rows (whole heads) and ``wo`` by
-    input columns without changing this code. ``core`` computes attention from the
-    rotated heads (``model.attention``); context parallelism replaces it from outside
-    with an attention that spans the cp ranks. ``doc_ids`` (document masking) are
-    passed to the core only when given, so a core may take ``(q, k, v)`` alone.
-    """
-
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.core = attention_core(cfg.attention, layer_window(cfg, layer))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``x`` ``(batch, seq, dim)``, tables ``(seq, head_dim // 2)`` -> ``(batch, seq, dim)``;
-        ``doc_ids`` ``(batch, seq)`` (``(batch, cp·seq)`` under cp: the whole sequence's)."""
-        b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)  # (batch, seq, heads, head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        q = q.transpose(1, 2)  # (batch, heads, seq, head_dim)
-        k = k.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
-        v = v.transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
-        # o: (batch, heads, seq, head_dim)
-        o = self.core(q, k, v) if doc_ids is None else self.core(q, k, v, doc_ids)
-        o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, heads * head_dim)
-        return self.wo(o)
 
 
 class TokenPositions(nn.Module):
@@ -273,10 +105,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Transformer block. Pre-norm (``norm_placement`` 'pre', Llama): ``x + attn(norm(x))``
+    then ``x + mlp(norm(x))``; post-norm ('post', OLMo 2): ``x + norm(attn(x))`` then
+    ``x + norm(mlp(x))``, the same two norms (``attention_norm``, ``ffn_norm``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.post_norm = cfg.norm_placement == "post"
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -292,8 +127,14 @@ class Block(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = self.residual(x, self.attention_norm, lambda y: self.attention(y, cos, sin, doc_ids))
+        return self.residual(h, self.ffn_norm, self.feed_forward)
+
+    def residual(
+        self, x: torch.Tensor, norm: nn.Module, f: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """``x + f(norm(x))`` (pre-norm) or ``x + norm(f(x))`` (post-norm)."""
+        return x + norm(f(x)) if self.post_norm else x + f(norm(x))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -356,7 +197,7 @@ class Transformer(nn.Module):
 
         Linear and embedding weights ~ N(0, init_std²), with the residual output
         projections (``wo``, ``w2``) scaled by ``1/sqrt(2·n_layers)`` as in GPT-2; norm
-        gains = 1. Each parameter is drawn on the CPU in float32 from a generator seeded
+        gains = 1, biases = 0. Each parameter is drawn on the CPU in float32 from a generator seeded
         by ``seed`` and its name, then copied to its device and dtype. ``seed=None`` draws
         the base seed from torch's global generator.
         """
@@ -382,6 +223,8 @@ class Transformer(nn.Module):
             shape = self.get_parameter(name).shape
         if name.endswith("norm.weight"):
             return torch.ones(shape, dtype=torch.float32, device="cpu")
+        if name.endswith(".bias"):  # attention projection biases start at zero
+            return torch.zeros(shape, dtype=torch.float32, device="cpu")
         std = self.cfg.init_std
         residual = ("attention.wo.weight", "feed_forward.w2.weight", "shared.w2.weight")
         if name.endswith((*residual, "experts.w2")):

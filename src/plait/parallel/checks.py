@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from plait.arch.families import family_named
 from plait.config import Config
+from plait.config.choices import HF_FAMILIES
 from plait.errors import ConfigError
 from plait.model.factory import check_model
 from plait.parallel.compile import check_compile
@@ -46,7 +48,7 @@ def validate_run(cfg: Config, world_size: int) -> None:
     cfg.validate(world_size)
     p, t = cfg.parallel, cfg.train
     check_model(cfg.model)  # the factory imports; transformers is there for hf-llama
-    if cfg.model.factory is None and cfg.model.family == "hf-llama":
+    if cfg.model.factory is None and cfg.model.family in HF_FAMILIES:
         check_hf_llama(cfg)
     if p.tp > 1 and cfg.model.factory is None:  # a factory model's plan checks itself
         # heads, KV heads, MLP width (and seq_len with SP) divisible by tp
@@ -90,11 +92,24 @@ def check_hf_llama(cfg: Config) -> None:
             "parallel.sequence_parallel = false",
         ),
     ]
+    arch = cfg.model.arch
+    cls = family_named(arch).architecture
+    tp_refused = {
+        "phi3": "its fused qkv_proj and gate_up_proj are split only by the built-in transformer",
+        "olmo2": "its q/k norms over the whole projection need the built-in transformer's "
+        "all-reduce of the sums of squares",
+    }
+    if p.tp > 1 and arch in tp_refused:
+        raise ConfigError(
+            f"tensor parallelism is not supported for model.family '{cfg.model.family}' with "
+            f"model.arch {arch}: {tp_refused[arch]}. Use model.family 'plait' (every "
+            "parallelism) or tp = 1."
+        )
     for bad, what, instead in refused:
         if bad:
             raise ConfigError(
-                f"{what} is not supported for model.family 'hf-llama' (transformers' "
-                f"LlamaForCausalLM): plait splits and rewires only its own Transformer "
+                f"{what} is not supported for model.family '{cfg.model.family}' "
+                f"(transformers' {cls}): plait splits and rewires only its own Transformer "
                 f"that way. Use {instead} (dp, ZeRO 1-3 and tp work), or model.family "
                 "'plait'."
             )

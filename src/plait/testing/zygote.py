@@ -107,8 +107,7 @@ class Zygote:
         os.chmod(self.shim, 0o755)
         self._ready, ready_w = os.pipe()
         self._proc = subprocess.Popen(
-            [self.real, "-m", "plait.testing.zygote", sock, self.shim, str(ready_w),
-             *self.preload],
+            [self.real, "-m", "plait.testing.zygote", sock, self.shim, str(ready_w), *self.preload],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             pass_fds=(ready_w,),

@@ -51,16 +51,30 @@ def parse(args: list[str]) -> dict[str, object] | None:
         elif a == "-B":
             pass
         elif a == "-m" and i + 1 < len(args):
-            return {"kind": "module", "target": args[i + 1], "argv": args[i + 1 :],
-                    "path0": os.getcwd(), "unbuffered": unbuffered}
+            return {
+                "kind": "module",
+                "target": args[i + 1],
+                "argv": args[i + 1 :],
+                "path0": os.getcwd(),
+                "unbuffered": unbuffered,
+            }
         elif a == "-c" and i + 1 < len(args):
-            return {"kind": "code", "target": args[i + 1], "argv": ["-c", *args[i + 2 :]],
-                    "path0": "", "unbuffered": unbuffered}
+            return {
+                "kind": "code",
+                "target": args[i + 1],
+                "argv": ["-c", *args[i + 2 :]],
+                "path0": "",
+                "unbuffered": unbuffered,
+            }
         elif not a.startswith("-"):
             script = os.path.abspath(a)
-            return {"kind": "path", "target": script, "argv": args[i:],
-                    "path0": os.path.dirname(os.path.realpath(script)),
-                    "unbuffered": unbuffered}
+            return {
+                "kind": "path",
+                "target": script,
+                "argv": args[i:],
+                "path0": os.path.dirname(os.path.realpath(script)),
+                "unbuffered": unbuffered,
+            }
         else:
             return None
         i += 1

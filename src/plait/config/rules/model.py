@@ -37,6 +37,10 @@ def check_rope_scaling(kind: str, low_freq_factor: float, high_freq_factor: floa
         )
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Hugging Face's names of the attention of one layer (``layer_types``)."""
+
+
 def check_pretrained_model(
     given: Mapping[str, object], fixed: Mapping[str, object], source: str
 ) -> None:

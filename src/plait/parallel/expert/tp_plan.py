@@ -20,6 +20,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.model.moe import MoE
+from plait.parallel.tensor.qk_norm_plan import qk_norm_rows
 from plait.parallel.tensor.sharding_plan import TRANSFORMER_TP_PLAN, ShardingPlan, Style
 
 
@@ -33,7 +34,7 @@ def moe_tp_plan(model: nn.Module) -> ShardingPlan | None:
         return None
     plan: list[tuple[str, Style]] = [
         row for row in TRANSFORMER_TP_PLAN if not row[0].startswith("layers.*.feed_forward")
-    ]
+    ] + qk_norm_rows(model)
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ConfigError(

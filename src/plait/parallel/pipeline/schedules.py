@@ -234,8 +234,7 @@ def gpipe(p: int, m: int, placement: str = "adjacent") -> Schedule:
     a flush ends the step. Holds m micro-batches' activations per rank."""
     _check("gpipe", p, m, 1)
     compute = [
-        [Action(Op.FORWARD, i, r) for i in range(m)]
-        + [Action(Op.BACKWARD, i, r) for i in range(m)]
+        [Action(Op.FORWARD, i, r) for i in range(m)] + [Action(Op.BACKWARD, i, r) for i in range(m)]
         for r in range(p)
     ]
     return _make("gpipe", p, m, 1, compute, placement)
@@ -305,8 +304,9 @@ def zero_bubble(p: int, m: int, placement: str = "adjacent") -> Schedule:
         order: list[Action] = []
         done = {Op.FORWARD: 0, Op.BACKWARD_INPUT: 0, Op.BACKWARD_WEIGHT: 0}
 
-        def run(*ops: Op, order: list[Action] = order, done: dict[Op, int] = done,
-                r: int = r) -> None:
+        def run(
+            *ops: Op, order: list[Action] = order, done: dict[Op, int] = done, r: int = r
+        ) -> None:
             for op in ops:
                 if done[op] < m:
                     order.append(Action(op, done[op], r))
@@ -337,9 +337,7 @@ _BUILDERS: dict[str, Callable[[int, int, int, str], Schedule]] = {
 }
 
 
-def build_schedule(
-    name: str, p: int, m: int, v: int = 1, placement: str = "adjacent"
-) -> Schedule:
+def build_schedule(name: str, p: int, m: int, v: int = 1, placement: str = "adjacent") -> Schedule:
     """The schedule ``name`` (one of :data:`SCHEDULES`) for p ranks, m micro-batches and
     v chunks per rank, its communication placed ``"adjacent"`` (default) or
     ``"lockstep"``; raises ConfigError naming the numbers on bad input."""

@@ -110,8 +110,9 @@ class _Direct:
     """The weight (a leaf)."""
 
 
-def _direct_form(node: Node, off: list[tuple[int, Node]], wanted: dict[int, torch.Tensor]
-                 ) -> _Direct | None:
+def _direct_form(
+    node: Node, off: list[tuple[int, Node]], wanted: dict[int, torch.Tensor]
+) -> _Direct | None:
     """The closed form of ``node``'s weight gradient, if it is one of the known kinds:
     one off-path child ``off = [(input index, child)]`` leading straight to one wanted
     leaf of the same shape, dtype and layout as the formula's result."""
@@ -120,7 +121,7 @@ def _direct_form(node: Node, off: list[tuple[int, Node]], wanted: dict[int, torc
     j, child = off[0]
     name = type(node).__name__
     if name == "MmBackward0" and j == 1 and type(child).__name__ == "TBackward0":
-        (acc, _), = child.next_functions
+        ((acc, _),) = child.next_functions
         p = getattr(acc, "variable", None)
         if p is None or id(p) not in wanted or p.dim() != 2:
             return None
@@ -234,9 +235,11 @@ class BackwardSplit:
             hooks.append(node.register_prehook(keep))
         try:
             g, *kept = torch.autograd.grad(
-                self.out, [get_gradient_edge(self.inp), *(GradientEdge(n, 0) for n in direct)],
+                self.out,
+                [get_gradient_edge(self.inp), *(GradientEdge(n, 0) for n in direct)],
                 grad,
-                retain_graph=True, allow_unused=True,
+                retain_graph=True,
+                allow_unused=True,
             )
         finally:
             for h in hooks:

@@ -43,9 +43,24 @@ HF_LLAMA_TP_PLAN: tuple[tuple[str, Style], ...] = (
 )
 """Tensor-parallel plan of ``transformers.LlamaForCausalLM`` (module patterns, styles)."""
 
-LLAMA_FAMILY = ("llama",)
-"""``config.model_type`` values given :data:`HF_LLAMA_TP_PLAN` by default (tested on
-Llama; another model with the same module names can pass ``tp_plan=HF_LLAMA_TP_PLAN``)."""
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+"""``config.model_type`` values given :data:`HF_LLAMA_TP_PLAN` by default: Llama's module
+names (Qwen2's biases split with their projections; Qwen3 adds its per-head q/k norms,
+:func:`hf_tp_plan`). Phi-3 (fused q/k/v) and OLMo 2 (q/k norms over the whole
+projection) are refused under tp (:mod:`plait.parallel.checks`)."""
+
+HF_QK_NORM_ROWS: tuple[tuple[str, Style], ...] = (
+    ("model.layers.*.self_attn.q_norm", "replicate_summed"),
+    ("model.layers.*.self_attn.k_norm", "replicate_summed"),
+)
+"""Qwen3's per-head q/k norms: whole on every rank, gradients summed over tp."""
+
+
+def hf_tp_plan(model: nn.Module) -> tuple[tuple[str, Style], ...]:
+    """The plan of a Hugging Face model :func:`is_hf_llama` accepts: :data:`HF_LLAMA_TP_PLAN`
+    plus :data:`HF_QK_NORM_ROWS` for Qwen3."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return HF_LLAMA_TP_PLAN + HF_QK_NORM_ROWS if kind == "qwen3" else HF_LLAMA_TP_PLAN
 
 
 def is_hf_llama(model: nn.Module) -> bool:

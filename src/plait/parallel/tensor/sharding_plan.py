@@ -24,7 +24,14 @@ region             the module's first input enters a tensor-parallel region
                    (``f``, or the sequence all-gather)
 replicate          parameters kept whole; under sequence parallelism their
                    gradients are summed over tp (each rank saw a sequence shard)
+replicate_summed   kept whole inside a head-split region: gradients always summed
+                   over tp (a per-head q/k norm)
+norm_heads         a q norm over the whole projection, split with ``wq``; its sums
+                   of squares all-reduced over tp
+norm_kv_heads      the same for the k norm, split (or replicated) with ``wk``
 =================  ==============================================================
+
+The last three are :mod:`plait.parallel.tensor.qk_norm_plan`'s.
 
 Every parameter of the model must be covered by a parameter style. All checks (heads,
 KV heads, MLP width divisible by tp; every pattern matching) run before any process
@@ -43,7 +50,7 @@ from plait.comm.group import AxisGroup
 from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.parallel.tensor.hf_llama_sharding_plan import HF_LLAMA_TP_PLAN, is_hf_llama
+from plait.parallel.tensor.hf_llama_sharding_plan import hf_tp_plan, is_hf_llama
 from plait.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,6 +60,7 @@ from plait.parallel.tensor.layers import (
     shard_info,
     split_units,
 )
+from plait.parallel.tensor.qk_norm_plan import QK_NORM_STYLES, apply_qk_norm_style, qk_norm_rows
 from plait.parallel.tensor.sequence import (
     check_sequence_length,
     enter_region,
@@ -69,6 +77,9 @@ Style = Literal[
     "vocab_head",
     "region",
     "replicate",
+    "replicate_summed",
+    "norm_heads",
+    "norm_kv_heads",
 ]
 ShardingPlan = Sequence[tuple[str, Style]]
 
@@ -104,8 +115,9 @@ def default_sharding_plan(model: nn.Module) -> ShardingPlan:
     if own is not None:
         return tuple(own)
     if is_hf_llama(model):
-        return HF_LLAMA_TP_PLAN
-    return TRANSFORMER_TP_PLAN
+        return hf_tp_plan(model)
+    rows = qk_norm_rows(model)
+    return (*TRANSFORMER_TP_PLAN, *rows) if rows else TRANSFORMER_TP_PLAN
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -278,7 +290,7 @@ def apply_tensor_parallel(
     group = mesh.axis("tp")
     tp, sp = group.size, sequence_parallel
     plan = default_sharding_plan(model) if plan is None else plan
-    if sp and tp > 1 and plan is HF_LLAMA_TP_PLAN:
+    if sp and tp > 1 and is_hf_llama(model):
         raise ConfigError(
             f"sequence parallelism is not supported for {type(model).__name__}: its forward "
             "derives positions and the causal mask from the hidden states' length, which "
@@ -297,6 +309,11 @@ def apply_tensor_parallel(
                 set_shard_info(p, TPShard.replicated(tp))
                 if sp and tp > 1:
                     mark_sequence_parallel(p, group)
+        elif style in QK_NORM_STYLES:
+            sibling = f"{name.rpartition('.')[0]}.w{'k' if style == 'norm_kv_heads' else 'q'}"
+            rep = replicas.get(sibling, 1)
+            rgroup = mesh.split_axis("tp", rep)[0] if rep > 1 else None
+            apply_qk_norm_style(m, style, group, _head_dim(model, name), rgroup, name)
         elif style == "vocab_embedding":
             assert isinstance(m, nn.Embedding)
             new = VocabParallelEmbedding(m, group, sequence_parallel=sp, name=name)
