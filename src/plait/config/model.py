@@ -169,7 +169,6 @@ class ModelConfig:
             norm_eps=self.norm_eps,
             init_std=self.init_std,
             head_width=self.head_width,
-            sliding_window=self.sliding_window,
         )
         check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
         if self.head_width is None and self.dim % self.n_heads:
