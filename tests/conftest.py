@@ -51,9 +51,10 @@ RAY_FILES = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n N --dist loadgroup``, the default in pyproject.toml) the
-    tests of one file run on one worker, in order, so a module's fixtures are built once,
-    and every Ray test runs on the same worker (one local Ray instance at a time)."""
+    """Under pytest-xdist (``python -m pytest -n N --dist loadgroup``, for machines with
+    more cores; the default run is serial) the tests of one file run on one worker, in
+    order, so a module's fixtures are built once, and every Ray test runs on the same
+    worker (one local Ray instance at a time)."""
     for item in items:
         path = item.nodeid.split("::")[0]
         group = "ray" if path.startswith(RAY_FILES) else path
