@@ -103,8 +103,12 @@ def planned(zero: int, rank: int | None, dim: int, layers: int, dtype: str) -> d
         None if rank is None else LoraSpec(rank, "q,k,v,o,gate,up,down"),
     )
     mem = memory_per_rank(q, layout, 0)
-    return {"params": mem.params, "grads": mem.grads, "master": mem.master,
-            "optimizer": mem.optimizer}
+    return {
+        "params": mem.params,
+        "grads": mem.grads,
+        "master": mem.master,
+        "optimizer": mem.optimizer,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                    help="bf16: the frozen base in bf16, trained weights with fp32 masters")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: the frozen base in bf16, trained weights with fp32 masters",
+    )
     ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -129,7 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             full_state = full_ms = 0.0
             for rank in RANKS:
                 res = pool.run(
-                    f"{M}:body", zero, rank, args.dim, args.layers, args.steps, args.dtype,
+                    f"{M}:body",
+                    zero,
+                    rank,
+                    args.dim,
+                    args.layers,
+                    args.steps,
+                    args.dtype,
                     timeout_s=900.0,
                 )
                 ms = statistics.median(slowest_ms([r["times"] for r in res]))
