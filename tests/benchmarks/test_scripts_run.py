@@ -158,6 +158,13 @@ CASES: dict[str, Case] = {
     "moe_zero": Case(
         tables={"ZeRO | dtype": _rows("0 | fp32", "1 | fp32", "2 | fp32", "3 | fp32", "3 | bf16")}
     ),
+    "lora": Case(
+        tables={
+            "ZeRO | run": _rows(
+                "0 | full", "0 | lora r8", "0 | lora r16", "3 | full", "3 | lora r8", "3 | lora r16"
+            )
+        }
+    ),
     "muon_step": Case(
         tables={
             "ZeRO | optimizer": _rows(

@@ -62,3 +62,27 @@ def test_commands_take_the_model_from_the_checkpoint(
     config = json.loads((out_dir / "config.json").read_text())
     assert config["hidden_size"] == 32 and config["num_key_value_heads"] == 2
     assert config["rope_theta"] == 5000.0
+
+
+def test_eval_and_generate_take_a_lora_runs_adapters(tmp_path: Path) -> None:
+    """``checkpoint_defaults(..., adapters=True)`` (eval, generate) fills the ``lora``
+    section of a LoRA run's checkpoint, without its ``init_from`` (the adapters are the
+    checkpoint's tensors) or a newer writer's unknown fields; a given ``lora`` section
+    wins; without ``adapters`` (train) nothing is filled."""
+    from plait.checkpoint.format import FORMAT, METADATA, VERSION
+    from plait.cli.model_source import checkpoint_defaults
+
+    saved = {"rank": 8, "alpha": 4.0, "targets": "q,v", "dropout": 0.1}
+    config = {"model": {"dim": 32}, "lora": {**saved, "init_from": "peft_dir", "newer": 1}}
+    meta = {"format": FORMAT, "version": VERSION, "config": config}
+    (tmp_path / METADATA).write_text(json.dumps(meta), "utf-8")
+
+    def filled(adapters: bool, **more: object) -> dict[str, object]:
+        data: dict[str, object] = {"train": {"init_from": str(tmp_path)}, **more}
+        notes = checkpoint_defaults(data, adapters=adapters)
+        assert ("LoRA rank 8 adapters" in " ".join(notes)) == (adapters and not more)
+        return data
+
+    assert filled(True)["lora"] == saved
+    assert "lora" not in filled(False)
+    assert filled(True, lora={"rank": 4})["lora"] == {"rank": 4}

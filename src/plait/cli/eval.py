@@ -200,7 +200,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
     from plait.cli.model_source import checkpoint_defaults
     from plait.cli.train import pretrained_defaults
 
-    checkpoint_defaults(data)  # a plait checkpoint: its run's model and tokenizer
+    checkpoint_defaults(data, adapters=True)  # a plait checkpoint: its model, adapters, tokenizer
     pretrained_defaults(data)  # a Hugging Face folder: the sizes from its config.json
     cfg = config_from_dict(data)
     if not cfg.train.init_from:

@@ -107,7 +107,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, TaskArgs]:
             "plait eval --tasks needs --init-from PATH: a checkpoint folder, a run's "
             "checkpoint folder, a consolidated weights file or a Hugging Face model folder."
         )
-    checkpoint_defaults(data)
+    checkpoint_defaults(data, adapters=True)  # a LoRA run's: its base and its adapters
     pretrained_defaults(data)  # a Hugging Face folder: the sizes and tokenizer from it
     limit = data.get("model", {}).get("max_seq_len", ModelConfig.max_seq_len)
     data["train"].setdefault("seq_len", limit)  # training's default may exceed the model's

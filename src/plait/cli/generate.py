@@ -96,7 +96,7 @@ def _config(rest: Sequence[str]) -> tuple[Config, GenerateArgs]:
             "plait generate needs --init-from PATH: a checkpoint folder, a run's checkpoint "
             "folder, a consolidated weights file or a Hugging Face model folder."
         )
-    checkpoint_defaults(data)  # a plait checkpoint: its run's model and tokenizer
+    checkpoint_defaults(data, adapters=True)  # a plait checkpoint: its model, adapters, tokenizer
     pretrained_defaults(data)  # a Hugging Face folder: the sizes from its config.json
     limit = data.get("model", {}).get("max_seq_len", ModelConfig.max_seq_len)
     data["train"].setdefault("seq_len", limit)  # training's default may exceed the model's

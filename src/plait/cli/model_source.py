@@ -8,7 +8,9 @@ first tensor's shape: :func:`checkpoint_defaults` fills the raw config before it
 validated. A flag that sets a field the tensors' shapes depend on (``SHAPE_FIELDS``) to
 another value than the checkpoint's is refused in one line; the other model fields
 (attention kernel, RoPE settings, ``max_seq_len``, ...) and ``data.tokenizer`` are the
-checkpoint's unless a flag says otherwise. ``plait checkpoint export`` reads the
+checkpoint's unless a flag says otherwise; ``plait eval`` and ``plait generate`` of a
+LoRA run's checkpoint also take its ``lora`` section (the base with its adapters).
+``plait checkpoint export`` reads the
 recorded model itself (:func:`plait.checkpoint.export_hf`).
 """
 
@@ -80,14 +82,17 @@ def _source(train: dict[str, Any]) -> tuple[str, Path] | None:
     return ("--resume", found) if found is not None else None
 
 
-def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
+def checkpoint_defaults(data: dict[str, Any], adapters: bool = False) -> list[str]:
     """Fill the raw config ``data`` from the checkpoint it loads (``train.init_from``, or
     ``train.resume``): a run's checkpoint root given to ``--init-from`` becomes its latest
     checkpoint; the model section and ``data.tokenizer`` come from the checkpoint's
     recorded config where ``data`` does not set them; a flag contradicting a shape field
-    is refused (ConfigError, one line). Returns what was done, in words."""
+    is refused (ConfigError, one line). With ``adapters`` (``plait eval``, ``plait
+    generate``: commands that use the trained model as it is) a LoRA run's ``lora``
+    section comes too, unless ``data`` has one: the model is the frozen base with the
+    checkpoint's adapters. Returns what was done, in words."""
     from plait.checkpoint.format import read_metadata
-    from plait.config import ModelConfig
+    from plait.config import LoraConfig, ModelConfig
 
     train = data.setdefault("train", {})
     found = _source(train)
@@ -116,4 +121,10 @@ def checkpoint_defaults(data: dict[str, Any]) -> list[str]:
         data["data"]["tokenizer"] = tokenizer
     if filled:
         notes.append(f"model from {folder}/metadata.json")
+    saved_lora = saved.get("lora", {})
+    if adapters and saved_lora.get("rank") and "lora" not in data:
+        # the adapters are the checkpoint's tensors: not re-read from a PEFT folder
+        fields = {f.name for f in dataclasses.fields(LoraConfig)} - {"init_from"}
+        data["lora"] = {k: v for k, v in saved_lora.items() if k in fields}
+        notes.append(f"LoRA rank {saved_lora['rank']} adapters from {folder}")
     return notes
