@@ -248,6 +248,16 @@ def test_moe_float64_loss_and_aux_equal_transformers(
 
 
 @pytest.mark.parametrize("family", MOE)
+def test_spec_shapes_are_the_models(dirs: dict[str, Path], family: str) -> None:
+    """The spec's parameter shapes (what import and export check) are the built-in
+    transformer's, MoE layers included (Qwen2-MoE: a dense layer, then an MoE one)."""
+    cfg = pretrained_config(dirs[family])
+    with torch.device("meta"):
+        model = build_model(cfg, seed=0)
+    assert plait_shapes(cfg) == {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", MOE)
 def test_moe_refusals(dirs: dict[str, Path], tmp_path: Path, family: str) -> None:
     """transformers' own class is refused for the MoE families (before any rank); a folder
     whose experts contradict config.json names the tensor and both shapes."""

@@ -238,13 +238,16 @@ class ExpertLayout:
     aliases: dict[str, str] = field(default_factory=dict)
     """Stored name -> the spec's name (``mlp.gate.weight`` -> ``block_sparse_moe...``)."""
     seen: set[str] = field(default_factory=set)
+    source: str = ""
+    """The folder, for the errors."""
 
     def check(self, name: str, shape: list[int], file: str) -> None:
         """Stored expert tensor ``name`` of ``shape`` in ``file``: the implied shape?"""
         want = self.shapes[name]
         if list(shape) != want:
             raise CheckpointError(
-                f"tensor {name!r} in {file} has shape {list(shape)}, but config.json implies {want}"
+                f"{self.source}: tensor {name!r} in {file} has shape {list(shape)}, but "
+                f"config.json implies {want}"
             )
         self.seen.add(name)
 
@@ -258,7 +261,9 @@ class ExpertLayout:
         for name, (layer, which, fused) in self.experts.items():
             first = _stored(layer, which, 0, fused, self.style)
             file = self.files[first]
-            f = files.get(file) or files.setdefault(file, ShardFile(folder / file))
+            f = files.get(file)
+            if f is None:
+                f = files[file] = ShardFile(folder / file)
             dname = dtype_to_name(f.info(first)[0])
             shape = self.plait_shapes[name]
             piece = Piece(file, 0, shape[0] * shape[1] * shape[2], None, {"param": first})
@@ -294,7 +299,7 @@ def expert_layout(
     """The :class:`ExpertLayout` of a folder whose tensors are ``weight_files`` (name ->
     file) for plait's expert tensors ``experts`` (name -> ``(E, a, b)``), each layer's
     layout detected (:func:`detect_fused`; CheckpointError naming ``source``)."""
-    out = ExpertLayout(style, files=dict(weight_files))
+    out = ExpertLayout(style, files=dict(weight_files), source=source)
     if style is None:
         return out
     for name, shape in experts.items():

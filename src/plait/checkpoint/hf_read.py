@@ -5,7 +5,11 @@ or the shards of ``model.safetensors.index.json``) as a
 :class:`~plait.checkpoint.read.CheckpointReader` whose tensors carry the *model's*
 names (the family's :class:`~plait.arch.spec.FamilySpec`) and one whole-tensor piece
 each (a part of a fused tensor: its rows).
-Only the files' headers are read here; every tensor is checked against the shapes
+An MoE family's routed experts (one stored tensor per expert and projection in the
+hub's layout, or transformers 5's fused ``gate_up_proj``/``down_proj``) are many stored
+tensors per plait tensor: :class:`HFReader` reads a region of one from only the experts
+it touches (:class:`~plait.checkpoint.hf_experts.ExpertLayout`), so an ep rank reads
+only its experts. Only the files' headers are read here; every tensor is checked against the shapes
 ``config.json`` implies, and every shard the index names must exist. The weights are
 then read exactly as a resume reads plait's own shards: each rank, after parallelize,
 asks for the regions of the pieces it holds (its tensor-parallel block, its ZeRO flat
