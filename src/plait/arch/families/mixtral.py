@@ -32,6 +32,8 @@ def _fields(hf: Mapping[str, Any], source: str) -> Fields:
 
 def _config(m: ModelConfig) -> HFConfig:
     out = {**base_config(m, SPEC), **window_config(m, gated=False), **moe_config(m, "mixtral")}
+    if m.head_width is None:  # transformers' MixtralConfig: None, hidden / heads derived
+        out["head_dim"] = None
     return {**out, "router_jitter_noise": 0.0, "output_router_logits": False}
 
 

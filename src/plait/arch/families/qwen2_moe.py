@@ -35,6 +35,8 @@ def _fields(hf: Mapping[str, Any], source: str) -> Fields:
 
 def _config(m: ModelConfig) -> HFConfig:
     out = {**base_config(m, SPEC), **window_config(m, gated=True), **moe_config(m, "qwen2_moe")}
+    if m.sliding_window is None:  # transformers' Qwen2MoeConfig writes 0 when unused
+        out["sliding_window"] = 0
     return {**out, "qkv_bias": m.attention_bias == "qkv", "output_router_logits": False}
 
 
