@@ -187,7 +187,9 @@ def hf_moe_reference(folder: Path) -> tuple[float, float]:
     """transformers' float64 loss of :func:`tokens` and its ``aux_loss`` (the
     load-balancing loss over every MoE layer, ``output_router_logits=True``)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float64, experts_implementation="eager"  # no float64 grouped_mm
+        folder,
+        dtype=torch.float64,
+        experts_implementation="eager",  # no float64 grouped_mm
     )
     x, y = tokens()
     with torch.no_grad():
