@@ -220,19 +220,31 @@ def test_import_under_layouts(
             assert r["pieces"] <= r["read"] < ref["read"]  # never the whole model
 
 
-def _fp64_body(
+def fp64_import(
     ctx: WorkerContext | None, folder: str, layout: dict[str, int], **model: Any
-) -> float:
+) -> tuple[Any, float, int]:
+    """The float64 model of ``folder`` imported through the Python API under ``layout``
+    (tp, pp, ep, zero): the parallel model, its loss of this rank's share of
+    :func:`tokens` (the global batch's mean, as every rank reports) and the bytes this
+    rank read."""
     tp, pp = layout.get("tp", 1), layout.get("pp", 1)
     world = 1 if ctx is None else ctx.world_size
     dp = world // (tp * pp)
     mesh = init_mesh() if ctx is None else ctx.mesh(dp=dp, tp=tp, pp=pp)
     model = build_model(pretrained_config(folder, **model), seed=0).double()
-    pm = parallelize(model, mesh, ParallelConfig(microbatches=2), zero=layout.get("zero", 0))
-    load_hf_weights(pm, folder)
+    par = ParallelConfig(microbatches=2, ep=layout.get("ep", 1))
+    pm = parallelize(model, mesh, par, zero=layout.get("zero", 0))
+    read = load_hf_weights(pm, folder)
     x, y = tokens()
     per, i = BATCH // dp, mesh.index("dp")
-    return float(pm.evaluate(x[i * per : (i + 1) * per], y[i * per : (i + 1) * per]))
+    loss = float(pm.evaluate(x[i * per : (i + 1) * per], y[i * per : (i + 1) * per]))
+    return pm, loss, read
+
+
+def _fp64_body(
+    ctx: WorkerContext | None, folder: str, layout: dict[str, int], **model: Any
+) -> float:
+    return fp64_import(ctx, folder, layout, **model)[1]
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,10 @@ def test_json_is_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [f["arch"] for f in table["supported"]] == list(FAMILIES)
     phi3 = next(f for f in table["supported"] if f["arch"] == "phi3")
     assert phi3["fused"] == ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]
+    mixtral = next(f for f in table["supported"] if f["arch"] == "mixtral")
+    assert (mixtral["architecture"], mixtral["experts"]) == ("MixtralForCausalLM", "mixtral")
+    assert [f["experts"] for f in table["supported"] if f["experts"]] == ["mixtral", "qwen", "qwen"]
     assert {r["architecture"] for r in table["refused"]} >= {
-        "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM",
         "Gemma2ForCausalLM",
     }

@@ -4,11 +4,12 @@ A Hugging Face model folder holds ``config.json`` and its weights as safetensors
 ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Which
 families plait reads and writes, and how, is data: one
 :class:`~plait.arch.spec.FamilySpec` per family in :mod:`plait.arch.families` (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, OLMo 2; ``plait models`` prints the table), chosen by
-``config.json``'s ``architectures`` on import and by ``model.arch`` on export. This
-module applies the spec: :func:`model_fields` (config.json -> fields),
-:func:`hf_config` (fields -> config.json), :func:`hf_to_plait` / :func:`plait_to_hf`
-(names). The names of a Llama:
+Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Mixtral, Qwen2-MoE, Qwen3-MoE; ``plait models``
+prints the table), chosen by ``config.json``'s ``architectures`` on import and by
+``model.arch`` on export. This module applies the spec: :func:`model_fields`
+(config.json -> fields), :func:`hf_config` (fields -> config.json), :func:`hf_to_plait`
+/ :func:`plait_to_hf` (names; an MoE family's routed experts, many stored tensors per
+plait tensor, are :mod:`plait.checkpoint.hf_experts`'). The names of a Llama:
 
 =====================================================  ===================================
 Hugging Face name                                      plait's built-in transformer

@@ -25,18 +25,21 @@ expert-parallel rank reads only its experts' bytes; :func:`read_expert_piece` tu
 into the flat range a :class:`~plait.pieces.LocalPiece` holds (its expert block, a ZeRO
 segment of it). :func:`renames` gives the one-to-one names of the rest of an MoE layer
 (router, shared expert and its gate). No tensor is copied more than once: the
-transposes are views until the caller's copy.
+transposes are views until the caller's copy. :class:`ExpertLayout` is what the import
+(:func:`~plait.checkpoint.hf_read.open_hf`) knows of a folder's experts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Literal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, cast
 
 import torch
 
 from plait.checkpoint.files import ShardFile
-from plait.checkpoint.format import CheckpointError
+from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
 from plait.pieces import TPSplit
 
 Style = Literal["mixtral", "qwen"]
@@ -214,3 +217,110 @@ def read_expert_piece(
     block = read_experts(open_file, layer, which, lo, hi, style, fused)
     skip = start - (lo - first) * per
     return block.reshape(-1)[skip : skip + end - start]
+
+
+@dataclass
+class ExpertLayout:
+    """How a Hugging Face folder holds an MoE family's routed experts (import): each
+    plait expert tensor's layer, projection and layout, the stored tensors expected
+    with their shapes (checked against the headers), and Mixtral's router under its
+    fused-layout name. Empty for a dense family."""
+
+    style: Style | None
+    experts: dict[str, tuple[int, Which, bool]] = field(default_factory=dict)
+    """plait name -> (layer, projection, fused layout)."""
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    """Every stored expert tensor's name -> the shape ``config.json`` implies."""
+    plait_shapes: dict[str, list[int]] = field(default_factory=dict)
+    """plait name -> its global shape ``(E, a, b)``."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Every stored tensor's name -> its file."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Stored name -> the spec's name (``mlp.gate.weight`` -> ``block_sparse_moe...``)."""
+    seen: set[str] = field(default_factory=set)
+    source: str = ""
+    """The folder, for the errors."""
+
+    def check(self, name: str, shape: list[int], file: str) -> None:
+        """Stored expert tensor ``name`` of ``shape`` in ``file``: the implied shape?"""
+        want = self.shapes[name]
+        if list(shape) != want:
+            raise CheckpointError(
+                f"{self.source}: tensor {name!r} in {file} has shape {list(shape)}, but "
+                f"config.json implies {want}"
+            )
+        self.seen.add(name)
+
+    def entries(self, files: dict[str, ShardFile], folder: Path) -> dict[str, ParamEntry]:
+        """One entry per plait expert tensor (the first stored tensor's dtype and file);
+        CheckpointError naming a stored tensor that is in no file."""
+        missing = [n for n in self.shapes if n not in self.seen]
+        if missing:
+            raise CheckpointError(f"{folder}: tensor {missing[0]!r} is in no weights file")
+        out: dict[str, ParamEntry] = {}
+        for name, (layer, which, fused) in self.experts.items():
+            first = _stored(layer, which, 0, fused, self.style)
+            file = self.files[first]
+            f = files.get(file)
+            if f is None:
+                f = files[file] = ShardFile(folder / file)
+            dname = dtype_to_name(f.info(first)[0])
+            shape = self.plait_shapes[name]
+            piece = Piece(file, 0, shape[0] * shape[1] * shape[2], None, {"param": first})
+            out[name] = ParamEntry(shape, dname, dname, [piece])
+        return out
+
+    def read(
+        self, open_file: Opener, name: str, tp: TPSplit | None, start: int, end: int
+    ) -> torch.Tensor:
+        """Elements ``[start, end)`` of block ``tp`` of plait expert tensor ``name``."""
+        layer, which, fused = self.experts[name]
+        shape = self.plait_shapes[name]
+        assert self.style is not None
+        e, a, b = shape
+        return read_expert_piece(
+            open_file, layer, which, (e, a, b), tp, start, end, self.style, fused
+        )
+
+
+def _stored(layer: int, which: Which, expert: int, fused: bool, style: Style | None) -> str:
+    if fused:
+        return fused_name(layer, "down" if which == "w2" else "gate_up")
+    assert style is not None
+    return hub_name(layer, expert, which, style)
+
+
+def expert_layout(
+    style: Style | None,
+    experts: dict[str, list[int]],
+    weight_files: dict[str, str],
+    source: str,
+) -> ExpertLayout:
+    """The :class:`ExpertLayout` of a folder whose tensors are ``weight_files`` (name ->
+    file) for plait's expert tensors ``experts`` (name -> ``(E, a, b)``), each layer's
+    layout detected (:func:`detect_fused`; CheckpointError naming ``source``)."""
+    out = ExpertLayout(style, files=dict(weight_files), source=source)
+    if style is None:
+        return out
+    for name, shape in experts.items():
+        _, i, _, _, w = name.split(".")  # layers.{i}.feed_forward.experts.{w}
+        layer, which = int(i), cast(Which, w)
+        try:
+            fused = detect_fused(weight_files, layer, shape[0], style)
+        except CheckpointError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        out.experts[name] = (layer, which, fused)
+        out.plait_shapes[name] = list(shape)
+        e, a, b = shape
+        if not fused:
+            for x in range(e):
+                out.shapes[hub_name(layer, x, which, style)] = [b, a]  # (f, d) or (d, f)
+            continue
+        if which == "w2":  # (E, f, d) -> down_proj (E, d, f)
+            out.shapes[fused_name(layer, "down")] = [e, b, a]
+        else:  # (E, d, f) each -> gate_up_proj (E, 2f, d)
+            out.shapes[fused_name(layer, "gate_up")] = [e, 2 * b, a]
+        if style == "mixtral":
+            router = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+            out.aliases[f"model.layers.{layer}.mlp.gate.weight"] = router
+    return out

@@ -22,13 +22,16 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import torch
 
 from plait.arch.families import family_named
-from plait.arch.spec import concat_shape, hf_tensors
+from plait.arch.spec import concat_shape, expert_tensors, hf_tensors
 from plait.checkpoint.files import _bytes_of, fsync_dir
 from plait.checkpoint.format import CheckpointError, dtype_from_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, hf_config
+from plait.checkpoint.hf_experts import Which, hub_name
 from plait.checkpoint.peft_io import (
     is_lora_name,
     lora_factors,
@@ -64,14 +67,29 @@ Tensor = tuple[str, list[str], list[int], str]
 """``(Hugging Face name, plait names of its parts, shape, dtype)`` of one written tensor."""
 
 
-def _hf_tensors(reader: CheckpointReader, m: ModelConfig) -> dict[str, list[str]]:
+def _hf_tensors(
+    reader: CheckpointReader, m: ModelConfig
+) -> tuple[dict[str, list[str]], dict[str, tuple[str, int]]]:
     """Hugging Face name -> the checkpoint's tensors whose rows it holds, in the family's
-    order (``hf-llama``: each tensor under its own name)."""
+    order (``hf-llama``: each tensor under its own name); and, for an MoE family, each
+    routed expert's hub tensor -> (plait's stacked tensor, the expert's index): written
+    transposed, one expert at a time."""
     params = [n for n in reader.params if not is_lora_name(n)]  # adapters: merged or apart
     if m.family in HF_FAMILIES:
-        return {name: [name] for name in params}
+        return {name: [name] for name in params}, {}
+    spec = family_named(m.arch)
     out: dict[str, list[str]] = {}
-    for hf_name, parts in hf_tensors(family_named(m.arch), m).items():
+    experts: dict[str, tuple[str, int]] = {}
+    for name, shape in expert_tensors(spec, m).items():
+        if name not in reader.params:
+            raise CheckpointError(f"checkpoint {reader.folder} has no tensor {name!r}")
+        layer, which = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+        assert spec.experts is not None
+        for e in range(shape[0]):
+            hf_name = hub_name(layer, e, cast(Which, which), spec.experts)
+            out[hf_name] = [name]
+            experts[hf_name] = (name, e)
+    for hf_name, parts in hf_tensors(spec, m).items():
         names = [n for n, _ in parts]
         missing = [n for n in names if n not in reader.params]
         if missing:
@@ -80,10 +98,17 @@ def _hf_tensors(reader: CheckpointReader, m: ModelConfig) -> dict[str, list[str]
     extra = set(params) - {n for names in out.values() for n in names}
     if extra:
         raise CheckpointError(
-            f"checkpoint {reader.folder}: tensor {sorted(extra)[0]!r} has no "
-            f"{m.arch} name (a mixture of experts?)"
+            f"checkpoint {reader.folder}: tensor {sorted(extra)[0]!r} has no {m.arch} name"
         )
-    return out
+    return out, experts
+
+
+def _expert(reader: CheckpointReader, name: str, e: int) -> torch.Tensor:
+    """Expert ``e`` of plait's stacked ``(E, a, b)`` tensor ``name`` as the hub's ``(b,
+    a)`` (``nn.Linear``'s weight), contiguous; reads that expert's elements only."""
+    _, a, b = reader.entry(name).shape
+    block = reader.read(name, "param", None, e * a * b, (e + 1) * a * b)  # (a·b,)
+    return block.view(a, b).t().contiguous()
 
 
 def _plan(tensors: list[Tensor], shard_size: int) -> list[list[Tensor]]:
@@ -151,12 +176,15 @@ def export_hf(
     scale = lora_scale(reader.meta) if adapted else 1.0
     config = hf_config(m, "float32")  # refuses a model its family cannot hold, before work
     tensors = []
-    for hf_name, parts in _hf_tensors(reader, m).items():
+    by_name, experts = _hf_tensors(reader, m)
+    for hf_name, parts in by_name.items():
         dts = {reader.entry(n).dtype for n in parts}
         dt = dts.pop() if len(dts) == 1 else "float32"
         if dt not in _ST_DTYPE:
             raise CheckpointError(f"checkpoint {reader.folder}: {parts[0]} is stored as {dt}")
         shape = concat_shape([(n, list(reader.entry(n).shape)) for n in parts])
+        if hf_name in experts:  # one expert (a, b) of the stacked (E, a, b), transposed
+            shape = shape[:0:-1]
         tensors.append((hf_name, parts, shape, dt))
     dtypes = {t[3] for t in tensors}
     shards = _plan(tensors, shard_size)
@@ -173,6 +201,12 @@ def export_hf(
             with open(out / file, "wb") as fh:
                 fh.write(_header(shard))
                 for hf_name, parts, _, dt in shard:
+                    if hf_name in experts:  # only this expert's elements are read
+                        t = _expert(reader, *experts[hf_name]).to(dtype_from_name(dt))
+                        fh.write(_bytes_of(t))
+                        total += t.numel() * t.element_size()
+                        weight_map[hf_name] = file
+                        continue
                     for name in parts:  # a fused tensor: its parts' rows one after another
                         part_shape = list(reader.entry(name).shape)
                         t = reader.read(name, "param", None, 0, _numel(part_shape))  # dropped

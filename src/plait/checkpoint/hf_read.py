@@ -5,7 +5,11 @@ or the shards of ``model.safetensors.index.json``) as a
 :class:`~plait.checkpoint.read.CheckpointReader` whose tensors carry the *model's*
 names (the family's :class:`~plait.arch.spec.FamilySpec`) and one whole-tensor piece
 each (a part of a fused tensor: its rows).
-Only the files' headers are read here; every tensor is checked against the shapes
+An MoE family's routed experts (one stored tensor per expert and projection in the
+hub's layout, or transformers 5's fused ``gate_up_proj``/``down_proj``) are many stored
+tensors per plait tensor: :class:`HFReader` reads a region of one from only the experts
+it touches (:class:`~plait.checkpoint.hf_experts.ExpertLayout`), so an ep rank reads
+only its experts. Only the files' headers are read here; every tensor is checked against the shapes
 ``config.json`` implies, and every shard the index names must exist. The weights are
 then read exactly as a resume reads plait's own shards: each rank, after parallelize,
 asks for the regions of the pieces it holds (its tensor-parallel block, its ZeRO flat
@@ -23,14 +27,15 @@ from typing import Any
 import torch
 
 from plait.arch.families import family_named
-from plait.arch.spec import concat_shape, hf_tensors
+from plait.arch.spec import concat_shape, expert_tensors, hf_tensors
 from plait.checkpoint.files import ShardFile
 from plait.checkpoint.format import CheckpointError, ParamEntry, Piece, dtype_to_name
 from plait.checkpoint.hf import HF_CONFIG, HF_INDEX, HF_SINGLE, model_fields, read_hf_config
+from plait.checkpoint.hf_experts import ExpertLayout, expert_layout
 from plait.checkpoint.read import CheckpointReader
 from plait.config import ModelConfig
 from plait.config.choices import HF_FAMILIES
-from plait.pieces import LocalPiece
+from plait.pieces import LocalPiece, TPSplit
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -82,15 +87,30 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     cfg = ModelConfig(**model_fields(read_hf_config(folder), source))
     spec = family_named(cfg.arch)
     own = family in HF_FAMILIES  # transformers' class: its own names, fused tensors whole
+    if own and spec.experts is not None:
+        raise CheckpointError(
+            f"{source}: {spec.architecture} loads into the built-in transformer only "
+            "(model.family 'plait', where --ep splits its experts); transformers' own class "
+            "(model.family 'hf') is not wired for mixtures of experts"
+        )
     expected = hf_tensors(spec, cfg)
     if own:
         expected = {hf: [(hf, concat_shape(parts))] for hf, parts in expected.items()}
+    weight_files = _weight_files(folder)
+    layout = expert_layout(spec.experts, expert_tensors(spec, cfg), weight_files, source)
     files: dict[str, ShardFile] = {}
     params: dict[str, ParamEntry] = {}
-    for hf_name, file in _weight_files(folder).items():
+    for stored, file in weight_files.items():
+        hf_name = layout.aliases.get(stored, stored)  # Mixtral's fused-layout router
         if hf_name == "lm_head.weight" and cfg.tie_embeddings:
             continue  # tied: the embedding matrix is the head
         if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if hf_name in layout.shapes:  # a routed expert's tensor: checked here, read apart
+            f = files.get(file)
+            if f is None:
+                f = files[file] = ShardFile(folder / file)
+            layout.check(hf_name, f.info(hf_name)[1], file)
             continue
         parts = expected.get(hf_name)
         if parts is None:
@@ -101,7 +121,7 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
         f = files.get(file)
         if f is None:
             f = files[file] = ShardFile(folder / file)
-        dt, shape, _, _ = f.info(hf_name)
+        dt, shape, _, _ = f.info(stored)
         if shape != concat_shape(parts):
             raise CheckpointError(
                 f"{source}: tensor {hf_name!r} in {file} has shape {shape}, but {HF_CONFIG} "
@@ -112,7 +132,7 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
         for plait_name, part_shape in parts:
             numel = _numel(part_shape)
             name = plait_name
-            piece = Piece(file, -before, numel, None, {"param": hf_name})
+            piece = Piece(file, -before, numel, None, {"param": stored})
             params[name] = ParamEntry(part_shape, dname, dname, [piece])
             before += numel
     missing = [
@@ -122,13 +142,44 @@ def open_hf(folder: str | Path, family: str = "plait") -> CheckpointReader:
     ]
     if missing:
         raise CheckpointError(f"{source}: tensor {missing[0]!r} is in no weights file")
-    reader = CheckpointReader.__new__(CheckpointReader)
+    params.update(layout.entries(files, folder))
+    reader = HFReader.__new__(HFReader)
     reader.folder = folder
     reader.meta = {"step": 0, "format": "huggingface"}
     reader.params = params
     reader._files = files
     reader._cache = {}
+    reader.layout = layout
     return reader
+
+
+class HFReader(CheckpointReader):
+    """A Hugging Face folder's reader: the one-to-one and fused tensors as byte-range
+    pieces (:class:`CheckpointReader`), an MoE family's routed experts through
+    :attr:`layout` (many stored tensors per plait tensor, transposed: only the experts
+    a region touches are read, :func:`~plait.checkpoint.hf_experts.read_expert_piece`)."""
+
+    layout: ExpertLayout
+
+    def read_into(
+        self, name: str, kind: str, tp: TPSplit | None, start: int, out: torch.Tensor
+    ) -> None:
+        if name not in self.layout.experts:
+            super().read_into(name, kind, tp, start, out)
+            return
+        if kind != "param":
+            raise CheckpointError(f"{self.folder}: a Hugging Face folder has no {kind!r} state")
+        region = self.layout.read(self._open, name, tp, start, start + out.numel())
+        out.copy_(region)
+
+    def read_global(self, name: str, kind: str = "param") -> torch.Tensor:
+        if name not in self.layout.experts:
+            return super().read_global(name, kind)
+        numel = self.entry(name).numel
+        return self.read(name, kind, None, 0, numel).view(self.entry(name).shape)
+
+    def _open(self, hf_name: str) -> ShardFile:
+        return self._file(self.layout.files[hf_name])
 
 
 def _numel(shape: list[int]) -> int:

@@ -141,9 +141,7 @@ class Checkpointing:
         if reader is not None:  # (the adapters are attached later, by parallelize)
             lora = self.lora
             shapes = {
-                n: list(e.shape)
-                for n, e in reader.params.items()
-                if not (lora and is_lora_name(n))
+                n: list(e.shape) for n, e in reader.params.items() if not (lora and is_lora_name(n))
             }
             check_model(shapes, model, self.source or str(reader.folder))
 

@@ -26,6 +26,7 @@ def models_table() -> dict[str, Any]:
                 "model_type": s.model_type,
                 "features": list(s.features),
                 "fused": [hf for hf, _ in s.fused],
+                "experts": s.experts,
                 "refuses": list(s.refuses),
             }
             for s in FAMILIES.values()

@@ -40,7 +40,9 @@ AttentionBias = Literal["none", "qkv", "qkvo"]
 QKNorm = Literal["none", "head", "projection"]
 """RMSNorm of queries and keys before RoPE: none, per head (Qwen3), over the whole
 projection (OLMo 2)."""
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"]
+Architecture = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2-moe", "qwen3-moe"
+]
 """The Hugging Face families plait loads (:data:`plait.arch.families.FAMILIES`)."""
 NormPlacement = Literal["pre", "post"]
 """Where a block's norms sit: before each sublayer (Llama) or on its output (OLMo 2)."""

@@ -78,7 +78,8 @@ class ModelConfig:
     arch: Architecture = "llama"
     """The Hugging Face family whose names and config.json the weights are read and
     exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
-    olmo2); set from config.json by --init-from a Hugging Face folder."""
+    olmo2, mixtral, qwen2-moe, qwen3-moe); set from config.json by --init-from a Hugging
+    Face folder."""
     sliding_window: int | None = None
     """Sliding-window attention (Hugging Face's semantics): the query at position i sees
     the keys j with i - sliding_window < j <= i (None: every layer attends to the whole

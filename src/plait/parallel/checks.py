@@ -99,6 +99,12 @@ def check_hf_llama(cfg: Config) -> None:
         "olmo2": "its q/k norms over the whole projection need the built-in transformer's "
         "all-reduce of the sums of squares",
     }
+    if family_named(arch).experts is not None:
+        raise ConfigError(
+            f"model.family '{cfg.model.family}' with model.arch {arch}: transformers' {cls} "
+            "is not wired for plait's mixtures of experts (its fused experts, expert "
+            "parallelism). Use model.family 'plait' (every parallelism, --ep)."
+        )
     if p.tp > 1 and arch in tp_refused:
         raise ConfigError(
             f"tensor parallelism is not supported for model.family '{cfg.model.family}' with "

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from plait.arch.moe_hf import moe_config
 from plait.arch.spec import FamilyError, FamilySpec, Fields, HFConfig, refuse
 from plait.config import ModelConfig
+from plait.errors import ConfigError
 
 ATTENTION_NAMES = tuple(
     (f"self_attn.{p}_proj.{kind}", f"attention.w{p}.{kind}")
@@ -38,6 +40,16 @@ PRE_NORM_NAMES = (
     ("post_attention_layernorm.weight", "ffn_norm.weight"),
 )
 """Llama's two pre-norms (its ``post_attention_layernorm`` is the norm before the MLP)."""
+
+QWEN_MOE_NAMES = (
+    ("mlp.gate.weight", "feed_forward.router.gate.weight"),
+    ("mlp.shared_expert.gate_proj.weight", "feed_forward.shared.w1.weight"),
+    ("mlp.shared_expert.up_proj.weight", "feed_forward.shared.w3.weight"),
+    ("mlp.shared_expert.down_proj.weight", "feed_forward.shared.w2.weight"),
+    ("mlp.shared_expert_gate.weight", "feed_forward.shared_gate.weight"),
+)
+"""Qwen2/Qwen3-MoE's router, shared expert and its gate (the latter two: Qwen2-MoE's);
+the routed experts are many to one (:attr:`~plait.arch.spec.FamilySpec.experts`)."""
 
 ROPE_REFUSED = {
     "yarn": "YaRN's attention-temperature and ramped frequencies are not implemented",
@@ -181,6 +193,37 @@ def limits(**allowed: tuple[Any, ...]) -> Any:
             have = getattr(m, field)
             if have not in values:
                 return f"model.{field} = {have!r}"
+        return None
+
+    return expresses
+
+
+def moe_checked(fields: Any, source: str) -> Fields:
+    """Call ``fields()`` (:func:`plait.arch.moe_hf.moe_fields`), its ConfigError (a
+    feature plait refuses) as a FamilyError."""
+    try:
+        out: Fields = fields()
+    except FamilyError:
+        raise
+    except ConfigError as e:
+        raise FamilyError(str(e) if source in str(e) else f"{source}: {e}") from None
+    return out
+
+
+def moe_expresses(dense: Any, family: Any) -> Any:
+    """An MoE family's ``expresses``: the dense block's limits ``dense``, an MoE model,
+    and :func:`plait.arch.moe_hf.moe_config`'s refusals (``family``: its model_type)."""
+
+    def expresses(m: ModelConfig) -> str | None:
+        bad: str | None = dense(m)
+        if bad is not None:
+            return bad
+        if m.moe_experts == 0:
+            return "model.moe_experts = 0 (a dense model)"
+        try:
+            moe_config(m, family)
+        except ConfigError as e:
+            return str(e)
         return None
 
     return expresses

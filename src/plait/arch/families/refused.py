@@ -12,10 +12,6 @@ _GEMMA2 = (
     _GEMMA + ", and attention/final logit soft-capping, pre- and post-block norms and "
     "query_pre_attn_scalar"
 )
-_MOE = (
-    "its feed-forward is a mixture of experts whose router and expert tensors are not "
-    "mapped onto plait's MoE yet"
-)
 
 REFUSED: tuple[Refused, ...] = (
     Refused("gemma", "GemmaForCausalLM", "gemma", _GEMMA),
@@ -27,11 +23,6 @@ REFUSED: tuple[Refused, ...] = (
         "gemma3",
         "it is a vision-language model; plait takes text models only",
     ),
-    Refused("mixtral", "MixtralForCausalLM", "mixtral", _MOE),
-    Refused(
-        "qwen2-moe", "Qwen2MoeForCausalLM", "qwen2_moe", _MOE + " (nor its gated shared expert)"
-    ),
-    Refused("qwen3-moe", "Qwen3MoeForCausalLM", "qwen3_moe", _MOE),
     Refused(
         "deepseek-v3",
         "DeepseekV3ForCausalLM",
