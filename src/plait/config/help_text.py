@@ -72,6 +72,23 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     ]
 
 
+TYPE_WIDTH = 28
+"""The type column's width: a longer choice list (``a|b|c``) continues on the next lines."""
+
+
+def _type_lines(kind: str) -> list[str]:
+    """``kind`` cut at its ``|`` separators into lines of at most :data:`TYPE_WIDTH`
+    characters (one line when it fits, or when it has no separator)."""
+    lines = [""]
+    for part in kind.split("|"):
+        piece = part if not lines[-1] else "|" + part
+        if lines[-1] and len(lines[-1]) + len(piece) > TYPE_WIDTH:
+            lines.append(piece)
+        else:
+            lines[-1] += piece
+    return lines
+
+
 def format_field_docs(width: int | None = None) -> str:
     """The :func:`field_docs` table as text, one block per section.
 
@@ -82,7 +99,8 @@ def format_field_docs(width: int | None = None) -> str:
     width = width or shutil.get_terminal_size((100, 24)).columns
     rows = field_docs()
     docs = _source_docs()
-    w_key, w_type, w_default = (max(len(r[i]) for r in rows) for i in range(3))
+    w_key, w_default = (max(len(r[i]) for r in rows) for i in (0, 2))
+    w_type = max(len(part) for r in rows for part in _type_lines(r[1]))
     indent = 2 + w_key + 2 + w_type + 2 + w_default + 2
     if indent > width:  # too narrow for aligned columns: each row's own widths
         w_key = w_type = w_default = 0
@@ -95,10 +113,12 @@ def format_field_docs(width: int | None = None) -> str:
         for key, kind, default, doc in rows:
             if not key.startswith(section + "."):
                 continue
-            head = f"  {key:<{w_key}}  {kind:<{w_type}}  {default:<{w_default}}  "
+            kinds = _type_lines(kind)
+            head = f"  {key:<{w_key}}  {kinds[0]:<{w_type}}  {default:<{w_default}}  "
             lines = textwrap.wrap(doc, max(20, width - doc_indent))
             if inline and lines:
                 head += lines.pop(0)
             out.append(head.rstrip())
+            out.extend(f"  {'':<{w_key}}  {more}" for more in kinds[1:])
             out.extend(" " * doc_indent + line for line in lines)
     return "\n".join(out[1:]) + "\n"
