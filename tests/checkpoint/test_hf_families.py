@@ -1,4 +1,5 @@
-"""Every family plait loads, in and out: Qwen2, Qwen3, Phi-3, OLMo 2 and Mistral.
+"""Every family plait loads, in and out: Qwen2, Qwen3, Phi-3, OLMo 2, Mistral, Gemma 2 and
+Gemma 3 (text).
 
 Per family a tiny random model is made with transformers' own class (biases and norm
 gains drawn at random, not the init's zeros and ones, so that a misplaced one shows;
@@ -18,7 +19,11 @@ with ``save_pretrained`` in several shards; nothing is downloaded. Checked:
 * refusals: an unknown architecture names the supported ones, a known family's
   unsupported feature is named, a fused tensor of the wrong shape names both shapes.
 The Mistral model's window (64) is longer than the sequences: sliding windows are
-another module's (model.sliding_window is carried over, not applied here).
+another module's (model.sliding_window is carried over, not applied here). The Gemma
+models' windows (6) are shorter than the sequences (16), their caps small enough to bind
+(Gemma 2: attention 5, final 3), query_pre_attn_scalar (12) other than the head width
+(16); Gemma 3 has a sliding layer (local RoPE base 100) and a full one (linear RoPE
+scaling, factor 2).
 """
 
 from __future__ import annotations
@@ -53,6 +58,30 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3", {}),
     "olmo2": ("Olmo2", {}),
     "mistral": ("Mistral", {"sliding_window": 64}),
+    "gemma2": (
+        "Gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 12,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+            "sliding_window": 6,
+        },
+    ),
+    "gemma3": (
+        "Gemma3",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 12,
+            "final_logit_softcapping": 3.0,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+            },
+        },
+    ),
 }
 """transformers' class prefix and the extra config of each family's tiny model."""
 
@@ -60,7 +89,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 def hf_config_of(family: str) -> Any:
     """transformers' config of the tiny model of ``family``."""
     prefix, extra = CONFIGS[family]
-    cls = getattr(transformers, f"{prefix}Config")
+    cls = getattr(transformers, "Gemma3TextConfig" if family == "gemma3" else f"{prefix}Config")
     return cls(**TINY_HF, **IDS, rope_theta=5000.0, rms_norm_eps=1e-6, **extra)
 
 
@@ -100,6 +129,25 @@ def test_loads_with_several_shards_into_the_family_features(
         "phi3": {},
         "olmo2": {"qk_norm": "projection", "norm_placement": "post"},
         "mistral": {"sliding_window": 64},
+        "gemma2": {
+            "norm_placement": "sandwich",
+            "norm_unit_offset": True,
+            "embedding_scale": True,
+            "activation": "gelu_tanh",
+            "query_pre_attn_scalar": 12.0,
+            "attn_logit_softcap": 5.0,
+            "final_logit_softcap": 3.0,
+            "layer_types": ("sliding_attention", "full_attention"),
+            "tie_embeddings": True,
+        },
+        "gemma3": {
+            "qk_norm": "head",
+            "query_pre_attn_scalar": 12.0,
+            "attn_logit_softcap": None,
+            "rope_local_theta": 100.0,
+            "rope_scaling": "linear",
+            "rope_factor": 2.0,
+        },
     }[family]
     assert {k: getattr(cfg, k) for k in want} == want
     assert (cfg.rope_theta, cfg.norm_eps, cfg.kv_heads) == (5000.0, 1e-6, 2)

@@ -30,5 +30,5 @@ def test_json_is_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert phi3["fused"] == ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]
     assert {r["architecture"] for r in table["refused"]} >= {
         "MixtralForCausalLM",
-        "Gemma2ForCausalLM",
+        "Gemma3ForConditionalGeneration",
     }

@@ -96,7 +96,11 @@ def plait_shapes(m: ModelConfig) -> dict[str, list[int]]:
             per_head = m.qk_norm == "head"
             out[p + "attention.q_norm.weight"] = [hd if per_head else q]
             out[p + "attention.k_norm.weight"] = [hd if per_head else kv]
+        if m.norm_placement == "sandwich":
+            out[p + "post_attention_norm.weight"] = [m.dim]
         out[p + "ffn_norm.weight"] = [m.dim]
+        if m.norm_placement == "sandwich":
+            out[p + "post_ffn_norm.weight"] = [m.dim]
         out[p + "feed_forward.w1.weight"] = [m.hidden_dim, m.dim]
         out[p + "feed_forward.w3.weight"] = [m.hidden_dim, m.dim]
         out[p + "feed_forward.w2.weight"] = [m.dim, m.hidden_dim]

@@ -7,12 +7,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from plait.arch.families import llama, mistral, olmo2, phi3, qwen2, qwen3
+from plait.arch.families import gemma, llama, mistral, olmo2, phi3, qwen2, qwen3
 from plait.arch.families.refused import REFUSED
 from plait.arch.spec import FamilyError, FamilySpec, Refused
 
 FAMILIES: dict[str, FamilySpec] = {
-    s.name: s for s in (llama.SPEC, mistral.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, olmo2.SPEC)
+    s.name: s
+    for s in (
+        llama.SPEC,
+        mistral.SPEC,
+        qwen2.SPEC,
+        qwen3.SPEC,
+        phi3.SPEC,
+        olmo2.SPEC,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
+    )
 }
 """plait's short name (``model.arch``) -> the spec of each family plait loads."""
 
