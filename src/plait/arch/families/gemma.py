@@ -159,13 +159,13 @@ _REFUSES = (
     "context parallelism (its kernels neither scale by query_pre_attn_scalar nor cap)",
 )
 _FREE = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
-_LIMITS = dict(
-    attention_bias=("none", "qkvo"),
-    norm_placement=("sandwich",),
-    norm_unit_offset=(True,),
-    embedding_scale=(True,),
-    activation=("gelu_tanh",),
-)
+_LIMITS: dict[str, tuple[Any, ...]] = {
+    "attention_bias": ("none", "qkvo"),
+    "norm_placement": ("sandwich",),
+    "norm_unit_offset": (True,),
+    "embedding_scale": (True,),
+    "activation": ("gelu_tanh",),
+}
 
 GEMMA2 = FamilySpec(
     name="gemma2",
