@@ -173,8 +173,9 @@ def test_float64_loss_equals_transformers(
     # on the residual stream, so a last-bit difference before them (the RoPE tables:
     # transformers computes the angles in float32, plait in float64; the q/k norm's sum
     # of squares: plait in float64, for tp) flips some float32 bits: seen at 2e-10
-    # relative; a wrong norm moves the loss by 1e-3 or more
-    rel = 1e-9 if family == "olmo2" else 1e-10
+    # relative; a wrong norm moves the loss by 1e-3 or more. Gemma's post-sublayer norms
+    # do the same (seen at 3.5e-10)
+    rel = 1e-9 if family in ("olmo2", "gemma2", "gemma3") else 1e-10
     for loss in got:
         assert loss == pytest.approx(want, rel=rel)
 
@@ -202,8 +203,12 @@ def test_transformers_own_class_equals_transformers(
         if world == 1
         else pools(world).run(_fp64_body, folder, layout, family="hf")
     )
+    # Gemma: transformers' class built from the config and cast to float64 is not bit for
+    # bit the one from_pretrained builds in float64 (seen at 2.5e-9; plait's own path is
+    # checked at 1e-9 above); a missing feature moves the loss by 1e-3 or more
+    rel = 1e-8 if family.startswith("gemma") else 1e-12
     for loss in got:
-        assert loss == pytest.approx(want, rel=1e-12)
+        assert loss == pytest.approx(want, rel=rel)
 
 
 @pytest.mark.parametrize("family", ["phi3", "olmo2"])
