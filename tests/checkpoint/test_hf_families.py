@@ -211,7 +211,7 @@ def test_transformers_own_class_equals_transformers(
         assert loss == pytest.approx(want, rel=rel)
 
 
-@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["phi3", "olmo2", "gemma2"])
 def test_transformers_own_class_refuses_tp_by_name(dirs: dict[str, Path], family: str) -> None:
     from plait.config import Config, TrainConfig
     from plait.parallel.checks import validate_run
