@@ -224,9 +224,11 @@ def test_float64_loss_equals_transformers(
     # on the residual stream, so a last-bit difference before them (the RoPE tables:
     # transformers computes the angles in float32, plait in float64; the q/k norm's sum
     # of squares: plait in float64, for tp) flips some float32 bits: seen at 2e-10
-    # relative; a wrong norm moves the loss by 1e-3 or more. Gemma's post-sublayer norms
-    # do the same (seen at 3.5e-10)
-    rel = 1e-9 if family in ("olmo2", "gemma2", "gemma3") else 1e-10
+    # relative; a wrong norm moves the loss by 1e-3 or more. Gemma's norms compute in
+    # float32 whatever the model's dtype (transformers' Gemma2RMSNorm casts x.float()), on
+    # all four norms of every block: seen from 3.5e-10 to 1.2e-9 as the random weights
+    # change, so 1e-8 (a wrong feature moves the loss by 1e-3 or more)
+    rel = {"olmo2": 1e-9, "gemma2": 1e-8, "gemma3": 1e-8}.get(family, 1e-10)
     for loss in got:
         assert loss == pytest.approx(want, rel=rel)
 
