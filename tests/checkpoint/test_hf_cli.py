@@ -82,10 +82,13 @@ def test_bad_hf_folders_exit_2(
 
     gemma = _copy(src, tmp_path / "gemma")
     cfg = json.loads((gemma / "config.json").read_text())
-    cfg["architectures"] = ["Gemma2ForCausalLM"]
+    cfg["architectures"] = ["Gemma3ForConditionalGeneration"]
     (gemma / "config.json").write_text(json.dumps(cfg))
     err = _bad([*base, str(gemma)], capsys)
-    assert "architecture Gemma2ForCausalLM is not supported (its block needs the (1 + w)" in err
+    assert (
+        "architecture Gemma3ForConditionalGeneration is not supported (it is a "
+        "vision-language model" in err
+    )
     assert "plait loads LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in err
 
     cfg["architectures"] = ["GPTNeoXForCausalLM"]

@@ -33,5 +33,5 @@ def test_json_is_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [f["experts"] for f in table["supported"] if f["experts"]] == ["mixtral", "qwen", "qwen"]
     assert {r["architecture"] for r in table["refused"]} >= {
         "DeepseekV3ForCausalLM",
-        "Gemma2ForCausalLM",
+        "Gemma3ForConditionalGeneration",
     }

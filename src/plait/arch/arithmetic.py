@@ -78,12 +78,14 @@ def block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -
 
 
 def block_vector_params(cfg: ModelConfig) -> int:
-    """The attention's vectors of one block beside its two norm gains: the projection
-    biases (``attention_bias``) and the query/key norm gains (``qk_norm``)."""
+    """The vectors of one block beside its two norm gains: the projection biases
+    (``attention_bias``), the query/key norm gains (``qk_norm``) and the post-sublayer
+    norm gains of a 'sandwich' block (Gemma)."""
     q, kv = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     biases = {"none": 0, "qkv": q + 2 * kv, "qkvo": q + 2 * kv + cfg.dim}[cfg.attention_bias]
     norms = {"none": 0, "head": 2 * cfg.head_dim, "projection": q + kv}[cfg.qk_norm]
-    return biases + norms
+    post = 2 * cfg.dim if cfg.norm_placement == "sandwich" else 0
+    return biases + norms + post
 
 
 def param_count(cfg: ModelConfig, include_embeddings: bool = True, active: bool = False) -> int:

@@ -135,7 +135,11 @@ def plait_shapes(m: ModelConfig) -> dict[str, list[int]]:
             per_head = m.qk_norm == "head"
             out[p + "attention.q_norm.weight"] = [hd if per_head else q]
             out[p + "attention.k_norm.weight"] = [hd if per_head else kv]
+        if m.norm_placement == "sandwich":
+            out[p + "post_attention_norm.weight"] = [m.dim]
         out[p + "ffn_norm.weight"] = [m.dim]
+        if m.norm_placement == "sandwich":
+            out[p + "post_ffn_norm.weight"] = [m.dim]
         if is_moe_layer(m, i):
             out.update(_moe_shapes(m, p))
             continue

@@ -41,11 +41,24 @@ QKNorm = Literal["none", "head", "projection"]
 """RMSNorm of queries and keys before RoPE: none, per head (Qwen3), over the whole
 projection (OLMo 2)."""
 Architecture = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2-moe", "qwen3-moe"
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "olmo2",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
 ]
 """The Hugging Face families plait loads (:data:`plait.arch.families.FAMILIES`)."""
-NormPlacement = Literal["pre", "post"]
-"""Where a block's norms sit: before each sublayer (Llama) or on its output (OLMo 2)."""
+NormPlacement = Literal["pre", "post", "sandwich"]
+"""Where a block's norms sit: before each sublayer (Llama), on its output (OLMo 2), or
+both (Gemma 2/3: four norms per block)."""
+Activation = Literal["silu", "gelu_tanh"]
+"""The gated MLP's activation: SwiGLU ('silu') or GeGLU ('gelu_tanh', Gemma)."""
 CPAttention = Literal["ring", "ulysses"]
 MoERouter = Literal["softmax", "sigmoid"]
 MoEAuxScope = Literal["layer", "model"]

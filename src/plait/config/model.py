@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.config.choices import (
+    Activation,
     Architecture,
     AttentionBias,
     AttentionKind,
@@ -18,7 +19,12 @@ from plait.config.choices import (
     check_choices,
 )
 from plait.config.rules.choices import check_positive
-from plait.config.rules.model import check_attention_window, check_moe, check_rope_scaling
+from plait.config.rules.model import (
+    check_attention_window,
+    check_moe,
+    check_rope_scaling,
+    check_softcap,
+)
 from plait.errors import ConfigError
 
 
@@ -74,7 +80,32 @@ class ModelConfig:
     one gain per channel; OLMo 2: under tensor parallelism its sums of squares are
     all-reduced over tp)."""
     norm_placement: NormPlacement = "pre"
-    """'pre': x + f(norm(x)) (Llama); 'post': x + norm(f(x)) (OLMo 2)."""
+    """'pre': x + f(norm(x)) (Llama); 'post': x + norm(f(x)) (OLMo 2); 'sandwich':
+    x + norm2(f(norm1(x))) (Gemma 2/3: input, post-attention, pre- and post-feed-forward
+    norms)."""
+    norm_unit_offset: bool = False
+    """Every RMSNorm (q/k norms included) scales by (1 + w) instead of w, its weight stored
+    as Hugging Face stores it (zeros at init; Gemma), computed in float32."""
+    embedding_scale: bool = False
+    """Multiply the token embeddings by sqrt(dim), rounded to the embeddings' dtype as
+    transformers does (Gemma)."""
+    activation: Activation = "silu"
+    """The gated MLP's activation: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU with
+    gelu_pytorch_tanh, Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: 1/sqrt(head
+    dim); Gemma 2/3). Refused under context parallelism unless it equals the head width
+    (the ring and Ulysses kernels scale by 1/sqrt(head dim))."""
+    attn_logit_softcap: float | None = None
+    """Soft-capping of the attention scores, cap · tanh(s / cap) before the mask (Gemma 2):
+    computed with explicit scores under 'sdpa'; refused with 'blockwise' and under
+    context parallelism (their kernels do not cap)."""
+    final_logit_softcap: float | None = None
+    """Soft-capping of the output logits, cap · tanh(z / cap) (Gemma 2/3); elementwise, so
+    it applies to a vocabulary shard under tensor parallelism alike."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers, unscaled (Gemma 3's rope_local_base_freq);
+    the full-attention layers keep rope_theta and rope_scaling. None: one RoPE for all."""
     arch: Architecture = "llama"
     """The Hugging Face family whose names and config.json the weights are read and
     exported with (``plait models`` lists them: llama, mistral, qwen2, qwen3, phi3,
@@ -170,7 +201,12 @@ class ModelConfig:
             norm_eps=self.norm_eps,
             init_std=self.init_std,
             head_width=self.head_width,
+            query_pre_attn_scalar=self.query_pre_attn_scalar,
+            attn_logit_softcap=self.attn_logit_softcap,
+            final_logit_softcap=self.final_logit_softcap,
+            rope_local_theta=self.rope_local_theta,
         )
+        check_softcap(self.attn_logit_softcap, self.attention)
         check_rope_scaling(self.rope_scaling, self.rope_low_freq_factor, self.rope_high_freq_factor)
         if self.head_width is None and self.dim % self.n_heads:
             raise ConfigError(

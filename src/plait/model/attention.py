@@ -1,6 +1,6 @@
 """Attention of the built-in transformer: the one-device cores (SDPA, blockwise) and the
 grouped-query self-attention module with its family features (biases, head width, q/k
-norms)."""
+norms, Gemma's score scale and soft-capping, per-layer-type RoPE)."""
 
 from __future__ import annotations
 
@@ -25,26 +25,37 @@ class SDPAttention(nn.Module):
     ``forward(q, k, v)`` with ``q`` ``(batch, heads, seq, head_dim)`` and ``k``/``v``
     ``(batch, kv_heads, seq, head_dim)`` -> ``(batch, heads, seq, head_dim)``.
     ``doc_ids`` ``(batch, seq)``: a boolean block-causal mask (same document, not later);
-    ``window``: a sliding window (query ``i`` sees keys ``i - window < j <= i``)."""
+    ``window``: a sliding window (query ``i`` sees keys ``i - window < j <= i``);
+    ``scale``: the score scale (None: ``1/sqrt(head_dim)``); ``softcap``: scores become
+    ``softcap · tanh(s / softcap)`` before the mask, computed with explicit scores
+    (:func:`capped_attention`; SDPA cannot cap)."""
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(
+        self, window: int | None = None, scale: float | None = None, softcap: float | None = None
+    ) -> None:
         super().__init__()
         self.window = window
+        self.scale = scale
+        self.softcap = softcap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
         groups = q.shape[1] // k.shape[1]
+        if self.softcap is not None:
+            return capped_attention(q, k, v, doc_ids, self.window, self.scale, self.softcap)
         if doc_ids is not None or self.window is not None:
-            return doc_sdpa(q, k, v, doc_ids, self.window)
+            return doc_sdpa(q, k, v, doc_ids, self.window, self.scale)
         if groups == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         if _SDPA_HAS_GQA:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True, scale=self.scale
+            )
         k = k.repeat_interleave(groups, dim=1)  # torch < 2.5: (batch, heads, seq, head_dim)
         v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
 
 def doc_sdpa(
@@ -53,6 +64,7 @@ def doc_sdpa(
     v: torch.Tensor,
     doc_ids: torch.Tensor | None,
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA with the block-causal mask of ``doc_ids`` ``(batch, seq)`` and the sliding
     ``window`` (``(batch or 1, 1, seq, seq)`` bool; every row sees at least itself, so
@@ -62,7 +74,31 @@ def doc_sdpa(
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    window: int | None,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """Causal attention with explicit scores ``(batch, heads, seq, seq)`` soft-capped
+    (``softcap · tanh(s / softcap)``, Gemma 2) before the causal/document/window mask;
+    softmax in float32 as transformers' eager attention."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = visible(doc_ids, doc_ids, pos, pos, window)  # (batch or 1, 1, seq, seq)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    s = torch.tanh(s / softcap) * softcap  # (batch, heads, seq, seq)
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)  # (batch, heads, seq, head_dim)
 
 
 class BlockwiseAttention(nn.Module):
@@ -70,28 +106,47 @@ class BlockwiseAttention(nn.Module):
     (:func:`~plait.model.blockwise_attention.blockwise_attention`); same call as
     :class:`SDPAttention`."""
 
-    def __init__(self, block_size: int = 128, window: int | None = None) -> None:
+    def __init__(
+        self, block_size: int = 128, window: int | None = None, scale: float | None = None
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.window = window
+        self.scale = scale
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Causal attention of ``q`` over ``k``/``v`` (within documents when given)."""
         out, _ = blockwise_attention(
-            q, k, v, causal=True, block_size=self.block_size, doc_ids=doc_ids, window=self.window
+            q,
+            k,
+            v,
+            causal=True,
+            block_size=self.block_size,
+            scale=self.scale,
+            doc_ids=doc_ids,
+            window=self.window,
         )
         return out
 
 
-def attention_core(kind: str, window: int | None = None) -> nn.Module:
+def attention_core(
+    kind: str,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> nn.Module:
     """The one-device attention core named by ``model.attention`` (``window``: the
-    layer's sliding window, :func:`~plait.config.model.layer_window`)."""
+    layer's sliding window, :func:`~plait.config.model.layer_window`; ``scale``: the
+    score scale, None for ``1/sqrt(head_dim)``; ``softcap``: 'sdpa' only, the config
+    refuses it with 'blockwise')."""
     if kind == "blockwise":
-        return BlockwiseAttention(window=window)
+        if softcap is not None:
+            raise ConfigError("model.attn_logit_softcap needs model.attention = 'sdpa'.")
+        return BlockwiseAttention(window=window, scale=scale)
     if kind == "sdpa":
-        return SDPAttention(window)
+        return SDPAttention(window, scale, softcap)
     raise ConfigError(f"model.attention must be sdpa or blockwise, got {kind!r}.")
 
 
@@ -108,7 +163,11 @@ class Attention(nn.Module):
     The family features of ``cfg``: projection biases (``attention_bias``), a head width
     other than ``dim / n_heads`` (``head_width``) and RMSNorms of queries and keys before
     RoPE (``qk_norm``: ``q_norm``/``k_norm`` of ``head_dim`` per head, or of the whole
-    projection).
+    projection; ``(1 + w)`` with ``norm_unit_offset``), the score scale
+    ``query_pre_attn_scalar ** -0.5``, attention-logit soft-capping, and per-layer-type
+    RoPE: with ``rope_local_theta`` the rotary tables hold the global layers' angles in
+    their first ``head_dim / 2`` columns and the sliding layers' in the last, and each
+    layer takes its half (:meth:`rope_half`).
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
@@ -120,13 +179,32 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.attention_bias == "qkvo")
         self.qk_norm = cfg.qk_norm
+        off = cfg.norm_unit_offset
         if cfg.qk_norm == "head":
-            self.q_norm: nn.Module = RMSNorm(hd, cfg.norm_eps)  # (head_dim,)
-            self.k_norm: nn.Module = RMSNorm(hd, cfg.norm_eps)
+            self.q_norm: nn.Module = RMSNorm(hd, cfg.norm_eps, off)  # (head_dim,)
+            self.k_norm: nn.Module = RMSNorm(hd, cfg.norm_eps, off)
         elif cfg.qk_norm == "projection":
-            self.q_norm = ProjectionRMSNorm(cfg.n_heads * hd, cfg.norm_eps)  # (heads·hd,)
-            self.k_norm = ProjectionRMSNorm(cfg.kv_heads * hd, cfg.norm_eps)
-        self.core = attention_core(cfg.attention, layer_window(cfg, layer))
+            self.q_norm = ProjectionRMSNorm(cfg.n_heads * hd, cfg.norm_eps, off)  # (heads·hd,)
+            self.k_norm = ProjectionRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, off)
+        window = layer_window(cfg, layer)
+        scalar = cfg.query_pre_attn_scalar
+        # query_pre_attn_scalar equal to the head width is the default scale (Gemma 3's
+        # smaller models): left None, so that context parallelism's kernels apply
+        scale = None if scalar is None or scalar == hd else scalar**-0.5
+        self.core = attention_core(cfg.attention, window, scale, cfg.attn_logit_softcap)
+        # which half of two-part rotary tables this layer takes (None: the whole table)
+        self.local_rope: bool | None = None
+        if cfg.rope_local_theta is not None:
+            self.local_rope = window is not None
+
+    def rope_half(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's rotary rows ``(..., head_dim // 2)`` of ``cos``/``sin`` (the
+        global or the local half of two-part tables, else the tables as given)."""
+        if self.local_rope is None:
+            return cos, sin
+        half = self.head_dim // 2
+        part = slice(half, None) if self.local_rope else slice(0, half)
+        return cos[..., part], sin[..., part]
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -142,6 +220,7 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.head_dim)  # (batch, seq, kv_heads, head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope_half(cos, sin)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (batch, heads, seq, head_dim)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (batch, kv_heads, seq, head_dim)
         return q, k, v.transpose(1, 2)

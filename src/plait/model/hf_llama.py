@@ -73,7 +73,9 @@ def llama_config(cfg: ModelConfig) -> Any:
         entries = {k: v for k, v in spec.to_config(cfg).items() if k != "architectures"}
         entries.update(use_cache=False)
         config = transformers.AutoConfig.for_model(**entries)
-        config._attn_implementation = "sdpa"
+        # SDPA cannot soft-cap the scores (Gemma 2): transformers' eager attention does
+        capped = cfg.attn_logit_softcap is not None
+        config._attn_implementation = "eager" if capped else "sdpa"
         return config
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.errors import ConfigError
-from plait.model.transformer import Attention, Block, Transformer
+from plait.model.transformer import Attention, Block, Transformer, cap_logits, embed
 
 
 class KVCache:
@@ -73,28 +73,39 @@ class KVCache:
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the new queries ``q`` ``(batch, heads, t, head_dim)`` at positions
     ``start .. start + t - 1`` over the cached ``k``/``v`` ``(batch, kv_heads, start + t,
     head_dim)``: query ``i`` sees positions ``0 .. start + i`` (only the last ``window``
-    of them with a sliding window). Returns ``(batch, heads, t, head_dim)``."""
+    of them with a sliding window); ``scale`` and ``softcap`` as the model's core's.
+    Returns ``(batch, heads, t, head_dim)``."""
     t, total = q.shape[2], k.shape[2]
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # GQA: key/value head j serves query heads j·groups .. (j+1)·groups - 1
         k = k.repeat_interleave(groups, dim=1)  # (batch, heads, total, head_dim)
         v = v.repeat_interleave(groups, dim=1)
     unbounded = window is None or window >= total
-    if t == 1 and unbounded:  # one new token sees every cached position
-        return F.scaled_dot_product_attention(q, k, v)
-    if start == 0 and unbounded:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if t == 1 and unbounded and softcap is None:  # one new token sees every position
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if start == 0 and unbounded and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     pos = torch.arange(total, device=q.device)[None, :]
     q_pos = (start + torch.arange(t, device=q.device))[:, None]
     mask = pos <= q_pos  # (t, total)
     if window is not None:
         mask = mask & (q_pos - pos < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))  # (b, h, t, total)
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _attention(
@@ -111,7 +122,8 @@ def _attention(
     start = cache.length
     k_all, v_all = cache.update(layer, k, v)  # (batch, kv, start+t, hd)
     window = getattr(attn.core, "window", None)  # the layer's sliding window
-    o = cached_attention(q, k_all, v_all, start, window)  # (batch, heads, t, head_dim)
+    scale, cap = getattr(attn.core, "scale", None), getattr(attn.core, "softcap", None)
+    o = cached_attention(q, k_all, v_all, start, window, scale, cap)  # (b, heads, t, hd)
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))  # (batch, t, dim)
 
 
@@ -128,13 +140,12 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
         )
     cos = model.rope_cos[start : start + t]  # (t, head_dim // 2)
     sin = model.rope_sin[start : start + t]
-    h = model.tok_embeddings(tokens)  # (batch, t, dim)
+    h = embed(model.tok_embeddings, tokens, model.cfg)  # (batch, t, dim)
     for i, layer in enumerate(model.layers):
         block = cast(Block, layer)  # its modules may be parallel versions (same names)
         attn = block.attention
         attend = functools.partial(_attention, attn, cos=cos, sin=sin, cache=cache, layer=i)
-        h = block.residual(h, block.attention_norm, attend)
-        h = block.residual(h, block.ffn_norm, block.feed_forward)
+        h = block.feed(block.attend(h, attend))
     cache.advance(t)
     last = model.norm(h[:, -1:])  # (batch, 1, dim)
-    return model.output(last)[:, 0]  # (batch, vocab)
+    return cap_logits(model.output(last), model.cfg)[:, 0]  # (batch, vocab)

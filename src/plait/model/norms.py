@@ -19,22 +19,32 @@ from plait.comm.regions import copy_to_region, reduce_from_region
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned per-channel gain (no bias)."""
+    """Root-mean-square layer norm with a learned per-channel gain (no bias).
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    ``unit_offset`` (Gemma): the gain is ``1 + weight`` (the weight starts at zero) and
+    the product is taken in float32 before the cast back, as transformers' Gemma norm."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(dim))  # (dim,)
 
     def reset_parameters(self) -> None:
-        """Set the gain to ones."""
+        """Set the gain to one (the weight to ones, or zeros with ``unit_offset``)."""
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.unit_offset else 1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension of ``x`` (any leading shape), in float32."""
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.gain(x, y)
+
+    def gain(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The normalised float32 ``y`` times the gain, in ``x``'s dtype."""
+        if self.unit_offset:
+            return (y * (1.0 + self.weight.float())).type_as(x)
         return y.type_as(x) * self.weight
 
 
@@ -48,8 +58,8 @@ class ProjectionRMSNorm(RMSNorm):
     (transformers takes a float32 mean: the same to a float32 rounding), so the ranks'
     other order of summation rarely moves the float32 result."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__(dim, eps)
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False) -> None:
+        super().__init__(dim, eps, unit_offset)
         self.width = dim
         self.replicas = 1
         self.group: AxisGroup | None = None
@@ -61,4 +71,4 @@ class ProjectionRMSNorm(RMSNorm):
         if self.group is not None:
             ss = reduce_from_region(copy_to_region(ss, self.group), self.group) / self.replicas
         y = xf * torch.rsqrt((ss / self.width).float() + self.eps)
-        return y.type_as(x) * self.weight
+        return self.gain(x, y)

@@ -68,3 +68,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     s = (sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]).float()
     out = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return out.type_as(x)
+
+
+def rope_width(cfg: ModelConfig) -> int:
+    """Columns of the model's rotary tables: ``head_dim // 2``, twice that with
+    ``rope_local_theta`` (global layers' angles, then the sliding layers')."""
+    half = cfg.head_dim // 2
+    return half if cfg.rope_local_theta is None else 2 * half
+
+
+def model_rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's cos/sin tables ``(max_seq_len, rope_width(cfg))``: ``rope_theta`` with
+    ``rope_scaling``, and with ``rope_local_theta`` (Gemma 3) the unscaled local tables
+    concatenated after them (each attention takes its half,
+    :meth:`~plait.model.attention.Attention.rope_half`)."""
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, cfg)
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    lcos, lsin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta)
+    return torch.cat((cos, lcos), dim=-1), torch.cat((sin, lsin), dim=-1)

@@ -36,7 +36,7 @@ from plait.model.init import SEED_ATTR, param_seed
 from plait.model.moe import MoE, is_moe_layer
 from plait.model.moe_aux import link_model_aux
 from plait.model.norms import RMSNorm
-from plait.model.rope import apply_rotary, rope_tables, scale_rope
+from plait.model.rope import apply_rotary, model_rope_tables, rope_tables, rope_width, scale_rope
 from plait.model.rotary_positions import rotary_rows
 
 __all__ = [
@@ -51,7 +51,9 @@ __all__ = [
     "Transformer",
     "apply_rotary",
     "attention_core",
+    "cap_logits",
     "doc_sdpa",
+    "embed",
     "lm_loss",
     "materialize",
     "rope_for",
@@ -90,34 +92,56 @@ def rope_for(
     return cos[pos], sin[pos]
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": _gelu_tanh,
+}
+"""``model.activation`` -> the gate's activation (GeGLU: transformers' gelu_pytorch_tanh)."""
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: ``w2(act(w1 x) * w3 x)``, SwiGLU (``act`` 'silu') or GeGLU ('gelu_tanh')."""
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # hidden: (batch, seq, hidden)
+        return self.w2(self.act(self.w1(x)) * self.w3(x))  # hidden: (batch, seq, hidden)
 
 
 class Block(nn.Module):
     """Transformer block. Pre-norm (``norm_placement`` 'pre', Llama): ``x + attn(norm(x))``
     then ``x + mlp(norm(x))``; post-norm ('post', OLMo 2): ``x + norm(attn(x))`` then
-    ``x + norm(mlp(x))``, the same two norms (``attention_norm``, ``ffn_norm``)."""
+    ``x + norm(mlp(x))``, the same two norms (``attention_norm``, ``ffn_norm``);
+    'sandwich' (Gemma 2/3): ``x + post_attention_norm(attn(attention_norm(x)))`` then
+    ``x + post_ffn_norm(mlp(ffn_norm(x)))``, four norms."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        off = cfg.norm_unit_offset
         self.post_norm = cfg.norm_placement == "post"
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, off)
         self.attention = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, off)
         self.feed_forward: nn.Module = (  # mixture of experts on the layers moe_every picks
-            MoE(cfg) if is_moe_layer(cfg, layer) else FeedForward(cfg.dim, cfg.hidden_dim)
+            MoE(cfg)
+            if is_moe_layer(cfg, layer)
+            else FeedForward(cfg.dim, cfg.hidden_dim, cfg.activation)
         )
+        self.post_attention_norm: nn.Module | None = None
+        self.post_ffn_norm: nn.Module | None = None
+        if cfg.norm_placement == "sandwich":
+            self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, off)
+            self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, off)
 
     def forward(
         self,
@@ -127,14 +151,47 @@ class Block(nn.Module):
         doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(batch, seq, dim)`` -> ``(batch, seq, dim)``."""
-        h = self.residual(x, self.attention_norm, lambda y: self.attention(y, cos, sin, doc_ids))
-        return self.residual(h, self.ffn_norm, self.feed_forward)
+        h = self.attend(x, lambda y: self.attention(y, cos, sin, doc_ids))
+        return self.feed(h)
+
+    def attend(
+        self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The attention residual with ``attention`` (the block's, or a cached one)."""
+        return self.residual(x, self.attention_norm, attention, self.post_attention_norm)
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward residual."""
+        return self.residual(x, self.ffn_norm, self.feed_forward, self.post_ffn_norm)
 
     def residual(
-        self, x: torch.Tensor, norm: nn.Module, f: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        x: torch.Tensor,
+        norm: nn.Module,
+        f: Callable[[torch.Tensor], torch.Tensor],
+        after: nn.Module | None = None,
     ) -> torch.Tensor:
-        """``x + f(norm(x))`` (pre-norm) or ``x + norm(f(x))`` (post-norm)."""
+        """``x + f(norm(x))`` (pre-norm), ``x + norm(f(x))`` (post-norm) or
+        ``x + after(f(norm(x)))`` (sandwich)."""
+        if after is not None:
+            return x + after(f(norm(x)))
         return x + norm(f(x)) if self.post_norm else x + f(norm(x))
+
+
+def embed(embedding: nn.Module, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Token ids ``(batch, seq)`` -> ``(batch, seq, dim)`` through ``embedding``, times
+    ``sqrt(dim)`` rounded to the embeddings' dtype with ``cfg.embedding_scale`` (Gemma)."""
+    h = embedding(tokens)  # (batch, seq, dim)
+    if cfg.embedding_scale:
+        h = h * torch.tensor(cfg.dim**0.5, dtype=h.dtype)
+    return h
+
+
+def cap_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` with ``cfg.final_logit_softcap`` (else ``logits``);
+    elementwise, so a vocabulary shard is capped alike."""
+    cap = cfg.final_logit_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -163,12 +220,12 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         link_model_aux(b.feed_forward for b in self.layers)  # moe_aux_loss_scope 'model'
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_unit_offset)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Filled by init_weights; not saved in checkpoints (recomputable from cfg).
-        half = cfg.head_dim // 2
+        half = rope_width(cfg)
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, half), persistent=False)
@@ -215,14 +272,13 @@ class Transformer(nn.Module):
         now) that depends only on ``seed`` and ``name`` (see :meth:`init_weights`); works
         on the meta device, where ``parallelize`` calls it for each tensor a rank keeps."""
         if name in ("rope_cos", "rope_sin"):
-            cos, sin = rope_tables(
-                self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.cfg
-            )
+            cos, sin = model_rope_tables(self.cfg)
             return cos if name == "rope_cos" else sin
         if shape is None:
             shape = self.get_parameter(name).shape
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=torch.float32, device="cpu")
+        if name.endswith("norm.weight"):  # a gain of one: (1 + 0) with norm_unit_offset
+            gain = 0.0 if self.cfg.norm_unit_offset else 1.0
+            return torch.full(shape, gain, dtype=torch.float32, device="cpu")
         if name.endswith(".bias"):  # attention projection biases start at zero
             return torch.zeros(shape, dtype=torch.float32, device="cpu")
         std = self.cfg.init_std
@@ -254,11 +310,11 @@ class Transformer(nn.Module):
         cos, sin = rows or rope_for(  # (seq, head_dim // 2)
             self.rope_cos, self.rope_sin, self.positions, seq, self.cfg.max_seq_len
         )
-        h = self.tok_embeddings(tokens)  # (batch, seq, dim)
+        h = embed(self.tok_embeddings, tokens, self.cfg)  # (batch, seq, dim)
         for layer in self.layers:
             h = layer(h, cos, sin) if docs is None else layer(h, cos, sin, docs)
         h = self.norm(h)
-        return self.output(h)  # (batch, seq, vocab)
+        return cap_logits(self.output(h), self.cfg)  # (batch, seq, vocab)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,12 @@ _MARK = "_plait_validated_for"
 """The attribute of a config :func:`validate_run` passed: (world size, its values)."""
 
 
+_GEMMA_TP = (
+    "its post-attention and pre-/post-feed-forward norms are not in the tensor-parallel "
+    "plan of transformers' class (Llama's)"
+)
+
+
 def validate_run(cfg: Config, world_size: int) -> None:
     """Every check of ``cfg`` for a world of ``world_size`` ranks (the config's own, then
     the parallel layer's); raises :class:`~plait.errors.ConfigError`. Nothing is checked
@@ -98,6 +104,8 @@ def check_hf_llama(cfg: Config) -> None:
         "phi3": "its fused qkv_proj and gate_up_proj are split only by the built-in transformer",
         "olmo2": "its q/k norms over the whole projection need the built-in transformer's "
         "all-reduce of the sums of squares",
+        "gemma2": _GEMMA_TP,
+        "gemma3": _GEMMA_TP,
     }
     if family_named(arch).experts is not None:
         raise ConfigError(

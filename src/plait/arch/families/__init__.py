@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from plait.arch.families import (
+    gemma,
     llama,
     mistral,
     mixtral,
@@ -33,6 +34,8 @@ FAMILIES: dict[str, FamilySpec] = {
         mixtral.SPEC,
         qwen2_moe.SPEC,
         qwen3_moe.SPEC,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
     )
 }
 """plait's short name (``model.arch``) -> the spec of each family plait loads."""

@@ -185,11 +185,26 @@ def base_config(m: ModelConfig, spec: FamilySpec) -> HFConfig:
     }
 
 
-def limits(**allowed: tuple[Any, ...]) -> Any:
-    """An ``expresses`` check: ``m``'s field values must be among ``allowed``'s."""
+GEMMA_FEATURES: dict[str, Any] = {
+    "norm_unit_offset": False,
+    "embedding_scale": False,
+    "activation": "silu",
+    "query_pre_attn_scalar": None,
+    "attn_logit_softcap": None,
+    "final_logit_softcap": None,
+    "rope_local_theta": None,
+}
+"""Gemma's block features at their off values: a family whose ``limits`` neither lists
+nor frees one of them cannot hold it."""
+
+
+def limits(*free: str, **allowed: tuple[Any, ...]) -> Any:
+    """An ``expresses`` check: ``m``'s field values must be among ``allowed``'s, and each
+    of :data:`GEMMA_FEATURES` not named in ``allowed`` nor ``free`` off."""
+    off = {k: (v,) for k, v in GEMMA_FEATURES.items() if k not in allowed and k not in free}
 
     def expresses(m: ModelConfig) -> str | None:
-        for field, values in allowed.items():
+        for field, values in {**off, **allowed}.items():
             have = getattr(m, field)
             if have not in values:
                 return f"model.{field} = {have!r}"

@@ -5,23 +5,18 @@ from __future__ import annotations
 from plait.arch.spec import Refused
 
 _GEMMA = (
-    "its block needs the (1 + w) RMSNorm gain, the sqrt(hidden_size) embedding scale and "
-    "GeGLU (gelu_pytorch_tanh), which plait's transformer does not have yet"
-)
-_GEMMA2 = (
-    _GEMMA + ", and attention/final logit soft-capping, pre- and post-block norms and "
-    "query_pre_attn_scalar"
+    "Gemma 1 has no spec yet (its block is Gemma 2's without the post-sublayer norms, "
+    "soft-capping and windows); Gemma 2 and 3 load"
 )
 
 REFUSED: tuple[Refused, ...] = (
     Refused("gemma", "GemmaForCausalLM", "gemma", _GEMMA),
-    Refused("gemma2", "Gemma2ForCausalLM", "gemma2", _GEMMA2),
-    Refused("gemma3", "Gemma3ForCausalLM", "gemma3_text", _GEMMA2 + ", and per-layer-type RoPE"),
     Refused(
         "gemma3-vlm",
         "Gemma3ForConditionalGeneration",
         "gemma3",
-        "it is a vision-language model; plait takes text models only",
+        "it is a vision-language model; plait takes text models only (save its "
+        "language model as a Gemma3ForCausalLM folder: model_type gemma3_text)",
     ),
     Refused(
         "deepseek-v3",

@@ -139,3 +139,12 @@ def check_attention_window(
             f"model.layer_types: unknown kind(s) {', '.join(map(repr, unknown))}; "
             f"use {' or '.join(LAYER_TYPES)}."
         )
+
+
+def check_softcap(cap: float | None, attention: str) -> None:
+    """``model.attn_logit_softcap`` needs the explicit scores of the 'sdpa' path."""
+    if cap is not None and attention != "sdpa":
+        raise ConfigError(
+            f"model.attn_logit_softcap needs model.attention = 'sdpa' (explicit scores); "
+            f"the {attention!r} kernel does not soft-cap its scores."
+        )

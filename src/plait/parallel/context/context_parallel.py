@@ -87,6 +87,14 @@ def apply_context_parallel(
         )
     group = mesh.axis("cp")
     for m in owners:
+        for what in ("scale", "softcap"):
+            if getattr(m.core, what, None) is not None:
+                raise ConfigError(
+                    f"context parallelism (cp = {cp}) does not do the attention {what} of "
+                    "this model (model.query_pre_attn_scalar / model.attn_logit_softcap, "
+                    "Gemma): the ring and Ulysses kernels use 1/sqrt(head_dim) uncapped "
+                    "scores; use cp = 1 (dp, tp, pp combine)."
+                )
         window = getattr(m.core, "window", None)  # the layer's sliding window, kept
         core: nn.Module = (
             RingAttention(group, layout=layout, window=window)

@@ -30,9 +30,10 @@ from torch import nn
 
 from plait import comm
 from plait.comm import P2P, AxisGroup
+from plait.config import ModelConfig
 from plait.errors import ConfigError
 from plait.mesh import Mesh
-from plait.model.transformer import TokenPositions, rope_for
+from plait.model.transformer import TokenPositions, cap_logits, embed, rope_for
 
 
 def equal_boundaries(n_blocks: int, pieces: int) -> list[int]:
@@ -84,7 +85,9 @@ class StagePiece(nn.Module):
     ``(micro, seq, dim)`` to hidden states ``(micro, seq, dim)`` (``seq / tp`` under
     sequence parallelism, ``seq_factor`` = tp), or, for the last
     piece, to logits ``(micro, seq, vocab)`` (vocabulary-sharded under tensor
-    parallelism).
+    parallelism). ``cfg`` (the model's): Gemma's embedding scale and final-logit
+    soft-cap (:func:`~plait.model.transformer.embed`, :func:`~plait.model.transformer.
+    cap_logits`) where it turns them on.
     """
 
     def __init__(
@@ -97,8 +100,10 @@ class StagePiece(nn.Module):
         head: nn.Module | None = None,
         seq_factor: int = 1,
         positions: nn.Module | None = None,
+        cfg: ModelConfig | None = None,
     ) -> None:
         super().__init__()
+        self.cfg = cfg
         self.stage = stage
         self.positions = positions if positions is not None else TokenPositions()
         self.seq_factor = seq_factor  # hidden states hold seq / seq_factor positions (SP)
@@ -125,7 +130,11 @@ class StagePiece(nn.Module):
         """Tokens ``(micro, seq)`` or hidden ``(micro, seq, dim)`` -> hidden or logits."""
         if self.tok_embeddings is not None:
             seq = x.shape[1]
-            h = self.tok_embeddings(x)  # (micro, seq / seq_factor, dim)
+            h = (  # (micro, seq / seq_factor, dim)
+                self.tok_embeddings(x)
+                if self.cfg is None
+                else embed(self.tok_embeddings, x, self.cfg)
+            )
         else:
             seq, h = x.shape[1] * self.seq_factor, x
         cos, sin = rope_for(  # (seq, head_dim // 2): the tokens' global positions
@@ -136,6 +145,8 @@ class StagePiece(nn.Module):
         if self.output is not None:
             assert self.norm is not None
             h = self.output(self.norm(h))  # (micro, seq, vocab)
+            if self.cfg is not None:
+                h = cap_logits(h, self.cfg)
         return h
 
 
@@ -263,6 +274,7 @@ def split_transformer(
                 head=head if stage == pieces - 1 else None,
                 seq_factor=seq_factor,
                 positions=getattr(model, "positions", None),
+                cfg=cfg if isinstance(cfg := getattr(model, "cfg", None), ModelConfig) else None,
             )
         )
     tied: nn.Parameter | None = None

@@ -116,8 +116,22 @@ def default_sharding_plan(model: nn.Module) -> ShardingPlan:
         return tuple(own)
     if is_hf_llama(model):
         return hf_tp_plan(model)
-    rows = qk_norm_rows(model)
+    rows = [*qk_norm_rows(model), *post_norm_rows(model)]
     return (*TRANSFORMER_TP_PLAN, *rows) if rows else TRANSFORMER_TP_PLAN
+
+
+def post_norm_rows(model: nn.Module) -> list[tuple[str, Style]]:
+    """The rows of the sandwich blocks' post-sublayer norms (Gemma), replicated as the
+    others (under sequence parallelism they see the sequence shard)."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        return []
+    if getattr(layers[0], "post_attention_norm", None) is None:
+        return []
+    return [
+        ("layers.*.post_attention_norm", "replicate"),
+        ("layers.*.post_ffn_norm", "replicate"),
+    ]
 
 
 def _matches(pattern: str, name: str) -> bool:
