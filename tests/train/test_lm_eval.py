@@ -151,7 +151,8 @@ def _plait_lm(ctx: WorkerContext | None, folder: str, layout: dict[str, int]) ->
     world = 1 if ctx is None else ctx.world_size
     mesh = init_mesh() if ctx is None else ctx.mesh(dp=world // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
     model = build_model(pretrained_config(folder), seed=0).double()
-    pm = parallelize(model, mesh, ParallelConfig(tp=tp, pp=pp, cp=cp, microbatches=2))
+    pcfg = ParallelConfig(tp=tp, pp=pp, cp=cp, microbatches=2)
+    pm = parallelize(model, mesh, pcfg, zero=layout.get("zero", 0))
     load_hf_weights(pm, folder)
     return PlaitLM(pm, eval_tokenizer(f"hf:{folder}"), VOCAB, CONTEXT, batch_size=3)
 
@@ -205,10 +206,11 @@ def _check_scores(scores: torch.Tensor, seq: list[int], logp: torch.Tensor) -> N
     assert scores[-10:, 1].all()  # the greedy continuation: every decision true
 
 
-LAYOUTS = [(1, {}), (2, {"tp": 2}), (2, {}), (2, {"pp": 2}), (2, {"cp": 2})]
+LAYOUTS = [(1, {}), (2, {"tp": 2}), (2, {}), (2, {"zero": 3}), (2, {"pp": 2}), (2, {"cp": 2})]
+IDS = ["1proc", "tp2", "dp2", "zero3-dp2", "pp2", "cp2"]
 
 
-@pytest.mark.parametrize("world,layout", LAYOUTS, ids=["1proc", "tp2", "dp2", "pp2", "cp2"])
+@pytest.mark.parametrize("world,layout", LAYOUTS, ids=IDS)
 def test_tasks_equal_the_harness_on_transformers(
     pools: Callable[[int], WorkerPool],
     folder: Path,
@@ -224,7 +226,7 @@ def test_tasks_equal_the_harness_on_transformers(
         runs = pools(world).run(_body, str(folder), layout, seq)
     summaries = [r["summary"] for r in runs if r["summary"] is not None]
     # the harness's rank 0 is dp index 0 of every replica coordinate: dp2 has one
-    assert len(summaries) == (world if layout else 1)
+    assert len(summaries) == (world if layout and "zero" not in layout else 1)
     for s in summaries:
         _check(s, reference)
     for r in runs:

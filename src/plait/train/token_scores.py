@@ -11,7 +11,7 @@ for token sequences ``t_0 .. t_{L-1}``, ``log p(t_{i+1} | t_0..t_i)`` and whethe
   ``2 · cp · tp`` (ring attention's zigzag halves; sequence parallelism's shards), their
   row count to a multiple of the pipeline's micro-batches;
 * without a pipeline, the one-device model inside the data wrapper runs the batch (under
-  ZeRO-3 with every unit gathered once for the call, so no dp traffic per batch); with
+  ZeRO-3 with each unit gathered in turn by the forward, never the whole model); with
   one, the schedule's forward actions do, and the last stage scores each micro-batch in
   place of the loss (forward-only schedules reach the last stage's micro-batches in
   order) and broadcasts the scores over pp;
@@ -31,8 +31,7 @@ Every collective goes through :mod:`plait.comm`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -163,16 +162,6 @@ def _batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
     return [order[i : i + batch] for i in range(0, len(order), batch)]
 
 
-@contextlib.contextmanager
-def _gathered(model: ParallelModel) -> Iterator[None]:
-    """Without a pipeline under ZeRO: every unit's parameters gathered for the block."""
-    zero = model.zero
-    with (
-        zero.gathered() if zero is not None and model.pipeline is None else contextlib.nullcontext()
-    ):
-        yield
-
-
 @torch.no_grad()
 def score_sequences(
     model: ParallelModel, seqs: Sequence[Sequence[int]], vocab: int, batch: int = 8
@@ -194,20 +183,21 @@ def score_sequences(
     was_training = model.training
     model.eval()
     try:
-        with _gathered(model):
-            for group in groups:
-                rows = [list(seqs[i]) for i in group] or [[0, 0]]
-                longest = max(len(r) for r in rows) - 1
-                width = -(-longest // mult) * mult
-                n = -(-len(rows) // scorer.rows) * scorer.rows
-                x = torch.zeros((n, width), dtype=torch.long)
-                y = torch.full((n, width), -100, dtype=torch.long)
-                for k, r in enumerate(rows):
-                    x[k, : len(r) - 1] = torch.tensor(r[:-1])
-                    y[k, : len(r) - 1] = torch.tensor(r[1:])
-                scores = scorer(x.to(mesh.device), y.to(mesh.device)).cpu().numpy()
-                for k, i in enumerate(group):
-                    out[i] = scores[k, : len(seqs[i]) - 1]
+        # ZeRO-3: the forward gathers each unit in turn (as evaluate() does), never the
+        # whole model at once
+        for group in groups:
+            rows = [list(seqs[i]) for i in group] or [[0, 0]]
+            longest = max(len(r) for r in rows) - 1
+            width = -(-longest // mult) * mult
+            n = -(-len(rows) // scorer.rows) * scorer.rows
+            x = torch.zeros((n, width), dtype=torch.long)
+            y = torch.full((n, width), -100, dtype=torch.long)
+            for k, r in enumerate(rows):
+                x[k, : len(r) - 1] = torch.tensor(r[:-1])
+                y[k, : len(r) - 1] = torch.tensor(r[1:])
+            scores = scorer(x.to(mesh.device), y.to(mesh.device)).cpu().numpy()
+            for k, i in enumerate(group):
+                out[i] = scores[k, : len(seqs[i]) - 1]
     finally:
         model.train(was_training)
     return out
