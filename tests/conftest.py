@@ -112,7 +112,7 @@ def _forked_python(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.fixture(scope="session")
-def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def ray_instance(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Iterator[Path]:
     """One local Ray instance (4 CPUs) for the Ray tests, shut down at the end; temporary
     files under /tmp/plait-ray-<id> (short: Ray's Unix sockets live there), removed.
     Its workers run ``tests/launch/ray_faults.py``'s setup hook; yields the control file
@@ -126,16 +126,22 @@ def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     temp = short_temp_dir()
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"  # no token file in the home folder
-    ray.init(
-        num_cpus=4,
-        _temp_dir=str(temp),
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        runtime_env={
-            "worker_process_setup_hook": "tests.launch.ray_faults.install",
-            "env_vars": {"PLAIT_TEST_KILL": str(control), "PYTHONPATH": path},
-        },
-    )
+    real = sys.executable
+    if not os.environ.get("PLAIT_TEST_FRESH_PYTHON"):
+        sys.executable = zygote.start(wait=True)  # Ray's workers: forks of the zygote
+    try:
+        ray.init(
+            num_cpus=4,
+            _temp_dir=str(temp),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env={
+                "worker_process_setup_hook": "tests.launch.ray_faults.install",
+                "env_vars": {"PLAIT_TEST_KILL": str(control), "PYTHONPATH": path},
+            },
+        )
+    finally:
+        sys.executable = real
     try:
         yield control
     finally:

@@ -221,10 +221,13 @@ class LiveBytes(TorchDispatchMode):
         dead = [k for k, (ref, _) in self.refs.items() if ref.expired()]
         for k in dead:
             del self.refs[k]
-        return sum(
-            torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-            for ref, _ in self.refs.values()
-        )
+        total = 0
+        for ref, _ in list(self.refs.values()):
+            # a storage may die between the check above and here (a collection, or a
+            # communication thread releasing its buffer): it no longer counts
+            s = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            total += 0 if s is None else s.nbytes()
+        return total
 
     def __torch_dispatch__(
         self,
