@@ -4,7 +4,8 @@ With the session's zygote: ``-c``, ``-m`` and a script get
 their arguments, stdio, environment, working folder and ``sys.path[0]`` as a fresh
 interpreter would; exit codes and deaths by signal come back to the caller; a signal to
 the client reaches the interpreter; a killed client takes its interpreter with it;
-unknown interpreter flags fall back to the real interpreter.
+unknown interpreter flags, and a client whose environment differs in a variable the
+preloaded modules read when imported, fall back to the real interpreter.
 """
 
 from __future__ import annotations
@@ -103,3 +104,14 @@ def test_a_killed_client_takes_its_interpreter_along(shim: str) -> None:
 def test_unknown_flags_run_the_real_interpreter(shim: str) -> None:
     r = _run(shim, "-X", "utf8", "-c", "import sys; print('torch' in sys.modules)")
     assert (r.returncode, r.stdout) == (0, "False\n"), r.stderr
+
+
+def test_a_client_whose_import_time_environment_differs_runs_the_real_interpreter(
+    shim: str,
+) -> None:
+    code = "import sys; print('transformers' in sys.modules)"
+    same = _run(shim, "-c", code)
+    assert (same.returncode, same.stdout) == (0, "True\n"), same.stderr  # preloaded
+    env = dict(os.environ, HF_HUB_OFFLINE="1" if os.environ.get("HF_HUB_OFFLINE") != "1" else "0")
+    other = _run(shim, "-c", code, env=env)  # read by huggingface_hub when imported
+    assert (other.returncode, other.stdout) == (0, "False\n"), other.stderr

@@ -20,12 +20,13 @@ folder's chat template as ``HFLM`` does; an unknown task exits 2 with one line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +108,26 @@ def _summary(results: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"results": results["results"], "resps": samples}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@contextlib.contextmanager
+def datasets_offline() -> Iterator[None]:
+    """``HF_DATASETS_OFFLINE=1`` (the tasks' files are local) for the block, restored
+    after: a variable the zygote's preloaded modules read must not leak into the session
+    (later subprocesses would all start fresh interpreters)."""
+    old = os.environ.get("HF_DATASETS_OFFLINE")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    return make_model(tmp_path_factory.mktemp("lm_eval") / "tiny-llama")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_DATASETS_OFFLINE", None)
+        else:
+            os.environ["HF_DATASETS_OFFLINE"] = old
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with datasets_offline():
+        yield make_model(tmp_path_factory.mktemp("lm_eval") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +178,13 @@ def _body(
     ctx: WorkerContext | None, folder: str, layout: dict[str, int], seq: list[int]
 ) -> dict[str, Any]:
     """Run the tasks on ``layout``; also score ``seq`` directly."""
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    with datasets_offline():
+        return _tasks_and_scores(ctx, folder, layout, seq)
+
+
+def _tasks_and_scores(
+    ctx: WorkerContext | None, folder: str, layout: dict[str, int], seq: list[int]
+) -> dict[str, Any]:
     from plait.train.lm_eval_tasks import run_tasks
     from plait.train.token_scores import score_sequences
 

@@ -190,6 +190,10 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from plait.launch.rendezvous_events import speed_up_event_names
+
+    speed_up_event_names()  # seconds of CPU per launch otherwise (see there)
+
     # the agent's own log lines repeat the child's traceback; we report it ourselves
     # (and "Received 15 death signal": the launcher says what happened in one line)
     for name in [

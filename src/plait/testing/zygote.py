@@ -66,10 +66,32 @@ PRELOAD = (
     "plait.plan",
     "plait.checkpoint",
     "plait.parallel.parallelize",
+    "safetensors.torch",
+    "tokenizers",
+    "jinja2",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.utils.chat_template_utils",
 )
-"""Modules the server imports once: what a ``plait train`` rank and its launcher import
-(a name that does not import is skipped). Not matplotlib nor transformers: they read
-environment variables when imported, which a forked interpreter could not change."""
+"""Modules the server imports once: what a ``plait train`` rank and its launcher import,
+and the Hugging Face modules that importing or exporting a folder, a tokenizer and a chat
+template use (a name that does not import is skipped). The Hugging Face libraries read
+environment variables when imported (:data:`IMPORT_ENV`): a client whose values of those
+differ from the server's runs the real interpreter instead. Not matplotlib: it reads
+``MPLBACKEND``, which the docs tests set."""
+
+SETUP = ("plait.launch.rendezvous_events:speed_up_event_names",)
+"""``module:function`` entries the server calls once after its imports, so that every
+interpreter it forks has them done: torch's elastic agent (``torchrun`` in a test) names
+its rendezvous events without ``inspect.stack`` (the same names, seconds faster)."""
+
+IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "USE_T")
+"""Prefixes of the environment variables the preloaded Hugging Face modules read when
+imported (``HF_HOME``, ``HF_HUB_OFFLINE``, ``TRANSFORMERS_VERBOSITY``, ``USE_TORCH``...).
+The server writes its values to ``import-env.json`` beside its socket; the client
+compares its own (:func:`plait.testing.zygote_client.same_import_env`)."""
 
 CLIENT = Path(__file__).with_name("zygote_client.py")
 
@@ -156,6 +178,13 @@ def serve(sock: str, shim: str, ready_fd: int, preload: list[str]) -> None:
     for name in preload:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    for entry in SETUP:
+        module, _, function = entry.partition(":")
+        with contextlib.suppress(ImportError):
+            getattr(importlib.import_module(module), function)()
+    env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV)}
+    with open(os.path.join(os.path.dirname(sock), "import-env.json"), "w") as f:
+        json.dump({"prefixes": list(IMPORT_ENV), "values": env}, f)
     own = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p and os.path.abspath(p) not in own]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

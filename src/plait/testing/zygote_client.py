@@ -7,7 +7,9 @@ Run as ``python -S zygote_client.py SOCKET [python arguments...]`` (the shim tha
 
 It understands ``[-u] [-B] (-m MODULE | -c CODE | SCRIPT) ARGS...``; anything else, or a
 zygote that does not answer, falls back to exec'ing the real interpreter with the same
-arguments, so it is always at least as correct as ``python``. It hands its stdin, stdout
+arguments, so it is always at least as correct as ``python``; so does a client whose
+environment differs from the zygote's in a variable its preloaded modules read when
+imported (:func:`same_import_env`). It hands its stdin, stdout
 and stderr, its environment and working folder to the zygote, forwards the signals it
 gets to the forked interpreter, and exits as that interpreter did (the same exit code, or
 killed by the same signal). A client that dies takes its interpreter with it (the zygote
@@ -89,6 +91,19 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def same_import_env(sock_path: str, env: dict[str, str]) -> bool:
+    """Whether ``env`` agrees with the server's on every variable its preloaded modules
+    read when imported (``import-env.json`` beside the socket; see
+    :data:`plait.testing.zygote.IMPORT_ENV`). No such file: nothing to compare."""
+    try:
+        with open(os.path.join(os.path.dirname(sock_path), "import-env.json")) as f:
+            server = json.load(f)
+    except (OSError, ValueError):
+        return True
+    prefixes = tuple(server["prefixes"])
+    return {k: v for k, v in env.items() if k.startswith(prefixes)} == server["values"]
+
+
 def _fallback(real: str, args: list[str]) -> None:
     os.execv(real, [real, *args])
 
@@ -96,7 +111,11 @@ def _fallback(real: str, args: list[str]) -> None:
 def main(argv: list[str]) -> None:
     sock_path, real, args = argv[1], argv[2], argv[3:]
     request = parse(args)
-    if request is None or not os.path.exists(sock_path):
+    if (
+        request is None
+        or not os.path.exists(sock_path)
+        or not same_import_env(sock_path, dict(os.environ))
+    ):
         _fallback(real, args)
         return
     if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
