@@ -37,7 +37,7 @@ from plait.bench.results import command_line, environment, load_average, write_s
 TINY_FLAGS = [
     *["--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2"],
     *["--model.max_seq_len", "16", "--seq-len", "16", "--global-batch", "4"],
-    *["--data.max_bytes", "100000", "--train.eval_every", "0"],
+    *["--data.max_bytes", "100000", "--train.eval_every", "0", "--log.peak_tflops", "1"],
 ]
 """``--tiny``: the ``plait train`` flags of a seconds-long run (the test suite's)."""
 
