@@ -123,7 +123,7 @@ writing; a module of ``plait.config`` imports (of plait) only errors and the par
 its own (longest prefix wins)."""
 
 PLAN_ORDER: list[tuple[str, ...]] = [
-    ("text", "hardware", "layout", "modelspec", "moe", "lora"),  # the words: what is planned
+    ("text", "hardware", "layout", "modelspec", "moe", "lora", "optimizer"),  # the words
     ("profile_toml", "query"),  # the inputs: a hardware file, the query
     (  # the terms: activations, ZeRO units, links, compression, offload, kernels
         "activations",
@@ -137,6 +137,7 @@ PLAN_ORDER: list[tuple[str, ...]] = [
         "compute",
         "tp_comm",
         "dp_comm",
+        "optimizer_time",
     ),
     ("memory",),  # a rank's memory
     ("estimate", "moe_estimate"),  # memory and step time of one layout
