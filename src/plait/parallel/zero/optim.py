@@ -115,7 +115,7 @@ class ShardedMasters:
         offload = zero.offload != "none"
         master_device = torch.device("cpu") if offload else zero.device
         factored = isinstance(optimizer, (torch.optim.Adafactor, ShardedAdafactor))
-        held: list[Held] = []  # Adafactor: every stepped parameter's piece on this rank
+        factors: list[Held] = []  # Adafactor: every stepped parameter's piece on this rank
         stepped = {id(p) for p in group_of}
         for u in zero.units:
             shard = zero.param_shard(u)  # (shard_numel,) model dtype
@@ -141,7 +141,7 @@ class ShardedMasters:
             self.slots.append(Slot(u, master, alias, segments, pieces))
             if factored:
                 shard = u.groups[0] if u.groups is not None else zero.shard_group
-                held += held_in_unit(u, by_index, stepped, shard, zero.mesh)
+                factors += held_in_unit(u, by_index, stepped, shard, zero.mesh)
         muon = isinstance(optimizer, Muon)
         if muon:
             if offload:
@@ -149,11 +149,12 @@ class ShardedMasters:
             for g in groups:  # their params are flat shard pieces, not matrices
                 g["sharded"] = g["muon"]
         build = host_optimizer if offload else rebuild  # the host: fused CPU AdamW
+        self.inner: torch.optim.Optimizer
         if factored:
             assert isinstance(optimizer, torch.optim.Optimizer)
             if offload:
                 raise TypeError("Adafactor under ZeRO-Offload is not supported (offload = 'none')")
-            self.inner = adafactor_over(optimizer, groups, held, self.slots[0].master)
+            self.inner = adafactor_over(optimizer, groups, factors, self.slots[0].master)
         else:
             self.inner = (
                 build(optimizer, groups)
