@@ -179,11 +179,12 @@ def _make(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return make(model, cfg, cfg.train.lr)
 
 
-def _stat_bytes(model: nn.Module, n: int) -> float:
+def _stat_bytes(n: int) -> float:
     """Adafactor's all-reduced bus bytes per step over a shard group of ``n`` (float64):
     ``R + C + 2`` elements per matrix (row and column sums, two squared norms), 2 per
-    vector, each all-reduced once."""
-    elements = sum(p.shape[0] + p.shape[1] + 2 if p.dim() == 2 else 2 for p in model.parameters())
+    vector, each all-reduced once (the one-device shapes)."""
+    shapes = [p.shape for p in _model().parameters()]
+    elements = sum(s[0] + s[1] + 2 if len(s) == 2 else 2 for s in shapes)
     return 2 * (n - 1) / n * 8 * elements
 
 
@@ -239,7 +240,7 @@ def _body_zero(
         assert opt.sharded.owners is not None
         formula = exchange_bytes(opt.sharded.owners.matrices(), 8) * steps
     else:  # every rank all-reduces the same vectors: the group's count is n times one's
-        formula = _stat_bytes(model, mesh.size("dp") if stage > 0 else 1) * steps * n
+        formula = _stat_bytes(mesh.size("dp") if stage > 0 else 1) * steps * n
     with zdp.gathered():
         weights = {k: p.detach().clone() for k, p in model.named_parameters()}
     return {"losses": losses, "weights": weights, "sent": sent, "formula": formula}

@@ -53,7 +53,6 @@ def test_resume_is_bit_exact(
     else:  # the factors whole with every piece; a norm's variance per element
         assert {"row_var", "col_var", "step"} <= set(pieces[0]["scalars"])
         assert "variance" in meta["norm.weight"]["pieces"][0]["keys"]
-        assert len(pieces) == world
     resumed = _pool_run(pools, world, _cfg(optimizer, root, resume=str(ck), zero=zero))
     assert resumed["start"] == SAVE_AT
     assert resumed["losses"] == full["losses"][SAVE_AT:]
