@@ -5,12 +5,14 @@ float64; losses and pre-clip norms every step, weights after the last step rebui
 * on the MoE model under expert parallelism (expert units with their own shard groups
   under ZeRO; Muon's owners over ``ep_replica``, Adafactor's sums over ep): the protocol
   and model of tests/parallel/expert/test_expert_parallel.py;
-* on the dense built-in model under pipeline parallelism (pp2, 1F1B over 4
-  micro-batches; pp2 x dp2 with ZeRO-1): the protocol of tests/parallel/test_parallelize.py.
+* on the dense built-in model (2 layers, 3 steps) under pipeline parallelism (pp2, 1F1B
+  over 2 micro-batches; pp2 x dp2 with ZeRO-1): the protocol of
+  tests/parallel/test_parallelize.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,23 +20,26 @@ import torch
 import torch.nn.functional as F
 
 from plait.config import Config, ParallelConfig
+from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext
 from plait.train.matrix_optim import make_adafactor, make_muon
 from tests.parallel.expert.test_expert_parallel import BATCH, VOCAB, _batches, _model, _moes
-from tests.parallel.test_parallelize import (
-    ATOL,
-    CLIP,
-    PIPELINE_MICROBATCHES,
-    RTOL,
-    Piece,
-    Pools,
-    _builtin,
-    assemble,
-)
+from tests.parallel.test_parallelize import ATOL, CFG, CLIP, RTOL, Piece, Pools, assemble
 from tests.parallel.test_parallelize import BATCH as DENSE_BATCH
-from tests.parallel.test_parallelize import _batches as _dense_batches
+from tests.parallel.test_parallelize import _batches as _all_dense_batches
+
+DENSE = replace(CFG, n_layers=2)
+"""The dense model of the pipeline tests: one block per stage."""
+
+
+def _dense() -> Transformer:
+    return Transformer(DENSE, seed=3).double()
+
+
+def _dense_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return _all_dense_batches()[:3]
 
 M = "tests.optimizers.test_muon_layouts"
 
@@ -84,9 +89,9 @@ def _body(
 ) -> dict[str, Any]:
     dp = ctx.world_size // pp
     mesh = ctx.mesh(dp=dp, pp=pp)
-    micro = (PIPELINE_MICROBATCHES if dense else 2) if pp > 1 else None
+    micro = 2 if pp > 1 else None
     pcfg = ParallelConfig(ep=ep, zero=zero, microbatches=micro, pipeline_schedule="1f1b")
-    pm = parallelize(_builtin() if dense else _model(), mesh, pcfg)
+    pm = parallelize(_dense() if dense else _model(), mesh, pcfg)
     opt = Optimizer(pm, _optimizer(pm, optimizer), max_norm=CLIP)
     per, r = (DENSE_BATCH if dense else BATCH) // dp, mesh.index("dp")
     losses, norms = [], []
@@ -133,7 +138,7 @@ def test_expert_layouts_equal_one_process(
     ("world", "zero"), [pytest.param(2, 0, id="pp2"), pytest.param(4, 1, id="pp2xdp2-zero1")]
 )
 def test_pipeline_equals_one_process(pools: Pools, optimizer: str, world: int, zero: int) -> None:
-    """pp2 (1F1B, 4 micro-batches) and pp2 x dp2 under ZeRO-1: each stage steps its own
+    """pp2 (1F1B, 2 micro-batches) and pp2 x dp2 under ZeRO-1: each stage steps its own
     matrices whole (Muon) or reduces their sums over its shard group (Adafactor)."""
-    ref = _one_process(_builtin(), optimizer, _dense_batches())
+    ref = _one_process(_dense(), optimizer, _dense_batches())
     _compare(pools(world).run(f"{M}:_body", 1, zero, 2, optimizer, True), ref)
