@@ -1,8 +1,9 @@
 """Muon's and Adafactor's state in checkpoints: resuming is bit-exact in one process and
-under ZeRO-3 dp2 (Muon's momentum and Adafactor's vector variance are element-wise state
-on each rank's shard pieces, saved like AdamW's; Adafactor's row and column factors are
-whole-parameter state, the same on every rank, saved with each piece and read whole), and
-Adafactor's state saved under ZeRO-3 dp2 is what a tp2 run reads back."""
+under ZeRO-3 dp2 (Adafactor with bf16 weights and fp32 masters). Muon's momentum and
+Adafactor's vector variance are element-wise state on each rank's shard pieces, saved
+like AdamW's; Adafactor's row and column factors are whole-parameter state, the same on
+every rank, saved with each piece and read whole: saved under ZeRO-3 dp2, a tp2 run
+reads them back bit for bit."""
 
 from __future__ import annotations
 
@@ -37,14 +38,24 @@ def _cfg(optimizer: str, root: str | None, resume: str | None = None, **kw: Any)
 
 
 @pytest.mark.parametrize(
-    "optimizer, world, zero",
-    [("muon", 1, 0), ("muon", 2, 3), ("adafactor", 1, 0), ("adafactor", 2, 3)],
+    "optimizer, world, zero, dtype",
+    [
+        ("muon", 1, 0, "fp32"),
+        ("muon", 2, 3, "fp32"),
+        ("adafactor", 1, 0, "fp32"),
+        ("adafactor", 2, 3, "bf16"),  # bf16 weights: Adafactor steps ZeRO's fp32 masters
+    ],
 )
 def test_resume_is_bit_exact(
-    pools: Callable[[int], WorkerPool], tmp_path: Path, optimizer: str, world: int, zero: int
+    pools: Callable[[int], WorkerPool],
+    tmp_path: Path,
+    optimizer: str,
+    world: int,
+    zero: int,
+    dtype: str,
 ) -> None:
     root = str(tmp_path / "ck")
-    full = _pool_run(pools, world, _cfg(optimizer, root, zero=zero))
+    full = _pool_run(pools, world, _cfg(optimizer, root, zero=zero, dtype=dtype))
     ck = Path(root) / step_dirname(SAVE_AT)
     meta = CheckpointReader(ck).meta["params"]
     pieces = meta[WQ]["pieces"]
@@ -53,7 +64,7 @@ def test_resume_is_bit_exact(
     else:  # the factors whole with every piece; a norm's variance per element
         assert {"row_var", "col_var", "step"} <= set(pieces[0]["scalars"])
         assert "variance" in meta["norm.weight"]["pieces"][0]["keys"]
-    resumed = _pool_run(pools, world, _cfg(optimizer, root, resume=str(ck), zero=zero))
+    resumed = _pool_run(pools, world, _cfg(optimizer, root, resume=str(ck), zero=zero, dtype=dtype))
     assert resumed["start"] == SAVE_AT
     assert resumed["losses"] == full["losses"][SAVE_AT:]
     _assert_same_weights(resumed["final"], full["final"])
