@@ -102,7 +102,7 @@ class ShardedAdafactor(torch.optim.Optimizer):
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
-        defaults = {
+        defaults: dict[str, Any] = {
             "lr": lr,
             "beta2_decay": beta2_decay,
             "eps": eps,
@@ -168,8 +168,12 @@ class ShardedAdafactor(torch.optim.Optimizer):
         if p is None or p.grad is None or not h.counts:
             if not h.factored:
                 return [self._zeros(1)]
-            rows, cols = h.stat_shapes()
-            return [self._zeros(math.prod(rows)), self._zeros(math.prod(cols)), self._zeros(1)]
+            row_shape, col_shape = h.stat_shapes()
+            return [
+                self._zeros(math.prod(row_shape)),
+                self._zeros(math.prod(col_shape)),
+                self._zeros(1),
+            ]
         p_sq = p.detach().reshape(-1).square().sum().reshape(1)
         if not h.factored:
             return [p_sq]

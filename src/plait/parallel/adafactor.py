@@ -70,13 +70,12 @@ def _held(
     mesh: Mesh,
 ) -> Held:
     block = block_split(p, mesh)
+    groups: tuple[AxisGroup, ...] = (shard,) if shard is not None else ()
     if block is None:
-        groups = (shard,) if shard is not None else ()
         return Held(local, local, start, end, None, groups, key)
     split, other, full = block
     whole = tuple(full if d == split.dim else n for d, n in enumerate(local))
-    groups = (shard, other) if shard is not None else (other,)
-    return Held(whole, local, start, end, split, groups, key)
+    return Held(whole, local, start, end, split, (*groups, other), key)
 
 
 def held_whole(params: Iterable[nn.Parameter], mesh: Mesh) -> list[Held]:

@@ -140,8 +140,8 @@ class ShardedMasters:
                 by_index[i] = seg
             self.slots.append(Slot(u, master, alias, segments, pieces))
             if factored:
-                shard = u.groups[0] if u.groups is not None else zero.shard_group
-                factors += held_in_unit(u, by_index, stepped, shard, zero.mesh)
+                over = u.groups[0] if u.groups is not None else zero.shard_group
+                factors += held_in_unit(u, by_index, stepped, over, zero.mesh)
         muon = isinstance(optimizer, Muon)
         if muon:
             if offload:
