@@ -39,6 +39,7 @@ import torch
 
 from plait import comm
 from plait.comm import AxisGroup
+from plait.optimizers.closure import run_closure
 from plait.optimizers.factored import Held, partial_sums, piece_update, whole_means
 
 
@@ -126,10 +127,7 @@ class ShardedAdafactor(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step of every parameter (see the module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         first: Buckets = {}
         at1 = [_add(first, h, self._round1(h)) for h in self.held]  # sums, |p|²
         reduced1 = _all_reduce(first)
