@@ -26,6 +26,7 @@ from plait.plan.network import all_to_all_time, group
 from plait.plan.optimizer import OptimizerSpec, owner_exchange_bytes
 from plait.plan.optimizer_time import busiest_owner_seconds
 from plait.plan.query import Query
+from plait.plan.search import search
 from plait.train.matrix_optim import make_adafactor, make_muon
 
 MODEL = ModelConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16)
@@ -106,3 +107,20 @@ def test_muon_step_seconds() -> None:
     assert busiest_owner_seconds(seconds, 2) < sum(seconds)
     # bytes a rank sends: half of each matrix it does not own, both ways
     assert owner_exchange_bytes(2 * 576, 2) == 2 * (2 * 576 / 2 * 4) / 2
+
+
+def test_search_ranks_with_the_optimizers_step() -> None:
+    """Every layout the search ranks carries Muon's terms (the same as its own
+    estimate's), and they are ranked by the step time that includes them."""
+    prec, rt = precision_preset("bf16-mixed"), runtime_preset("plait")
+    q = {
+        name: Query(SPEC, HW, 4, 8, 8, prec, rt, optimizer=OptimizerSpec(name))  # type: ignore[arg-type]
+        for name in ("adamw", "muon")
+    }
+    ranked = search(q["muon"], top=20).ranked
+    assert len(ranked) > 1
+    for e in ranked:
+        assert e.time.optimizer == estimate(q["muon"], e.layout).time.optimizer
+        assert e.time.optimizer > estimate(q["adamw"], e.layout).time.optimizer
+    totals = [e.time.total for e in ranked]
+    assert totals == sorted(totals)
