@@ -31,6 +31,7 @@ from plait.errors import ConfigError
 from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.optimizers import Muon, split_params
+from plait.optimizers.adafactor import ShardedAdafactor, reduce_bytes
 from plait.parallel.zero import ZeroDataParallel
 from plait.parallel.zero.owners import assign_owners, exchange_bytes
 from plait.testing import WorkerContext, WorkerPool
@@ -241,6 +242,8 @@ def _body_zero(
         formula = exchange_bytes(opt.sharded.owners.matrices(), 8) * steps
     else:  # every rank all-reduces the same vectors: the group's count is n times one's
         formula = _stat_bytes(mesh.size("dp") if stage > 0 else 1) * steps * n
+        assert isinstance(opt.inner, ShardedAdafactor)
+        assert reduce_bytes(opt.inner.held, 8).get("dp", 0.0) * steps * n == formula
     with zdp.gathered():
         weights = {k: p.detach().clone() for k, p in model.named_parameters()}
     return {"losses": losses, "weights": weights, "sent": sent, "formula": formula}
@@ -274,7 +277,6 @@ def _body_tp(
     """tp2 (plain, no clipping: a plain module's norm is not summed over tp) or dp2 x
     tp2 under ZeRO-``stage``: Muon gathers each tp-cut matrix before Newton-Schulz;
     Adafactor all-reduces its statistics over tp (and the shard group)."""
-    from plait.optimizers.adafactor import ShardedAdafactor
     from plait.parallel.adafactor import held_whole
     from plait.parallel.tensor.layers import shard_info
     from plait.parallel.tensor.loss import vocab_parallel_loss
