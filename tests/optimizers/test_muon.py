@@ -15,6 +15,7 @@ over the matrices plus ``2`` elements per vector.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -189,6 +190,7 @@ def _stat_bytes(n: int) -> float:
     return 2 * (n - 1) / n * 8 * elements
 
 
+@functools.cache  # the same run for every layout of a test (read, never changed)
 def _reference(steps: int, clip: float, optimizer: str = "muon") -> dict[str, Any]:
     model = _model()
     cfg = _cfg("float64", optimizer)
