@@ -125,7 +125,7 @@ writing; a module of ``plait.config`` imports (of plait) only errors and the par
 its own (longest prefix wins)."""
 
 PLAN_ORDER: list[tuple[str, ...]] = [
-    ("text", "hardware", "layout", "modelspec", "moe", "lora"),  # the words: what is planned
+    ("text", "hardware", "layout", "modelspec", "moe", "lora", "optimizer"),  # the words
     ("profile_toml", "query"),  # the inputs: a hardware file, the query
     (  # the terms: activations, ZeRO units, links, compression, offload, kernels
         "activations",
@@ -139,6 +139,7 @@ PLAN_ORDER: list[tuple[str, ...]] = [
         "compute",
         "tp_comm",
         "dp_comm",
+        "optimizer_time",
     ),
     ("memory",),  # a rank's memory
     ("estimate", "moe_estimate"),  # memory and step time of one layout

@@ -54,6 +54,7 @@ from plait.comm import AxisGroup
 from plait.config import NONFINITES, NonFinite
 from plait.config.rules.choices import check_choice
 from plait.host_scalar import HostScalar
+from plait.parallel.adafactor import is_block
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, is_low_precision
 from plait.parallel.tensor.layers import tp_norm_weight
 from plait.parallel.zero import ZeroDataParallel
@@ -61,7 +62,6 @@ from plait.parallel.zero.optim import OptimizerFactory, ShardedMasters
 from plait.pieces import LocalPiece
 
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam")
-_WHOLE_TENSORS = ("Adafactor",)  # row/column statistics: not on ZeRO's flat shards
 
 
 @dataclass
@@ -210,11 +210,6 @@ class Optimizer:
         self.sharded: ShardedMasters | None = None
         self._params: list[torch.Tensor] = []
         if self.zero is not None:
-            if type(optimizer).__name__ in _WHOLE_TENSORS:
-                raise TypeError(
-                    f"{type(optimizer).__name__} keeps row and column statistics of whole "
-                    "matrices; ZeRO's flat shards cut them (use zero = 0 with fp32)"
-                )
             self.sharded = ShardedMasters(self.zero, optimizer)
             self.inner = self.sharded.inner
             if self.sharded.host is not None:  # offload: step units during backward?
@@ -226,6 +221,12 @@ class Optimizer:
                 "16-bit parameters need fp32 master weights: parallelize with "
                 "precision='bf16'/'fp16' (or wrap the model in ZeroDataParallel; stage 0 "
                 "replicates, as plain data parallelism does)"
+            )
+        if isinstance(optimizer, torch.optim.Adafactor) and any(is_block(p) for p in params):
+            raise TypeError(
+                "torch.optim.Adafactor on tensor- or expert-parallel blocks would keep each "
+                "block's statistics; use plait.train.matrix_optim.make_adafactor "
+                "(plait.optimizers.adafactor.ShardedAdafactor over the blocks)"
             )
         self.inner = (
             optimizer

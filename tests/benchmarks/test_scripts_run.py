@@ -168,7 +168,7 @@ CASES: dict[str, Case] = {
     "muon_step": Case(
         tables={
             "ZeRO | optimizer": _rows(
-                "0 | adamw", "0 | muon", "1 | adamw", "1 | muon", "3 | adamw", "3 | muon"
+                *(f"{z} | {o}" for z in (0, 1, 3) for o in ("adamw", "muon", "adafactor"))
             )
         }
     ),

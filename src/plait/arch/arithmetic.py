@@ -5,7 +5,9 @@ with these functions: the per-block terms (:func:`attention_params`,
 :func:`mlp_params`, :func:`moe_ffn_params`), the training-FLOPs rule
 (:func:`training_flops_per_token`, :func:`attention_flops_per_token`) and, on a
 :class:`~plait.config.ModelConfig`, the whole model's :func:`param_count`,
-:func:`active_param_count` and :func:`flops_per_token`. Plain integers, no torch.
+:func:`active_param_count` and :func:`flops_per_token`; Muon's Newton-Schulz FLOPs of a
+matrix (:func:`newton_schulz_flops`, used by the optimizer and the planner). Plain
+integers, no torch.
 
 FLOPs follow Chowdhery et al. 2022 (PaLM), appendix B: ``6·N + 12·L·s·a·d`` per token,
 forward and backward, where N counts the weights of every matmul (the blocks' linear
@@ -57,6 +59,15 @@ def training_flops_per_token(
     """Training FLOPs (forward + backward) per token: ``6·N`` for the ``matmul_params``
     weights N plus :func:`attention_flops_per_token`."""
     return 6 * matmul_params + attention_flops_per_token(n_layers, seq_len, attention_width)
+
+
+def newton_schulz_flops(shape: tuple[int, int], steps: int) -> int:
+    """FLOPs (2 per multiply-add) of ``steps`` quintic Newton-Schulz iterations (Muon's
+    orthogonalisation) on an ``(A, B)`` matrix, ``m = min(A, B)``, ``n = max(A, B)``: per
+    step ``x xᵀ`` (2 m² n), the polynomial's ``gram @ gram`` (2 m³) and ``poly @ x``
+    (2 m² n)."""
+    m, n = min(shape), max(shape)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def block_matmul_params(cfg: ModelConfig, layer: int = 0, active: bool = True) -> int:

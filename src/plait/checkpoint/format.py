@@ -95,7 +95,10 @@ class Piece:
     keys: dict[str, str] = field(default_factory=dict)  # kind -> safetensors key
     """``"param"`` (the values; fp32 masters where they exist) and each per-element
     optimizer state (``"exp_avg"``, ...), each a ``(end - start,)`` tensor."""
-    scalars: dict[str, str] = field(default_factory=dict)  # name -> key of a 0-dim tensor
+    # name -> key of a state tensor of the whole parameter, the same in every piece: a
+    # 0-dim scalar (``step``) or a small tensor not shaped like the piece (Adafactor's
+    # row and column factors), read whole by every piece of any layout
+    scalars: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

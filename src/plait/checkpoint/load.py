@@ -108,7 +108,8 @@ def _read_into(reader: CheckpointReader, lp: LocalPiece, kind: str, dst: torch.T
 
 
 def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> None:
-    """The optimizer state of piece ``lp`` (per-element tensors and scalars)."""
+    """The optimizer state of piece ``lp`` (per-element tensors, and the whole
+    parameter's scalars and small tensors such as Adafactor's row and column factors)."""
     state: dict[str, torch.Tensor] = {}
     dtype = dtype_from_name(reader.entry(lp.name).dtype)
     have = ts.optimizer.inner.state.get(lp.key, {})  # read into it in place if it fits
@@ -128,10 +129,10 @@ def _load_state(ts: TrainState, reader: CheckpointReader, lp: LocalPiece) -> Non
         assert isinstance(t, torch.Tensor)
         reader.read_into(lp.name, kind, lp.tp, lp.start, t.view(-1))
         state[kind] = t
-    for s in reader.scalar_names(lp.name):
+    for s in reader.scalar_names(lp.name):  # whole-parameter state (scalars on the host)
         v = reader.scalar(lp.name, s)
         if v is not None:
-            state[s] = v
+            state[s] = v if v.dim() == 0 else v.to(lp.key.device)
     if state:
         ts.optimizer.inner.state[lp.key] = state
 

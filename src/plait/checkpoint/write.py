@@ -115,7 +115,7 @@ def snapshot(
         for k, v in state.get(lp.key, {}).items():
             if not isinstance(v, torch.Tensor):
                 raise CheckpointError(f"optimizer state {k!r} of {lp.name} is not a tensor")
-            if v.dim() == 0:
+            if v.dim() == 0 or v.shape != lp.key.shape:  # whole-parameter state
                 piece.scalars[k] = f"{k}/{tag}"
                 tensors[f"{k}/{tag}"] = host(f"{k}/{tag}", v)
             else:

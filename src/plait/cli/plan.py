@@ -20,6 +20,7 @@ from plait.config import (
     COMPRESSIONS,
     CP_ATTENTIONS,
     OFFLOADS,
+    OPTIMIZERS,
     PLANNED_SCHEDULES,
     PRESET_STYLES,
     RECOMPUTES,
@@ -39,6 +40,7 @@ from plait.plan.layout import (
 from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import MODEL_SPECS, ModelSpec, model_spec_preset
 from plait.plan.moe_report import moe_from_args, moe_section
+from plait.plan.optimizer import OptimizerSpec
 from plait.plan.profile_toml import load_hardware
 
 _SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -205,6 +207,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     lay.add_argument("--grad-clip", "--train.grad_clip", dest="grad_clip", type=float,
                      default=1.0, help="as train.grad_clip; offload: 0 steps units under "
                      "backward, else the two-pass step after the norm")  # fmt: skip
+    lay.add_argument("--optimizer", "--train.optimizer", dest="optimizer", default="adamw",
+                     choices=OPTIMIZERS, help="its state bytes and step cost (docs/optimizers.md)")
+    lay.add_argument("--ns-steps", "--optim.muon_ns_steps", dest="ns_steps", type=int,
+                     default=5, help="muon: Newton-Schulz iterations per step")  # fmt: skip
     lay.add_argument("--precision", default="bf16-mixed", help=", ".join(PRECISIONS))
     lay.add_argument("--runtime", default="plait", help=", ".join(RUNTIMES))
     o = p.add_argument_group("output")
@@ -311,9 +317,10 @@ def plan_main(argv: Sequence[str]) -> int:
     if ns.lora_rank is not None:
         check_lora(ns.lora_rank, 1.0, 0.0)
     lora = LoraSpec(ns.lora_rank, ns.lora_targets) if ns.lora_rank is not None else None
+    opt = OptimizerSpec(ns.optimizer, ns.ns_steps)
     if ns.search:
         gb = ns.global_batch or devices
-        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora)
+        q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora, opt)
         space = Space(offload=("none", ns.offload)) if ns.offload != "none" else None
         result = search(q, space, top=ns.top)
         print(json.dumps(search_json(result), indent=2) if ns.json else format_search(result))
@@ -353,7 +360,7 @@ def plan_main(argv: Sequence[str]) -> int:
         ns.compression_rank,
     )
     gb = ns.global_batch or layout.global_batch
-    q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora)
+    q = Query(spec, hw, devices, gb, seq, prec, rt, ns.headroom, moe, lora, opt)
     if moe is not None and (dp * cp % ns.ep or ns.experts % ns.ep):
         raise ConfigError(
             f"--ep {ns.ep} must divide the data ranks dp x cp = {dp * cp} and the "

@@ -100,9 +100,7 @@ class Config:
             p.compression_adam,
             self.precision.nonfinite,
         )
-        check_optimizer(
-            t.optimizer, p.tp, p.zero, self.precision.dtype, p.compression, p.compression_adam
-        )
+        check_optimizer(t.optimizer, p.tp, p.ep, p.offload, p.compression, p.compression_adam)
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)

@@ -1,4 +1,5 @@
-"""Optimizers that see whole matrices: Muon (orthogonalised momentum) beside AdamW.
+"""Optimizers that see whole matrices: Muon (orthogonalised momentum) beside AdamW, and
+Adafactor on pieces of matrices.
 
 * :mod:`~plait.optimizers.newton_schulz`: the Newton-Schulz iteration and Muon's
   learning-rate adjustment, exactly as ``torch.optim.Muon`` computes them, with a choice
@@ -8,7 +9,13 @@
   norms, biases);
 * :mod:`~plait.optimizers.muon`: :class:`~plait.optimizers.muon.Muon`, one
   ``torch.optim.Optimizer`` holding both kinds of group, whose matrix update can be
-  computed elsewhere (ZeRO's owner ranks, :mod:`plait.parallel.zero.owners`).
+  computed elsewhere (ZeRO's owner ranks, :mod:`plait.parallel.zero.owners`);
+* :mod:`~plait.optimizers.factored`: Adafactor's row and column sums of the piece of a
+  parameter a rank holds (a ZeRO flat range of a tp or ep block), in the whole
+  parameter's coordinates;
+* :mod:`~plait.optimizers.adafactor`: :class:`~plait.optimizers.adafactor.
+  ShardedAdafactor`, ``torch.optim.Adafactor`` over such pieces, its sums all-reduced;
+* :mod:`~plait.optimizers.closure`: the step's closure, shared by both.
 
 See docs/optimizers.md.
 """

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from plait.comm import AxisGroup
+from plait.optimizers.closure import run_closure
 from plait.optimizers.newton_schulz import NS_COEFFICIENTS, NS_DTYPES, adjust_lr, zeropower
 
 TPLayout = Callable[[torch.Tensor], Any]
@@ -172,10 +173,7 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One step of every group (see the module docstring)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         if self._adamw is not None:
             self._adamw.step()
         muon_groups = [g for g in self.param_groups if g["muon"]]

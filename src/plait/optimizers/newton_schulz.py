@@ -53,11 +53,3 @@ def adjust_lr(lr: float, how: str, shape: tuple[int, int]) -> float:
     if how == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"unknown Muon lr adjustment {how!r} (original, match_rms_adamw)")
-
-
-def ns_flops(shape: tuple[int, int], steps: int) -> int:
-    """Multiply-add FLOPs (2 per multiply-add) of ``steps`` iterations on an ``(A, B)``
-    matrix, ``m = min(A, B)``, ``n = max(A, B)``: per step ``x x^T`` (2 m² n), the
-    polynomial's ``gram @ gram`` (2 m³) and ``poly @ x`` (2 m² n)."""
-    m, n = min(shape), max(shape)
-    return steps * (4 * m * m * n + 2 * m**3)

@@ -25,6 +25,7 @@ from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
+from plait.plan.optimizer import OptimizerSpec
 from plait.plan.query import Query
 from plait.plan.search import SearchResult, search
 from plait.plan.space import Rejections, Space, candidates
@@ -68,6 +69,7 @@ def auto_query(cfg: Config, world_size: int, hardware: Hardware, headroom: float
         runtime,
         headroom,
         MoESpec.from_config(cfg.model),
+        optimizer=OptimizerSpec(cfg.train.optimizer, cfg.optim.muon_ns_steps),
     )
 
 

@@ -33,7 +33,13 @@ from plait.plan.compute import (
 from plait.plan.dp_comm import dp_comm_time
 from plait.plan.hardware import Hardware
 from plait.plan.layout import Layout, Precision, Runtime
-from plait.plan.memory import MemoryBreakdown, copies_gradients, memory_per_rank, stage_params
+from plait.plan.memory import (
+    MemoryBreakdown,
+    copies_gradients,
+    memory_per_rank,
+    stage_params,
+    stage_shape,
+)
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
 from plait.plan.network import (
@@ -42,6 +48,7 @@ from plait.plan.network import (
     p2p_time,
 )
 from plait.plan.offload_time import offload_step_time
+from plait.plan.optimizer_time import extra_seconds
 from plait.plan.overheads import (
     attention_length,
     in_step_time,
@@ -299,6 +306,9 @@ def step_time(q: Query, layout: Layout) -> StepTime:
             step_s = m * (comp_f + comp_b + rc)  # the device work a delayed update hides under
             times.append(offload_step_time(shards, layout, hw, precision, comp_b + rc, step_s))
         optimizer = max(times)
+    # Muon's Newton-Schulz and exchanges, Adafactor's all-reduces (0 for AdamW)
+    shape = stage_shape(spec, layout, worst_stage)
+    optimizer += extra_seconds(spec, q.optimizer, layout, hw, shape)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
     if copies_gradients(layout, precision, runtime):

@@ -56,6 +56,8 @@ from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import ModelSpec
 from plait.plan.offload import device_state
+from plait.plan.optimizer import StageShape
+from plait.plan.optimizer import state_bytes as optimizer_state_bytes
 from plait.plan.query import Query
 from plait.plan.units import Unit, lora_unit, stage_layers, stage_units, zero_state_bytes
 
@@ -120,6 +122,14 @@ def _stage_params(spec: ModelSpec, t: int, p: int, stage: int, trim: int = 0) ->
             tensors += 1
             unit = max(unit, vocab_local)
     return StageParams(n, tensors, layers, unit)
+
+
+def stage_shape(spec: ModelSpec, layout: Layout, stage: int) -> StageShape:
+    """:class:`StageShape` of one rank of ``stage`` (what the optimizer's terms need)."""
+    sp = stage_params(spec, layout, stage)
+    last = stage == layout.pp - 1
+    head = last and (not spec.tie_embeddings or layout.pp > 1)
+    return StageShape(sp.layers, sp.params, sp.tensors, stage == 0, head)
 
 
 def in_flight(layout: Layout, stage: int) -> float:
@@ -278,6 +288,9 @@ def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> M
         weights, master, optimizer = device_state(weights, master, optimizer, layout.offload)
     else:
         weights, grads, master, optimizer = state_bytes(sp.params, sp.tensors, layout, precision)
+    if q.lora is None:  # Muon's or Adafactor's state instead of AdamW's moments
+        shape = stage_shape(spec, layout, stage)
+        optimizer = optimizer_state_bytes(spec, q.optimizer, layout, shape, optimizer)
     flight = in_flight(layout, stage)
     per_layer = layer_activation_bytes(q, layout)
     acts = per_layer * sp.layers * flight

@@ -10,7 +10,7 @@ batch) for the callers that evaluate a single layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.errors import ConfigError
 from plait.plan.hardware import Hardware
@@ -18,6 +18,7 @@ from plait.plan.layout import Layout, Precision, Runtime
 from plait.plan.lora import LoraSpec
 from plait.plan.modelspec import ModelSpec
 from plait.plan.moe import MoESpec
+from plait.plan.optimizer import OptimizerSpec
 
 MAX_DEVICES = 1 << 24
 """Most devices a search plans for (16,777,216; bounds the layouts it walks)."""
@@ -48,6 +49,9 @@ class Query:
     every expert-parallel degree ep that divides dp·cp and the experts."""
     lora: LoraSpec | None = None
     """LoRA adapters on a frozen base (None: the whole model is trained)."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    """The optimizer (AdamW by default; Muon and Adafactor change the state and the step,
+    :mod:`plait.plan.optimizer`)."""
 
     def __post_init__(self) -> None:
         for key in ("devices", "global_batch", "seq_len"):
@@ -73,6 +77,7 @@ class Query:
         headroom: float = 0.05,
         moe: MoESpec | None = None,
         lora: LoraSpec | None = None,
+        optimizer: OptimizerSpec | None = None,
     ) -> Query:
         """The query whose devices and global batch are ``layout``'s."""
         return cls(
@@ -86,4 +91,5 @@ class Query:
             headroom,
             moe,
             lora,
+            optimizer or OptimizerSpec(),
         )

@@ -16,6 +16,8 @@ from plait.config import Config
 from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.optimizers import Muon, split_params
+from plait.optimizers.adafactor import ShardedAdafactor
+from plait.parallel.adafactor import held_whole, is_block
 from plait.parallel.tensor.layers import shard_info
 
 
@@ -64,16 +66,23 @@ def make_muon(model: nn.Module, cfg: Config, lr0: float) -> Muon:
 
 
 def make_adafactor(model: nn.Module, cfg: Config, lr0: float) -> torch.optim.Optimizer:
-    """torch.optim.Adafactor on every trainable parameter at train.lr's schedule."""
+    """torch.optim.Adafactor on every trainable parameter at train.lr's schedule; under
+    tensor or expert parallelism plait's
+    :class:`~plait.optimizers.adafactor.ShardedAdafactor` over the blocks (row and column
+    sums all-reduced over tp or ep). Under ZeRO either is
+    rebuilt over the master shards (:class:`plait.parallel.zero.optim.ShardedMasters`)."""
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.Adafactor(
-        params,
-        lr=lr0,
-        beta2_decay=o.adafactor_beta2_decay,
-        d=o.adafactor_d,
-        weight_decay=o.adafactor_weight_decay,
-    )
+    kwargs: dict[str, Any] = {
+        "lr": lr0,
+        "beta2_decay": o.adafactor_beta2_decay,
+        "d": o.adafactor_d,
+        "weight_decay": o.adafactor_weight_decay,
+    }
+    mesh = getattr(model, "mesh", None)
+    if isinstance(mesh, Mesh) and any(is_block(p) for p in params):
+        return ShardedAdafactor(params, held_whole(params, mesh), **kwargs)
+    return torch.optim.Adafactor(params, **kwargs)
 
 
 def optimizer_note(model: nn.Module, cfg: Config) -> str:

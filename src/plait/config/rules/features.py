@@ -193,26 +193,27 @@ def parse_step_window(text: str) -> tuple[int, int]:
 
 
 def check_optimizer(
-    optimizer: str, tp: int, zero: int, dtype: str, compression: str, compression_adam: str
+    optimizer: str, tp: int, ep: int, offload: str, compression: str, compression_adam: str
 ) -> None:
     """train.optimizer: Muon and Adafactor need each matrix whole. Muon gets it under
-    data parallelism, ZeRO 0-3 (one owner rank per matrix) and tensor parallelism (the
-    update gathered over tp; docs/optimizers.md); Adafactor's row and column statistics
-    run on whole parameters only (one process, pipeline or plain fp32 data
-    parallelism). Neither replaces top-k compression's Adam in front of the exchange."""
+    data parallelism, ZeRO 0-3 (one owner rank per matrix), tensor and expert
+    parallelism (the update gathered over tp); Adafactor all-reduces its row and column
+    sums over the ranks holding pieces of a matrix (ZeRO shards, tp blocks, ep's experts;
+    docs/optimizers.md), but not over tp and ep at once. Neither runs in ZeRO-Offload's
+    host step (AdamW's fused kernel) nor replaces top-k compression's Adam in front of
+    the exchange."""
     if optimizer == "adamw":
         return
-    if optimizer == "adafactor" and tp > 1:
+    if optimizer == "adafactor" and tp > 1 and ep > 1:
         raise ConfigError(
-            f"train.optimizer = 'adafactor' with parallel.tp = {tp}: the matrices are cut "
-            "across tensor-parallel ranks and Adafactor's row and column statistics need "
-            "each whole; use tp = 1 or train.optimizer = 'muon'/'adamw'."
+            f"train.optimizer = 'adafactor' with parallel.tp = {tp} and parallel.ep = {ep}: "
+            "an expert tensor would be cut along two dimensions at once, and Adafactor's "
+            "row and column sums are reduced over one split only; use tp = 1 or ep = 1."
         )
-    if optimizer == "adafactor" and (zero > 0 or dtype != "fp32"):
+    if offload != "none":
         raise ConfigError(
-            f"train.optimizer = 'adafactor' with parallel.zero = {zero}, precision.dtype = "
-            f"{dtype!r}: ZeRO's flat shards cut the matrices whose row and column statistics "
-            "Adafactor keeps; use zero = 0 with fp32, or train.optimizer = 'muon'/'adamw'."
+            f"train.optimizer = {optimizer!r} with parallel.offload = {offload!r}: the host "
+            "step is AdamW's fused kernel; set parallel.offload = 'none'."
         )
     if compression == "topk" and compression_adam == "before":
         raise ConfigError(

@@ -12,6 +12,11 @@ parameters they are separate fp32 tensors initialised from the exact fp32 weight
 offload they live on the CPU, the gradient shards are copied there, the step runs there
 and the result is copied back.
 
+Two optimizers that need whole matrices are rebuilt differently: Muon (one owner rank
+per matrix, :mod:`plait.parallel.zero.owners`) and Adafactor (its row and column sums
+all-reduced over the shard group, :class:`plait.optimizers.adafactor.ShardedAdafactor`
+over the pieces :mod:`plait.parallel.adafactor` describes).
+
 Clipping, loss scaling and skipping are not here: :class:`plait.optim.Optimizer` does
 them for every layout and calls :meth:`ShardedMasters.grads` and
 :meth:`ShardedMasters.step`.
@@ -27,7 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from plait.optimizers.adafactor import ShardedAdafactor
+from plait.optimizers.factored import Held
 from plait.optimizers.muon import Muon
+from plait.parallel.adafactor import held_in_unit
 from plait.parallel.precision import is_low_precision
 from plait.parallel.zero.cpu_adam import host_optimizer
 from plait.parallel.zero.flat import FlatUnit
@@ -62,6 +70,22 @@ def rebuild(
     return cls(groups, **kwargs)
 
 
+def adafactor_over(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    held: list[Held],
+    master: torch.Tensor,
+) -> ShardedAdafactor:
+    """Adafactor (torch's or plait's, with its defaults) over the master segments:
+    statistics all-reduced over the shard groups (and tp), see
+    :mod:`plait.optimizers.adafactor`."""
+    if optimizer.defaults.get("maximize", False):
+        raise ValueError("Adafactor with maximize=True is not supported under ZeRO")
+    keys = ("lr", "beta2_decay", "eps", "d", "weight_decay")
+    kwargs = {k: optimizer.defaults[k] for k in keys}
+    return ShardedAdafactor(groups, held, dtype=master.dtype, device=master.device, **kwargs)
+
+
 class ShardedMasters:
     """The sharded masters of ``zero`` and the inner optimizer over them.
 
@@ -90,6 +114,9 @@ class ShardedMasters:
         ]
         offload = zero.offload != "none"
         master_device = torch.device("cpu") if offload else zero.device
+        factored = isinstance(optimizer, (torch.optim.Adafactor, ShardedAdafactor))
+        factors: list[Held] = []  # Adafactor: every stepped parameter's piece on this rank
+        stepped = {id(p) for p in group_of}
         for u in zero.units:
             shard = zero.param_shard(u)  # (shard_numel,) model dtype
             alias = not offload and not is_low_precision(shard.dtype)
@@ -102,6 +129,7 @@ class ShardedMasters:
             u.fp32_init = None
             segments = []
             pieces = [(u.params[i], a, b) for i, a, b in u.local_segments()]
+            by_index: dict[int, torch.Tensor] = {}
             for i, start, end in u.local_segments():
                 group = group_of.get(u.params[i])
                 if group is None:
@@ -109,7 +137,11 @@ class ShardedMasters:
                 seg = nn.Parameter(master[start:end])  # shares the master's storage
                 groups[group]["params"].append(seg)
                 segments.append((seg, start, end))
+                by_index[i] = seg
             self.slots.append(Slot(u, master, alias, segments, pieces))
+            if factored:
+                over = u.groups[0] if u.groups is not None else zero.shard_group
+                factors += held_in_unit(u, by_index, stepped, over, zero.mesh)
         muon = isinstance(optimizer, Muon)
         if muon:
             if offload:
@@ -117,11 +149,18 @@ class ShardedMasters:
             for g in groups:  # their params are flat shard pieces, not matrices
                 g["sharded"] = g["muon"]
         build = host_optimizer if offload else rebuild  # the host: fused CPU AdamW
-        self.inner = (
-            build(optimizer, groups)
-            if isinstance(optimizer, torch.optim.Optimizer)
-            else optimizer(groups)
-        )
+        self.inner: torch.optim.Optimizer
+        if factored:
+            assert isinstance(optimizer, torch.optim.Optimizer)
+            if offload:
+                raise TypeError("Adafactor under ZeRO-Offload is not supported (offload = 'none')")
+            self.inner = adafactor_over(optimizer, groups, factors, self.slots[0].master)
+        else:
+            self.inner = (
+                build(optimizer, groups)
+                if isinstance(optimizer, torch.optim.Optimizer)
+                else optimizer(groups)
+            )
         # (model parameter, first element within it) -> (slot, segment, shard start, end)
         self._segment_at: dict[tuple[int, int], tuple[Slot, nn.Parameter, int, int]] = {}
         for slot in self.slots:

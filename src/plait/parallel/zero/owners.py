@@ -37,9 +37,10 @@ import torch
 from torch import nn
 
 from plait import comm
+from plait.arch.arithmetic import newton_schulz_flops
 from plait.comm import AxisGroup
 from plait.optimizers.muon import advance_momentum, apply_update, matrix_shape, orthogonalize
-from plait.optimizers.newton_schulz import adjust_lr, ns_flops
+from plait.optimizers.newton_schulz import adjust_lr
 from plait.parallel.tensor.layers import shard_info
 from plait.parallel.zero.flat import FlatUnit
 
@@ -139,7 +140,7 @@ class MatrixOwners:
                     continue
                 shape = whole_shape(p, tuple(u.shapes[i]))
                 count = shape[0] if len(shape) == 3 else 1
-                flops = count * ns_flops(matrix_shape(shape, in_out[gi]), ns_steps)
+                flops = count * newton_schulz_flops(matrix_shape(shape, in_out[gi]), ns_steps)
                 key = id(shard)
                 mat = Matrix(u, i, gi, flops, shape)
                 self.by_group.setdefault(key, (shard, []))[1].append(mat)
