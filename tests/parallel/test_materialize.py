@@ -208,25 +208,39 @@ def test_factory_and_hf_llama_meta_build(pools: Pools, kind: str, layout: tuple[
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages that operators return, while they are alive,
-    and their peak (see the module docstring)."""
+    and their peak (see the module docstring).
+
+    The exact sum over live storages is a scan of every registered one; it is needed
+    only when the peak may have grown. ``upper`` is the sum of the sizes last seen
+    (frees are noticed only by a scan, so it is never below the live bytes of what it
+    has seen): an operator that returns a new storage, or one grown in place since it
+    was last seen (a ZeRO-3 gather buffer, counted when an operator returns it or a view
+    of it), rescans only when ``upper`` exceeds the peak."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.refs: dict[int, list[Any]] = {}  # storage key -> [weak ref, bytes last seen]
         self.peak = 0
+        self.upper = 0
 
     def live(self) -> int:
         """Bytes the counted storages hold now (dropping the freed ones; a storage
         resized in place, as ZeRO-3's gather buffers are, counts at its size now)."""
-        dead = [k for k, (ref, _) in self.refs.items() if ref.expired()]
-        for k in dead:
-            del self.refs[k]
         total = 0
-        for ref, _ in list(self.refs.values()):
-            # a storage may die between the check above and here (a collection, or a
-            # communication thread releasing its buffer): it no longer counts
-            s = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-            total += 0 if s is None else s.nbytes()
+        for key, entry in list(self.refs.items()):
+            # a storage may die during this scan (a collection, or a communication
+            # thread releasing its buffer): it no longer counts
+            s = (
+                None
+                if entry[0].expired()
+                else torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
+            )
+            if s is None:
+                del self.refs[key]
+                continue
+            entry[1] = s.nbytes()
+            total += entry[1]
+        self.upper = total
         return total
 
     def __torch_dispatch__(
@@ -237,13 +251,23 @@ class LiveBytes(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        grew = False
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 s = t.untyped_storage()
                 key, n = s._cdata, s.nbytes()  # the storage itself (its data may move)
-                if n and (key not in self.refs or self.refs[key][0].expired()):
-                    self.refs[key] = (StorageWeakRef(s), n)
-        self.peak = max(self.peak, self.live())
+                entry = self.refs.get(key)
+                if entry is None or entry[0].expired():
+                    if n:
+                        self.refs[key] = [StorageWeakRef(s), n]
+                        self.upper += n
+                        grew = True
+                elif n != entry[1]:
+                    self.upper += n - entry[1]
+                    entry[1] = n
+                    grew = grew or n > 0
+        if grew and self.upper > self.peak:
+            self.peak = max(self.peak, self.live())
         return out
 
 
