@@ -16,6 +16,12 @@ from pathlib import Path
 
 import pytest
 
+# inductor compiles in the process that compiles: its default pool of compile workers
+# starts fresh interpreters in every rank that compiles, which on 2 cores costs more than
+# it saves (cold cache: the compile tests took 272 s with the pool, 199 s without, at the
+# same load). Set before torch._inductor.config is imported, here and by the zygote.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 from plait.testing import WorkerPool
 from plait.testing.zygote import Zygote
 
