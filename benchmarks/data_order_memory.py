@@ -1,0 +1,132 @@
+"""Per-rank memory of the data order, before and after issue 44, at 2 M, 20 M and 200 M
+windows.
+
+*Before*: the sampler drew each epoch's order with ``torch.randperm`` over every window
+(kept as the ``"randperm"`` order for runs started with it) and a mixture built its whole
+blend (every source's windows merged by time: :func:`plait.data.blending.merged_blend`).
+*After*: the Feistel permutation evaluated for a rank's slice of a step, and the blend
+evaluated per window (:class:`plait.data.blending.Blend`). Each cell is measured in a
+forked child: its peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``)
+minus its resident memory before, while it computes one rank's indices of one step
+(``--batch`` windows of a global batch of 8 ranks) at a step deep into the first epoch,
+and maps them through a two-source blend (weights 0.7 / 0.3). The whole merge needs some
+50 bytes a window at its peak; beyond ``--merge-max`` windows it is not run (it would take
+the machine's memory) and the cell gives the measured bytes per window at the largest
+size run times the size, marked "extrapolated". Time: milliseconds per rank-step, after.
+
+    python benchmarks/data_order_memory.py --out benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from plait.bench.results import command_line, environment, load_average, write_section
+from plait.data.blending import Blend, merged_blend
+from plait.data.order import FeistelOrder, RandpermOrder
+
+WEIGHTS = [0.7, 0.3]
+RANKS = 8
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _child(work: Callable[[], object], conn: object) -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident size to the current one
+    base = _status("VmRSS")
+    t0 = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - t0
+    conn.send((_status("VmHWM") - base, seconds))  # type: ignore[attr-defined]
+
+
+def measure(work: Callable[[], object]) -> tuple[int, float]:
+    """``(peak bytes above the start, seconds)`` of ``work`` in a forked child."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(work, send))
+    proc.start()
+    got = recv.recv()
+    proc.join()
+    return got
+
+
+def positions(n: int, batch: int) -> tuple[int, int]:
+    """``(first, stop)`` positions of rank 3's slice of a step half-way through epoch 0."""
+    step = n // (batch * RANKS) // 2
+    first = step * batch * RANKS + 3 * batch
+    return first, first + batch
+
+
+def before(n: int, batch: int, blend: bool) -> Callable[[], object]:
+    a, b = positions(n, batch)
+    if blend:
+        return lambda: merged_blend(WEIGHTS, n)
+    return lambda: RandpermOrder(n, 0)(np.arange(a, b))
+
+
+def after(n: int, batch: int, blend: bool) -> Callable[[], object]:
+    a, b = positions(n, batch)
+    if blend:
+        return lambda: Blend(WEIGHTS, n).locate(FeistelOrder(n, 0)(np.arange(a, b)))
+    return lambda: FeistelOrder(n, 0)(np.arange(a, b))
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[2_000_000, 20_000_000, 200_000_000])
+    p.add_argument("--batch", type=int, default=512, help="windows of one rank per step")
+    p.add_argument("--merge-max", type=int, default=20_000_000)
+    p.add_argument("--out", type=Path, default=None, help="record the section in this file")
+    p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
+    a = p.parse_args()
+    if a.tiny:
+        a.sizes, a.batch, a.merge_max = [20_000, 200_000], 64, 20_000
+    rows = []
+    for component, blend in (("sampler permutation", False), ("mixture blend (2 sources)", True)):
+        per_window = 0.0
+        for n in a.sizes:
+            if blend and n > a.merge_max:
+                old, note = per_window * n, " (extrapolated)"
+            else:
+                old, note = float(measure(before(n, a.batch, blend))[0]), ""
+                per_window = old / n
+            new, secs = measure(after(n, a.batch, blend))
+            rows.append((component, n, f"{mib(old)}{note}", mib(new), secs * 1e3))
+    lines = [
+        "## Data order: per-rank memory before and after (issue 44)",
+        "",
+        f"`{command_line(__file__)}`: one rank's {a.batch} windows of a step (global batch "
+        f"of {RANKS} ranks) half-way through the first epoch, mapped through a two-source "
+        f"blend for the blend rows; peak resident bytes above the start in a forked child; "
+        f"{environment()}; load average {load_average():.1f}.",
+        "",
+        "| component | windows | before (whole index) | after (per position) | after: ms per rank-step |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {c} | {n:,} | {o} | {w} | {ms:.2f} |" for c, n, o, w, ms in rows),
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out is not None:
+        write_section(a.out, "data_order_memory", text)
+
+
+if __name__ == "__main__":
+    main()
