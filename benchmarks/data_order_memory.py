@@ -118,7 +118,8 @@ def main() -> None:
         f"blend for the blend rows; peak resident bytes above the start in a forked child; "
         f"{environment()}; load average {load_average():.1f}.",
         "",
-        "| component | windows | before (whole index) | after (per position) | after: ms per rank-step |",
+        "| component | windows | before (whole index) | after (per position) "
+        "| after: ms per rank-step |",
         "|---|---:|---:|---:|---:|",
         *(f"| {c} | {n:,} | {o} | {w} | {ms:.2f} |" for c, n, o, w, ms in rows),
     ]

@@ -86,7 +86,9 @@ def test_a_prepared_folder_streams_to_the_workers(pools: Pools, tmp_path: Path) 
 
     tokens = np.random.default_rng(0).integers(1, 256, 6_000).astype(np.uint16)
     folder = write_prepared(tmp_path / "prepared", [tokens[:4_000], tokens[4_000:]], [3_000, 6_000])
-    summary = pools(3).run("tests.cli.test_ps:_body", [*TINY, "--steps", "2", "--data", str(folder)])[0]
+    summary = pools(3).run(
+        "tests.cli.test_ps:_body", [*TINY, "--steps", "2", "--data", str(folder)]
+    )[0]
     assert _field(summary, "steps per worker") == "[2, 2]"
     assert "validation loss of the final weights" in summary
 

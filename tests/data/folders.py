@@ -28,7 +28,9 @@ def write_prepared(root: Path, shards: list[np.ndarray | int], ends: list[int]) 
             entries.append({"file": shard_name(i), "tokens": shard, "sha256": UNCHECKED})
         else:
             np.asarray(shard, dtype=np.uint16).tofile(path)
-            entries.append({"file": shard_name(i), "tokens": len(shard), "sha256": sha256_file(path)})
+            entries.append(
+                {"file": shard_name(i), "tokens": len(shard), "sha256": sha256_file(path)}
+            )
     np.asarray(ends, dtype=np.uint64).tofile(root / DOCUMENTS_NAME)
     sizes = [e["tokens"] for e in entries]
     ShardIndex(

@@ -32,7 +32,13 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     docs = ["".join(rng.choice(list("abcdefgh"), size=int(n))) for n in rng.integers(3, 15, 80)]
     src = root / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-    prepare(str(src), str(root / "out"), "byte", samples=SampleOptions(chat=False, pack=SEQ), shard_tokens=999)
+    prepare(
+        str(src),
+        str(root / "out"),
+        "byte",
+        samples=SampleOptions(chat=False, pack=SEQ),
+        shard_tokens=999,
+    )
     return root / "out"
 
 

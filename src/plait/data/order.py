@@ -77,7 +77,9 @@ class FeistelPermutation:
         self.n = n
         self.half = max(1, ((n - 1).bit_length() + 1) // 2)  # bits of each half
         self.mask = np.uint64((1 << self.half) - 1)
-        self.keys = [np.uint64(mix64(seed + (r + 1) * 0x9E37_79B9_7F4A_7C15)) for r in range(ROUNDS)]
+        self.keys = [
+            np.uint64(mix64(seed + (r + 1) * 0x9E37_79B9_7F4A_7C15)) for r in range(ROUNDS)
+        ]
 
     def _encipher(self, x: np.ndarray) -> np.ndarray:
         """One pass of the network over ``[0, 4^half)``, uint64 in and out."""

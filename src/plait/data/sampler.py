@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from plait.data.order import DEFAULT_ORDER, LEGACY_ORDER, ORDERS, Order, make_order
 from plait.errors import ConfigError, DataError
 

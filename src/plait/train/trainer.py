@@ -50,8 +50,8 @@ from plait.parallel.lora import adapter_parameters
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
-from plait.train.faults import FaultMonitor, restart_count
 from plait.train.data_reads import data_read_line, gather_read_bytes, stage_parts, to_device
+from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
 from plait.train.mask_documents import enable_document_mask
