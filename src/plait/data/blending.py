@@ -21,6 +21,8 @@ import numpy as np
 
 BLOCK = 64
 """Time units per block: about that many positions are merged to answer one."""
+CHUNK = 4096
+"""Positions located at once (memory: about ``CHUNK x (BLOCK + 2S)`` int64 twice)."""
 
 
 def normalised(weights: Sequence[float]) -> np.ndarray:
@@ -54,26 +56,31 @@ class Blend:
         self.caps = np.ceil(length * self.w).astype(np.int64) + 1  # (S,) windows offered
 
     def _time(self, k: np.ndarray) -> np.ndarray:
-        """``(S,)`` times of window ``k[s]`` of every source ``s`` (the merge's floats)."""
+        """Times of windows ``k[..., s]`` of every source ``s`` (the merge's floats)."""
         return (k + 0.5) / self.w
 
-    def before(self, time: float) -> np.ndarray:
-        """``(S,)`` int64: windows of each source whose time is below ``time``."""
-        c = np.clip(np.ceil(time * self.w - 0.5), 0, self.caps).astype(np.int64)
+    def before(self, times: np.ndarray) -> np.ndarray:
+        """``(n, S)`` int64: windows of each source whose time is below ``times[i]``."""
+        t = np.asarray(times, dtype=np.float64)[:, None]  # (n, 1)
+        c = np.clip(np.ceil(t * self.w - 0.5), 0, self.caps).astype(np.int64)  # (n, S)
         while True:  # the closed form may be one off where the floats round
-            down = (c > 0) & (self._time(c - 1) >= time)
-            up = (c < self.caps) & (self._time(c) < time)
+            down = (c > 0) & (self._time(c - 1) >= t)
+            up = (c < self.caps) & (self._time(c) < t)
             if not (down.any() or up.any()):
                 return c
             c = c - down + up
 
+    def starts(self, blocks: np.ndarray) -> np.ndarray:
+        """``(n,)`` int64 first positions of time blocks ``blocks``."""
+        return self.before(np.asarray(blocks, dtype=np.float64) * BLOCK).sum(axis=1)
+
     def start(self, block: int) -> int:
         """The first position of time block ``block``."""
-        return int(self.before(float(block * BLOCK)).sum())
+        return int(self.starts(np.asarray([block]))[0])
 
     def block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """``(source, k)`` of block ``block``'s positions in order, ``(b,)`` int64 each."""
-        lo, hi = self.before(float(block * BLOCK)), self.before(float((block + 1) * BLOCK))
+        lo, hi = self.before(np.asarray([block, block + 1], dtype=np.float64) * BLOCK)
         src = np.repeat(np.arange(len(self.w), dtype=np.int64), hi - lo)
         k = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in zip(lo, hi, strict=True)])
         order = np.lexsort((src, (k + 0.5) / self.w[src]))  # by time, then source
@@ -94,28 +101,32 @@ class Blend:
         return src, k
 
     def locate(self, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(source, k)`` of ``positions`` (each in ``[0, length)``), ``(n,)`` int64 each."""
-        pos = np.asarray(positions, dtype=np.int64)
+        """``(source, k)`` of ``positions`` (each in ``[0, length)``), ``(n,)`` int64 each,
+        :data:`CHUNK` positions at a time."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if pos.size and (pos.min() < 0 or pos.max() >= self.length):
             raise IndexError(f"positions outside a blend of {self.length}")
-        src = np.empty(len(pos), dtype=np.int64)
-        k = np.empty(len(pos), dtype=np.int64)
-        starts: dict[int, int] = {}
-        blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        parts = [self._locate(pos[a : a + CHUNK]) for a in range(0, len(pos), CHUNK)]
+        if not parts:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-        def start(j: int) -> int:
-            if j not in starts:
-                starts[j] = self.start(j)
-            return starts[j]
-
-        for row, i in enumerate(pos.tolist()):
-            j = i // BLOCK
-            while j > 0 and start(j) > i:
-                j -= 1
-            while start(j + 1) <= i:
-                j += 1
-            if j not in blocks:
-                blocks[j] = self.block(j)
-            first, (bs, bk) = start(j), blocks[j]
-            src[row], k[row] = bs[i - first], bk[i - first]
-        return src, k
+    def _locate(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`locate` of ``(n,)`` positions, vectorised: each position's block, then its
+        rank among the block's windows sorted by (time, source)."""
+        j = pos // BLOCK  # (n,) a guess: a block starts within S/2 of j·BLOCK
+        while (back := (j > 0) & (self.starts(j) > pos)).any():
+            j = j - back
+        while (ahead := self.starts(j + 1) <= pos).any():
+            j = j + ahead
+        lo = self.before(j * float(BLOCK))  # (n, S)
+        hi = self.before((j + 1) * float(BLOCK))
+        rank = pos - lo.sum(axis=1)  # (n,) the position's place in its block
+        width = (hi - lo).max(axis=0)  # (S,) candidate columns per source
+        src_col = np.repeat(np.arange(len(self.w), dtype=np.int64), width)  # (C,)
+        offset = np.concatenate([np.arange(m, dtype=np.int64) for m in width])  # (C,)
+        k = lo[:, src_col] + offset  # (n, C) candidate windows
+        times = np.where(k < hi[:, src_col], (k + 0.5) / self.w[src_col], np.inf)
+        order = np.argsort(times, axis=1, kind="stable")  # ties: source order (columns)
+        col = order[np.arange(len(pos)), rank]  # (n,)
+        return src_col[col], k[np.arange(len(pos)), col]

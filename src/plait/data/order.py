@@ -50,14 +50,17 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return mix64(seed * 0x9E37_79B9_7F4A_7C15 + (epoch + 1) * 0xBF58_476D_1CE4_E5B9) >> 1
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_C1, _C2 = np.uint64(0xBF58_476D_1CE4_E5B9), np.uint64(0x94D0_49BB_1331_11EB)
+
+
 def _mix64_array(x: np.ndarray) -> np.ndarray:
-    """:func:`mix64` on a uint64 array (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x ^ (x >> np.uint64(30))
-        z = z * np.uint64(0xBF58_476D_1CE4_E5B9)
-        z = z ^ (z >> np.uint64(27))
-        z = z * np.uint64(0x94D0_49BB_1331_11EB)
-        return z ^ (z >> np.uint64(31))
+    """:func:`mix64` on a uint64 array (array arithmetic wraps without a warning)."""
+    z = x ^ (x >> _S30)
+    z = z * _C1
+    z = z ^ (z >> _S27)
+    z = z * _C2
+    return z ^ (z >> _S31)
 
 
 class Order(Protocol):
@@ -86,14 +89,12 @@ class FeistelPermutation:
         h, mask = np.uint64(self.half), self.mask
         left, right = x >> h, x & mask
         for key in self.keys:
-            with np.errstate(over="ignore"):
-                f = _mix64_array(right ^ key) & mask
-            left, right = right, left ^ f
+            left, right = right, left ^ (_mix64_array(right ^ key) & mask)
         return (left << h) | right
 
     def __call__(self, offsets: np.ndarray) -> np.ndarray:
         """``(k,)`` int64 images of ``(k,)`` offsets in ``[0, n)``."""
-        x = self._encipher(np.asarray(offsets, dtype=np.uint64))
+        x = self._encipher(np.asarray(offsets, dtype=np.uint64).reshape(-1))
         outside = np.flatnonzero(x >= np.uint64(self.n))
         while outside.size:  # cycle-walking: encipher again until inside [0, n)
             x[outside] = self._encipher(x[outside])

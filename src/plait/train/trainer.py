@@ -407,9 +407,9 @@ class Trainer:
                 self.progress.message(stop_line(last, t.steps, sig, checkpoint))
             if straggler_steps > 1:
                 self.progress.message(stragglers_line(straggler_steps, self.faults.reported))
-            self.progress.message(summary_line(summary, [lg.name for lg in self.loggers]))
             if data_bytes is not None:
                 self.progress.message(data_read_line(data_bytes))
+            self.progress.message(summary_line(summary, [lg.name for lg in self.loggers]))
         self.progress.close()
         self.metrics.close()
         for logger in self.loggers:
