@@ -13,6 +13,8 @@ and maps them through a two-source blend (weights 0.7 / 0.3). The whole merge ne
 50 bytes a window at its peak; beyond ``--merge-max`` windows it is not run (it would take
 the machine's memory) and the cell gives the measured bytes per window at the largest
 size run times the size, marked "extrapolated". Time: milliseconds per rank-step, after.
+Each child first runs the same code on 10,000 windows, so that first-call costs (numpy's
+lazy set-up) are not counted as the order's.
 
     python benchmarks/data_order_memory.py --out benchmarks/RESULTS.md
 """
@@ -43,7 +45,8 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _child(work: Callable[[], object], conn: object) -> None:
+def _child(work: Callable[[], object], warm: Callable[[], object], conn: object) -> None:
+    warm()  # the same code on a small size first: first-call costs are not the order's
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident size to the current one
     base = _status("VmRSS")
@@ -53,11 +56,12 @@ def _child(work: Callable[[], object], conn: object) -> None:
     conn.send((_status("VmHWM") - base, seconds))  # type: ignore[attr-defined]
 
 
-def measure(work: Callable[[], object]) -> tuple[int, float]:
-    """``(peak bytes above the start, seconds)`` of ``work`` in a forked child."""
+def measure(work: Callable[[], object], warm: Callable[[], object]) -> tuple[int, float]:
+    """``(peak bytes above the start, seconds)`` of ``work`` in a forked child, after
+    ``warm`` ran there."""
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(work, send))
+    proc = ctx.Process(target=_child, args=(work, warm, send))
     proc.start()
     got = recv.recv()
     proc.join()
@@ -86,7 +90,8 @@ def after(n: int, batch: int, blend: bool) -> Callable[[], object]:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+    """Bytes as MiB (KiB under one MiB; a page is 4 KiB)."""
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def main() -> None:
@@ -102,13 +107,14 @@ def main() -> None:
     rows = []
     for component, blend in (("sampler permutation", False), ("mixture blend (2 sources)", True)):
         per_window = 0.0
+        warm_old, warm_new = before(10_000, 64, blend), after(10_000, 64, blend)
         for n in a.sizes:
             if blend and n > a.merge_max:
                 old, note = per_window * n, " (extrapolated)"
             else:
-                old, note = float(measure(before(n, a.batch, blend))[0]), ""
+                old, note = float(measure(before(n, a.batch, blend), warm_old)[0]), ""
                 per_window = old / n
-            new, secs = measure(after(n, a.batch, blend))
+            new, secs = measure(after(n, a.batch, blend), warm_new)
             rows.append((component, n, f"{mib(old)}{note}", mib(new), secs * 1e3))
     lines = [
         "## Data order: per-rank memory before and after (issue 44)",
