@@ -6,15 +6,15 @@ windows.
 blend (every source's windows merged by time: :func:`plait.data.blending.merged_blend`).
 *After*: the Feistel permutation evaluated for a rank's slice of a step, and the blend
 evaluated per window (:class:`plait.data.blending.Blend`). Each cell is measured in a
-forked child: its peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``)
+fresh process: its peak resident memory (``VmHWM``, reset through ``/proc/self/clear_refs``)
 minus its resident memory before, while it computes one rank's indices of one step
 (``--batch`` windows of a global batch of 8 ranks) at a step deep into the first epoch,
 and maps them through a two-source blend (weights 0.7 / 0.3). The whole merge needs some
-50 bytes a window at its peak; beyond ``--merge-max`` windows it is not run (it would take
+70 bytes a window at its peak; beyond ``--merge-max`` windows it is not run (it would take
 the machine's memory) and the cell gives the measured bytes per window at the largest
 size run times the size, marked "extrapolated". Time: milliseconds per rank-step, after.
-Each child first runs the same code on 10,000 windows, so that first-call costs (numpy's
-lazy set-up) are not counted as the order's.
+Each process first runs the same code on 10,000 windows, so that first-call costs
+(numpy's lazy set-up) are not counted as the order's.
 
     python benchmarks/data_order_memory.py --out benchmarks/RESULTS.md
 """
@@ -22,71 +22,58 @@ lazy set-up) are not counted as the order's.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import time
-from collections.abc import Callable
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
-import numpy as np
-
 from plait.bench.results import command_line, environment, load_average, write_section
-from plait.data.blending import Blend, merged_blend
-from plait.data.order import FeistelOrder, RandpermOrder
 
-WEIGHTS = [0.7, 0.3]
 RANKS = 8
+CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    from plait.data.blending import Blend, merged_blend
+    from plait.data.order import FeistelOrder, RandpermOrder
 
+    WEIGHTS = [0.7, 0.3]
+    kind, blend, n, batch, ranks = sys.argv[1], sys.argv[2] == "1", *map(int, sys.argv[3:6])
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
+    def status(key):
+        for line in open("/proc/self/status"):
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise KeyError(key)
+        raise KeyError(key)
 
+    def work(n, batch):
+        step = n // (batch * ranks) // 2  # rank 3's slice, half-way through epoch 0
+        first = step * batch * ranks + 3 * batch
+        pos = np.arange(first, first + batch)
+        if kind == "before":
+            return merged_blend(WEIGHTS, n) if blend else RandpermOrder(n, 0)(pos)
+        idx = FeistelOrder(n, 0)(pos)
+        return Blend(WEIGHTS, n).locate(idx) if blend else idx
 
-def _child(work: Callable[[], object], warm: Callable[[], object], conn: object) -> None:
-    warm()  # the same code on a small size first: first-call costs are not the order's
+    work(10_000, 64)  # first-call costs (numpy's lazy set-up) are not the order's
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident size to the current one
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    work()
-    seconds = time.perf_counter() - t0
-    conn.send((_status("VmHWM") - base, seconds))  # type: ignore[attr-defined]
+        f.write("5")  # the peak resident size starts again from the current one
+    base, t0 = status("VmRSS"), time.perf_counter()
+    work(n, batch)
+    print(json.dumps([status("VmHWM") - base, time.perf_counter() - t0]))
+    """
+)
 
 
-def measure(work: Callable[[], object], warm: Callable[[], object]) -> tuple[int, float]:
-    """``(peak bytes above the start, seconds)`` of ``work`` in a forked child, after
-    ``warm`` ran there."""
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(work, warm, send))
-    proc.start()
-    got = recv.recv()
-    proc.join()
-    return got
-
-
-def positions(n: int, batch: int) -> tuple[int, int]:
-    """``(first, stop)`` positions of rank 3's slice of a step half-way through epoch 0."""
-    step = n // (batch * RANKS) // 2
-    first = step * batch * RANKS + 3 * batch
-    return first, first + batch
-
-
-def before(n: int, batch: int, blend: bool) -> Callable[[], object]:
-    a, b = positions(n, batch)
-    if blend:
-        return lambda: merged_blend(WEIGHTS, n)
-    return lambda: RandpermOrder(n, 0)(np.arange(a, b))
-
-
-def after(n: int, batch: int, blend: bool) -> Callable[[], object]:
-    a, b = positions(n, batch)
-    if blend:
-        return lambda: Blend(WEIGHTS, n).locate(FeistelOrder(n, 0)(np.arange(a, b)))
-    return lambda: FeistelOrder(n, 0)(np.arange(a, b))
+def measure(kind: str, blend: bool, n: int, batch: int) -> tuple[int, float]:
+    """``(peak bytes above the start, seconds)`` of one cell, in a fresh process."""
+    argv = [kind, "1" if blend else "0", str(n), str(batch), str(RANKS)]
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, check=True
+    )
+    peak, seconds = json.loads(r.stdout.strip().splitlines()[-1])
+    return int(peak), float(seconds)
 
 
 def mib(n: float) -> str:
@@ -107,21 +94,20 @@ def main() -> None:
     rows = []
     for component, blend in (("sampler permutation", False), ("mixture blend (2 sources)", True)):
         per_window = 0.0
-        warm_old, warm_new = before(10_000, 64, blend), after(10_000, 64, blend)
         for n in a.sizes:
             if blend and n > a.merge_max:
                 old, note = per_window * n, " (extrapolated)"
             else:
-                old, note = float(measure(before(n, a.batch, blend), warm_old)[0]), ""
+                old, note = float(measure("before", blend, n, a.batch)[0]), ""
                 per_window = old / n
-            new, secs = measure(after(n, a.batch, blend), warm_new)
+            new, secs = measure("after", blend, n, a.batch)
             rows.append((component, n, f"{mib(old)}{note}", mib(new), secs * 1e3))
     lines = [
         "## Data order: per-rank memory before and after (issue 44)",
         "",
         f"`{command_line(__file__)}`: one rank's {a.batch} windows of a step (global batch "
         f"of {RANKS} ranks) half-way through the first epoch, mapped through a two-source "
-        f"blend for the blend rows; peak resident bytes above the start in a forked child; "
+        f"blend for the blend rows; peak resident bytes above the start in a fresh process; "
         f"{environment()}; load average {load_average():.1f}.",
         "",
         "| component | windows | before (whole index) | after (per position) "
