@@ -158,7 +158,8 @@ def test_a_checkpoint_written_before_restores_its_values() -> None:
     }
     assert state == want["optimizer_state"] and any(k.endswith("/exp_avg_sq") for k in state)
     assert (ts.optimizer.steps, ts.sched_step) == (want["opt_steps"], want["sched_step"]) == (2, 2)
-    assert ts.sampler.state_dict() == want["sampler"]
+    # the loader state of that time names no order: it resumes with the old one (issue 44)
+    assert ts.sampler.state_dict() == {**want["sampler"], "order": "randperm"}
     tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(3))
     loss = float(ts.model.evaluate(tokens[:, :-1], tokens[:, 1:]))
     assert loss == pytest.approx(want["loss"], rel=1e-6)

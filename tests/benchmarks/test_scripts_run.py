@@ -107,6 +107,16 @@ CASES: dict[str, Case] = {
             "workers | tokens": _rows("1", "2"),
         }
     ),
+    "data_order_memory": Case(
+        tables={
+            "component | windows": _rows(
+                "sampler permutation | 20,000",
+                "sampler permutation | 200,000",
+                "mixture blend (2 sources) | 20,000",
+                "mixture blend (2 sources) | 200,000",
+            )
+        }
+    ),
     "dp_vs_torch_ddp": Case(tables={"world | plait median ms (IQR)": _rows("2")}),
     "eager_step": Case(
         tables={

@@ -199,7 +199,8 @@ def test_resume_fp16_is_bit_exact_with_masters_and_loss_scale(tmp_path: Path) ->
     entry = meta["params"]["layers.0.attention.wq.weight"]
     assert (entry["dtype"], entry["param_dtype"]) == ("float32", "float16")
     scaler = meta["optimizer"]["scaler"]
-    assert scaler is not None and scaler["scale"] != 65536.0  # it moved before the save
+    assert scaler is not None  # it moved before the save (halved on an overflow at least)
+    assert scaler["skipped_steps"] > 0 or scaler["scale"] != 65536.0
     ck = str(Path(root) / step_dirname(SAVE_AT))
     resumed = _train(None, config(root, dtype="fp16", resume=ck))
     assert resumed["losses"] == full["losses"][SAVE_AT:]

@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from plait.cli import main
 from plait.cli.eval import _config as eval_config
-from plait.cli.eval import evaluate_tokens, load_model
-from plait.data import load_tokens
+from plait.cli.eval import evaluate_windows, load_model
+from plait.data import eval_windows
 from plait.testing import WorkerContext, WorkerPool
 from tests.checkpoint.test_hf import make_hf_llama
 
@@ -154,7 +154,8 @@ def _hf_window_loss(folder: Path, data: Path, seq: int) -> float:
 def _eval_body(ctx: WorkerContext, args: list[str], layout: dict[str, int]) -> float:
     cfg, batches = eval_config(args)
     mesh = ctx.mesh(dp=ctx.world_size // layout.get("tp", 1), tp=layout.get("tp", 1))
-    return evaluate_tokens(load_model(cfg, mesh), load_tokens(cfg.data), cfg, batches).loss
+    data = eval_windows(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
+    return evaluate_windows(load_model(cfg, mesh), data, cfg, batches).loss
 
 
 def test_plait_eval_of_a_hf_folder_equals_transformers(

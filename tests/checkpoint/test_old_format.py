@@ -82,7 +82,8 @@ def test_the_old_tp2_checkpoint_resumes_on_one_process_bit_exactly(tmp_path: Pat
         assert tr.state.sched_step == want["sched_step"]
         counters = (tr.optimizer.steps, tr.optimizer.skipped)
         assert counters == (want["opt_steps"], want["opt_skipped"])
-        assert tr.state.sampler.state_dict() == want["sampler"]
+        # its loader state names no order: it keeps the order it was started with (issue 44)
+        assert tr.state.sampler.state_dict() == {**want["sampler"], "order": "randperm"}
         assert {n: sha(p) for n, p in tr.base.named_parameters()} == want["params"]
         names = {id(p): n for n, p in tr.base.named_parameters()}
         state = {

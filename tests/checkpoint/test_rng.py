@@ -86,6 +86,7 @@ def _assert_round_trip(r: dict[str, Any]) -> None:
     assert r["start"] == 2
     assert r["sampler_saved"] == {
         "step": 2,
+        "order": "feistel",
         **{k: r["sampler_saved"][k] for k in ("seed", "num_samples", "global_batch")},
     }
     assert r["sampler_restored"] == r["sampler_saved"]

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 
 from plait import init_mesh
 from plait.cli import main
-from plait.cli.eval import EvalResult, _config, evaluate_tokens, load_model, window_batches
+from plait.cli.eval import EvalResult, _config, evaluate_windows, load_model, window_batches
 from plait.config import ModelConfig
-from plait.data import TokenDataset, load_tokens
+from plait.data import TokenDataset, eval_windows
 from plait.mesh import Mesh
 from plait.model.factory import build_model
 from plait.testing import WorkerContext, WorkerPool
@@ -77,7 +77,8 @@ def _evaluate(args: list[str], mesh: Mesh | None = None) -> EvalResult:
     """``plait eval ARGS`` through the Python API on ``mesh`` (default: one process)."""
     cfg, batches = _config(args)
     model = load_model(cfg, mesh or init_mesh())
-    return evaluate_tokens(model, load_tokens(cfg.data), cfg, batches)
+    data = eval_windows(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
+    return evaluate_windows(model, data, cfg, batches)
 
 
 def test_window_batches_cover_every_window_once() -> None:
@@ -109,6 +110,36 @@ def test_one_process_equals_a_plain_loop(
     )
     two = _evaluate(_args(tmp_path, "--batches", "2"))  # the first 16 windows only
     assert two.windows == 16 and two.loss != pytest.approx(got.loss, rel=1e-6)
+
+
+def test_a_prepared_folder_is_streamed_window_by_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same tokens as a prepared folder (two shards, windows spanning them): the plain
+    loop's loss (to the 6 printed decimals) and the text file's line, each window read from
+    the memory maps as needed (the bytes counted are the evaluated windows', not the
+    folder's); a mixture is refused before any work."""
+    from plait.data.read_count import READ
+    from tests.data.folders import write_prepared
+
+    text = _files(tmp_path)[1]
+    tokens = np.frombuffer(text.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    folder = write_prepared(tmp_path / "prepared", [tokens[:200], tokens[200:]], [len(tokens)])
+    want = _plain_loss(text)
+    before = READ.total
+    one = _evaluate([*_args(tmp_path), "--data", str(folder), "--batches", "1"])
+    assert READ.total - before == 8 * (SEQ + 1) * 2  # one batch of windows, uint16
+    assert one.windows == 8
+    assert main(["eval", *_args(tmp_path), "--data", str(folder)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert float(line.split("eval loss ")[1].split(",")[0]) == pytest.approx(want, abs=2e-6)
+    assert line.endswith(
+        f"over {WINDOWS} windows of {SEQ} + 1 tokens ({WINDOWS * SEQ} predicted) of {folder}; "
+        "the last 5 token(s), a partial window, not evaluated"
+    )
+    mix = f"{folder}:0.5,{folder}:0.5"
+    assert main(["eval", *_args(tmp_path), "--data", mix]) == 2
+    assert "plait eval reads one source, not the mixture" in capsys.readouterr().err
 
 
 def _body_layout(ctx: WorkerContext, root: str, layout: list[str]) -> float:

@@ -78,6 +78,21 @@ def test_modes_on_the_pool(pools: Pools) -> None:
     assert json.loads(_field(summary, "replies withheld per worker"))[0] > 0
 
 
+def test_a_prepared_folder_streams_to_the_workers(pools: Pools, tmp_path: Path) -> None:
+    """``--data DIR``: a prepared folder, memory-mapped; each worker reads its windows."""
+    import numpy as np
+
+    from tests.data.folders import write_prepared
+
+    tokens = np.random.default_rng(0).integers(1, 256, 6_000).astype(np.uint16)
+    folder = write_prepared(tmp_path / "prepared", [tokens[:4_000], tokens[4_000:]], [3_000, 6_000])
+    summary = pools(3).run(
+        "tests.cli.test_ps:_body", [*TINY, "--steps", "2", "--data", str(folder)]
+    )[0]
+    assert _field(summary, "steps per worker") == "[2, 2]"
+    assert "validation loss of the final weights" in summary
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -90,6 +105,7 @@ def test_modes_on_the_pool(pools: Pools) -> None:
         (["--dim", "10"], "--dim 10 / --layers 2: model.dim (10) must be divisible"),
         (["--lr", "-1"], "--lr -1.0 (> 0)"),
         (["--nproc", "1"], "needs at least 2 ranks"),
+        (["--data", "no/such.txt"], "--data no/such.txt: data.source 'no/such.txt' does not exist"),
     ],
 )
 def test_bad_input_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -156,10 +156,14 @@ def test_sampler_deterministic_and_seeded() -> None:
     assert [a.global_indices(s) for s in range(3)] != [c.global_indices(s) for s in range(3)]
 
 
-def test_sampler_epoch_crossing() -> None:
+@pytest.mark.parametrize("order", ["feistel", "randperm"])
+def test_sampler_epoch_crossing(order: str) -> None:
+    from plait.data.order import make_order
+
     n, g = 10, 4
-    s = BatchSampler(n, g, 0, 1, seed=0)
-    p0, p1 = s.permutation(0).tolist(), s.permutation(1).tolist()
+    s = BatchSampler(n, g, 0, 1, seed=0, order=order)
+    walk2 = make_order(order, n, 0)(np.arange(2 * n))
+    p0, p1 = walk2[:n].tolist(), walk2[n:].tolist()
     assert sorted(p0) == list(range(n)) and p0 != p1
     walk = [i for step in range(5) for i in s.global_indices(step)]  # 20 = 2 epochs
     assert walk == p0 + p1

@@ -5,8 +5,12 @@ data's tokens (in file order) into the windows ``tokens[i·S : i·S + S + 1]``, 
 …; each window's first S tokens are the inputs and its last S the targets. The last
 ``(T - 1) mod S`` tokens, a partial window, are not evaluated (the console says how
 many). Without ``--batches`` every window is evaluated; with it, the first N global
-batches of ``train.global_batch`` windows. A text source is read whole
-(``data.max_bytes`` defaults to 0 here, unlike ``plait train``).
+batches of ``train.global_batch`` windows. The source is streamed where it can be: a
+prepared folder (``plait data prepare``; its documents in order, nothing held out, chat
+masks applied) and a ``.npy``/``.bin`` file are memory-mapped and each rank reads only
+the windows it evaluates (with a pipeline: only the halves its stages need); a text
+source is tokenized whole (``data.max_bytes`` defaults to 0 here, unlike ``plait
+train``). A mixture is refused.
 
 The layout is the training run's: the same flags and TOML (``--nproc --dp --tp --pp
 --cp --zero`` ..., :mod:`plait.cli.train`), the same launcher, and the same loading path
@@ -30,14 +34,13 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from plait.config import Config
+    from plait.data import WindowSet
     from plait.launch.local import RankEnv
     from plait.mesh import Mesh
     from plait.parallel.model import ParallelModel
@@ -106,43 +109,41 @@ def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
     return model
 
 
-def evaluate_tokens(
-    model: ParallelModel, tokens: np.ndarray, cfg: Config, batches: int | None = None
+def evaluate_windows(
+    model: ParallelModel, data: WindowSet, cfg: Config, batches: int | None = None
 ) -> EvalResult:
-    """Mean loss of ``model`` over the windows of ``tokens`` (see the module
-    docstring), in global batches of ``train.global_batch``; the same on every rank."""
+    """Mean loss of ``model`` over the windows of ``data`` (:func:`plait.data.eval_windows`;
+    see the module docstring), in global batches of ``train.global_batch``; the same on
+    every rank."""
     import torch
 
-    from plait.data import TokenDataset
+    from plait.train.data_reads import stage_parts, to_device
 
     mesh = model.mesh
     seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
-    data = TokenDataset(tokens, seq_len)
+    parts = stage_parts(model)  # a pipeline stage reads only the halves it needs
     dp, r = mesh.size("dp"), mesh.index("dp")
     per = batch // dp
     total, count = 0.0, 0
     with torch.no_grad():
         for indices, weight in window_batches(len(data), batch, dp, batches):
-            x, y = data.batch(indices[r * per : (r + 1) * per])
-            loss = model.evaluate(x.to(mesh.device), y.to(mesh.device))
+            x, y = data.batch(indices[r * per : (r + 1) * per], parts)
+            loss = model.evaluate(to_device(x, mesh.device), to_device(y, mesh.device))
             total += float(loss) * weight
             count += weight
     return EvalResult(total / max(1, count), count, seq_len)
 
 
-def check_eval_data(tokens: np.ndarray, cfg: Config, batches: int | None) -> int:
+def check_eval_data(data: WindowSet, cfg: Config, batches: int | None) -> int:
     """Refuse data without one window (or without ``batches`` global batches) of
-    ``train.seq_len + 1`` tokens, or with token ids outside the vocabulary; returns the
-    number of windows."""
-    from plait.data import check_vocab
-
+    ``train.seq_len + 1`` tokens (token ids outside the vocabulary are refused by
+    :func:`plait.data.eval_windows`); returns the number of windows."""
     seq_len, batch = cfg.train.seq_len, cfg.train.global_batch
-    check_vocab(tokens, cfg.model.vocab_size, cfg.data.source)
-    windows = max(0, (len(tokens) - 1) // seq_len)
+    windows = len(data)
     if windows == 0:
         raise ConfigError(
             f"--seq-len {seq_len} is longer than the data: {cfg.data.source} gives "
-            f"{len(tokens)} tokens and one window needs {seq_len} + 1; use a shorter "
+            f"{data.num_tokens} tokens and one window needs {seq_len} + 1; use a shorter "
             "--seq-len or more data."
         )
     if batches is not None and batches * batch > windows:
@@ -214,29 +215,31 @@ def _config(rest: Sequence[str]) -> tuple[Config, int | None]:
 def _eval(rest: Sequence[str]) -> int:
     """Validate, then evaluate here (one process, or a rank) or start the ranks."""
     from plait.cli.common import leave_torchrun_child, start_checks
-    from plait.data import load_tokens
+    from plait.data import eval_windows
     from plait.launch.local import launch_local
 
     cfg, batches = _config(rest)
     env, world = start_checks(cfg)
-    tokens = load_tokens(cfg.data)
-    windows = check_eval_data(tokens, cfg, batches)
+    data = eval_windows(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
+    windows = check_eval_data(data, cfg, batches)
     if env is None and world > 1:
         return launch_local(world, ["eval", *rest])
-    res = _run(cfg, env, tokens, batches)
+    res = _run(cfg, env, data, batches)
     if env is None or env.rank == 0:
-        dropped = len(tokens) - 1 - windows * cfg.train.seq_len if batches is None else 0
+        packed = getattr(data, "efficiency", None) is not None  # whole windows: none cut
+        cut = data.num_tokens - 1 - windows * cfg.train.seq_len
+        dropped = cut if batches is None and not packed else 0
         print(result_line(res, cfg.data.source, dropped), flush=True)
     leave_torchrun_child(env)
     return 0
 
 
-def _run(cfg: Config, env: RankEnv | None, tokens: Any, batches: int | None) -> EvalResult:
+def _run(cfg: Config, env: RankEnv | None, data: WindowSet, batches: int | None) -> EvalResult:
     """Join the world (a rank), build the mesh, load and evaluate."""
     from plait.launch.worker import on_rank
 
     def evaluate(mesh: Mesh) -> EvalResult:
-        return evaluate_tokens(load_model(cfg, mesh), tokens, cfg, batches)
+        return evaluate_windows(load_model(cfg, mesh), data, cfg, batches)
 
     return on_rank(cfg, env, evaluate)
 

@@ -3,7 +3,10 @@
 Starts ``--nproc`` local ranks (or joins torchrun's world): ranks 0..k-1 are servers
 holding shards of the weights and AdamW, the others workers (see
 :mod:`plait.ps.core`). Each worker takes its slice of every step's global
-batch (``--batch`` sequences per worker) from the built-in corpus. ``--slow-worker I
+batch (``--batch`` sequences per worker) from ``--data``: the built-in corpus (its first
+2 MB) by default, a text file or folder, a ``.npy``/``.bin`` token file (memory-mapped),
+or a prepared folder (``plait data prepare``; memory-mapped, each worker reading only its
+windows, validation from its held-out documents). ``--slow-worker I
 --slow-work K`` makes worker I run K extra 128x128 matrix products before each step,
 to watch the consistency models deal with a straggler. Rank 0 prints the run's
 summary: steps per worker, withheld replies, the staleness of every applied gradient
@@ -49,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--data",
+        default="stdlib",
+        metavar="SRC",
+        help="the built-in corpus (default), a text file or folder, a .npy/.bin token file, "
+        "or a prepared folder (memory-mapped)",
+    )
     p.add_argument("--slow-worker", type=int, default=-1, help="index of a slow worker")
     p.add_argument("--slow-work", type=int, default=0, help="its extra matmuls per step")
     p.add_argument("--timeout", type=float, default=300.0, help="comm timeout (s)")
@@ -107,6 +117,11 @@ def _check_args(args: argparse.Namespace, workers: int) -> None:
         _model_config(args)
     except ConfigError as e:
         problems.append(f"--dim {args.dim} / --layers {args.layers}: {e}")
+    else:
+        try:  # the data opens (and the model's vocabulary covers it) before any process
+            _datasets(args)
+        except ConfigError as e:
+            problems.append(f"--data {args.data}: {e}")
     if args.slow_work < 0:
         problems.append(f"--slow-work {args.slow_work} (>= 0)")
     if not -1 <= args.slow_worker < workers:
@@ -128,6 +143,25 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     from plait.config import ModelConfig
 
     return ModelConfig(dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)
+
+
+def _datasets(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(train, val)`` window sets of ``--data`` (:func:`plait.data.make_datasets`): a
+    prepared folder memory-mapped, a source read whole otherwise (the built-in corpus's
+    first 2 MB); 5 % held out."""
+    from plait.config import DataConfig
+    from plait.data import make_datasets
+
+    data = DataConfig(source=args.data, max_bytes=2_000_000, val_fraction=0.05)
+    return make_datasets(data, args.seq_len, _model_config(args).vocab_size)
+
+
+def _samplers(args: argparse.Namespace, train_set: Any, workers: int) -> list[Any]:
+    """Each worker's sampler: its slice of every step's ``--batch x workers`` windows."""
+    from plait.data import BatchSampler
+
+    g = args.batch * workers
+    return [BatchSampler(len(train_set), g, w, workers, args.seed) for w in range(workers)]
 
 
 def _run_rank(args: argparse.Namespace, cfg: PSConfig, rank: int, world: int) -> None:
@@ -164,17 +198,11 @@ def _setup(args: argparse.Namespace, workers: int) -> tuple[Any, Any, Any, Any]:
     """(model, loss_fn, AdamW factory, validation batch) of the built-in run."""
     import torch
 
-    from plait.config import DataConfig
-    from plait.data import BatchSampler, TokenDataset, load_tokens, split_train_val
     from plait.model import Transformer, lm_loss
 
     model = Transformer(_model_config(args), seed=args.seed)
-    train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
-    train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
-    samplers = [
-        BatchSampler(len(train_set), args.batch * workers, w, workers, args.seed)
-        for w in range(workers)
-    ]
+    train_set, val_set = _datasets(args)
+    samplers = _samplers(args, train_set, workers)
     heavy = torch.ones(128, 128)
     slow_worker, slow_work = args.slow_worker, args.slow_work
 
@@ -223,19 +251,13 @@ def run_on_group(args: argparse.Namespace, cfg: PSConfig, g: AxisGroup) -> str:
     (meaningful on axis index 0, server 0). Every rank ends with the final weights."""
     import torch
 
-    from plait.config import DataConfig
-    from plait.data import BatchSampler, TokenDataset, load_tokens, split_train_val
     from plait.model import Transformer, lm_loss
     from plait.ps.server import train_parameter_server
 
     model = Transformer(_model_config(args), seed=args.seed)
-    train, val = split_train_val(load_tokens(DataConfig(max_bytes=2_000_000)), 0.05)
-    train_set, val_set = TokenDataset(train, args.seq_len), TokenDataset(val, args.seq_len)
+    train_set, val_set = _datasets(args)
     workers = g.size - cfg.servers
-    samplers = [
-        BatchSampler(len(train_set), args.batch * workers, w, workers, args.seed)
-        for w in range(workers)
-    ]
+    samplers = _samplers(args, train_set, workers)
     heavy = torch.ones(128, 128)
 
     def loss_fn(m: torch.nn.Module, worker: int, step: int) -> torch.Tensor:

@@ -19,9 +19,13 @@ module                  what it owns
 ``sample_folder``       chat told from text; a finished sample folder verified
 ``array_shards``        fixed-size shard files of one stream (tokens or mask)
 ``packed``              the windows of a packed folder and their document ids
+``blending``            a mixture's blend, evaluated per window (chunked merge)
 ``mixture``             weighted blends of sources (Megatron's blended datasets)
 ``sources``             a run's ``(train, val)`` window sets from its ``DataConfig``
+``order``               each epoch's permutation, per position (Feistel; legacy randperm)
 ``sampler``             the stateless batch order, a pure function of ``(seed, step)``
+``parts``               the halves of a batch a rank reads (pipeline stages)
+``read_count``          bytes this process read from its data
 ``loader``              the background loader thread (pinned memory on CUDA)
 ======================  ==========================================================
 
@@ -49,7 +53,13 @@ if TYPE_CHECKING:
     from plait.data.mixture import MixtureDataset, blend, parse_mixture
     from plait.data.sampler import BatchSampler
     from plait.data.shards import SegmentDataset, ShardStream, open_prepared
-    from plait.data.sources import data_eos_id, data_tokenizer, make_datasets, source_kind
+    from plait.data.sources import (
+        data_eos_id,
+        data_tokenizer,
+        eval_windows,
+        make_datasets,
+        source_kind,
+    )
     from plait.data.tokenizers import (
         ByteTokenizer,
         HFTokenizer,
@@ -79,6 +89,7 @@ _WHERE: dict[str, str] = {
     "check_vocab": "plait.data.corpus",
     "data_eos_id": "plait.data.sources",
     "data_tokenizer": "plait.data.sources",
+    "eval_windows": "plait.data.sources",
     "is_prepared": "plait.data.index",
     "load_tokens": "plait.data.corpus",
     "make_datasets": "plait.data.sources",
@@ -114,6 +125,7 @@ __all__ = [
     "check_vocab",
     "data_eos_id",
     "data_tokenizer",
+    "eval_windows",
     "is_prepared",
     "load_tokens",
     "make_datasets",

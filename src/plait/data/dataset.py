@@ -11,6 +11,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from plait.data.parts import BOTH, Parts, split_window
+from plait.data.read_count import READ
 from plait.errors import ConfigError, DataError
 
 
@@ -27,9 +29,13 @@ class WindowSet(Protocol):
         """Tokens the set reads its windows from."""
         ...
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, indices: Sequence[int], parts: Parts = BOTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor; a target
-        the loss must skip (an untrained token of chat data) is the ignore index, -100."""
+        the loss must skip (an untrained token of chat data) is the ignore index, -100.
+        Only the ``parts`` asked for are read; the others are absent tensors
+        (:mod:`plait.data.parts`)."""
         ...
 
     def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
@@ -57,25 +63,33 @@ class TokenDataset:
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_len)
 
-    def _window(self, i: int) -> np.ndarray:
+    def _window(self, i: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Tokens ``[lo, hi)`` of window ``i`` (default all ``seq + 1``), copied."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
         start = i * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1])  # (seq + 1,)
+        hi = self.seq_len + 1 if hi is None else hi
+        out = np.array(self.tokens[start + lo : start + hi])  # (hi - lo,)
+        READ.add(out.nbytes)
+        return out
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each a ``(seq_len,)`` LongTensor."""
         w = torch.from_numpy(self._window(i).astype(np.int64))
         return w[:-1], w[1:]
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor."""
+    def batch(
+        self, indices: Sequence[int], parts: Parts = BOTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor (only
+        ``parts`` read)."""
         if not len(indices):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
-        windows = np.stack([self._window(int(i)) for i in indices]).astype(np.int64)
-        w = torch.from_numpy(windows)  # (batch, seq + 1)
-        return w[:, :-1], w[:, 1:]
+        lo, hi = parts.span(self.seq_len)
+        rows = [self._window(int(i), lo, hi) for i in indices]
+        w = torch.from_numpy(np.stack(rows).astype(np.int64))  # (batch, hi - lo)
+        return split_window(w, parts, self.seq_len)
 
     def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
         """None: the document ids follow from the tokens (:mod:`plait.model.document_mask`)."""

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from plait.data.parts import is_absent
+
 Batch = tuple[torch.Tensor, ...]
 """``(inputs, targets)``, each ``(batch, seq)``, and any further per-token tensors of the
 step (a packed set's document ids): every tensor is pinned alike."""
@@ -33,7 +35,10 @@ def _pinned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a new contiguous page-locked buffer (one copy, whatever ``t``'s
-    strides): what an asynchronous host-to-device copy needs to stay asynchronous."""
+    strides): what an asynchronous host-to-device copy needs to stay asynchronous. An
+    absent part (:mod:`plait.data.parts`) is returned as it is: nothing to copy."""
+    if is_absent(t):
+        return t
     buf = _pinned_empty(t.shape, t.dtype)  # (same shape as t), contiguous
     buf.copy_(t)
     return buf

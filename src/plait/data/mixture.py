@@ -6,7 +6,8 @@ merged by ideal position (ties by source order). So mixture window ``i`` maps to
 ``(source, k)`` as a pure function of the weights, and every prefix of the blend holds
 each source within one window or so of ``w_s`` times its length. The ``k``-th window of
 a source is its window ``k mod len(source)`` (a small source repeats, as in Megatron).
-The blend has as many windows as the sources together.
+The blend has as many windows as the sources together. It is evaluated per window
+(:class:`~plait.data.blending.Blend`): nothing per window of the mixture is held.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from plait.data.blending import Blend
 from plait.data.dataset import WindowSet
+from plait.data.parts import BOTH, Parts, absent
 from plait.errors import ConfigError, DataError
 
 
@@ -46,19 +49,9 @@ def parse_mixture(spec: str) -> list[tuple[str, float]] | None:
 
 
 def blend(weights: Sequence[float], length: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(source, k)`` of mixture windows ``0 .. length-1``: two ``(length,)`` int64 arrays."""
-    w = np.asarray(weights, dtype=np.float64)
-    w = w / w.sum()
-    times, srcs, ks = [], [], []
-    for s, ws in enumerate(w):
-        n = int(np.ceil(length * ws)) + 1
-        k = np.arange(n, dtype=np.int64)
-        times.append((k + 0.5) / ws)
-        srcs.append(np.full(n, s, dtype=np.int64))
-        ks.append(k)
-    t, src, kk = np.concatenate(times), np.concatenate(srcs), np.concatenate(ks)
-    order = np.lexsort((src, t))[:length]  # by time, then source
-    return src[order], kk[order]
+    """``(source, k)`` of mixture windows ``0 .. length-1``: two ``(length,)`` int64 arrays
+    (:class:`~plait.data.blending.Blend` answers any window without them)."""
+    return Blend(weights, length).prefix(length)
 
 
 class MixtureDataset:
@@ -85,7 +78,8 @@ class MixtureDataset:
         self.sets = list(sets)
         self.seq_len = sets[0].seq_len
         self.eos_id: int | None = eos.pop() if len(eos) == 1 else None
-        self.source, self.k = blend(weights, sum(len(s) for s in sets))
+        self.blend = Blend(weights, sum(len(s) for s in sets))
+        """``(source, k)`` of every mixture window, evaluated per window."""
 
     @property
     def efficiency(self) -> float | None:
@@ -106,30 +100,43 @@ class MixtureDataset:
         return sum(s.num_tokens for s in self.sets)
 
     def __len__(self) -> int:
-        return len(self.source)
+        return self.blend.length
 
     def locate(self, i: int) -> tuple[int, int]:
         """``(source, window in that source)`` of mixture window ``i``."""
-        s = int(self.source[i])
-        return s, int(self.k[i]) % len(self.sets[s])
+        return self.locate_many([i])[0]
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor, in order."""
+    def locate_many(self, indices: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`locate` of every index, in order."""
+        src, k = self.blend.locate(np.asarray(indices, dtype=np.int64))
+        sizes = np.asarray([len(s) for s in self.sets], dtype=np.int64)
+        return list(zip(src.tolist(), (k % sizes[src]).tolist(), strict=True))
+
+    def batch(
+        self, indices: Sequence[int], parts: Parts = BOTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor, in order
+        (only ``parts`` read)."""
         if not len(indices):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
-        locs = [self.locate(int(i)) for i in indices]
+        if not (parts.inputs or parts.targets):
+            return absent(len(indices), self.seq_len), absent(len(indices), self.seq_len)
+        locs = self.locate_many(indices)
         x = torch.empty(len(locs), self.seq_len, dtype=torch.long)  # (batch, seq)
         y = torch.empty_like(x)
         for s in sorted({s for s, _ in locs}):  # one read per source
             rows = [r for r, (src, _) in enumerate(locs) if src == s]
-            sx, sy = self.sets[s].batch([locs[r][1] for r in rows])  # (rows, seq) twice
+            sx, sy = self.sets[s].batch([locs[r][1] for r in rows], parts)  # (rows, seq) twice
             x[rows], y[rows] = sx, sy
-        return x, y
+        n = len(locs)
+        return (x if parts.inputs else absent(n, self.seq_len)), (
+            y if parts.targets else absent(n, self.seq_len)
+        )
 
     def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
         """The sources' document ids of the windows (None for unpacked sources)."""
-        locs = [self.locate(int(i)) for i in indices]
+        locs = self.locate_many(indices)
         out = torch.empty(len(locs), self.seq_len, dtype=torch.long)  # (batch, seq)
         for s in sorted({s for s, _ in locs}):
             rows = [r for r, (src, _) in enumerate(locs) if src == s]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from plait.data.parts import BOTH, Parts, split_window
 from plait.data.shards import ShardStream, held_out, ignore_untrained, mask_stream, runs
 from plait.errors import DataError
 
@@ -58,21 +59,31 @@ class PackedDataset:
         k = int(np.searchsorted(self.virtual, i, side="right")) - 1
         return int(self.run_start[k] + i - self.virtual[k])
 
-    def _rows(self, stream: ShardStream, indices: Sequence[int]) -> np.ndarray:
-        """``(len(indices), seq_len + 1)`` values of ``stream`` for the windows."""
+    def _rows(
+        self, stream: ShardStream, indices: Sequence[int], span: tuple[int, int]
+    ) -> np.ndarray:
+        """``(len(indices), hi - lo)`` values of ``stream``: tokens ``span = (lo, hi)`` of
+        each window."""
+        lo, hi = span
         starts = [self.window_number(int(i)) * self.width for i in indices]
-        return np.stack([stream.read(a, a + self.width) for a in starts])
+        if hi == lo:
+            return np.zeros((len(starts), 0), dtype=stream.dtype)
+        return np.stack([stream.read(a + lo, a + hi) for a in starts])
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, indices: Sequence[int], parts: Parts = BOTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``, each ``(len(indices), seq_len)``; untrained targets are
-        the ignore index."""
+        the ignore index (only ``parts`` read)."""
         if not len(indices):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
-        w = torch.from_numpy(self._rows(self.stream, indices).astype(np.int64))
-        if self.masks is None:
-            return w[:, :-1], w[:, 1:]
-        return w[:, :-1], ignore_untrained(w[:, 1:], self._rows(self.masks, indices)[:, 1:])
+        span = parts.span(self.seq_len)
+        w = torch.from_numpy(self._rows(self.stream, indices, span).astype(np.int64))
+        x, y = split_window(w, parts, self.seq_len)
+        if self.masks is None or not parts.targets:
+            return x, y
+        return x, ignore_untrained(y, self._rows(self.masks, indices, (1, self.width)))
 
     def documents(self, indices: Sequence[int]) -> torch.Tensor:
         """``(len(indices), seq_len)`` int64: the sample number (0, 1, ... within its window;

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from plait.data.index import ShardIndex, read_index
+from plait.data.parts import BOTH, Parts, split_window
+from plait.data.read_count import READ
 from plait.errors import ConfigError, DataError
 
 _MASK64 = np.uint64((1 << 64) - 1)
@@ -63,6 +65,7 @@ class ShardStream:
         since the kernel may map a whole large folio (up to MiBs) per fault."""
         mm, arr = self._shard(i)
         out = np.array(arr[lo:hi])
+        READ.add(out.nbytes)
         if hasattr(mmap, "MADV_DONTNEED"):
             item = self.dtype.itemsize
             start = lo * item // mmap.PAGESIZE * mmap.PAGESIZE
@@ -162,32 +165,45 @@ class SegmentDataset:
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
-    def window(self, i: int, stream: ShardStream | None = None) -> np.ndarray:
+    def window(
+        self, i: int, stream: ShardStream | None = None, span: tuple[int, int] | None = None
+    ) -> np.ndarray:
         """Window ``i``: ``(seq_len + 1,)`` tokens of the stream's dtype (of ``stream``, a
-        stream beside the tokens, when given)."""
+        stream beside the tokens, when given); only its tokens ``span = (lo, hi)``, when
+        given."""
         stream = stream or self.stream
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
-        lo, hi = i * self.seq_len, i * self.seq_len + self.seq_len + 1
-        parts = []
+        a, b = span or (0, self.seq_len + 1)
+        lo, hi = i * self.seq_len + a, i * self.seq_len + b
+        pieces = []
         k = int(np.searchsorted(self.virtual, lo, side="right")) - 1
         while lo < hi:
             end = min(hi, int(self.virtual[k + 1]))
             off = int(self.seg_start[k]) - int(self.virtual[k])
-            parts.append(stream.read(lo + off, end + off))
+            pieces.append(stream.read(lo + off, end + off))
             lo, k = end, k + 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if not pieces:
+            return np.zeros(0, dtype=stream.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor."""
+    def batch(
+        self, indices: Sequence[int], parts: Parts = BOTH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each a ``(len(indices), seq_len)`` LongTensor (only
+        ``parts`` read: the loss mask with the targets)."""
         if not len(indices):
             empty = torch.empty(0, self.seq_len, dtype=torch.long)
             return empty, empty.clone()
-        w = torch.from_numpy(np.stack([self.window(int(i)) for i in indices]).astype(np.int64))
-        if self.masks is None:
-            return w[:, :-1], w[:, 1:]  # (batch, seq) twice
-        m = np.stack([self.window(int(i), self.masks) for i in indices])  # (batch, seq + 1)
-        return w[:, :-1], ignore_untrained(w[:, 1:], m[:, 1:])
+        span = parts.span(self.seq_len)
+        rows = [self.window(int(i), span=span) for i in indices]
+        w = torch.from_numpy(np.stack(rows).astype(np.int64))  # (batch, hi - lo)
+        x, y = split_window(w, parts, self.seq_len)  # (batch, seq) twice
+        if self.masks is None or not parts.targets:
+            return x, y
+        tail = (1, self.seq_len + 1)  # the targets' own tokens' flags
+        m = np.stack([self.window(int(i), self.masks, tail) for i in indices])  # (batch, seq)
+        return x, ignore_untrained(y, m)
 
     def documents(self, indices: Sequence[int]) -> torch.Tensor | None:
         """None: the document ids of an unpacked window follow from its tokens
@@ -208,13 +224,14 @@ def open_prepared(
         from plait.data.packed import open_packed
 
         return open_packed(stream, seq_len, val_fraction)  # type: ignore[return-value]
-    ends = np.asarray(stream.document_ends(), dtype=np.int64)  # (n_docs,)
-    if len(ends) != stream.index.documents or (len(ends) and ends[-1] != len(stream)):
+    mapped = stream.document_ends()  # (n_docs,) uint64, memory-mapped
+    if len(mapped) != stream.index.documents or (len(mapped) and mapped[-1] != len(stream)):
         raise DataError(f"{path}: documents.bin does not match the index; prepare it again.")
-    begins = np.concatenate([[0], ends[:-1]])  # (n_docs,)
-    if val_fraction is None:
+    if val_fraction is None:  # nothing per document is held
         whole = np.asarray([0], dtype=np.int64), np.asarray([len(stream)], dtype=np.int64)
         return SegmentDataset(stream, *whole, seq_len), None
+    ends = np.asarray(mapped, dtype=np.int64)  # (n_docs,): the split is per document
+    begins = np.concatenate([[0], ends[:-1]])  # (n_docs,)
     val_docs = held_out(len(ends), val_fraction)
     sets = []
     for mask in (~val_docs, val_docs):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from plait.config import DataConfig
 from plait.data.corpus import check_vocab, load_tokens, split_train_val
 from plait.data.dataset import TokenDataset, WindowSet
@@ -107,6 +109,35 @@ def source_kind(cfg: DataConfig) -> str:
     return "tokens"
 
 
+def _tokens(cfg: DataConfig, vocab_size: int) -> np.ndarray:
+    """The tokens of a source read whole (memory-mapped for ``.npy``/``.bin``), refused
+    when the model's vocabulary does not cover them."""
+    if cfg.tokenizer != "byte" and Path(cfg.source).suffix not in (".npy", ".bin"):
+        tok = make_tokenizer(cfg.tokenizer)
+        check_covers_vocab(tok.vocab_size, vocab_size, f"data.tokenizer {tok.name}")
+    tokens = load_tokens(cfg)
+    check_vocab(tokens, vocab_size, cfg.source)
+    return tokens
+
+
+def eval_windows(cfg: DataConfig, seq_len: int, vocab_size: int) -> WindowSet:
+    """Every window of ``cfg.source`` in order, nothing held out (``plait eval``): a
+    prepared folder memory-mapped (its stream cut into windows, or a packed folder's
+    windows; chat masks applied), a ``.npy``/``.bin`` memory-mapped, text tokenized whole.
+    A rank reads only the windows it evaluates. A mixture is refused."""
+    kind = source_kind(cfg)
+    if kind == "mixture":
+        raise DataError(
+            f"plait eval reads one source, not the mixture {cfg.source!r}; evaluate each "
+            "prepared folder on its own."
+        )
+    if kind == "prepared":
+        _prepared(cfg.source, "data.source", vocab_size)
+        data_tokenizer(cfg)  # data.tokenizer, if named, is the folder's
+        return open_prepared(cfg.source, seq_len, None)[0]
+    return TokenDataset(_tokens(cfg, vocab_size), seq_len)
+
+
 def make_datasets(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[WindowSet, WindowSet]:
     """``(train, val)`` window sets of ``cfg`` for windows of ``seq_len + 1`` tokens."""
     kind = source_kind(cfg)
@@ -121,12 +152,7 @@ def make_datasets(cfg: DataConfig, seq_len: int, vocab_size: int) -> tuple[Windo
                 "data.val is for a prepared folder or mixture as data.source; with "
                 f"{cfg.source!r} the last data.val_fraction of the tokens is held out."
             )
-        if cfg.tokenizer != "byte" and Path(cfg.source).suffix not in (".npy", ".bin"):
-            tok = make_tokenizer(cfg.tokenizer)
-            check_covers_vocab(tok.vocab_size, vocab_size, f"data.tokenizer {tok.name}")
-        tokens = load_tokens(cfg)
-        check_vocab(tokens, vocab_size, cfg.source)
-        train_tokens, val_tokens = split_train_val(tokens, cfg.val_fraction)
+        train_tokens, val_tokens = split_train_val(_tokens(cfg, vocab_size), cfg.val_fraction)
         return TokenDataset(train_tokens, seq_len), TokenDataset(val_tokens, seq_len)
     data_tokenizer(cfg)  # one tokenizer across the sources, and data.tokenizer agrees
     if cfg.val is not None:

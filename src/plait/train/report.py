@@ -46,6 +46,9 @@ class RunSummary:
     """A stop request (SIGTERM/SIGINT) ended the run before ``steps``."""
     already_complete: bool = False
     """The run resumed from a checkpoint at or beyond ``steps``: nothing was trained."""
+    data_bytes: list[int] | None = None
+    """Data bytes each rank read during the loop, in rank order (on rank 0; None on the
+    others and when nothing was trained): :mod:`plait.train.data_reads`."""
 
 
 @dataclass(frozen=True)

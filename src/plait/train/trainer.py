@@ -33,6 +33,7 @@ from torch import nn
 from plait.checkpoint import Checkpointing, TrainState
 from plait.config import Config
 from plait.data import BackgroundLoader, BatchSampler, check_enough, make_datasets
+from plait.data.read_count import READ
 from plait.host_scalar import HostScalar
 from plait.mesh import Mesh
 from plait.model.factory import (
@@ -49,6 +50,7 @@ from plait.parallel.lora import adapter_parameters
 from plait.parallel.model import ParallelModel
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
+from plait.train.data_reads import data_read_line, gather_read_bytes, stage_parts, to_device
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
@@ -177,9 +179,10 @@ class Trainer:
         dp, dp_rank = mesh.size("dp"), mesh.index("dp")
         seed = cfg.train.seed
         self.sampler = BatchSampler(len(self.train_set), cfg.train.global_batch, dp_rank, dp, seed)
+        self.parts = stage_parts(self.model)  # a pipeline's middle stage reads nothing
         t = cfg.train  # validation of any size (a small set: whole, in one padded batch)
         self.validation = Validation(
-            self.val_set, t.global_batch, t.eval_batches, dp_rank, dp, seed + 1
+            self.val_set, t.global_batch, t.eval_batches, dp_rank, dp, seed + 1, self.parts
         )
         read = self._read_batch
         pin = self.device.type == "cuda"
@@ -202,6 +205,7 @@ class Trainer:
         self.samples = TrainingSamples(cfg) if cfg.log.sample_every else None
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
+        self.validation.set_order(self.sampler.order)  # a resumed run's order (issue 44)
         self.profiler = StepProfiler(cfg.log, mesh.rank, self.device, self.model)
 
     @property
@@ -213,13 +217,13 @@ class Trainer:
 
     def _read_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of step ``step``'s global batch on the host, ``(batch, seq)`` twice."""
-        return self.train_set.batch(self.sampler.rank_indices(step))
+        return self.train_set.batch(self.sampler.rank_indices(step), self.parts)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slice of step ``step``'s global batch, ``(batch, seq)`` twice (read
         ahead by the background loader when ``data.prefetch`` > 0)."""
         x, y = self.loader.get(step) if self.loader is not None else self._read_batch(step)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return to_device(x, self.device), to_device(y, self.device)
 
     def train_step(self, step: int) -> tuple[float, StepReport]:
         """One optimizer step on the data of step ``step``; returns (global mean loss,
@@ -259,7 +263,7 @@ class Trainer:
         """Mean validation loss over the validation batches (:mod:`plait.train.validation`)."""
         self.model.eval()
         losses = [
-            float(self.model.evaluate(x.to(self.device), y.to(self.device)))
+            float(self.model.evaluate(to_device(x, self.device), to_device(y, self.device)))
             for x, y in self.validation.batches()
         ]
         self.model.train()
@@ -306,6 +310,7 @@ class Trainer:
         if self.is_main:
             self.progress.message(banner(cfg, self.mesh, self._facts()))
         t_start = time.perf_counter()
+        read0 = READ.total  # this process's data reads (every rank's gathered at the end)
         straggler_steps = 0
         tokens_per_step = t.global_batch * t.seq_len
         losses: list[float] = []
@@ -380,6 +385,7 @@ class Trainer:
                 break
         self.checkpoints.finish()  # an asynchronous save in flight completes (or fails) here
         self.profiler.close()
+        data_bytes = gather_read_bytes(self.mesh, READ.total - read0)
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2] if times else 0.0
         summary = RunSummary(
             t.steps,
@@ -393,6 +399,7 @@ class Trainer:
             checkpoint=checkpoint,
             last_step=last,
             stopped_early=stopped,
+            data_bytes=data_bytes,
         )
         if self.is_main:
             if stopped:
@@ -400,6 +407,8 @@ class Trainer:
                 self.progress.message(stop_line(last, t.steps, sig, checkpoint))
             if straggler_steps > 1:
                 self.progress.message(stragglers_line(straggler_steps, self.faults.reported))
+            if data_bytes is not None:
+                self.progress.message(data_read_line(data_bytes))
             self.progress.message(summary_line(summary, [lg.name for lg in self.loggers]))
         self.progress.close()
         self.metrics.close()
