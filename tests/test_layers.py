@@ -132,6 +132,7 @@ PLAN_ORDER: list[tuple[str, ...]] = [
         "compression",
         "offload_time",
         "offload",
+        "activation_offload",
         "pipeline_zero",
         "overheads",
         "compute",

@@ -40,9 +40,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.arch import param_count
 from plait.config import ModelConfig, ParallelConfig
@@ -52,7 +49,11 @@ from plait.model.init import InitialValues
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.parallel.tensor.layers import TPShard
-from plait.testing import WorkerContext, WorkerPool
+from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
+from plait.plan.memory import memory_per_rank
+from plait.plan.modelspec import ModelSpec
+from plait.testing import LiveBytes, WorkerContext, WorkerPool
+from tests.plan.queries import query
 
 Pools = Callable[[int], WorkerPool]
 SEED = 7
@@ -206,44 +207,6 @@ def test_factory_and_hf_llama_meta_build(pools: Pools, kind: str, layout: tuple[
     assert all(n > 0 for n in pools(2).run(_body_other, kind, *layout))
 
 
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the storages that operators return, while they are alive,
-    and their peak (see the module docstring)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def live(self) -> int:
-        """Bytes the counted storages hold now (dropping the freed ones; a storage
-        resized in place, as ZeRO-3's gather buffers are, counts at its size now)."""
-        dead = [k for k, (ref, _) in self.refs.items() if ref.expired()]
-        for k in dead:
-            del self.refs[k]
-        return sum(
-            torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-            for ref, _ in self.refs.values()
-        )
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                s = t.untyped_storage()
-                key, n = s._cdata, s.nbytes()  # the storage itself (its data may move)
-                if n and (key not in self.refs or self.refs[key][0].expired()):
-                    self.refs[key] = (StorageWeakRef(s), n)
-        self.peak = max(self.peak, self.live())
-        return out
-
-
 BIG = ModelConfig(vocab_size=128, dim=64, n_layers=24, n_heads=4, max_seq_len=16)
 
 
@@ -258,6 +221,7 @@ def _body_budget(ctx: WorkerContext) -> dict[str, int]:
             model = Transformer(BIG, seed=SEED)
         pm = parallelize(model, mesh, zero=3)
         build_peak, after_build = counter.peak, counter.live()
+        counter.reset_peak()  # from here: the step's peak
         opt = Optimizer(pm, torch.optim.SGD(pm.parameters(), lr=0.1))
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, BIG.vocab_size, (8, 8), generator=g)  # few tokens: weights dominate
@@ -272,6 +236,10 @@ def _body_budget(ctx: WorkerContext) -> dict[str, int]:
     largest = max(u.padded * 4 for u in zw.units) + max(
         t.numel() * 4 for t in Transformer(BIG, seed=SEED).parameters()
     )
+    lay = Layout(dp=8, zero=3)
+    plan = memory_per_rank(
+        query(ModelSpec.from_config(BIG), lay, PRECISIONS["fp32"], RUNTIMES["plait"], 8), lay
+    )
     return {
         "full": full,
         "limit": limit,
@@ -280,6 +248,10 @@ def _body_budget(ctx: WorkerContext) -> dict[str, int]:
         "build_peak": build_peak,
         "after_build": after_build,
         "step_peak": counter.peak,
+        "zero3_transient": zw.peak_gathered_bytes + zw.peak_grad_buffer_bytes,
+        "planned_transient": int(plan.buffers),
+        "activations": int(plan.activations + plan.embedding_head),
+        "unit_padding": sum((u.padded - u.numel) * 4 for u in zw.units),
         "finite": int(bool(torch.isfinite(loss))),
     }
 

@@ -46,6 +46,8 @@ class Space:
     """Sequence parallelism off/on (on only with tp > 1)."""
     offload: tuple[str, ...] = ("none",)
     """ZeRO-Offload kinds tried besides none (``plait plan --search --offload``)."""
+    activation_offload: tuple[bool, ...] = (False, True)
+    """Activation offloading (every block's saved activations on the host) off / on."""
 
 
 @dataclass
@@ -180,8 +182,12 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                             continue
                         sps = [x for x in space.sequence_parallel if tp > 1 or not x]
                         zeros = sorted((z for z in space.zero if dp > 1 or z == 0), reverse=True)
-                        for sp, rc in itertools.product(sps, space.recompute):
-                            base = Layout(dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp)
+                        choices = (sps, space.recompute, space.activation_offload)
+                        for sp, rc, act in itertools.product(*choices):
+                            base = Layout(
+                                dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp,
+                                activation_offload=act,
+                            )  # fmt: skip
                             group = [
                                 replace(
                                     base,
@@ -233,5 +239,6 @@ def count_layouts(q: Query, space: Space) -> int:
                         }
                         variants += offload_count(per, dp, pp, space.offload)
                         eps = len(ep_choices(q.moe, Layout(dp=dp, cp=cp))) if q.moe else 1
-                        total += sps * len(space.recompute) * variants * eps
+                        acts = len(space.activation_offload)
+                        total += sps * len(space.recompute) * acts * variants * eps
     return total

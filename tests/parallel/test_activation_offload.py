@@ -1,0 +1,177 @@
+"""Activation offloading (``train.activation_offload``): the same run, the activations on
+the host between forward and backward.
+
+* Parity (2 gloo ranks, float64, 2 SGD steps): under dp2, ZeRO-3 dp2, tp2 + sequence
+  parallelism, pp2, cp2 and dp2 with selective recomputation, the losses and every
+  weight piece a rank holds are bit-identical (``torch.equal``) with and without
+  offloading; the offload pool copied bytes on every layout.
+* Storages (one process): after a forward, the device storages of the tensors the
+  offloaded blocks saved are released except the one the head still uses (the last
+  block's output, ``batch x seq x dim``), the copies are in the pool, and the pool is
+  empty again once backward has freed the graph. A pack hook that hands back the
+  original (or a view of it) keeps every original alive and fails this.
+* Bytes: the saved bytes left on the device (counted by saved-tensor hooks outside the
+  blocks) drop by one block's bytes per offloaded block, as the planner's device term
+  ``(L - N) / L`` says, and the planner puts the rest on the host.
+* Bad input exits 2 with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from plait import init_mesh
+from plait.cli import main
+from plait.config import ModelConfig
+from plait.model import Transformer
+from plait.optim import Optimizer
+from plait.parallel.parallelize import parallelize
+from plait.parallel.recompute import SavedActivations
+from plait.plan.layout import PRECISIONS, RUNTIMES, Layout
+from plait.plan.memory import memory_per_rank
+from plait.plan.modelspec import ModelSpec
+from plait.testing import WorkerContext, WorkerPool
+from tests.plan.queries import query
+from tests.tiny import tiny_args
+
+M = "tests.parallel.test_activation_offload"
+CFG = ModelConfig(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, ffn_dim=48
+)
+SEED, BATCH, SEQ = 5, 4, 16
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2": {"mesh": {"dp": 2}},
+    "zero3-dp2": {"mesh": {"dp": 2}, "zero": 3},
+    "tp2-sp": {"mesh": {"tp": 2}, "sequence_parallel": True},
+    "pp2": {"mesh": {"pp": 2}},
+    "cp2": {"mesh": {"cp": 2}},
+    "dp2-selective": {"mesh": {"dp": 2}, "recompute": "selective"},
+}
+
+
+def _run(mesh: Any, kw: dict[str, Any], offload: bool) -> tuple[list[float], dict[str, Any], int]:
+    model = Transformer(CFG, seed=SEED).to(torch.float64)
+    pm = parallelize(model, mesh, activation_offload=offload, **kw)
+    opt = Optimizer(pm, torch.optim.SGD(pm.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    dp, r = mesh.size("dp"), mesh.index("dp")
+    rows = BATCH // dp
+    losses = []
+    for _ in range(2):
+        x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        inputs, targets = x[r * rows : (r + 1) * rows, :-1], x[r * rows : (r + 1) * rows, 1:]
+        losses.append(float(pm.step(inputs, targets)))
+        opt.step()
+        opt.zero_grad()
+    pieces = {f"{p.name}@{p.start}": p.value.detach().clone() for p in opt.local_pieces()}
+    copied = pm.offload_pool.copied_bytes if pm.offload_pool is not None else 0
+    return losses, pieces, copied
+
+
+def _body(ctx: WorkerContext, layout: str) -> dict[str, Any]:
+    kw = dict(LAYOUTS[layout])
+    mesh = ctx.mesh(**kw.pop("mesh"))
+    base_losses, base_pieces, _ = _run(mesh, kw, offload=False)
+    losses, pieces, copied = _run(mesh, kw, offload=True)
+    same = base_pieces.keys() == pieces.keys() and all(
+        torch.equal(v, pieces[k]) for k, v in base_pieces.items()
+    )
+    return {"losses": (base_losses, losses), "same": same, "copied": copied}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_offload_is_bit_exact_under_every_layout(
+    pools: Callable[[int], WorkerPool], layout: str
+) -> None:
+    for r in pools(2).run(f"{M}:_body", layout):
+        base, offloaded = r["losses"]
+        assert offloaded == base  # bit-identical losses
+        assert r["same"]  # and every weight piece after two steps
+        assert r["copied"] > 0  # the saved activations went through the pool
+
+
+def _model(offload: bool, blocks: int = 0, layers: int = 2) -> Any:
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": layers})
+    model = Transformer(cfg, seed=SEED).to(torch.float64)
+    return parallelize(
+        model, init_mesh(), activation_offload=offload, activation_offload_blocks=blocks
+    )
+
+
+def test_originals_released_and_copies_in_the_pool() -> None:
+    pm = _model(True)
+    pool = pm.offload_pool
+    originals: list[tuple[StorageWeakRef, int]] = []
+    pack = pool.pack
+
+    def watched(t: torch.Tensor) -> Any:
+        out = pack(t)
+        if out is not t:  # offloaded: its storage must go once nothing else holds it
+            originals.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        return out
+
+    pool.pack = watched  # type: ignore[method-assign]
+    x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    logits = pm(x)  # (batch, seq, vocab)
+    alive = sum(n for ref, n in originals if not ref.expired())
+    one = BATCH * SEQ * CFG.dim * 8  # the last block's output: the final norm saves it
+    assert originals and sum(n for _, n in originals) > 4 * one
+    assert alive <= one, (alive, one)
+    assert pool.live_bytes == pool.copied_bytes > 0  # every copy held, by the graph
+    logits.pow(2).mean().backward()
+    del logits
+    assert pool.live_bytes == 0  # freed with the graph
+
+
+def _device_saved(blocks: int, offload: bool) -> int:
+    pm = _model(offload, blocks, layers=3)
+    x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    exclude = [*pm.parameters(), *pm.buffers()]
+    with SavedActivations(exclude) as saved:  # the blocks' own hooks take their tensors
+        pm(x).sum().backward()
+    return saved.bytes
+
+
+def test_device_bytes_drop_by_the_planners_share() -> None:
+    none, all_, first = _device_saved(0, False), _device_saved(0, True), _device_saved(1, True)
+    block = (none - all_) / 3
+    assert block > 0 and first == none - block  # one of three blocks on the host
+    spec = ModelSpec.from_config(ModelConfig(**{**CFG.__dict__, "n_layers": 3}))
+    plans = {}
+    for name, lay in {
+        "none": Layout(),
+        "first": Layout(activation_offload=True, activation_offload_blocks=1),
+        "all": Layout(activation_offload=True),
+    }.items():
+        plans[name] = memory_per_rank(
+            query(spec, lay, PRECISIONS["fp32"], RUNTIMES["plait"], SEQ), lay
+        )
+    per = plans["none"].layer_activation
+    assert plans["first"].activations == pytest.approx(plans["none"].activations * 2 / 3)
+    assert plans["first"].host_activations == pytest.approx(per)
+    assert plans["all"].activations == 0 and plans["all"].host_activations == 3 * per
+    assert plans["all"].buffers == pytest.approx(plans["none"].buffers + 2 * per)  # refetched
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--train.activation_offload_blocks", "1"], "needs train.activation_offload = true"),
+        (
+            ["--train.activation_offload", "true", "--train.activation_offload_blocks", "3"],
+            "more blocks than a rank holds (model.n_layers = 2: at most 2)",
+        ),
+    ],
+    ids=["blocks-without-offload", "more-blocks-than-held"],
+)
+def test_bad_offload_config_exits_2(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *tiny_args(), "--steps", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait: error: ") and needle in err and "Traceback" not in err
