@@ -76,7 +76,7 @@ def test_generation_holds_shards_plus_one_unit(
     assert one["largest"] == 0 and one["added"] > 0
     for r in pools(2).run(f"{M}:_body", dp, tp, zero):
         assert r["tokens"] == one["tokens"]
-        assert r["gathered"] == 0  # every unit freed again
+        assert r["gathered"] == 0 and r["left"] == 0  # every unit and the cache freed
         assert r["added"] <= one["added"] + r["largest"], (r, one["added"])
         if zero == 3:
             whole = sum(p.numel() for p in Transformer(CFG, seed=SEED).parameters()) * 8

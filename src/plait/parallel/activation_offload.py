@@ -49,9 +49,6 @@ class _Group:
         self.prev = weakref.ref(prev) if prev is not None else None
         self.fetched = False
 
-    def __hash__(self) -> int:
-        return id(self)
-
 
 class _Packed:
     """One saved tensor's host copy (and, once fetched, its device copy)."""
@@ -104,7 +101,7 @@ class OffloadPool:
             return t
         if self.cuda:
             assert self.stream is not None
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = torch.empty_like(t, device="cpu", pin_memory=True)  # t's strides
             self.stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(self.stream):
                 host.copy_(t, non_blocking=True)
@@ -113,7 +110,7 @@ class OffloadPool:
             p.event = torch.cuda.Event()
             p.event.record(self.stream)
         else:
-            host = torch.empty(t.shape, dtype=t.dtype)
+            host = torch.empty_like(t, device="cpu")  # t's strides (dense): same kernels
             host.copy_(t)
             p = _Packed(host, t.device, self._group)
         self._group.items.add(p)

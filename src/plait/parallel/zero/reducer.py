@@ -298,8 +298,10 @@ class GradientReducer:
         """Stages 2/3: a reduce-scatter output waited for is added into the unit's
         ``grad_shard`` at once and dropped (one output per reduction in flight, not one
         per unit to the end of backward), unless the replicas' all-reduce (hybrid
-        sharding) is still in flight; those wait for :meth:`finish`."""
-        return self.fold_outputs and self.stage >= 2 and self._replicate_group(r.unit).size == 1
+        sharding) is still in flight, or an :attr:`on_reduced` observer is told when
+        (ZeRO-Offload: :attr:`settle_early` decides); those wait for :meth:`finish`."""
+        alone = self._replicate_group(r.unit).size == 1 and self.on_reduced is None
+        return self.fold_outputs and self.stage >= 2 and alone
 
     def _shard_group(self, u: FlatUnit) -> AxisGroup:
         """The group ``u``'s gradient is reduce-scattered over (its own, or the wrapper's)."""
