@@ -175,3 +175,29 @@ def test_bad_offload_config_exits_2(
     assert main(["train", *tiny_args(), "--steps", "1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("plait: error: ") and needle in err and "Traceback" not in err
+
+
+def test_search_offloads_a_layout_that_fits_only_so() -> None:
+    """One device whose memory lies between a layout's need with and without offloading:
+    the search returns it offloaded; without offloading in the space, nothing fits."""
+    from dataclasses import replace
+
+    from plait.plan import HARDWARE_PRESETS, MODEL_SPECS
+    from plait.plan.search import search
+    from plait.plan.space import Space
+
+    spec, hw = MODEL_SPECS["llama3-8b"], HARDWARE_PRESETS["h100-80gb"]
+    base = Layout(micro_batch=1, recompute="selective")
+    need = {}
+    for on in (False, True):
+        lay = replace(base, activation_offload=on)
+        q = query(spec, lay, PRECISIONS["bf16-mixed"], RUNTIMES["plait"], 32768, hw)
+        need[on] = memory_per_rank(q, lay).total
+    assert need[True] < need[False]
+    small = replace(hw, memory_bytes=int((need[True] + need[False]) / 2))
+    q = replace(q, hardware=small)
+    space = Space(tp=(1,), pp=(1,), cp=(1,), zero=(0,), micro_batch=(1,), recompute=("selective",))
+    found = search(q, space, top=1).ranked
+    assert [e.layout.activation_offload for e in found] == [True]
+    assert found[0].time.other > 0  # 32k tokens' copies exceed the stage's compute here
+    assert search(q, replace(space, activation_offload=False), top=1).ranked == []

@@ -46,8 +46,9 @@ class Space:
     """Sequence parallelism off/on (on only with tp > 1)."""
     offload: tuple[str, ...] = ("none",)
     """ZeRO-Offload kinds tried besides none (``plait plan --search --offload``)."""
-    activation_offload: tuple[bool, ...] = (False, True)
-    """Activation offloading (every block's saved activations on the host) off / on."""
+    activation_offload: bool = True
+    """Try activation offloading (every block's saved activations on the host) for a
+    layout that does not fit without it (on a layout that fits it only adds copy time)."""
 
 
 @dataclass
@@ -182,12 +183,8 @@ def candidates(q: Query, space: Space, rej: Rejections) -> Iterator[list[Layout]
                             continue
                         sps = [x for x in space.sequence_parallel if tp > 1 or not x]
                         zeros = sorted((z for z in space.zero if dp > 1 or z == 0), reverse=True)
-                        choices = (sps, space.recompute, space.activation_offload)
-                        for sp, rc, act in itertools.product(*choices):
-                            base = Layout(
-                                dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp,
-                                activation_offload=act,
-                            )  # fmt: skip
+                        for sp, rc in itertools.product(sps, space.recompute):
+                            base = Layout(dp, tp, pp, cp, 0, None, mb, m, rc, sched, v, sp)
                             group = [
                                 replace(
                                     base,
@@ -239,6 +236,5 @@ def count_layouts(q: Query, space: Space) -> int:
                         }
                         variants += offload_count(per, dp, pp, space.offload)
                         eps = len(ep_choices(q.moe, Layout(dp=dp, cp=cp))) if q.moe else 1
-                        acts = len(space.activation_offload)
-                        total += sps * len(space.recompute) * acts * variants * eps
+                        total += sps * len(space.recompute) * variants * eps
     return total
