@@ -10,9 +10,9 @@ its tensors); the host copies are the offload pool's peak. On the CPU the "devic
 the host: the copies cost time and move bytes into the pool, so the table shows the
 mechanism's cost, not a saving (the GPU's copies overlap compute on a side stream).
 
-**Planned** (``plait.plan``): Llama 3 8B at a 32k context on one H100 (bf16, ZeRO-less,
-micro-batch 1, selective recomputation): device memory, host bytes and step time with
-and without offloading every block.
+**Planned** (``plait.plan``): Llama 3 8B at a 32k context on one H100 (bf16, micro-batch
+1, selective recomputation, ZeRO-2 with the optimizer offloaded to the host): device
+memory, host bytes and step time with and without offloading every block.
 
 Run from the repository root::
 
@@ -49,43 +49,49 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def measure(
-    cfg: ModelConfig, batch: int, seq: int, repeats: int, kw: dict[str, Any]
-) -> dict[str, float]:
-    """One variant: median step seconds, device-saved bytes, host-copy peak bytes."""
-    kw = dict(kw)
-    if kw.pop("half", False):
-        kw["activation_offload_blocks"] = max(1, cfg.n_layers // 2)
-    pm = parallelize(Transformer(cfg, seed=0), init_mesh(), **kw)
+def measure(cfg: ModelConfig, batch: int, seq: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Every variant: median step seconds, device-saved bytes, host-copy peak bytes (the
+    variants take turns inside each repeat, so a busy machine slows them alike)."""
+    models = {}
+    for name, kw in VARIANTS.items():
+        kw = dict(kw)
+        if kw.pop("half", False):
+            kw["activation_offload_blocks"] = max(1, cfg.n_layers // 2)
+        models[name] = parallelize(Transformer(cfg, seed=0), init_mesh(), **kw)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    exclude = [*pm.parameters(), *pm.buffers()]
-    times, saved = [], 0
+    times: dict[str, list[float]] = {name: [] for name in models}
+    saved: dict[str, int] = {}
     for k in range(repeats + 1):
-        t0 = time.perf_counter()
-        with SavedActivations(exclude) as counter:
-            out = pm(x)  # (batch, seq, vocab)
-        out.float().pow(2).mean().backward()
-        dt = time.perf_counter() - t0
-        saved = counter.bytes
-        if k:  # the first is the warm-up
-            times.append(dt)
-        pm.zero_grad(set_to_none=True)
-    pool = pm.offload_pool
+        for name, pm in models.items():
+            exclude = [*pm.parameters(), *pm.buffers()]
+            t0 = time.perf_counter()
+            with SavedActivations(exclude) as counter:
+                out = pm(x)  # (batch, seq, vocab)
+            out.float().pow(2).mean().backward()
+            dt = time.perf_counter() - t0
+            saved[name] = counter.bytes
+            if k:  # the first is the warm-up
+                times[name].append(dt)
+            pm.zero_grad(set_to_none=True)
     return {
-        "step": statistics.median(times),
-        "saved": float(saved),
-        "host": float(pool.peak_bytes if pool is not None else 0),
+        name: {
+            "step": statistics.median(times[name]),
+            "saved": float(saved[name]),
+            "host": float(pm.offload_pool.peak_bytes if pm.offload_pool is not None else 0),
+        }
+        for name, pm in models.items()
     }
 
 
 def planned() -> list[str]:
-    """The planner's rows: Llama 3 8B, 32k context, one H100."""
+    """The planner's rows: Llama 3 8B, 32k context, one H100 (ZeRO-2 with the optimizer
+    offloaded: the bf16 weights and gradients on the device)."""
     from plait.plan import HARDWARE_PRESETS, MODEL_SPECS, PRECISIONS, RUNTIMES, Layout, estimate
     from plait.plan.query import Query
 
     rows = []
     for name, on in (("none", False), ("offload every block", True)):
-        lay = Layout(recompute="selective", activation_offload=on)
+        lay = Layout(zero=2, offload="optimizer", recompute="selective", activation_offload=on)
         hw = HARDWARE_PRESETS["h100-80gb"]
         q = Query.of_layout(
             MODEL_SPECS["llama3-8b"], lay, hw, PRECISIONS["bf16-mixed"], RUNTIMES["plait"],
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cfg = ModelConfig(vocab_size=1024, dim=a.dim, n_layers=a.layers, n_heads=4, max_seq_len=a.seq)
     load0 = load_average()
-    res = {name: measure(cfg, a.batch, a.seq, a.repeats, kw) for name, kw in VARIANTS.items()}
+    res = measure(cfg, a.batch, a.seq, a.repeats)
     load1 = load_average()
     base = res["none"]["step"]
     rows = [
@@ -136,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     notes = [
         f"{environment()}; 1 thread; load average {load0:.1f} before, {load1:.1f} after.",
         f"Measured: dim {a.dim}, {a.layers} layers, 4 heads, vocabulary 1024, fp32, "
-        f"{a.batch} x {a.seq} tokens, median of {a.repeats} forward+backward after a warm-up.",
-        "Planned: bf16 mixed precision, micro-batch 1, selective recomputation, no ZeRO; "
-        "`plait plan --model llama3-8b --hardware h100-80gb --seq 32768 --recompute selective "
-        "[--activation-offload]`.",
+        f"{a.batch} x {a.seq} tokens, median of {a.repeats} forward+backward after a warm-up, "
+        "the variants taking turns.",
+        "Planned: bf16 mixed precision, micro-batch 1, selective recomputation, ZeRO-2 with "
+        "the optimizer on the host; `plait plan --model llama3-8b --hardware h100-80gb --devices 1 --seq "
+        "32768 --zero 2 --offload optimizer --recompute selective [--activation-offload]`.",
         f"Command: `{command_line(__file__)}`",
     ]
     text = "\n".join(rows) + "\n\n" + "\n".join(plan)
