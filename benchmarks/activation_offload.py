@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.batch} x {a.seq} tokens, median of {a.repeats} forward+backward after a warm-up, "
         "the variants taking turns.",
         "Planned: bf16 mixed precision, micro-batch 1, selective recomputation, ZeRO-2 with "
-        "the optimizer on the host; `plait plan --model llama3-8b --hardware h100-80gb --devices 1 --seq "
-        "32768 --zero 2 --offload optimizer --recompute selective [--activation-offload]`.",
+        "the optimizer on the host; `plait plan --model llama3-8b --hardware h100-80gb "
+        "--devices 1 --seq 32768 --zero 2 --offload optimizer --recompute selective "
+        "[--activation-offload]`.",
         f"Command: `{command_line(__file__)}`",
     ]
     text = "\n".join(rows) + "\n\n" + "\n".join(plan)
