@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Model: dim {a.dim}, {a.layers} layers, 4 heads, vocabulary {a.vocab}, fp32, built "
         f"on the meta device; ZeRO-3 dp{a.ranks}; generation: {len(PROMPT)}-token prompt, "
         f"{a.new} new tokens, KV cache; step: 1 x {a.seq} tokens per rank, SGD. Each figure "
-        "is the largest over the ranks.",
+        "is the largest over the ranks. The planner counts every gathered and gradient slot "
+        "at the largest unit (here the embedding and the head): an upper bound; with a block "
+        "the largest unit the two are equal (tests/parallel/test_materialize.py).",
         f"Command: `{command_line(__file__)}`",
     ]
     text = "\n".join(gen) + "\n\n" + "\n".join(step)
