@@ -201,3 +201,29 @@ def test_search_offloads_a_layout_that_fits_only_so() -> None:
     assert [e.layout.activation_offload for e in found] == [True]
     assert found[0].time.other > 0  # 32k tokens' copies exceed the stage's compute here
     assert search(q, replace(space, activation_offload=False), top=1).ranked == []
+
+
+def test_offload_around_compiled_blocks() -> None:
+    """Blocks compiled first (``aot_eager``: the compiled graph's saved tensors, without
+    needing a C++ compiler), then offloaded: the graph's saved tensors go through the
+    pool, and loss and gradients equal the compiled run without offloading, bit for bit."""
+    from plait.parallel.activation_offload import OffloadPool, apply_activation_offload
+    from plait.parallel.compile import apply_compile
+
+    torch._dynamo.reset()
+    x = torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for offload in (False, True):
+        model = Transformer(CFG, seed=SEED).to(torch.float64)
+        apply_compile(model, backend="aot_eager")
+        pool = OffloadPool(torch.device("cpu"))
+        if offload:
+            apply_activation_offload(model, pool)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((loss.detach(), grads, pool.copied_bytes))
+    (base, base_grads, _), (loss, grads, copied) = runs
+    assert copied > 0 and torch.equal(loss, base)
+    assert grads.keys() == base_grads.keys()
+    assert all(torch.equal(grads[k], g) for k, g in base_grads.items())
