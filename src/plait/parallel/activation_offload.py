@@ -130,7 +130,7 @@ class OffloadPool:
         """Backward: the saved tensor on its device (CUDA: fetched on the side stream,
         with the previous block's copies started behind it)."""
         if not isinstance(p, _Packed):
-            return p  # type: ignore[no-any-return]
+            return p
         if not self.cuda:
             return p.host
         if not p.group.fetched:

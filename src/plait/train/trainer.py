@@ -426,8 +426,9 @@ class Trainer:
     def _step_peaks(self) -> PeakMemory:
         """This rank's peaks since :meth:`_restart_peaks` (host, device, ZeRO-3's)."""
         z = self.model.zero
-        stage3 = z is not None and z.gatherer is not None
-        transient = z.peak_gathered_bytes + z.peak_grad_buffer_bytes if stage3 else None
+        transient = None
+        if z is not None and z.gatherer is not None:  # ZeRO-3
+            transient = z.peak_gathered_bytes + z.peak_grad_buffer_bytes
         return PeakMemory(self.mesh.rank, host_peak_bytes(), peak_memory(self.device), transient)
 
     def _report_step_peaks(self, n: int, mine: PeakMemory) -> None:
