@@ -12,7 +12,7 @@ holds before it (its shards), and leaves no unit gathered. The former whole-mode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,14 +33,6 @@ CFG = ModelConfig(
 )
 PROMPT = [5, 17, 2, 41, 9, 33]
 SETTINGS = SampleSettings(max_new_tokens=8)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _decode(mesh: Any, **layout: Any) -> dict[str, Any]:
