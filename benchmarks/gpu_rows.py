@@ -107,7 +107,8 @@ ROWS: tuple[Row, ...] = (
         20.0,
         16.0,
         "the gpu-marked tests (compile, float8, CUDA attention kernels, memory snapshot, "
-        "offload, sync-free step); a skip counts as a failure on a GPU machine",
+        "offload, activation offload, sync-free step); a skip counts as a failure on a GPU "
+        "machine",
         (
             PY,
             "-m",

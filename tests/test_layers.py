@@ -134,6 +134,7 @@ PLAN_ORDER: list[tuple[str, ...]] = [
         "compression",
         "offload_time",
         "offload",
+        "activation_offload",
         "pipeline_zero",
         "overheads",
         "compute",

@@ -210,6 +210,26 @@ CASES: dict[str, Case] = {
     "planner_block_profile": Case(tables={"hidden x tokens": _rows("32 x 1024 (h2)")}),
     "planner_vs_measured": Case(tables={"layout | state MiB pred / meas": _rows("tp2 + SP")}),
     "ray_vs_torchrun": Case(tables={"launcher | ranks": _rows("nproc | 2", "torchrun | 2")}),
+    "activation_offload": Case(
+        tables={
+            "variant (CPU) | step s": _rows(
+                "none", "offload every block", "offload first half", "selective recompute"
+            ),
+            "Llama 3 8B, 32k, 1 x H100 (planned) | device activations GiB": _rows(
+                "none", "offload every block"
+            ),
+        }
+    ),
+    "zero3_memory": Case(
+        tables={
+            "generation (ZeRO-3) | model MiB": _rows(
+                "before: whole model gathered", "after: unit by unit"
+            ),
+            "step (ZeRO-3) | tensor peak above shards MiB": _rows(
+                "before: outputs kept", "after: outputs folded"
+            ),
+        }
+    ),
     "start_big": Case(
         tables={
             "layout (2 ranks)": _rows(

@@ -32,13 +32,15 @@ ESTIMATE_SCHEMA: dict[str, Any] = {
         "compression_ratio": float, "compression_rank": int, "world": int,
         "pp_grad_reduce": str, "pp_reshard": bool, "offload": str, "offload_nvme": bool,
         "edge_trim": int, "offload_delay": bool, "ep": int, "offload_two_pass": bool,
+        "activation_offload": bool, "activation_offload_blocks": int,
     },
     "global_batch": int,
     "memory_bytes": {
         k: NUM
         for k in (
             "stage", "params", "grads", "master", "optimizer", "activations",
-            "embedding_head", "buffers", "in_flight", "layer_activation", "state", "total",
+            "embedding_head", "buffers", "in_flight", "layer_activation", "host_activations",
+            "state", "total",
         )
     },
     "usable_bytes": NUM,

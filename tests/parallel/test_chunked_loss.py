@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from plait.parallel.chunked_loss import chunked_cross_entropy, linear_cross_entropy
 from plait.parallel.loss import cross_entropy_loss, loss_input
 from plait.parallel.tensor.loss import vocab_parallel_cross_entropy
-from plait.testing import WorkerContext, WorkerPool
-from tests.parallel.test_materialize import LiveBytes
+from plait.testing import LiveBytes, WorkerContext, WorkerPool
 
 M = "tests.parallel.test_chunked_loss"
 B, S, V, IGN = 3, 7, 37, -100

@@ -11,16 +11,19 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from plait import init_mesh
 from plait.config import Config
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.memory import StartMemory, host_peak_bytes
+from plait.train.memory import PeakMemory, host_peak_bytes, reset_host_peak
 from plait.train.report import (
     RunFacts,
     RunSummary,
     banner,
     outputs_note,
     start_memory_line,
+    step_memory_line,
     stop_line,
     straggler_note,
     stragglers_line,
@@ -145,13 +148,18 @@ def test_summary_and_timeline_lines() -> None:
 
 
 def test_start_memory_line_names_every_rank() -> None:
-    cpu = [StartMemory(0, 412 * 2**20, None), StartMemory(1, 1536 * 2**20, None)]
+    cpu = [PeakMemory(0, 412 * 2**20, None), PeakMemory(1, 1536 * 2**20, None)]
     assert start_memory_line(cpu) == (
         "plait: peak memory at start (build and load): rank 0 host 412 MiB; rank 1 host 1,536 MiB"
     )
-    gpu = [StartMemory(0, 3 * 2**30, 2**30)]
+    gpu = [PeakMemory(0, 3 * 2**30, 2**30)]
     assert start_memory_line(gpu) == (
         "plait: peak memory at start (build and load): rank 0 host 3,072 MiB, device 1,024 MiB"
+    )
+    zero3 = [PeakMemory(0, 500 * 2**20, None, 3 * 2**20), PeakMemory(1, 501 * 2**20, None, 0)]
+    assert step_memory_line(zero3, 1) == (
+        "plait: peak memory in step 1: rank 0 host 500 MiB, ZeRO-3 transient 3 MiB; "
+        "rank 1 host 501 MiB, ZeRO-3 transient 0 MiB"
     )
     cfg = tiny_config(steps=2)
     with_line = banner(cfg, init_mesh(), dataclasses.replace(FACTS, start_memory=cpu))
@@ -168,7 +176,20 @@ def test_host_peak_reads_vmhwm_else_getrusage(tmp_path: Path) -> None:
     assert 10 * 2**20 < fallback < 64 * 2**30  # a Python process with torch loaded
 
 
-def _body_start_memory(ctx: WorkerContext) -> tuple[list[StartMemory] | None, float, str]:
+def test_reset_host_peak_restarts_vmhwm(tmp_path: Path) -> None:
+    """The peak restarts from the current resident set (Linux), so a step's peak can be
+    read alone; where the file cannot be written it says so."""
+    assert not reset_host_peak(tmp_path / "missing" / "clear_refs")
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("no /proc/self/clear_refs (not Linux)")
+    block = bytearray(b"\x01") * (64 * 2**20)  # 64 MiB written, then returned
+    del block
+    high = host_peak_bytes()
+    assert reset_host_peak()
+    assert host_peak_bytes() < high - 32 * 2**20
+
+
+def _body_start_memory(ctx: WorkerContext) -> tuple[list[PeakMemory] | None, float, str]:
     mesh = ctx.mesh(dp=2)
     trainer = Trainer(tiny_config(steps=1), mesh, show_progress=False)
     text = banner(trainer.cfg, mesh, trainer._facts()) if mesh.rank == 0 else ""

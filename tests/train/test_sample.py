@@ -46,13 +46,15 @@ def _config(parallel: dict[str, Any] | None = None, **log: Any) -> Config:
 
 
 def _train(cfg: Config, mesh: Mesh) -> tuple[list[float], list[str], float]:
-    """Losses, the sample lines printed, and the smallest greedy margin of the final
-    model on the last sample's text (one process only; else 1.0)."""
+    """Losses, the sample lines printed (and the first step's peak-memory line), and the
+    smallest greedy margin of the final model on the last sample's text (one process
+    only; else 1.0)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         trainer = Trainer(cfg, mesh)
         summary = trainer.run()
-    lines = [s for s in out.getvalue().splitlines() if s.startswith("plait: sample at step")]
+    heads = ("plait: sample at step", "plait: peak memory in step")
+    lines = [s for s in out.getvalue().splitlines() if s.startswith(heads)]
     margin = 1.0
     if mesh.world_size == 1:
         model = inner_model(trainer.model)
@@ -77,8 +79,10 @@ def _body(ctx: WorkerContext, parallel: dict[str, Any]) -> tuple[list[float], li
 def test_samples_under_a_layout_equal_one_process(
     pools: Callable[[int], WorkerPool], parallel: dict[str, Any]
 ) -> None:
-    losses, lines, margin = _train(_config(), init_mesh())
+    losses, printed, margin = _train(_config(), init_mesh())
+    peaks, lines = printed[0], printed[1:]
     assert margin > 1e-4
+    assert peaks.startswith("plait: peak memory in step 1: rank 0 host ")
     assert [s.split(": ")[0:2] for s in lines] == [
         ["plait", "sample at step 1"],
         ["plait", "sample at step 2"],
@@ -86,8 +90,11 @@ def test_samples_under_a_layout_equal_one_process(
     assert lines[0] != lines[1]  # the model changed between the samples
     rank0, rank1 = pools(2).run(f"{M}:_body", parallel)
     assert rank0[0] == pytest.approx(losses, rel=1e-5)
-    assert rank0[1] == lines  # rank 0 prints the one-process samples
+    assert rank0[1][1:] == lines  # rank 0 prints the one-process samples
     assert rank1[1] == []  # and no other rank prints
+    step = rank0[1][0]  # every rank's step peaks; ZeRO-3's counted transient
+    assert "; rank 1 host " in step
+    assert ("ZeRO-3 transient" in step) == (parallel.get("zero") == 3)
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,21 @@ def _plan_parser() -> argparse.ArgumentParser:
         "--recompute", "--train.recompute", dest="recompute", choices=RECOMPUTES, default="none"
     )
     lay.add_argument(
+        "--activation-offload",
+        "--train.activation_offload",
+        dest="activation_offload",
+        action="store_true",
+        help="saved block activations on the host between forward and backward",
+    )
+    lay.add_argument(
+        "--activation-offload-blocks",
+        "--train.activation_offload_blocks",
+        dest="activation_offload_blocks",
+        type=int,
+        default=0,
+        help="with --activation-offload: only the first N blocks of each rank (0: all)",
+    )
+    lay.add_argument(
         "--schedule",
         "--parallel.pipeline_schedule",
         dest="schedule",
@@ -368,6 +383,8 @@ def plan_main(argv: Sequence[str]) -> int:
         )
     layout = replace(
         layout,
+        activation_offload=ns.activation_offload,
+        activation_offload_blocks=ns.activation_offload_blocks,
         offload=ns.offload,
         offload_nvme=ns.offload_dir is not None,
         offload_two_pass=ns.grad_clip > 0 or prec.name.startswith("fp16"),

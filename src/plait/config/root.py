@@ -13,6 +13,7 @@ from plait.config.model import ModelConfig
 from plait.config.optim import OptimConfig
 from plait.config.parallel import ParallelConfig
 from plait.config.precision import PrecisionConfig
+from plait.config.rules.activation_offload import check_activation_offload
 from plait.config.rules.features import (
     check_compression,
     check_document_mask,
@@ -101,6 +102,8 @@ class Config:
             self.precision.nonfinite,
         )
         check_optimizer(t.optimizer, p.tp, p.ep, p.offload, p.compression, p.compression_adam)
+        offload = t.activation_offload
+        check_activation_offload(offload, t.activation_offload_blocks, m.n_layers, p.pp)
         check_batch(t.global_batch, dp, self.micro_batch(world_size))
         check_seq_len(t.seq_len, m.max_seq_len)
         check_tokenizer_vocab(self.data.tokenizer, m.vocab_size)

@@ -11,6 +11,7 @@ from plait.config.choices import (
     Recompute,
     check_choices,
 )
+from plait.config.rules.activation_offload import check_offload_blocks
 from plait.config.rules.choices import check_positive
 from plait.config.rules.schedule import check_lr_schedule
 from plait.errors import ConfigError
@@ -68,6 +69,14 @@ class TrainConfig:
     recompute: Recompute = "none"
     """Activation recomputation: 'none', 'selective' (recompute only the attention core
     of each block in backward), 'full' (recompute each whole block)."""
+    activation_offload: bool = False
+    """Move what each transformer block saves for backward to host memory during forward
+    (page-locked, copied on a side stream on CUDA) and back before the block's backward,
+    overlapped with compute; composes with recompute, every parallelism and compile. See
+    docs/training.md."""
+    activation_offload_blocks: int = 0
+    """With activation_offload: offload only the first N blocks of each rank's model (of
+    its pipeline stage); 0: every block."""
     checkpoint_dir: str | None = None
     """Folder of sharded checkpoints (one step_<n> folder each and a `latest` pointer);
     must be visible to every rank (one node or a shared filesystem)."""
@@ -126,6 +135,7 @@ class TrainConfig:
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0.0 <= beta < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
+        check_offload_blocks(self.activation_offload, self.activation_offload_blocks)
         if self.checkpoint_every < 0:
             raise ConfigError(
                 f"train.checkpoint_every must not be negative, got {self.checkpoint_every}."

@@ -38,7 +38,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.model.factory import logits_of
-from plait.model.kv_cache import KVCache, forward_cached
+from plait.model.kv_cache import BlockScope, KVCache, forward_cached
 from plait.model.transformer import Transformer
 
 
@@ -79,15 +79,16 @@ class Decoder(Protocol):
 
 
 class CachedDecoder:
-    """plait's Transformer with a key/value cache of ``max_len`` positions."""
+    """plait's Transformer with a key/value cache of ``max_len`` positions; ``scope`` is
+    entered around each block's work (:func:`~plait.model.kv_cache.forward_cached`)."""
 
-    def __init__(self, model: Transformer, max_len: int) -> None:
-        self.model = model
+    def __init__(self, model: Transformer, max_len: int, scope: BlockScope | None = None) -> None:
+        self.model, self.scope = model, scope
         self.cache = KVCache(len(model.layers), max_len)
 
     def feed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Run the blocks on the new tokens only."""
-        return forward_cached(self.model, tokens, self.cache)  # (batch, vocab)
+        return forward_cached(self.model, tokens, self.cache, self.scope)  # (batch, vocab)
 
 
 class HFCachedDecoder:
@@ -130,11 +131,14 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     )
 
 
-def make_decoder(model: nn.Module, max_len: int, kv_cache: bool = True) -> Decoder:
-    """The decoder for ``model``: cached for plait's Transformer (``max_len`` positions)
-    and for a Hugging Face model, else (or with ``kv_cache=False``) recomputing."""
+def make_decoder(
+    model: nn.Module, max_len: int, kv_cache: bool = True, scope: BlockScope | None = None
+) -> Decoder:
+    """The decoder for ``model``: cached for plait's Transformer (``max_len`` positions;
+    ``scope`` around each block's work) and for a Hugging Face model, else (or with
+    ``kv_cache=False``) recomputing (those call every module's ``forward``)."""
     if kv_cache and isinstance(model, Transformer):
-        return CachedDecoder(model, max_len)
+        return CachedDecoder(model, max_len, scope)
     if kv_cache and is_hf_causal_lm(model):
         return HFCachedDecoder(model)
     return RecomputeDecoder(model)

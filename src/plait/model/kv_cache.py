@@ -17,18 +17,29 @@ all-reduced) decodes unchanged. Grouped-query attention: each key/value head ser
 The forward here does not use ``model.positions`` nor the attention ``core``: a context-
 parallel wrapper that replaced those (they span the cp ranks) leaves it unaffected, since
 every cp rank holds the whole model.
+
+A block's modules are run through its methods (``attend``, ``feed``), not its
+``forward``, so hooks on the block itself do not fire; ``scope`` (a context manager per
+block, e.g. ZeRO-3's :class:`~plait.parallel.zero.unit_by_unit.UnitByUnit`, which
+gathers the block's parameters and frees them after) is entered around each block's work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from plait.errors import ConfigError
 from plait.model.transformer import Attention, Block, Transformer, cap_logits, embed
+
+BlockScope = Callable[[nn.Module], contextlib.AbstractContextManager[object]]
+"""A context manager entered around one block's work in the cached forward."""
 
 
 class KVCache:
@@ -127,10 +138,13 @@ def _attention(
     return attn.wo(o.transpose(1, 2).reshape(b, t, -1))  # (batch, t, dim)
 
 
-def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(
+    model: Transformer, tokens: torch.Tensor, cache: KVCache, scope: BlockScope | None = None
+) -> torch.Tensor:
     """Run ``model`` on the new ``tokens`` ``(batch, t)``, the ones after the ``cache``'s
     ``length``; returns the logits of the last new token ``(batch, vocab)`` (a vocabulary
-    shard when a wrapper split the head) and leaves the new keys/values in ``cache``."""
+    shard when a wrapper split the head) and leaves the new keys/values in ``cache``.
+    ``scope``: entered around each block's work (see the module docstring)."""
     start, t = cache.length, tokens.shape[1]
     limit = model.cfg.max_seq_len
     if start + t > limit:
@@ -145,7 +159,8 @@ def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> 
         block = cast(Block, layer)  # its modules may be parallel versions (same names)
         attn = block.attention
         attend = functools.partial(_attention, attn, cos=cos, sin=sin, cache=cache, layer=i)
-        h = block.feed(block.attend(h, attend))
+        with scope(block) if scope is not None else contextlib.nullcontext():
+            h = block.feed(block.attend(h, attend))
     cache.advance(t)
     last = model.norm(h[:, -1:])  # (batch, 1, dim)
     return cap_logits(model.output(last), model.cfg)[:, 0]  # (batch, vocab)

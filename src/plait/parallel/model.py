@@ -27,6 +27,7 @@ from plait import comm
 from plait.comm import AxisGroup
 from plait.mesh import Mesh
 from plait.model.factory import logits_of
+from plait.parallel.activation_offload import OffloadPool
 from plait.parallel.compression import Compressor
 from plait.parallel.context.context_parallel import ContextLayout
 from plait.parallel.data_parallel import DataParallel
@@ -72,8 +73,12 @@ class ParallelModel(nn.Module):
         context: ContextLayout | None = None,
         *,
         experts: ExpertLayout | None = None,
+        offload_pool: OffloadPool | None = None,
     ) -> None:
         super().__init__()
+        self.offload_pool = offload_pool
+        """``train.activation_offload``: the host copies of the blocks' saved activations
+        and their byte counts (None: off)."""
         self.experts = experts
         """The MoE layers and, under expert parallelism (ep > 1), the expert weights,
         their groups and their gradient reduction (None: no MoE layer)."""

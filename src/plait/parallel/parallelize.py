@@ -23,7 +23,10 @@ file never changes) in this fixed order (docs/api.md describes it too):
    then, with ``compile`` (``train.compile``), **torch.compile per block**
    (:func:`~plait.parallel.compile.apply_compile`): each block's forward, recompute
    wrapper included, becomes one compiled graph; the data-parallel / ZeRO hooks applied
-   next stay eager around it (docs/compile.md);
+   next stay eager around it (docs/compile.md); then, with ``activation_offload``
+   (``train.activation_offload``), the saved tensors of each block (the first
+   ``activation_offload_blocks``, 0: all) go to host memory in forward
+   (:func:`~plait.parallel.activation_offload.apply_activation_offload`, outermost);
 5. **ZeRO sharding or data parallelism** over dp (over dp x cp when cp > 1: the cp
    ranks hold the same parameters, so gradients and shards span both):
    ``zero`` 1, 2 or 3 -> :class:`~plait.parallel.zero.ZeroDataParallel`; ``zero = 0``
@@ -84,6 +87,7 @@ from plait.errors import ConfigError
 from plait.mesh import Mesh
 from plait.model.init import SEED_ATTR, InitialValues, has_meta
 from plait.model.moe import MoE
+from plait.parallel.activation_offload import OffloadPool, apply_activation_offload
 from plait.parallel.compile import apply_compile
 from plait.parallel.compression import Compressor, adam_before, make_compressor
 from plait.parallel.context.context_parallel import apply_context_parallel
@@ -131,6 +135,8 @@ def parallelize(
     compile: bool | None = None,
     loss_chunk: int | None = None,
     lora: LoraConfig | None = None,
+    activation_offload: bool | None = None,
+    activation_offload_blocks: int | None = None,
 ) -> ParallelModel:
     """Return ``model`` prepared for ``mesh`` (see the module docstring).
 
@@ -147,7 +153,9 @@ def parallelize(
     default: the one ``parallel.compression`` names), ``compile`` (torch.compile each
     block; default: ``train.compile``), ``loss_chunk`` (tokens per chunk of the
     default loss; default ``train.loss_chunk``), ``lora`` (low-rank adapters on the
-    frozen model; default: the ``lora`` section). The degrees come from ``mesh``.
+    frozen model; default: the ``lora`` section), ``activation_offload`` and
+    ``activation_offload_blocks`` (saved activations to host memory; default: the
+    ``train`` section). The degrees come from ``mesh``.
     """
     full = cfg if isinstance(cfg, Config) else None
     p: ParallelConfig
@@ -172,6 +180,10 @@ def parallelize(
         recompute = full.train.recompute if full is not None else "none"
     if compile is None:
         compile = full.train.compile if full is not None else False
+    if activation_offload is None:
+        activation_offload = full.train.activation_offload if full is not None else False
+    if activation_offload_blocks is None:
+        activation_offload_blocks = full.train.activation_offload_blocks if full else 0
     if isinstance(precision, str):
         precision = PrecisionConfig(dtype=precision)  # type: ignore[arg-type]
     precision = precision or (full.precision if full is not None else PrecisionConfig())
@@ -245,6 +257,11 @@ def parallelize(
     # 4b. torch.compile per block (after recompute: its wrapper is compiled with the block).
     if compile:
         apply_compile(inner)
+    # 4c. activation offload around each (compiled) block: saved tensors to host memory.
+    pool = None
+    if activation_offload:
+        pool = OffloadPool(mesh.device)
+        apply_activation_offload(inner, pool, activation_offload_blocks or 0)
     # 5. ZeRO sharding or data parallelism over dp.
     plain = (
         p.zero == 0
@@ -334,7 +351,15 @@ def parallelize(
             split.params, split.replica_group, data.size, lambda: dp_wrapper.syncing
         )
     return ParallelModel(
-        wrapped, mesh, loss_fn, pipeline, names, param_names, context, experts=experts
+        wrapped,
+        mesh,
+        loss_fn,
+        pipeline,
+        names,
+        param_names,
+        context,
+        experts=experts,
+        offload_pool=pool,
     )
 
 
@@ -358,9 +383,7 @@ def _apply_lora(
         seed = full.train.seed if full is not None else 0
     family = full.model.family if full is not None else "plait"
     initial = (
-        read_peft_adapter(lora.init_from, lora.rank, lora.alpha, family)
-        if lora.init_from
-        else None
+        read_peft_adapter(lora.init_from, lora.rank, lora.alpha, family) if lora.init_from else None
     )
     base_dtype = policy.param_dtype if policy.needs_master_weights else None
     applied = apply_lora(model, lora, seed=seed, base_dtype=base_dtype, initial=initial)

@@ -16,8 +16,8 @@ that the import graph has no cycle; a module imports only its own level or earli
    ``modelspec``, ``moe``, ``lora``;
 1. the inputs: ``profile_toml`` (hardware files), ``query``;
 2. the terms: ``activations``, ``units``, ``network``, ``compression``,
-   ``offload_time``, ``offload``, ``pipeline_zero``, ``overheads``, ``compute``,
-   ``tp_comm``, ``dp_comm``;
+   ``offload_time``, ``offload``, ``activation_offload``, ``pipeline_zero``,
+   ``overheads``, ``compute``, ``tp_comm``, ``dp_comm``;
 3. ``memory`` (a rank's bytes);
 4. ``estimate``, ``moe_estimate`` (memory and step time of one layout);
 5. the choice: ``evaluate`` (dense or MoE), ``space`` (the candidates), ``fit``,

@@ -81,8 +81,8 @@ layout differs from the default (a dense layout writes no ``ep``)."""
 def layout_overrides(layout: Layout) -> tuple[str, ...]:
     """Config settings (``section.field=value``) for a run of ``layout``: its
     :meth:`~plait.plan.layout.Layout.parallel_settings` (the one mapping, read
-    backwards; :data:`STATED` and what differs from the default) and its micro-batch
-    and recomputation."""
+    backwards; :data:`STATED` and what differs from the default) and its micro-batch,
+    recomputation and activation offloading."""
     default = ParallelConfig()
     sets = {
         f"parallel.{k}": v
@@ -90,6 +90,9 @@ def layout_overrides(layout: Layout) -> tuple[str, ...]:
         if v is not None and (k in STATED or v != getattr(default, k))
     }
     sets |= {"train.micro_batch": layout.micro_batch, "train.recompute": layout.recompute}
+    if layout.activation_offload:
+        sets["train.activation_offload"] = True
+        sets["train.activation_offload_blocks"] = layout.activation_offload_blocks
     return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sets.items())
 
 

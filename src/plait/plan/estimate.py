@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from plait.plan.activations import kv_heads_local
+from plait.plan.activation_offload import exposed_copy_seconds
+from plait.plan.activations import kv_heads_local, layer_activation_bytes
 from plait.plan.compute import (
     attention_flops,
     block_time,
@@ -85,7 +86,8 @@ class StepTime:
     optimizer: float
     """The optimizer step and gradient clipping."""
     other: float
-    """Gradient bucket copies, accumulation, per-step scalar collectives."""
+    """Gradient bucket copies, accumulation, per-step scalar collectives, activation
+    offload's copies that the compute does not hide."""
     dp_comm_total: float
     """Data-parallel / ZeRO traffic before overlap (for reference; not in ``total``)."""
     ep_comm: float = 0.0
@@ -255,7 +257,7 @@ def step_time(q: Query, layout: Layout) -> StepTime:
     pp_g = group(layout, hw, "pp")
     p2p = 2 * v * p2p_time(msg / (layout.tp if layout.sequence_parallel else 1), pp_g.link)
 
-    worst: tuple[float, float, float, float, float, float, float] | None = None
+    worst: tuple[float, float, float, float, float, float, float, float] | None = None
     worst_stage = 0
     # the first stage has the embedding, the last the head; with edge_trim the second
     # (a middle stage) has the most blocks
@@ -277,13 +279,16 @@ def step_time(q: Query, layout: Layout) -> StepTime:
             if layout.sequence_parallel and layout.tp > 1:
                 tp += gain  # the final norm's gain
         cp = sp.layers * cp_exposed
+        # activation offload: the copies the stage's compute does not hide
+        per_layer = layer_activation_bytes(q, layout)
+        copy = exposed_copy_seconds(per_layer, sp.layers, layout, hw, comp_f + comp_b + rc)
         # the schedule's cost per action, and per second of this stage's work
         pp = p2p + pipeline_action_seconds(layout, hw, comp_f + comp_b + rc) if p > 1 else 0.0
-        total = comp_f + comp_b + rc + tp + cp + pp
+        total = comp_f + comp_b + rc + tp + cp + pp + copy
         if worst is None or total > worst[0]:
-            worst, worst_stage = (total, comp_f, comp_b, rc, tp, cp, pp), stage
+            worst, worst_stage = (total, comp_f, comp_b, rc, tp, cp, pp, copy), stage
     assert worst is not None
-    t_mb, comp_f, comp_b, rc, tp, cp, pp = worst
+    t_mb, comp_f, comp_b, rc, tp, cp, pp, copy = worst
     bubble = (p - 1) / (v if layout.schedule == "interleaved" else 1) * t_mb if p > 1 else 0.0
 
     sp0 = stage_params(spec, layout, worst_stage)
@@ -311,6 +316,7 @@ def step_time(q: Query, layout: Layout) -> StepTime:
     optimizer += extra_seconds(spec, q.optimizer, layout, hw, shape)
     grads = sp0.params * precision.grad_bytes
     other = 0.0 if runtime.fused_accumulation else (m - 1) * 3 * grads / hw.elementwise.at(grads)
+    other += m * copy  # activation offload's exposed copies
     if copies_gradients(layout, precision, runtime):
         other += 4 * grads / hw.elementwise.at(grads) + 2 * sp0.tensors * hw.op_overhead_s
     if layout.zero == 3 and layout.pp == 1 and layout.shard_factor > 1:

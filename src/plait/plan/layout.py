@@ -27,6 +27,7 @@ from plait.config import (
     Recompute,
     check_choices,
 )
+from plait.config.rules.activation_offload import check_offload_blocks
 from plait.config.rules.choices import check_choice, check_non_negative, check_positive
 from plait.config.rules.features import check_compression, check_offload
 from plait.config.rules.layout import (
@@ -109,6 +110,11 @@ class Layout:
     the default; fp16 loss scaling; ``precision.nonfinite`` not 'error'): the norm first,
     then unit by unit copy -> unscale/clip -> host step; False: each unit steps as its
     gradient lands, under backward (:mod:`plait.plan.offload_time`)."""
+    activation_offload: bool = False
+    """The blocks' saved activations go to host memory in forward and come back before
+    backward (``train.activation_offload``; :mod:`plait.plan.activation_offload`)."""
+    activation_offload_blocks: int = 0
+    """With activation_offload: only the first N blocks of each rank (0: every block)."""
 
     def __post_init__(self) -> None:
         degrees = ("dp", "tp", "pp", "cp", "micro_batch", "microbatches", "chunks")
@@ -122,6 +128,7 @@ class Layout:
         check_chunks(self.schedule, self.chunks)
         check_sequence_parallel(self.sequence_parallel, self.tp)
         check_ep_axis(self.ep, self.dp, self.cp)
+        check_offload_blocks(self.activation_offload, self.activation_offload_blocks)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> Layout:
@@ -151,6 +158,8 @@ class Layout:
             offload_nvme=p.offload_dir is not None,
             micro_batch=micro,
             recompute=t.recompute,
+            activation_offload=t.activation_offload,
+            activation_offload_blocks=t.activation_offload_blocks,
             offload_two_pass=(  # the step needs the global norm first
                 t.grad_clip > 0
                 or cfg.precision.dtype == "fp16"
@@ -218,6 +227,9 @@ class Layout:
             s += f" offload={self.offload}" + ("+nvme" if self.offload_nvme else "")
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.activation_offload:  # saved activations on the host (N: the first N blocks)
+            n = self.activation_offload_blocks
+            s += f" act-offload{n if n else ''}"
         return s + f" rc={self.recompute}"
 
 
@@ -271,6 +283,8 @@ runtime carries a layout out (a test fails when a field is in neither this nor
 FROM_ELSEWHERE: dict[str, str] = {
     "micro_batch": "train.micro_batch (or global_batch / (dp x parallel.microbatches))",
     "recompute": "train.recompute",
+    "activation_offload": "train.activation_offload",
+    "activation_offload_blocks": "train.activation_offload_blocks",
     "offload_two_pass": "train.grad_clip > 0, precision.dtype fp16 or precision.nonfinite",
     "edge_trim": "none: a planner-only option for published layouts",
 }

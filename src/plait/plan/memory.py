@@ -27,6 +27,10 @@ micro-batches a stage holds at its peak: GPipe m; 1F1B ``min(m, p - j)`` on stag
 micro-batch equivalents (Megatron-LM's warm-up count; on the first stage
 ``p + (p-1)/v``, i.e. Korthikanti et al.'s factor ``1 + (p-1)/(p·v)``), at most m.
 
+With ``train.activation_offload`` the offloaded blocks' saved activations are on the
+host instead (:attr:`MemoryBreakdown.host_activations`) and backward's two offloaded
+blocks back on the device count as a buffer (:mod:`plait.plan.activation_offload`).
+
 **Buffers**: data-parallel gradient buckets when they copy the gradients (a runtime
 with ``grad_buckets="copy"``; plait's gradients are views into its buckets, which then
 cost nothing beyond the gradients), the ZeRO-1 reduce-scatter bucket, ZeRO-2's
@@ -34,8 +38,10 @@ reduce-scatter buffers kept across steps (``min(K·(B + U·g), P·g)``: K =
 :data:`ZERO2_KEPT_BUCKETS` buffers of the largest bucket, which closes once it holds B
 bytes, so at most B plus one unit of U parameters; each bucket's own, i.e. the
 gradients, when they fit in K), ZeRO-3's
-gathered units (the computing unit plus the prefetched ones, with their unsharded
-gradients), pipeline send/receive buffers. Under pp, ZeRO-2/3 hold the unsharded
+gathered units (the computing unit plus the prefetched ones) and unsharded gradient
+buffers (the unit collecting its gradients plus the two whose reduce-scatters are in
+flight; their outputs are added into the gradient shards as they arrive), pipeline
+send/receive buffers. Under pp, ZeRO-2/3 hold the unsharded
 gradients of a step's micro-batches and (stage 3) the gathered pieces instead, per
 ``pp_grad_reduce`` and ``pp_reshard`` (:func:`pipeline_zero_buffer_bytes`).
 """
@@ -46,6 +52,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from plait.plan.activation_offload import split_activations
 from plait.plan.activations import (
     embedding_activation_bytes,
     head_activation_bytes,
@@ -62,9 +69,9 @@ from plait.plan.query import Query
 from plait.plan.units import Unit, lora_unit, stage_layers, stage_units, zero_state_bytes
 
 ZERO2_KEPT_BUCKETS = 3
-"""ZeRO-2's reduce-scatter buffers kept across steps: the runtime's
-``GradientReducer.MAX_REDUCES_IN_FLIGHT + 1`` (two in flight, one collecting; a test
-keeps the two equal: the planner imports no torch)."""
+"""ZeRO-2's reduce-scatter buffers kept across steps, and ZeRO-3's transient full-gradient
+buffers at their peak: the runtime's ``GradientReducer.MAX_REDUCES_IN_FLIGHT + 1`` (two
+in flight, one collecting; a test keeps the two equal: the planner imports no torch)."""
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -168,6 +175,9 @@ class MemoryBreakdown:
     """Micro-batches in flight on this stage."""
     layer_activation: float
     """Bytes one block saves for one micro-batch."""
+    host_activations: float = 0.0
+    """Saved activations offloaded to host memory (``train.activation_offload``; not in
+    :attr:`total`, which is the device's)."""
 
     @property
     def state(self) -> float:
@@ -229,10 +239,10 @@ def buffer_bytes(q: Query, layout: Layout, sp: StageParams) -> float:
     elif layout.zero == 2:  # the reduce-scatter buffers kept across steps (BufferRing)
         largest = bucket + sp.unit_params * precision.grad_bytes  # a bucket closes past B
         out += min(ZERO2_KEPT_BUCKETS * largest, grad_bytes)
-    elif layout.zero == 3:
+    elif layout.zero == 3:  # gathered units; gradient buffers (two in flight, one collecting)
         units = 1 + runtime.prefetch_units
-        out += (
-            units * sp.unit_params * precision.param_bytes + sp.unit_params * precision.grad_bytes
+        out += sp.unit_params * (
+            units * precision.param_bytes + ZERO2_KEPT_BUCKETS * precision.grad_bytes
         )
     if layout.pp > 1:  # one activation and one gradient message buffered per direction
         msg = layout.micro_batch * seq_len / layout.cp * spec.hidden * precision.activation_bytes
@@ -273,9 +283,7 @@ def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> M
     sp = stage_params(spec, layout, stage)
     if q.lora is not None:  # the frozen base plus the trained adapters
         sp, units, frozen = lora_stage(q.lora, spec, layout, sp)
-        weights, grads, master, optimizer = _trained_state(
-            sp, units, layout, precision, shard_rank
-        )
+        weights, grads, master, optimizer = _trained_state(sp, units, layout, precision, shard_rank)
         weights += frozen * precision.param_bytes
         weights, master, optimizer = device_state(weights, master, optimizer, layout.offload)
     elif layout.zero >= 1:  # the runtime's padded flat units, exactly
@@ -293,16 +301,17 @@ def stage_memory(q: Query, layout: Layout, stage: int, shard_rank: int = 0) -> M
         optimizer = optimizer_state_bytes(spec, q.optimizer, layout, shape, optimizer)
     flight = in_flight(layout, stage)
     per_layer = layer_activation_bytes(q, layout)
-    acts = per_layer * sp.layers * flight
+    split = split_activations(per_layer, sp.layers, flight, layout)  # offloaded: on the host
+    acts = split.device
     edge = 0.0
     if stage == 0:
         edge += flight * embedding_activation_bytes(q, layout)
     if stage == layout.pp - 1:
         edge += in_flight(layout, stage) * head_activation_bytes(q, layout)
-    buffers = buffer_bytes(q, layout, sp)
+    buffers = buffer_bytes(q, layout, sp) + split.refetch
     buffers += pipeline_zero_buffer_bytes(sp, spec, layout, precision, stage)
     return MemoryBreakdown(
-        stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer
+        stage, weights, grads, master, optimizer, acts, edge, buffers, flight, per_layer, split.host
     )
 
 

@@ -50,6 +50,9 @@ def format_estimate(e: Estimate) -> str:
         f"  {'total':<42} {m.total / 2**30:>10.2f} GiB  of {e.usable_bytes / 2**30:.2f} "
         f"usable: {verdict}"
     )
+    if m.host_activations:  # activation offload: the offloaded blocks' saved tensors
+        host = m.host_activations / 2**30
+        lines.append(f"  {'host: offloaded activations':<42} {host:>10.2f} GiB")
     lines += ["", "step time"]
     for key, label in COMPONENTS.items():
         v = getattr(t, key)

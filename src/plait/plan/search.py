@@ -10,7 +10,10 @@ parallelism, recomputation, ZeRO stage and hybrid factor F. A layout is rejected
   by tp, the sequence by 2·cp (load-balanced causal ring attention), the global batch
   by dp·micro-batch, the layers by pp (or pp·v interleaved, whose micro-batch count must
   also be a multiple of pp);
-* for **memory** when the worst rank does not fit the usable device memory.
+* for **memory** when the worst rank does not fit the usable device memory, even with
+  activation offloading (``Space.activation_offload``: a layout that does not fit is
+  tried again with every block's saved activations on the host; one that fits is not,
+  since offloading only adds copy time).
 
 For a mixture-of-experts model (``Query.moe``) every layout is also tried at each
 expert-parallel degree ep that divides dp·cp and the expert count, with the MoE model's
@@ -84,11 +87,16 @@ def search(q: Query, space: Space | None = None, top: int = 5) -> SearchResult:
             f"a search walks; narrow it: fewer devices than {q.devices:,}, or a global batch "
             f"with fewer divisors than {q.global_batch:,}."
         )
+    usable = q.hardware.memory_bytes * (1 - q.headroom)
     for group in candidates(q, space, rej):
         fixed: float | None = None  # the group's step time that ZeRO does not change
         for layout in group:
             mem = layout_memory(q, layout)
-            usable = q.hardware.memory_bytes * (1 - q.headroom)
+            if mem.total > usable and space.activation_offload:  # the saved activations
+                offloaded = replace(layout, activation_offload=True)  # on the host instead
+                off_mem = layout_memory(q, offloaded)
+                if off_mem.total <= usable:
+                    layout, mem = offloaded, off_mem
             if mem.total > usable:
                 rej.add(
                     "memory",
@@ -113,6 +121,8 @@ def brute_force(q: Query, space: Space | None = None) -> list[Estimate]:
     for group in candidates(q, space, Rejections()):
         for layout in group:
             e = layout_estimate(q, layout)
+            if not e.fits and space.activation_offload:  # as search: offload what does not fit
+                e = layout_estimate(q, replace(layout, activation_offload=True))
             if e.fits:
                 out.append(e)
     out.sort(key=_key)

@@ -46,6 +46,9 @@ class Space:
     """Sequence parallelism off/on (on only with tp > 1)."""
     offload: tuple[str, ...] = ("none",)
     """ZeRO-Offload kinds tried besides none (``plait plan --search --offload``)."""
+    activation_offload: bool = True
+    """Try activation offloading (every block's saved activations on the host) for a
+    layout that does not fit without it (on a layout that fits it only adds copy time)."""
 
 
 @dataclass

@@ -11,9 +11,13 @@ up to padding. ``peak_memory`` gives the allocator's peak where the device repor
 
 Start-up memory: :func:`host_peak_bytes` is this process's peak resident set since it
 started (``VmHWM`` of ``/proc/self/status``, else ``getrusage``'s ``ru_maxrss``), and
-:func:`gather_start_memory` collects it and the device's allocator peak from every rank
+:func:`gather_peak_memory` collects it and the device's allocator peak from every rank
 to rank 0 through :mod:`plait.comm` (counted), for the start banner: what building and
-loading the model cost each rank.
+loading the model cost each rank. The first step's peak is reported the same way: the
+trainer restarts the resident-set peak before the step (:func:`reset_host_peak`, Linux's
+``clear_refs``) and the device's, and adds ZeRO-3's counted transient (the most
+gathered parameter and full-gradient buffer bytes at once: what the planner's ZeRO-3
+buffer term predicts).
 """
 
 from __future__ import annotations
@@ -192,14 +196,18 @@ def peak_memory(device: torch.device) -> int | None:
 
 
 @dataclass(frozen=True)
-class StartMemory:
-    """One rank's peak memory from process start to the end of build and load."""
+class PeakMemory:
+    """One rank's peak memory over a span: from process start to the end of build and
+    load, or one training step."""
 
     rank: int
     host_bytes: int
     """Peak resident host memory of the process (bytes)."""
     device_bytes: int | None
     """Peak bytes allocated on the rank's accelerator (None on the CPU)."""
+    transient_bytes: int | None = None
+    """ZeRO-3: the most gathered parameter plus full-gradient buffer bytes at once,
+    counted from the tensors (None: not ZeRO-3, or not a step)."""
 
 
 def host_peak_bytes(status: Path = Path("/proc/self/status")) -> int:
@@ -215,24 +223,36 @@ def host_peak_bytes(status: Path = Path("/proc/self/status")) -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
-def gather_start_memory(mesh: Mesh) -> list[StartMemory] | None:
-    """Collective over every rank of ``mesh``: each rank's :func:`host_peak_bytes` and
-    device peak (:func:`peak_memory`, not reset first: the peak since the process
-    started), gathered to rank 0 through :mod:`plait.comm`. Returns the list in rank
-    order on rank 0 and None on the other ranks."""
-    device = peak_memory(mesh.device)
-    mine = torch.tensor(
-        [[host_peak_bytes(), -1 if device is None else device]],
-        dtype=torch.int64,
-        device=mesh.device,  # NCCL gathers device tensors only
-    )
+def reset_host_peak(clear_refs: Path = Path("/proc/self/clear_refs")) -> bool:
+    """Restart this process's resident-set peak (``VmHWM``) from its current size
+    (Linux: ``5`` written to ``clear_refs``); returns whether it could."""
+    try:
+        clear_refs.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def gather_peak_memory(mesh: Mesh, mine: PeakMemory | None = None) -> list[PeakMemory] | None:
+    """Collective over every rank of ``mesh``: each rank's peaks, ``mine`` (read earlier)
+    or now: :func:`host_peak_bytes` and the device peak (:func:`peak_memory`: since the
+    process started, or since the last resets), gathered to rank 0 through
+    :mod:`plait.comm`. Returns the list in rank order on rank 0 and None on the other
+    ranks."""
+    if mine is None:
+        mine = PeakMemory(mesh.rank, host_peak_bytes(), peak_memory(mesh.device))
+    d, z = mine.device_bytes, mine.transient_bytes
+    row = [mine.host_bytes, -1 if d is None else d, -1 if z is None else z]
+    t = torch.tensor([row], dtype=torch.int64, device=mesh.device)  # NCCL: device tensors
     world = mesh.world()
-    parts = comm.gather(mine, world, dst=world.ranks.index(0))
+    parts = comm.gather(t, world, dst=world.ranks.index(0))
     if parts is None:
         return None
     rows = torch.cat(parts).tolist()
     peaks = [
-        StartMemory(world.global_rank(i), int(h), None if d < 0 else int(d))
-        for i, (h, d) in enumerate(rows)
+        PeakMemory(
+            world.global_rank(i), int(h), None if d < 0 else int(d), None if z < 0 else int(z)
+        )
+        for i, (h, d, z) in enumerate(rows)
     ]
     return sorted(peaks, key=lambda m: m.rank)

@@ -2,7 +2,8 @@
 
 The trainer (:mod:`plait.train.trainer`) only calls these: :func:`banner` at the start
 (mesh, layout, precision, model, data, batch, learning rate, each rank's peak memory
-while building and loading (:func:`start_memory_line`), outputs), the notes of the
+while building and loading (:func:`start_memory_line`; the first step's,
+:func:`step_memory_line`), outputs), the notes of the
 loop (:func:`straggler_note`, :func:`timeline_line`) and the end (:func:`stop_line`,
 :func:`stragglers_line`, :func:`summary_line`). The per-rank memory report is
 :meth:`plait.train.memory.MemoryReport.format`. Every function returns text; none prints.
@@ -21,7 +22,7 @@ from plait.config import Config
 from plait.data import truncation_note
 from plait.mesh import Mesh
 from plait.train.lr_schedule import schedule_note
-from plait.train.memory import StartMemory
+from plait.train.memory import PeakMemory
 
 
 @dataclass
@@ -70,9 +71,9 @@ class RunFacts:
     """Where the MFU peak comes from."""
     loggers: Sequence[str]
     """The names of rank 0's loggers."""
-    start_memory: Sequence[StartMemory] = ()
+    start_memory: Sequence[PeakMemory] = ()
     """Every rank's peak memory while building and loading
-    (:func:`~plait.train.memory.gather_start_memory`; empty: not measured)."""
+    (:func:`~plait.train.memory.gather_peak_memory`; empty: not measured)."""
     val_note: str = ""
     """How many windows the validation set holds and how it is evaluated
     (:meth:`plait.train.validation.Validation.describe`)."""
@@ -143,17 +144,26 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def start_memory_line(peaks: Sequence[StartMemory]) -> str:
-    """One line: each rank's peak host memory (resident set) and device memory
-    (allocator peak, where the device reports one) from process start to the end of
-    building the model and loading its weights."""
+def start_memory_line(peaks: Sequence[PeakMemory], span: str = "at start (build and load)") -> str:
+    """One line: each rank's peak host memory (resident set), device memory (allocator
+    peak, where the device reports one) and ZeRO-3's counted transient (where given)
+    over ``span``: from process start to the end of building the model and loading its
+    weights, or a training step (:func:`step_memory_line`)."""
     ranks = []
     for m in peaks:
         text = f"rank {m.rank} host {_mib(m.host_bytes)}"
         if m.device_bytes is not None:
             text += f", device {_mib(m.device_bytes)}"
+        if m.transient_bytes is not None:
+            text += f", ZeRO-3 transient {_mib(m.transient_bytes)}"
         ranks.append(text)
-    return "plait: peak memory at start (build and load): " + "; ".join(ranks)
+    return f"plait: peak memory {span}: " + "; ".join(ranks)
+
+
+def step_memory_line(peaks: Sequence[PeakMemory], step: int) -> str:
+    """The start line's counterpart for training step ``step`` (each peak restarted
+    before it: what the step itself reached)."""
+    return start_memory_line(peaks, f"in step {step}")
 
 
 def outputs_note(cfg: Config, loggers: Sequence[str]) -> str:

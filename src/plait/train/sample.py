@@ -10,9 +10,11 @@ prompt (:mod:`plait.model.generate`) on the one-device model inside the data wra
   (``B x V`` values per token, counted by :mod:`plait.comm`) before choosing; tp rank 0's
   token is then broadcast over tp, so every tp rank feeds the same token even where
   the gathered logits could differ in the last bit (NCCL);
-* data parallelism and ZeRO — every dp rank holds (stage 3: gathers, for the duration of
-  the sampling, :meth:`~plait.parallel.zero.ZeroDataParallel.gathered`) the whole model
-  and decodes the same tokens with no communication across dp;
+* data parallelism and ZeRO — every dp rank decodes the same tokens; stages 0-2 hold the
+  whole model and do not communicate across dp; stage 3 never holds it: each unit is
+  gathered, used and freed in turn for every fed token (the prefill, then each new
+  token), without prefetch (:class:`~plait.parallel.zero.unit_by_unit.UnitByUnit`), so a
+  rank holds its shards plus one unit (and the decode's key/value cache);
 * context parallelism — the cached decode of plait's Transformer uses neither the
   sequence-sharded positions nor the ring attention (:mod:`plait.model.kv_cache`), so
   each cp rank decodes alone; other models under cp are refused;
@@ -38,6 +40,7 @@ from plait.model.generate import SampleSettings, generate, make_decoder
 from plait.model.transformer import Transformer
 from plait.parallel.model import ParallelModel
 from plait.parallel.tensor.sharding_plan import vocab_size_of
+from plait.parallel.zero.unit_by_unit import UnitByUnit
 
 if TYPE_CHECKING:
     from plait.config import Config
@@ -124,12 +127,17 @@ def sample_tokens(
         tp = mesh.axis("tp")
         logits_fn, agree = _tp_logits(inner, tp), _agree(tp, mesh.device)
     zero = model.zero
+    if zero is not None:
+        zero.wait_params()  # stages 1/2: the last step's all-gathers
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     try:
-        with zero.gathered() if zero is not None else contextlib.nullcontext():
-            decoder = make_decoder(inner, max_len, kv_cache)
+        one = None  # stage 3: one unit at a time
+        if zero is not None and zero.gatherer is not None:
+            one = UnitByUnit(zero.units, zero.gatherer, zero.driver)
+        with one if one is not None else contextlib.nullcontext():
+            decoder = make_decoder(inner, max_len, kv_cache, one.scope if one else None)
             tokens = generate(decoder, prompt, settings, mesh.device, logits_fn, agree, stop)
     finally:
         model.train(was_training)

@@ -58,9 +58,12 @@ from plait.train.mask_documents import enable_document_mask
 from plait.train.matrix_optim import make_adafactor, make_muon, optimizer_note
 from plait.train.memory import (
     MemoryReport,
-    gather_start_memory,
+    PeakMemory,
+    gather_peak_memory,
+    host_peak_bytes,
     memory_report,
     peak_memory,
+    reset_host_peak,
     reset_peak_memory,
 )
 from plait.train.metrics import MetricsWriter, Progress, StepMetrics, peak_flops
@@ -69,6 +72,7 @@ from plait.train.report import (
     RunFacts,
     RunSummary,
     banner,
+    step_memory_line,
     stop_line,
     straggler_note,
     stragglers_line,
@@ -165,7 +169,7 @@ class Trainer:
         except BaseException:
             self.checkpoints.close()
             raise
-        self.start_memory = gather_start_memory(mesh)  # rank 0: every rank's build/load peak
+        self.start_memory = gather_peak_memory(mesh)  # rank 0: every rank's build/load peak
 
     def _build(self, cfg: Config, mesh: Mesh, base: nn.Module) -> None:
         world = mesh.world_size
@@ -321,12 +325,16 @@ class Trainer:
         for step in self.faults.steps(self.start_step, t.steps):  # SIGTERM/SIGINT: stop
             bytes0, secs0 = self.mesh.stats.total_bytes(), self.mesh.stats.total_seconds()
             reset_peak_memory(self.device)
+            first = step == self.start_step  # its peaks are reported (host, ZeRO-3's)
+            if first:
+                self._restart_peaks()
             lr = lr_at(self.sched_step, cfg)
             t0 = time.perf_counter()
             with self.profiler.step(step + 1):  # log.profile's window: a trace per rank
                 loss, report = self.train_step(step)
             dt = time.perf_counter() - t0
             self.profiler.after_step(step + 1, peak_memory(self.device))
+            peaks = self._step_peaks() if first else None  # read now, gathered below
             moe = self.model.moe_summary() or None  # the step's router figures, before eval
             if self.model.pipeline is not None and cfg.log.timeline and step == t.steps - 1:
                 self._draw_timeline(cfg.log.timeline)
@@ -364,6 +372,8 @@ class Trainer:
                 moe=moe,
             )
             self.metrics.write(m)
+            if peaks is not None:  # gathered after the step's counted traffic
+                self._report_step_peaks(n, peaks)
             scalars = scalars_of(dataclasses.asdict(m))
             for logger in self.loggers:
                 logger.log(n, scalars)
@@ -415,6 +425,27 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         return summary
+
+    def _restart_peaks(self) -> None:
+        """Before the run's first step: restart the host and ZeRO-3 peaks."""
+        reset_host_peak()
+        if self.model.zero is not None:
+            self.model.zero.reset_peak_gathered()
+
+    def _step_peaks(self) -> PeakMemory:
+        """This rank's peaks since :meth:`_restart_peaks` (host, device, ZeRO-3's)."""
+        z = self.model.zero
+        transient = None
+        if z is not None and z.gatherer is not None:  # ZeRO-3
+            transient = z.peak_gathered_bytes + z.peak_grad_buffer_bytes
+        return PeakMemory(self.mesh.rank, host_peak_bytes(), peak_memory(self.device), transient)
+
+    def _report_step_peaks(self, n: int, mine: PeakMemory) -> None:
+        """Collective: every rank's peaks of step ``n`` (``mine``: this rank's); rank 0
+        prints them."""
+        peaks = gather_peak_memory(self.mesh, mine)
+        if peaks is not None and self.is_main:
+            self.progress.message(step_memory_line(peaks, n))
 
     def _draw_timeline(self, path: str) -> None:
         """Write the last step's measured pipeline timeline to ``path`` (rank 0 draws)."""

@@ -503,10 +503,16 @@ def _body_live(ctx: WorkerContext, reshard: bool, prefetch: bool) -> dict[str, A
 
     def probe(*_: Any) -> None:
         """Live gathered bytes read from the tensors themselves (not the wrapper's
-        counter): every unit's full-size storage plus the outputs of gathers in flight."""
+        counter): every unit's full-size storage plus the outputs of gathers in flight
+        that are not a unit's own buffer (a gather lands there when the dtypes agree)."""
         live = sum(u.full.untyped_storage().nbytes() for u in zdp.units)
         assert zdp.gatherer is not None
-        live += sum(out.untyped_storage().nbytes() for out in zdp.gatherer.in_flight())
+        own = [u.full for u in zdp.units]
+        live += sum(
+            out.untyped_storage().nbytes()
+            for out in zdp.gatherer.in_flight()
+            if all(out is not f for f in own)
+        )
         real["peak"] = max(real["peak"], live)
 
     for m in model.modules():  # after every gather and free: forward and backward

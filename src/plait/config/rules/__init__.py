@@ -21,5 +21,6 @@ it (this package re-exports nothing):
   sequence parallelism, ZeRO's shard size, expert parallelism);
 * :mod:`.schedule`: the learning-rate schedule (WSD's decay fits in the run);
 * :mod:`.features`: features that need others (offload, compression, document masks,
-  generation during training, step windows).
+  generation during training, step windows);
+* :mod:`.activation_offload`: activation offloading's block count.
 """

@@ -14,6 +14,8 @@
 * :mod:`~plait.parallel.zero.driver` — the autograd driver (``AutogradDriver``): hooks
   that say when units are gathered and reduced; the pipeline schedule is the other
   driver (:class:`plait.parallel.pipeline.zero.PipelineZero`, handed the ``ZeroDrive``).
+* :mod:`~plait.parallel.zero.unit_by_unit` — stage 3 one unit at a time, no prefetch
+  (``UnitByUnit``: generation never holds the whole model).
 * :mod:`~plait.parallel.zero.wrapper` — :class:`ZeroDataParallel`, stages 0-3.
 * :mod:`~plait.parallel.zero.optim` — the sharded fp32 masters the optimizer steps.
 * :mod:`~plait.parallel.zero.experts` — expert parallelism: the expert weights' units

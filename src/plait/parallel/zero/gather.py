@@ -83,23 +83,32 @@ class UnitGather:
 
     def start(self, shard_group: AxisGroup, device: torch.device) -> torch.Tensor:
         """Launch the all-gather of the shard onto ``device``; returns its ``(padded,)``
-        output (allocated now, filled when the gather completes)."""
+        output (allocated now, filled when the gather completes): ``unit.full`` itself,
+        refilled in place, when it has the shard's dtype and lives on ``device`` (one
+        unit's bytes, not two), else a separate buffer copied in by :meth:`finish`."""
         self._go(GatherState.GATHERING)
-        shard = self.unit.shard
+        u = self.unit
+        shard = u.shard
         assert shard is not None
         # offload="params": the prefetch copies from page-locked host memory (CUDA)
         src = shard if shard.device == device else shard.to(device, non_blocking=shard.is_pinned())
-        self.out, self._handle = comm.all_gather(src, shard_group, async_op=True)
+        into = None
+        if u.full.dtype == src.dtype and u.full.device == device:
+            u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+            into = u.full
+        self.out, self._handle = comm.all_gather(src, shard_group, async_op=True, out=into)
         return self.out
 
     def finish(self) -> None:
-        """Wait for the all-gather; refill ``unit.full`` and point the parameters at it."""
+        """Wait for the all-gather; refill ``unit.full`` (unless gathered into it) and point
+        the parameters at it."""
         assert self._handle is not None and self.out is not None
         self._handle.wait()
         self._go(GatherState.GATHERED)
         u = self.unit
-        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.full.copy_(self.out)
+        if self.out is not u.full:
+            u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+            u.full.copy_(self.out)
         self.out, self._handle = None, None
         for i, p in enumerate(u.params):
             p.data = u.view(i, u.full)

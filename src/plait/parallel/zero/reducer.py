@@ -13,7 +13,10 @@ Stage 2 writes each gradient straight into its bucket's reduce-scatter input, a 
 a :class:`~plait.parallel.zero.bucket.BufferRing` kept across steps (the same storage
 every step, as DataParallel's buckets; ``MAX_REDUCES_IN_FLIGHT + 1`` buffers of the
 largest bucket, or each bucket's own when that is less: at most the model's gradients);
-stage 3 copies them into a transient per-unit buffer.
+stage 3 copies them into a transient per-unit buffer. Stages 2/3 add each averaged
+shard into the unit's ``grad_shard`` as soon as its reduce-scatter is waited for (the
+in-flight cap), so at most the outputs of the reductions in flight exist beside the
+gradient shards, not one per unit until the end of backward.
 
 :class:`GradientReducer` owns the units' reductions for one
 :class:`~plait.parallel.zero.ZeroDataParallel`, behind an interface that names no
@@ -115,6 +118,10 @@ class GradientReducer:
         self.on_reduced: Callable[[FlatUnit], None] | None = None
         """Called with a unit once its averaged gradient shard of a synchronising
         backward is final (ZeRO-Offload copies it to the host and may step it then)."""
+        self.fold_outputs = True
+        """Stages 2/3: add each reduce-scatter output into ``grad_shard`` once it is
+        waited for (False: keep every output to :meth:`finish`, the end of backward, as
+        before issue 44; a benchmark compares the two)."""
         self.settle_early = False
         """Complete each reduction as soon as its reduce-scatter is waited for (the
         in-flight cap applies to every stage), so :attr:`on_reduced` fires during
@@ -283,9 +290,18 @@ class GradientReducer:
 
     def _finish_scatter(self, r: UnitReduction) -> None:
         self._end_scatter(r)
-        if self.settle_early and self.sync:
+        if (self.settle_early and self.sync) or self._folds(r):
             self._settle(r)
             self._early.add(r.unit.index)
+
+    def _folds(self, r: UnitReduction) -> bool:
+        """Stages 2/3: a reduce-scatter output waited for is added into the unit's
+        ``grad_shard`` at once and dropped (one output per reduction in flight, not one
+        per unit to the end of backward), unless the replicas' all-reduce (hybrid
+        sharding) is still in flight, or an :attr:`on_reduced` observer is told when
+        (ZeRO-Offload: :attr:`settle_early` decides); those wait for :meth:`finish`."""
+        alone = self._replicate_group(r.unit).size == 1 and self.on_reduced is None
+        return self.fold_outputs and self.stage >= 2 and alone
 
     def _shard_group(self, u: FlatUnit) -> AxisGroup:
         """The group ``u``'s gradient is reduce-scattered over (its own, or the wrapper's)."""
@@ -333,6 +349,9 @@ class GradientReducer:
         if r.in_flight:
             self._launched.remove(r)
             self._settle(r)
+        elif u.index in self._early:  # its previous output is already in grad_shard
+            self._early.discard(u.index)
+            self._launched.remove(r)
         self._refuse_unused([u.names[i] for i, p in enumerate(u.params) if p.grad is None])
         self._alloc_buffer(u)
         full = u.grad_full
