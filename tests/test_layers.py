@@ -123,7 +123,8 @@ writing; a module of ``plait.config`` imports (of plait) only errors and the par
 its own (longest prefix wins)."""
 
 PLAN_ORDER: list[tuple[str, ...]] = [
-    ("text", "hardware", "layout", "modelspec", "moe", "lora"),  # the words: what is planned
+    # the words: what is planned; an elastic run's replanning and checkpoint interval
+    ("text", "hardware", "layout", "modelspec", "moe", "lora", "replan", "checkpoint_interval"),
     ("profile_toml", "query"),  # the inputs: a hardware file, the query
     (  # the terms: activations, ZeRO units, links, compression, offload, kernels
         "activations",

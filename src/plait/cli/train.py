@@ -123,6 +123,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     from plait.parallel.checks import validate_run
 
     validate_run(cfg, world)
+    _check_elastic(cfg, world, launching=env is None)
     from plait.checkpoint import check_start, finished_step
 
     # sources exist; the folder is free, writable and roomy; a resume keeps seed and batch
@@ -162,6 +163,10 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         _check_data(cfg)  # fail here, once, before starting any process
         gb = cfg.launch.host_memory_gb
         limit = None if gb is None else int(gb * 2**30)
+        if cfg.launch.min_ranks is not None:  # --nproc MIN:MAX: shrink to the survivors
+            from plait.launch.elastic import launch_elastic
+
+            return launch_elastic(cfg, list(argv), limit)
         return launch_local(world, list(argv), cfg.train.checkpoint_dir, limit)
     from plait.launch.worker import run_rank
 
@@ -186,7 +191,8 @@ def run_defaults(data: dict[str, Any]) -> list[str]:
     notes = []
     if "metrics" not in log:  # an explicit none turns them off
         log["metrics"] = str(out / "metrics.jsonl")
-    wants = int(train.get("checkpoint_every") or 0) > 0 or train.get("resume") in (
+    every = train.get("checkpoint_every") or 0
+    wants = every == "auto" or int(every) > 0 or train.get("resume") in (
         "latest",
         "auto",
     )
@@ -233,6 +239,30 @@ def pretrained_defaults(data: dict[str, Any]) -> list[str]:
         section["tokenizer"] = f"hf:{init_from}"  # a pretrained model reads its own tokens
         notes.append(f"data.tokenizer not set: hf:{init_from} (the model folder's tokenizer)")
     return notes
+
+
+def _check_elastic(cfg: Config, world: int, launching: bool) -> None:
+    """Refuse, before any rank starts, memory copies on one rank and an elastic range
+    (``--nproc MIN:MAX``) the job could not shrink to (no allowed layout of MIN ranks
+    divides the global batch) or that its launcher does not support."""
+    from plait.config.rules.elastic import check_memory_checkpoints
+
+    check_memory_checkpoints(cfg.train.memory_checkpoint_every, world)
+    low = cfg.launch.min_ranks
+    if low is None or not launching:
+        return
+    if cfg.launch.backend != "local":
+        raise ConfigError(
+            f"--nproc MIN:MAX (launch.min_ranks) is supported by the local launcher; "
+            f"launch.backend '{cfg.launch.backend}' restarts at the same size "
+            "(launch.max_restarts; see docs/reliability.md)."
+        )
+    from plait.launch.elastic import degrees_of
+    from plait.plan.replan import check_elastic
+
+    degrees = degrees_of(cfg, world)
+    micro = cfg.micro_batch(world)
+    check_elastic(cfg.train.global_batch, low, degrees, micro, cfg.launch.layouts)
 
 
 def _check_device(cfg: Config) -> None:

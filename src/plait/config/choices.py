@@ -75,6 +75,8 @@ NSDType = Literal["bfloat16", "float32", "float64"]
 """The dtype Muon's Newton-Schulz iteration runs in."""
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
+Auto = Literal["auto"]
+"""The word of a number field plait may choose itself (``train.checkpoint_every = auto``)."""
 PresetStyle = Literal["llama", "gpt"]
 """Block style of a model preset (:mod:`plait.config.presets`): ``llama`` (plait's built-in
 block) or ``gpt`` (GPT-2/3's block)."""

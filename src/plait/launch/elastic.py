@@ -1,0 +1,139 @@
+"""``plait train --nproc MIN:MAX``: a local job that shrinks to its survivors.
+
+plait supervises the world itself: it starts MAX ranks with :func:`launch_local` (the
+elastic agent, no restarts) and, when ranks die for good (killed by a signal: the
+process, or its node, is gone; a rank that merely saw its peer vanish is a survivor),
+replans for the ranks that are left (:func:`plait.plan.replan.replan`: the largest world
+>= MIN whose allowed layout divides the global batch, gradient accumulation making up
+the rest) and starts that world, which resumes from the newest step every rank's pieces
+have a memory copy of (:mod:`plait.checkpoint.memory_store`; held in ``/dev/shm``, whose
+lifetime is this launcher's) or, failing that, from the last disk checkpoint, and
+reshards it onto the new layout. The data order is a function of (seed, step), not of
+the data-parallel degree, so the run goes on as the same run: same global batch, same
+samples, same losses to rounding.
+
+Why restart the world instead of re-forming the process group in place (torchft): a
+gloo or NCCL group cannot drop a member, a new one needs every survivor to rebuild its
+mesh, model shards and optimizer for the new layout anyway, and a restart from copies in
+shared memory costs the start of a process (milliseconds to seconds) and nothing on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from plait.checkpoint.memory_store import STORE_ENV, MemoryStore, default_root, recover
+from plait.config import Config
+from plait.config.rules.elastic import layout_name
+from plait.errors import PlaitError
+from plait.launch.local import LaunchError, latest_checkpoint, launch_local
+from plait.plan.replan import Replan, replan
+
+ROUND_ENV = "PLAIT_ELASTIC_ROUND"
+"""How many times the job has shrunk (0: the first world), set for the ranks."""
+
+
+def lost_ranks(failures: dict[int, str]) -> set[int]:
+    """The ranks that are gone for good: killed by a signal (not those that raised an
+    error because a peer vanished)."""
+    return {r for r, text in failures.items() if text.startswith("killed by signal")}
+
+
+def degrees_of(cfg: Config, world: int) -> dict[str, int]:
+    p = cfg.parallel
+    return {"dp": p.resolved_dp(world), "tp": p.tp, "pp": p.pp, "cp": p.cp}
+
+
+def progress_of(metrics: str | None, since: int) -> tuple[int, float, float | None]:
+    """(last step done, training seconds of the steps after ``since``, seconds since the
+    last step was recorded) from rank 0's metrics file."""
+    if not metrics or not Path(metrics).is_file():
+        return since, 0.0, None
+    last, secs = since, 0.0
+    for line in Path(metrics).read_text("utf-8").splitlines():
+        try:
+            row: dict[str, Any] = json.loads(line)
+        except ValueError:
+            continue
+        last = max(last, int(row["step"]))
+        if int(row["step"]) > since:
+            secs += float(row.get("step_seconds", 0.0))
+    return last, secs, time.time() - Path(metrics).stat().st_mtime
+
+
+def shrink_line(
+    old: str, new: Replan, failures: dict[int, str], lost: set[int], source: str, done: int,
+    resume: int, redo_s: float, idle_s: float | None,
+) -> str:  # fmt: skip
+    """The one log line of a shrink: old → new layout, why, step, seconds lost."""
+    why = "; ".join(f"rank {r} {failures[r]}" for r in sorted(lost))
+    idle = f", detected {idle_s:.1f} s after its last step" if idle_s is not None else ""
+    return (
+        f"plait: elastic: {old} -> {new.name} on {new.world} ranks (micro-batch "
+        f"{new.micro_batch} x {new.accumulation} accumulation): {why} after step {done}{idle}; "
+        f"resuming {source} at step {resume} ({done - resume} step(s), {redo_s:.2f} s of "
+        "training to redo)"
+    )
+
+
+def launch_elastic(
+    cfg: Config, args: Sequence[str], memory_limit: int | None = None
+) -> int:
+    """Run the job on ``launch.nproc`` ranks, shrinking to at least ``launch.min_ranks``
+    as ranks are lost (see the module docstring); returns the exit status."""
+    t = cfg.train
+    low = cfg.launch.min_ranks or cfg.launch.nproc
+    world = cfg.launch.nproc
+    degrees, micro = degrees_of(cfg, world), cfg.micro_batch(world)
+    argv, rnd = list(args), 0
+    root = default_root()
+    saved = {k: os.environ.get(k) for k in (STORE_ENV, ROUND_ENV)}
+    os.environ[STORE_ENV] = str(root)
+    try:
+        while True:
+            os.environ[ROUND_ENV] = str(rnd)
+            try:
+                return launch_local(world, argv, t.checkpoint_dir, memory_limit)
+            except LaunchError as e:
+                lost = lost_ranks(e.failures)
+                if not lost:
+                    raise
+                failures = e.failures
+            survivors = world - len(lost)
+            try:
+                plan = replan(t.global_batch, survivors, low, degrees, micro, cfg.launch.layouts)
+            except PlaitError as e:
+                raise LaunchError(
+                    {r: f"{failures[r]}; the job cannot go on: {e}" for r in sorted(lost)}
+                ) from None
+            rec = recover(MemoryStore(root), world, lost)
+            if rec.folder is not None:
+                resume, source, step = str(rec.folder), rec.why, rec.step or 0
+            else:
+                disk = latest_checkpoint(t.checkpoint_dir)
+                where = f"the disk checkpoint {disk}" if disk else "the start (no checkpoint)"
+                resume, source = disk or "none", f"from {where} ({rec.why})"
+                step = int(disk.rsplit("_", 1)[-1]) if disk else 0
+            done, redo_s, idle_s = progress_of(cfg.log.metrics, step)
+            old = layout_name(degrees)
+            print(
+                shrink_line(old, plan, failures, lost, source, done, step, redo_s, idle_s),
+                flush=True,
+            )
+            sys.stdout.flush()
+            argv += [*(f"--{o}" for o in plan.overrides()), "--train.resume", resume]
+            world, degrees, micro, rnd = plan.world, plan.degrees, plan.micro_batch, rnd + 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
