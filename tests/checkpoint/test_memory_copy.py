@@ -16,6 +16,7 @@ when a rank and its buddy are both lost.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,9 +93,10 @@ def test_copies_are_bit_equal_counted_and_recoverable(
         assert r["held"] > r["formula"] - 16  # its own copy and its ward's
     assert sum(r["adam_bytes"] for r in results) == 3 * 4 * results[0]["params"]
 
-    store = MemoryStore(tmp_path)
+    copy = tmp_path.parent / f"{tmp_path.name}-copy"  # recover() drops the old world's copies
+    shutil.copytree(tmp_path, copy)
     lost = {1}
-    rec = recover(store, world, lost)
+    rec = recover(MemoryStore(tmp_path), world, lost)
     assert rec.step == STEPS and rec.folder is not None, rec.why
     assert rec.why == f"from the memory copies of step {STEPS}"
     reader = CheckpointReader(rec.folder)  # every file's sha256 checked
@@ -104,9 +106,10 @@ def test_copies_are_bit_equal_counted_and_recoverable(
     reader.close()
     both = {2, buddy_of(2, world, world)}  # rank 2 and the rank that holds its copy
     assert ward_of(buddy_of(2, world, world), world, world) == 2
-    gone = recover(store, world, lost | both)
+    gone = recover(MemoryStore(copy), world, both)
     assert gone.folder is None
     assert "rank(s) 2 and their buddies were lost" in gone.why
+    assert not list(copy.glob("holder*"))  # the old world's copies are dropped
 
 
 def test_buddies_are_on_another_node() -> None:

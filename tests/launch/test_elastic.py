@@ -86,7 +86,8 @@ def test_killed_rank_job_shrinks_and_keeps_its_losses(
         assert line.startswith("plait: elastic: dp4 -> dp3 on 3 ranks (micro-batch 2 x 2"), line
         assert "from the memory copies of step 4 at step 4 (0 step(s)" in line, line
     else:
-        assert line.startswith("plait: elastic: tp2xdp2 -> tp2xdp1 on 2 ranks (micro-batch 6 x 2"), line
+        want = "plait: elastic: tp2xdp2 -> tp2xdp1 on 2 ranks (micro-batch 6 x 2"
+        assert line.startswith(want), line
         assert "from the disk checkpoint" in line and "no memory copy was complete" in line, line
         assert "at step 2 (0 step(s)" in line, line
     rows = read_metrics(metrics)

@@ -51,5 +51,5 @@ def test_no_layout_names_what_would_work() -> None:
 
 def test_min_without_an_allowed_layout_is_refused_before_the_start() -> None:
     check_elastic(12, 3, DP4, 3, ())
-    with pytest.raises(ConfigError, match="launch.min_ranks: no allowed layout .tp2xdp2, dp2. for 3"):
+    with pytest.raises(ConfigError, match=r"min_ranks: no allowed layout \(tp2xdp2, dp2\) for 3"):
         check_elastic(12, 3, TP2DP2, 6, ("tp2xdp2", "dp2"))

@@ -32,6 +32,7 @@ from plait.checkpoint.state import TrainState
 from plait.checkpoint.write import SaveHook, agree, save_checkpoint
 from plait.checkpoint.write_async import AsyncSaver
 from plait.config import Config
+from plait.config.rules.elastic import check_memory_checkpoints
 from plait.mesh import Mesh
 
 
@@ -53,6 +54,7 @@ class Checkpointing:
         :mod:`plait.train.intervals`)."""
         self.keep = t.keep_checkpoints
         m = t.memory_checkpoint_every
+        check_memory_checkpoints(m, mesh.world_size)
         self.memory_every = 0 if m == "auto" else m
         """Steps between memory copies (0: none, or 'auto' until measured)."""
         self.store: MemoryStore | None = store_from_env() if m != 0 else None
@@ -126,9 +128,9 @@ class Checkpointing:
         run that no launcher owns (torchrun's) are removed by each node's first rank."""
         if self.writer is not None:
             self.writer.wait()
-        if self.store is not None and STORE_ENV not in os.environ:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-                shutil.rmtree(self.store.root, ignore_errors=True)
+        first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if self.store is not None and STORE_ENV not in os.environ and first_here:
+            shutil.rmtree(self.store.root, ignore_errors=True)
 
     def close(self) -> None:
         """Release the folder's lock (rank 0; at the end of the run or when it fails),
@@ -202,9 +204,9 @@ class Checkpointing:
     def after_step(self, ts: TrainState, done: int, last: int, stop: bool) -> Path | None:
         """Save after ``done`` steps when due (every k, the ``last`` step, a stop request);
         copy to memory every ``memory_every`` steps before the last."""
-        if self.store is not None and self.memory_every and done % self.memory_every == 0:
-            if done < last and not stop:
-                self.copy_to_memory(ts, done)
+        copy = self.store is not None and self.memory_every and done % self.memory_every == 0
+        if copy and done < last and not stop:
+            self.copy_to_memory(ts, done)
         if self.root is None:
             return None
         due = self.every > 0 and done % self.every == 0

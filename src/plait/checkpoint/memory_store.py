@@ -124,9 +124,18 @@ class Recovery:
 
 def recover(store: MemoryStore, world: int, lost: set[int]) -> Recovery:
     """Forget the copies ``lost`` ranks held, then assemble the newest step whose every
-    rank has a surviving copy into ``<root>/recovered/step_<n>`` (a checkpoint folder)."""
+    rank has a surviving copy into ``<root>/recovered/step_<n>`` (a checkpoint folder).
+    Every holder's copies are dropped after (they belong to the old world; the next
+    world makes its own)."""
     store.forget(lost)
     copies = store.copies()
+    try:
+        return _recover(store, world, copies)
+    finally:
+        store.forget({int(h.name.removeprefix("holder")) for h in store.root.glob("holder*")})
+
+
+def _recover(store: MemoryStore, world: int, copies: dict[int, dict[int, Path]]) -> Recovery:
     for step in sorted(copies, reverse=True):
         have = copies[step]
         if all(r in have for r in range(world)):

@@ -119,7 +119,11 @@ def no_layout_message(
 
 
 def check_elastic(
-    global_batch: int, min_ranks: int, start: dict[str, int], micro_batch: int, policy: Sequence[str]
+    global_batch: int,
+    min_ranks: int,
+    start: dict[str, int],
+    micro_batch: int,
+    policy: Sequence[str],
 ) -> None:
     """Before any rank starts: the job can run on ``min_ranks`` (an allowed layout of
     that size divides the global batch)."""

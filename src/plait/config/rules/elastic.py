@@ -31,7 +31,9 @@ def check_min_ranks(min_ranks: int | None, nproc: int) -> None:
     if min_ranks is None:
         return
     if min_ranks < 1:
-        raise ConfigError(f"launch.min_ranks (MIN of --nproc MIN:MAX) must be >= 1, got {min_ranks}.")
+        raise ConfigError(
+            f"launch.min_ranks (MIN of --nproc MIN:MAX) must be >= 1, got {min_ranks}."
+        )
     if min_ranks > nproc:
         raise ConfigError(
             f"--nproc MIN:MAX has MIN > MAX ({min_ranks}:{nproc}): the job starts on MAX "
