@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from plait.config import Config, TrainConfig
 from plait.config.coerce import config_from_dict
 from plait.config.overrides import apply_override
 from plait.config.rules.elastic import (
@@ -16,7 +17,7 @@ from plait.config.rules.elastic import (
 from plait.errors import ConfigError
 
 
-def _cfg(*overrides: str) -> object:
+def _cfg(*overrides: str) -> Config:
     data: dict[str, object] = {}
     for o in overrides:
         apply_override(data, o)
@@ -25,8 +26,8 @@ def _cfg(*overrides: str) -> object:
 
 def test_nproc_min_max() -> None:
     cfg = _cfg("launch.nproc=2:4")
-    assert (cfg.launch.min_ranks, cfg.launch.nproc) == (2, 4)  # type: ignore[attr-defined]
-    assert _cfg("launch.nproc=4").launch.min_ranks is None  # type: ignore[attr-defined]
+    assert (cfg.launch.min_ranks, cfg.launch.nproc) == (2, 4)
+    assert _cfg("launch.nproc=4").launch.min_ranks is None
     with pytest.raises(ConfigError, match=r"MIN > MAX \(4:2\).*write 2:4"):
         parse_nproc_range("4:2")
     with pytest.raises(ConfigError, match="N or MIN:MAX"):
@@ -34,13 +35,19 @@ def test_nproc_min_max() -> None:
 
 
 def test_auto_intervals_parse() -> None:
-    cfg = _cfg("train.checkpoint_every=auto", "train.memory_checkpoint_every=3")
-    assert cfg.train.checkpoint_every == "auto"  # type: ignore[attr-defined]
-    assert cfg.train.memory_checkpoint_every == 3  # type: ignore[attr-defined]
+    cfg = _cfg(
+        "train.checkpoint_every=auto", "train.memory_checkpoint_every=3", "train.checkpoint_dir=c"
+    )
+    assert cfg.train.checkpoint_every == "auto"
+    assert cfg.train.memory_checkpoint_every == 3
     with pytest.raises(ConfigError, match=r"expects int\|auto, got 'often'"):
         _cfg("train.checkpoint_every=often")
-    with pytest.raises(ConfigError, match="a number of steps or 'auto'"):
+    with pytest.raises(ConfigError, match=r"expects int\|auto, got 'sometimes'"):
         config_from_dict({"train": {"memory_checkpoint_every": "sometimes"}})
+    with pytest.raises(ConfigError, match="a number of steps or 'auto', got 'often'"):
+        TrainConfig(memory_checkpoint_every="often")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must not be negative, got -1"):
+        TrainConfig(checkpoint_every=-1)
 
 
 def test_memory_copies_need_two_ranks() -> None:
