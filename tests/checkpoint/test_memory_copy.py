@@ -34,14 +34,14 @@ from plait.train.trainer import Trainer
 from tests.tiny import tiny_config
 
 M = "tests.checkpoint.test_memory_copy"
-STEPS = 3
+STEPS = 2
 
 
 def _body(ctx: WorkerContext, root: str) -> dict[str, Any]:
     os.environ[STORE_ENV] = root
     try:
         cfg = tiny_config(steps=STEPS, parallel={"zero": 1})
-        cfg.train.memory_checkpoint_every = 1
+        cfg.train.memory_checkpoint_every, cfg.train.eval_every = 1, 0
         mesh = ctx.mesh(dp=ctx.world_size)
         tr = Trainer(cfg, mesh, show_progress=False)
         tr.run()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -40,10 +41,19 @@ ROUND_ENV = "PLAIT_ELASTIC_ROUND"
 """How many times the job has shrunk (0: the first world), set for the ranks."""
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""Signals that stop a rank rather than lose it: the agent stops the survivors of a
+failure with SIGTERM."""
+
+
 def lost_ranks(failures: dict[int, str]) -> set[int]:
-    """The ranks that are gone for good: killed by a signal (not those that raised an
-    error because a peer vanished)."""
-    return {r for r, text in failures.items() if text.startswith("killed by signal")}
+    """The ranks that are gone for good: killed by a signal other than a stop request
+    (SIGKILL, SIGSEGV, SIGBUS, ...); not those that raised an error because a peer
+    vanished, nor those the agent stopped."""
+    stops = {f"killed by signal {int(s)}" for s in STOP_SIGNALS}
+    return {
+        r for r, text in failures.items() if text.startswith("killed by signal") and text not in stops
+    }
 
 
 def degrees_of(cfg: Config, world: int) -> dict[str, int]:

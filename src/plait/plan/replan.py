@@ -91,6 +91,10 @@ def replan(
     """The largest world in ``[min_ranks, survivors]`` with an allowed layout that divides
     ``global_batch``; ``micro_batch`` is the per-rank micro-batch before the loss. A
     :class:`ConfigError` names what would work when none does."""
+    if survivors < min_ranks:
+        raise ConfigError(
+            f"only {survivors} rank(s) survive, fewer than launch.min_ranks = {min_ranks}."
+        )
     for world in range(survivors, min_ranks - 1, -1):
         got = fit(global_batch, world, allowed_layouts(policy, start, world), micro_batch)
         if got is not None:
