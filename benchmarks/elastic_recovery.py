@@ -71,12 +71,15 @@ def _watch(path: Path, stamps: dict[int, float], done: threading.Event) -> None:
         time.sleep(0.005)
 
 
-def measure(source: str, steps: int, kill: int, env: dict[str, str]) -> dict[str, Any]:
-    """One killed run; its detection and recovery seconds and its line."""
+def measure(
+    source: str, steps: int, kill: int, world: int, env: dict[str, str]
+) -> dict[str, Any]:
+    """One killed run of ``world`` ranks; its detection and recovery seconds and its line."""
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as d:
         tmp = Path(d)
-        cmd = [sys.executable, str(ENTRY), "2", str(kill), "train", "--nproc", "3:4", *RUN,
-               "--steps", str(steps), "--metrics", "m.jsonl", *SOURCES[source]]  # fmt: skip
+        cmd = [sys.executable, str(ENTRY), "2", str(kill), "train", "--nproc",
+               f"{world - 1}:{world}", *RUN, "--steps", str(steps), "--metrics", "m.jsonl",
+               *SOURCES[source]]  # fmt: skip
         stamps: dict[int, float] = {}
         done = threading.Event()
         w = threading.Thread(target=_watch, args=(tmp / "m.jsonl", stamps, done), daemon=True)
@@ -91,7 +94,7 @@ def measure(source: str, steps: int, kill: int, env: dict[str, str]) -> dict[str
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("plait: elastic:"))
     m = DETECTED.search(line)
     detect = float(m.group(1)) if m else float("nan")
-    step_s = statistics.median(row["step_seconds"] for row in rows[1:])
+    step_s = statistics.median(row["step_seconds"] for row in rows[1:] or rows)
     gap = stamps[kill] - stamps[kill - 1]
     lost = int(re.search(r"\((\d+) step\(s\)", line).group(1))  # type: ignore[union-attr]
     return {"source": source, "detect": detect, "recover": gap - detect - step_s,
@@ -105,16 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the table into this RESULTS.md")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kill", type=int, default=7, help="1-based step rank 2 dies entering")
+    p.add_argument("--world", type=int, default=4, help="ranks at the start (one is lost)")
     p.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
     args = p.parse_args(argv)
-    if args.tiny:
-        args.steps, args.kill = 4, 3
+    if args.tiny:  # 3 -> 2 ranks, the kill right after the first copy / save
+        args.steps, args.kill, args.world = 3, 3, 3
     path = os.pathsep.join(
         x for x in (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH")) if x
     )
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     load0, t0 = load_average(), time.perf_counter()
-    rows = [measure(s, args.steps, args.kill, env) for s in SOURCES]
+    rows = [measure(s, args.steps, args.kill, args.world, env) for s in SOURCES]
+    shrink = f"{args.world} -> {args.world - 1}"
     disk = rows[1]
     lines = [
         "## Elastic recovery: a rank lost for good, memory copies vs disk (issue 43)",
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in rows:
         lines.append(
-            f"| {r['source']} | 4 -> 3 | {r['detect']:.2f} | {r['recover']:.2f} | "
+            f"| {r['source']} | {shrink} | {r['detect']:.2f} | {r['recover']:.2f} | "
             f"{r['recover'] / disk['recover']:.2f} | {r['lost']} | {r['gap']:.2f} | "
             f"{1000 * r['step']:.1f} |"
         )
@@ -135,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- Command: `{command_line(__file__)}` ({time.perf_counter() - t0:.0f} s).",
         f"- Load average (1 min) {load0:.1f} at the start and {load_average():.1f} at the end "
         "on 2 cores shared with other jobs: absolute times are noisy.",
-        f"- Model: dim 64, 2 layers, sequences of 64, global batch 12; dp4, then dp3 (micro-batch "
-        f"2 x 2 accumulation); {args.steps} steps, rank 2 SIGKILLed entering step {args.kill}.",
+        f"- Model: dim 64, 2 layers, sequences of 64, global batch 12; dp{args.world}, then "
+        f"dp{args.world - 1} (the shrink line gives the micro-batch and accumulation); "
+        f"{args.steps} steps, rank 2 SIGKILLed entering step {args.kill}.",
         "- Detection: the launcher's own figure (rank 0's last metrics row to its decision). "
         "Recovery: the decision to the end of the first step after the resume, minus one "
         "steady step (new world's start, rendezvous, build, load and reshard, the step).",

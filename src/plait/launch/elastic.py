@@ -51,9 +51,7 @@ def lost_ranks(failures: dict[int, str]) -> set[int]:
     (SIGKILL, SIGSEGV, SIGBUS, ...); not those that raised an error because a peer
     vanished, nor those the agent stopped."""
     stops = {f"killed by signal {int(s)}" for s in STOP_SIGNALS}
-    return {
-        r for r, text in failures.items() if text.startswith("killed by signal") and text not in stops
-    }
+    return {r for r, t in failures.items() if t.startswith("killed by signal") and t not in stops}
 
 
 def degrees_of(cfg: Config, world: int) -> dict[str, int]:
