@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plait.config.choices import AUTO
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--layout",
-        choices=("auto",),
+        choices=AUTO,
         help="'auto': dp/tp/pp/cp, ZeRO stage, recomputation and micro-batch from the "
         "planner's search for this world size, device and model (docs/planner.md)",
     )

@@ -97,6 +97,8 @@ NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 TOKEN_DTYPES: tuple[TokenDType, ...] = get_args(TokenDType)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+AUTO: tuple[Auto, ...] = get_args(Auto)
+"""('auto',): a value plait chooses itself (also ``plait train --layout auto``)."""
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
 ZERO_MEANING = (
