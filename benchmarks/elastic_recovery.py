@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from plait.bench.step_stamps import watch_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = ROOT / "tests" / "launch" / "elastic_entry.py"
 RUN = [
@@ -53,24 +55,6 @@ SOURCES = {
 DETECTED = re.compile(r"detected ([0-9.]+) s after its last step")
 
 
-def _watch(path: Path, stamps: dict[int, float], done: threading.Event) -> None:
-    """Record when each step's row first appears in the metrics file."""
-    seen = 0
-    while not done.is_set():
-        if path.exists():
-            lines = path.read_text().splitlines()
-            if len(lines) < seen:  # rewritten by the resumed world
-                seen = len(lines)
-            for line in lines[seen:]:
-                try:
-                    step = int(json.loads(line)["step"])
-                except (ValueError, KeyError):
-                    break
-                stamps.setdefault(step, time.perf_counter())
-                seen += 1
-        time.sleep(0.005)
-
-
 def measure(
     source: str, steps: int, kill: int, world: int, env: dict[str, str]
 ) -> dict[str, Any]:
@@ -82,7 +66,7 @@ def measure(
                *SOURCES[source]]  # fmt: skip
         stamps: dict[int, float] = {}
         done = threading.Event()
-        w = threading.Thread(target=_watch, args=(tmp / "m.jsonl", stamps, done), daemon=True)
+        w = threading.Thread(target=watch_rows, args=(tmp / "m.jsonl", stamps, done), daemon=True)
         w.start()
         r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, check=False)
         time.sleep(0.05)
