@@ -76,6 +76,9 @@ def measure(
             raise SystemExit(f"{source} run failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
         rows = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("plait: elastic:"))
+    want = "from the memory copies" if source == "memory" else "from the disk checkpoint"
+    if want not in line or [row["step"] for row in rows] != list(range(1, steps + 1)):
+        raise SystemExit(f"{source} run did not resume {want} or lost rows:\n{r.stdout[-2000:]}")
     m = DETECTED.search(line)
     detect = float(m.group(1)) if m else float("nan")
     step_s = statistics.median(row["step_seconds"] for row in rows[1:] or rows)

@@ -9,8 +9,10 @@ batches: float32, rtol 1e-5 (the layouts differ only in summation order: dp and
 accumulation averaging, tp partial sums; measured differences are ~1e-7 relative, a lost
 or repeated step changes the loss by > 1e-3).
 
-* dp4, rank 2 killed at step 5, memory copies every 2 steps: dp3 (micro-batch 2 x 2
-  accumulation) resumes from the memory copies of step 4, no disk.
+* ZeRO-3 dp4, rank 2 killed at step 5, memory copies every 2 steps: ZeRO-3 dp3
+  (micro-batch 2 x 2 accumulation) resumes from the memory copies of step 4 (each rank's
+  flat shards, resharded 4 -> 3), no disk. Plain dp recovers from memory in
+  ``benchmarks/elastic_recovery.py --tiny`` (3 -> 2 ranks, run by the suite).
 * tp2xdp2, rank 1 killed at step 3 before any memory copy (every 4): the survivors'
   best layout is tp2xdp1 on 2 ranks (3 is no multiple of tp2), resumed from the disk
   checkpoint of step 2, the fallback named in the line.
@@ -51,7 +53,9 @@ def reference() -> list[float]:
 
 
 CASES = {
-    "dp4-memory": (["--nproc", "3:4", "--train.memory_checkpoint_every", "2"], "2", 5),
+    "zero3-dp4-memory": (
+        ["--nproc", "3:4", "--zero", "3", "--train.memory_checkpoint_every", "2"], "2", 5
+    ),
     "tp2xdp2-disk": (
         ["--nproc", "2:4", "--tp", "2", "--train.memory_checkpoint_every", "4",
          "--train.checkpoint_every", "2"],
@@ -82,7 +86,7 @@ def test_killed_rank_job_shrinks_and_keeps_its_losses(
     assert len(lines) == 1, proc.stdout[-3000:]
     line = lines[0]
     assert f"rank {kill} killed by signal 9 after step {at - 1}" in line, line
-    if case == "dp4-memory":
+    if case == "zero3-dp4-memory":
         assert line.startswith("plait: elastic: dp4 -> dp3 on 3 ranks (micro-batch 2 x 2"), line
         assert "from the memory copies of step 4 at step 4 (0 step(s)" in line, line
     else:
