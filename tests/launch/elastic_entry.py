@@ -2,7 +2,9 @@
 first world of an elastic run (``--nproc MIN:MAX``).
 
 Run as ``python tests/launch/elastic_entry.py KILL_RANKS KILL_STEP train <flags>``
-(KILL_RANKS: comma-separated ranks). In every process it (1) points the launcher's
+(KILL_RANKS: comma-separated ranks, -1 for none). With ``PLAIT_TEST_GROW_AT=K`` in the
+environment the launcher sends itself SIGUSR1 ("the ranks are back") once rank 0's
+metrics file (``--metrics``) has the row of step K. In every process it (1) points the launcher's
 :data:`plait.launch.local.RANK_PROGRAM` at this script with the same two arguments, so
 the ranks run it too, and (2) wraps :meth:`plait.train.trainer.Trainer.train_step` so
 that the chosen ranks of the first world (``PLAIT_ELASTIC_ROUND`` 0) die on entry to the
@@ -13,9 +15,13 @@ code in the library.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -40,7 +46,21 @@ def main(argv: list[str]) -> int:
         return step_once(self, step)
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
+    grow_at = os.environ.get("PLAIT_TEST_GROW_AT")
+    if grow_at and "RANK" not in os.environ:  # the launcher, not a rank
+        metrics = Path(rest[rest.index("--metrics") + 1])
+        threading.Thread(target=_grow_at, args=(metrics, int(grow_at)), daemon=True).start()
     return plait_main(rest)
+
+
+def _grow_at(metrics: Path, step: int) -> None:
+    """SIGUSR1 to this process once ``metrics`` has the row of ``step``."""
+    while True:
+        rows = metrics.read_text().splitlines() if metrics.exists() else []
+        if any(json.loads(r)["step"] >= step for r in rows if r.strip()):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":

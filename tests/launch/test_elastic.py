@@ -1,4 +1,5 @@
-"""``plait train --nproc MIN:MAX``: ranks SIGKILLed for good, the job goes on replanned.
+"""``plait train --nproc MIN:MAX``: ranks SIGKILLed for good, the job goes on replanned;
+ranks given back, the job grows.
 
 Each case starts 4 local ranks (through the zygote) of the tiny built-in model with a
 global batch of 12, kills ranks of the first world on entry to a step (the fixture
@@ -16,6 +17,9 @@ or repeated step changes the loss by > 1e-3).
 * tp2xdp2, rank 1 killed at step 3 before any memory copy (every 4): the survivors'
   best layout is tp2xdp1 on 2 ranks (3 is no multiple of tp2), resumed from the disk
   checkpoint of step 2, the fallback named in the line.
+* grow: ``--nproc 2:4 --launch.start_ranks 2`` starts dp2 (micro-batch 3 x 2); once step
+  2 is done the launcher gets SIGUSR1 (the ranks are back; sent by the fixture), the
+  ranks save at the next step boundary and the job goes on as dp4 from that checkpoint.
 """
 
 from __future__ import annotations
@@ -65,17 +69,23 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_killed_rank_job_shrinks_and_keeps_its_losses(
+GROW = ["--nproc", "2:4", "--launch.start_ranks", "2", "--train.checkpoint_dir", "ck"]
+
+
+@pytest.mark.parametrize("case", [*sorted(CASES), "grow"])
+def test_job_shrinks_or_grows_and_keeps_its_losses(
     case: str, tmp_path: Path, reference: list[float]
 ) -> None:
-    flags, kill, at = CASES[case]
+    flags, kill, at = CASES[case] if case != "grow" else (GROW, "-1", 1)
     metrics = tmp_path / "m.jsonl"
     args = [*RUN, *flags, "--metrics", str(metrics), "--log.dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if case == "grow":
+        env["PLAIT_TEST_GROW_AT"] = "2"
     proc = subprocess.run(
         [sys.executable, str(ENTRY), kill, str(at), "train", *args],
         cwd=tmp_path,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=env,
         capture_output=True,
         text=True,
         timeout=240,
@@ -85,15 +95,22 @@ def test_killed_rank_job_shrinks_and_keeps_its_losses(
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("plait: elastic:")]
     assert len(lines) == 1, proc.stdout[-3000:]
     line = lines[0]
-    assert f"rank {kill} killed by signal 9 after step {at - 1}" in line, line
-    if case == "zero3-dp4-memory":
-        assert line.startswith("plait: elastic: dp4 -> dp3 on 3 ranks (micro-batch 2 x 2"), line
-        assert "from the memory copies of step 4 at step 4 (0 step(s)" in line, line
+    if case == "grow":  # dp2 (micro 3 x 2) until SIGUSR1 after step 2, then dp4
+        want = "plait: elastic: dp2 -> dp4 on 4 ranks (micro-batch 3 x 1 accumulation): ranks "
+        assert line.startswith(want + "are back (SIGUSR1) after step"), line
+        assert "resuming from ck/step_0000000" in line, line
     else:
-        want = "plait: elastic: tp2xdp2 -> tp2xdp1 on 2 ranks (micro-batch 6 x 2"
-        assert line.startswith(want), line
-        assert "from the disk checkpoint" in line and "no memory copy was complete" in line, line
-        assert "at step 2 (0 step(s)" in line, line
+        assert f"rank {kill} killed by signal 9 after step {at - 1}" in line, line
+        if case == "zero3-dp4-memory":
+            want = "plait: elastic: dp4 -> dp3 on 3 ranks (micro-batch 2 x 2"
+            assert line.startswith(want), line
+            assert "from the memory copies of step 4 at step 4 (0 step(s)" in line, line
+        else:
+            want = "plait: elastic: tp2xdp2 -> tp2xdp1 on 2 ranks (micro-batch 6 x 2"
+            assert line.startswith(want), line
+            assert "from the disk checkpoint" in line, line
+            assert "no memory copy was complete" in line, line
+            assert "at step 2 (0 step(s)" in line, line
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     got = [r["loss"] for r in rows]

@@ -252,6 +252,12 @@ def _check_elastic(cfg: Config, world: int, launching: bool) -> None:
     low = cfg.launch.min_ranks
     if low is None or not launching:
         return
+    start = cfg.launch.start_ranks
+    if start is not None and start < cfg.launch.nproc and not cfg.train.checkpoint_dir:
+        raise ConfigError(
+            f"launch.start_ranks = {start} < launch.nproc = {cfg.launch.nproc}: growing saves "
+            "a checkpoint and restarts from it; set train.checkpoint_dir."
+        )
     if cfg.launch.backend != "local":
         raise ConfigError(
             f"--nproc MIN:MAX (launch.min_ranks) is supported by the local launcher; "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from plait.config.choices import Device, LaunchBackend, check_choices
 from plait.config.rules.choices import check_positive
-from plait.config.rules.elastic import check_min_ranks, parse_layout_name
+from plait.config.rules.elastic import check_min_ranks, check_start_ranks, parse_layout_name
 from plait.errors import ConfigError
 
 
@@ -43,6 +43,11 @@ class LaunchConfig:
     die beyond the restart budget the job goes on with the survivors, replanned (the
     largest world >= MIN whose allowed layout divides train.global_batch; gradient
     accumulation keeps the global batch); unset: a lost rank ends the run."""
+    start_ranks: int | None = None
+    """Elastic run: ranks to start with (between launch.min_ranks and launch.nproc;
+    default launch.nproc). The job grows to launch.nproc at the next step boundary after
+    SIGUSR1 tells plait's launcher the ranks are back (it saves a checkpoint there and
+    restarts on the larger layout; needs train.checkpoint_dir)."""
     layouts: tuple[str, ...] = ()
     """Elastic run: the layouts the job may take, e.g. 'tp2xdp2,dp3,dp2' (each one's
     world is the product of its degrees; axes dp, tp, pp, cp); empty: the starting
@@ -65,6 +70,7 @@ class LaunchConfig:
             mtbf_hours=self.mtbf_hours,
         )
         check_min_ranks(self.min_ranks, self.nproc)
+        check_start_ranks(self.start_ranks, self.min_ranks, self.nproc)
         for name in self.layouts:
             parse_layout_name(name)
         if self.max_restarts < 0:

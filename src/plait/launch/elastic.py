@@ -91,16 +91,57 @@ def shrink_line(
     )
 
 
+def grow_line(old: str, new: Replan, resume: str | None, done: int, lost_s: float) -> str:
+    """The one log line of a grow: old → new layout, why, step, seconds lost."""
+    return (
+        f"plait: elastic: {old} -> {new.name} on {new.world} ranks (micro-batch "
+        f"{new.micro_batch} x {new.accumulation} accumulation): ranks are back (SIGUSR1) "
+        f"after step {done}; resuming from {resume} ({lost_s:.1f} s to stop and save)"
+    )
+
+
+class GrowRequest:
+    """SIGUSR1 to the launcher: the ranks are back. While installed, the signal asks the
+    agent to stop the ranks (SIGTERM to this process: they save at the next step
+    boundary) and records that the job should grow."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        """Whether the job can grow (it runs on fewer ranks than launch.nproc)."""
+        self.requested_at: float | None = None
+        self.old: Any = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.active and self.requested_at is None:
+            self.requested_at = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def __enter__(self) -> GrowRequest:
+        self.old = signal.signal(signal.SIGUSR1, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGUSR1, self.old)
+
+
 def launch_elastic(
     cfg: Config, args: Sequence[str], memory_limit: int | None = None
 ) -> int:
-    """Run the job on ``launch.nproc`` ranks, shrinking to at least ``launch.min_ranks``
-    as ranks are lost (see the module docstring); returns the exit status."""
+    """Run the job on ``launch.start_ranks`` (default ``launch.nproc``) ranks, shrinking
+    to at least ``launch.min_ranks`` as ranks are lost and growing back to
+    ``launch.nproc`` on SIGUSR1 (see the module docstring); returns the exit status."""
     t = cfg.train
-    low = cfg.launch.min_ranks or cfg.launch.nproc
-    world = cfg.launch.nproc
-    degrees, micro = degrees_of(cfg, world), cfg.micro_batch(world)
+    top = cfg.launch.nproc
+    low = cfg.launch.min_ranks or top
+    world = top
+    full, micro = degrees_of(cfg, world), cfg.micro_batch(world)
+    degrees, top_micro = full, micro
     argv, rnd = list(args), 0
+    start = cfg.launch.start_ranks or top
+    if start < top:  # start smaller: the layout for `start` ranks, as after a loss
+        first = replan(t.global_batch, start, low, full, micro, cfg.launch.layouts)
+        argv += [f"--{o}" for o in first.overrides()]
+        world, degrees, micro = first.world, first.degrees, first.micro_batch
     root = default_root()
     saved = {k: os.environ.get(k) for k in (STORE_ENV, ROUND_ENV)}
     os.environ[STORE_ENV] = str(root)
@@ -108,7 +149,19 @@ def launch_elastic(
         while True:
             os.environ[ROUND_ENV] = str(rnd)
             try:
-                return launch_local(world, argv, t.checkpoint_dir, memory_limit)
+                with GrowRequest(active=world < top) as grow:
+                    quiet = lambda: grow.requested_at is not None  # noqa: E731
+                    code = launch_local(world, argv, t.checkpoint_dir, memory_limit, quiet)
+                if grow.requested_at is None or code != 0:
+                    return code
+                plan = replan(t.global_batch, top, low, full, top_micro, cfg.launch.layouts)
+                resume = latest_checkpoint(t.checkpoint_dir) or "none"
+                done, _, _ = progress_of(cfg.log.metrics, 0)
+                lost_s = time.monotonic() - grow.requested_at
+                print(grow_line(layout_name(degrees), plan, resume, done, lost_s), flush=True)
+                argv += [*(f"--{o}" for o in plan.overrides()), "--train.resume", resume]
+                world, degrees, micro, rnd = plan.world, plan.degrees, plan.micro_batch, rnd + 1
+                continue
             except LaunchError as e:
                 lost = lost_ranks(e.failures)
                 if not lost:

@@ -25,7 +25,7 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,7 @@ def launch_local(
     args: Sequence[str],
     checkpoint_dir: str | None = None,
     memory_limit: int | None = None,
+    quiet_stop: Callable[[], bool] | None = None,
 ) -> int:
     """Run ``python -m plait <args>`` on ``nproc`` local ranks under the elastic agent;
     returns the exit status.
@@ -231,7 +232,8 @@ def launch_local(
         except SignalException as e:  # the agent forwarded it and waited for the ranks
             code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
             sys.stdout.flush()
-            print(line, flush=True)
+            if quiet_stop is None or not quiet_stop():  # (an elastic launcher's own stop)
+                print(line, flush=True)
             return code
         finally:
             if saved is None:

@@ -41,6 +41,22 @@ def check_min_ranks(min_ranks: int | None, nproc: int) -> None:
         )
 
 
+def check_start_ranks(start: int | None, min_ranks: int | None, nproc: int) -> None:
+    """``launch.start_ranks`` is between MIN (``launch.min_ranks``) and MAX
+    (``launch.nproc``) of an elastic run."""
+    if start is None:
+        return
+    if min_ranks is None:
+        raise ConfigError(
+            "launch.start_ranks is for an elastic run; give the range with --nproc MIN:MAX."
+        )
+    if not min_ranks <= start <= nproc:
+        raise ConfigError(
+            f"launch.start_ranks = {start} must be between MIN and MAX of --nproc "
+            f"{min_ranks}:{nproc}."
+        )
+
+
 def check_memory_checkpoints(every: int | str, world: int) -> None:
     """``train.memory_checkpoint_every`` copies each rank's state to another rank: it
     needs two ranks or more."""
