@@ -17,6 +17,7 @@ from tests.tiny import tiny_args
         (["--nproc", "2:4", "--launch.layouts", "dp4,dp3"], "for 2 ranks divides"),
         (["--nproc", "1", "--train.memory_checkpoint_every", "2"], "this run has one rank"),
         (["--nproc", "2:4", "--ray"], "supported by the local launcher"),
+        (["--nproc", "2:4", "--launch.start_ranks", "2"], "set train.checkpoint_dir"),
     ],
 )
 def test_bad_elastic_input_exits_2_with_one_line(

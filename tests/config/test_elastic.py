@@ -34,6 +34,14 @@ def test_nproc_min_max() -> None:
         parse_nproc_range("2:x")
 
 
+def test_start_ranks_between_min_and_max() -> None:
+    assert _cfg("launch.nproc=2:4", "launch.start_ranks=3").launch.start_ranks == 3
+    with pytest.raises(ConfigError, match=r"start_ranks = 5 must be between MIN and MAX of .* 2:4"):
+        _cfg("launch.nproc=2:4", "launch.start_ranks=5")
+    with pytest.raises(ConfigError, match="give the range with --nproc MIN:MAX"):
+        _cfg("launch.nproc=4", "launch.start_ranks=2")
+
+
 def test_auto_intervals_parse() -> None:
     cfg = _cfg(
         "train.checkpoint_every=auto", "train.memory_checkpoint_every=3", "train.checkpoint_dir=c"
