@@ -16,6 +16,7 @@ from tests.tiny import tiny_args
         (["--nproc", "3:4", "--tp", "2"], "no allowed layout (tp2xdp1 with any dp) for 3 ranks"),
         (["--nproc", "2:4", "--launch.layouts", "dp4,dp3"], "for 2 ranks divides"),
         (["--nproc", "1", "--train.memory_checkpoint_every", "2"], "this run has one rank"),
+        (["--nproc", "2", "--train.memory_checkpoint_every", "2"], "needs an elastic run"),
         (["--nproc", "2:4", "--ray"], "supported by the local launcher"),
         (["--nproc", "2:4", "--launch.start_ranks", "2"], "set train.checkpoint_dir"),
     ],

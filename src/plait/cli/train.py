@@ -250,6 +250,12 @@ def _check_elastic(cfg: Config, world: int, launching: bool) -> None:
 
     check_memory_checkpoints(cfg.train.memory_checkpoint_every, world)
     low = cfg.launch.min_ranks
+    if cfg.train.memory_checkpoint_every != 0 and low is None:
+        raise ConfigError(
+            "train.memory_checkpoint_every needs an elastic run, --nproc MIN:MAX: plait's "
+            "launcher keeps the copies and restores from them (a torchrun or Ray restart "
+            "resumes from disk; docs/reliability.md)."
+        )
     if low is None or not launching:
         return
     start = cfg.launch.start_ranks
