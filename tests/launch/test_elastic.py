@@ -17,9 +17,13 @@ or repeated step changes the loss by > 1e-3).
 * tp2xdp2, rank 1 killed at step 3 before any memory copy (every 4): the survivors'
   best layout is tp2xdp1 on 2 ranks (3 is no multiple of tp2), resumed from the disk
   checkpoint of step 2, the fallback named in the line.
-* grow: ``--nproc 2:4 --launch.start_ranks 2`` starts dp2 (micro-batch 3 x 2); once step
-  2 is done the launcher gets SIGUSR1 (the ranks are back; sent by the fixture), the
-  ranks save at the next step boundary and the job goes on as dp4 from that checkpoint.
+* grow: ``--nproc 2:4 --launch.start_ranks 2 --layout auto`` starts on the planner's
+  layout for 2 ranks; once step 2 is done the launcher gets SIGUSR1 (the ranks are back;
+  sent by the fixture), the ranks save at the next step boundary and the job goes on
+  from that checkpoint on the planner's layout for 4 ranks.
+
+:func:`~plait.launch.elastic.replan_auto` (the planner's choice per world) is checked
+in-process with a stand-in planner.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from plait import init_mesh
 from plait.config.coerce import config_from_dict
 from plait.config.overrides import parse_override_flags
 from plait.config.toml_io import load_config_data
+from plait.errors import ConfigError
+from plait.launch.elastic import replan_auto
 from plait.train.trainer import Trainer
 from tests.tiny import read_metrics, tiny_args
 
@@ -69,7 +75,10 @@ CASES = {
 }  # fmt: skip
 
 
-GROW = ["--nproc", "2:4", "--launch.start_ranks", "2", "--train.checkpoint_dir", "ck"]
+GROW = [
+    *["--nproc", "2:4", "--launch.start_ranks", "2", "--train.checkpoint_dir", "ck"],
+    *["--layout", "auto"],  # the planner picks the layout of each world
+]
 
 
 @pytest.mark.parametrize("case", [*sorted(CASES), "grow"])
@@ -95,9 +104,9 @@ def test_job_shrinks_or_grows_and_keeps_its_losses(
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("plait: elastic:")]
     assert len(lines) == 1, proc.stdout[-3000:]
     line = lines[0]
-    if case == "grow":  # dp2 (micro 3 x 2) until SIGUSR1 after step 2, then dp4
-        want = "plait: elastic: dp2 -> dp4 on 4 ranks (micro-batch 3 x 1 accumulation): ranks "
-        assert line.startswith(want + "are back (SIGUSR1) after step"), line
+    if case == "grow":  # the planner's dp2 layout until SIGUSR1 after step 2, then its dp4
+        assert line.startswith("plait: elastic: dp2 -> dp4 on 4 ranks (micro-batch "), line
+        assert "ranks are back (SIGUSR1) after step" in line, line
         assert "resuming from ck/step_0000000" in line, line
     else:
         assert f"rank {kill} killed by signal 9 after step {at - 1}" in line, line
@@ -115,3 +124,17 @@ def test_job_shrinks_or_grows_and_keeps_its_losses(
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     got = [r["loss"] for r in rows]
     assert got == pytest.approx(reference, rel=1e-5), (got, reference)
+
+
+def test_replan_auto_takes_the_largest_world_the_planner_accepts() -> None:
+    def choose(n: int) -> tuple[list[str], list[str]]:
+        if n == 3:
+            raise ConfigError("no layout fits")
+        sets = [f"parallel.dp={n // 2}", "parallel.tp=2", "train.micro_batch=2"]
+        return sets, ["train", *(f"--{s}" for s in sets)]
+
+    got, argv = replan_auto(choose, 12, 3, 2)
+    assert (got.world, got.name, got.micro_batch, got.accumulation) == (2, "tp2xdp1", 2, 6)
+    assert argv == ["train", "--parallel.dp=1", "--parallel.tp=2", "--train.micro_batch=2"]
+    with pytest.raises(ConfigError, match="3 ranks: no layout fits"):
+        replan_auto(choose, 12, 3, 3)

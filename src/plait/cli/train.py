@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +91,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     _check_device(cfg)
+    choose: Callable[[int], tuple[list[str], list[str]]] | None = None
     if ns.layout == "auto":  # the planner's search picks the layout (plait.cli.layout_auto)
         from plait.cli.layout_auto import resolve_auto_layout
 
@@ -102,8 +103,17 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
             return config_from_dict(d)
 
         per_host = env.local_world_size if env is not None else world
+        asked, given, cuda = cfg, list(argv), _cuda_device()
+
+        def choose(n: int) -> tuple[list[str], list[str]]:
+            """The planner's layout for an elastic world of ``n`` ranks (its settings,
+            and the ranks' argument list)."""
+            return resolve_auto_layout(
+                build, asked, n, ns.hardware, overrides, given, n, cuda, say=False
+            )
+
         sets, argv = resolve_auto_layout(
-            build, cfg, world, ns.hardware, overrides, argv, per_host, _cuda_device(),
+            build, cfg, world, ns.hardware, overrides, argv, per_host, cuda,
             say=env is None or env.rank == 0,
         )  # fmt: skip
         cfg = build(sets)
@@ -167,7 +177,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         if cfg.launch.min_ranks is not None:  # --nproc MIN:MAX: shrink to the survivors
             from plait.launch.elastic import launch_elastic
 
-            return launch_elastic(cfg, list(argv), limit)
+            return launch_elastic(cfg, list(argv), limit, choose)
         return launch_local(world, list(argv), cfg.train.checkpoint_dir, limit)
     from plait.launch.worker import run_rank
 

@@ -26,14 +26,14 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from plait.checkpoint.memory_store import STORE_ENV, MemoryStore, default_root, recover
 from plait.config import Config
 from plait.config.rules.elastic import layout_name
-from plait.errors import PlaitError
+from plait.errors import ConfigError, PlaitError
 from plait.launch.local import LaunchError, latest_checkpoint, launch_local
 from plait.plan.replan import Replan, replan
 
@@ -124,24 +124,60 @@ class GrowRequest:
         signal.signal(signal.SIGUSR1, self.old)
 
 
+Choose = Callable[[int], tuple[list[str], list[str]]]
+"""``--layout auto``: the planner's settings for a world of N ranks and the ranks'
+argument list that runs them (:func:`plait.cli.layout_auto.resolve_auto_layout`)."""
+
+
+def replan_auto(
+    choose: Choose, global_batch: int, high: int, low: int
+) -> tuple[Replan, list[str]]:
+    """The largest world in ``[low, high]`` the planner finds a layout for, as a
+    :class:`Replan`, and its argument list; a :class:`ConfigError` naming each world's
+    refusal when there is none."""
+    why = []
+    for n in range(high, low - 1, -1):
+        try:
+            sets, argv = choose(n)
+        except ConfigError as e:
+            why.append(f"{n} ranks: {e}")
+            continue
+        got = dict(s.split("=", 1) for s in sets)
+        d = {a: int(got.get(f"parallel.{a}", 1)) for a in ("tp", "pp", "cp")}
+        d["dp"] = int(got.get("parallel.dp", n // (d["tp"] * d["pp"] * d["cp"])))
+        micro = int(got["train.micro_batch"])
+        return Replan(n, d, micro, global_batch // (d["dp"] * micro)), argv
+    raise ConfigError("--layout auto finds no layout for the ranks left: " + "; ".join(why))
+
+
 def launch_elastic(
-    cfg: Config, args: Sequence[str], memory_limit: int | None = None
+    cfg: Config, args: Sequence[str], memory_limit: int | None = None, choose: Choose | None = None
 ) -> int:
     """Run the job on ``launch.start_ranks`` (default ``launch.nproc``) ranks, shrinking
     to at least ``launch.min_ranks`` as ranks are lost and growing back to
-    ``launch.nproc`` on SIGUSR1 (see the module docstring); returns the exit status."""
+    ``launch.nproc`` on SIGUSR1 (see the module docstring); returns the exit status.
+    ``choose`` (``--layout auto``): the planner picks each world's layout instead of
+    :func:`~plait.plan.replan.replan`."""
     t = cfg.train
     top = cfg.launch.nproc
     low = cfg.launch.min_ranks or top
     world = top
-    full, micro = degrees_of(cfg, world), cfg.micro_batch(world)
-    degrees, top_micro = full, micro
+    full, top_micro = degrees_of(cfg, world), cfg.micro_batch(world)
+    degrees = full
     argv, rnd = list(args), 0
+
+    def plan_for(high: int) -> tuple[Replan, list[str]]:
+        """The layout of the largest world in ``[low, high]`` and the ranks' arguments."""
+        if choose is not None:
+            got, base = replan_auto(choose, t.global_batch, high, low)
+            return got, [*base, f"--launch.nproc={got.world}"]
+        got = replan(t.global_batch, high, low, full, top_micro, cfg.launch.layouts)
+        return got, [*argv, *(f"--{o}" for o in got.overrides())]
+
     start = cfg.launch.start_ranks or top
     if start < top:  # start smaller: the layout for `start` ranks, as after a loss
-        first = replan(t.global_batch, start, low, full, micro, cfg.launch.layouts)
-        argv += [f"--{o}" for o in first.overrides()]
-        world, degrees, micro = first.world, first.degrees, first.micro_batch
+        first, argv = plan_for(start)
+        world, degrees = first.world, first.degrees
     root = default_root()
     saved = {k: os.environ.get(k) for k in (STORE_ENV, ROUND_ENV)}
     os.environ[STORE_ENV] = str(root)
@@ -154,13 +190,13 @@ def launch_elastic(
                     code = launch_local(world, argv, t.checkpoint_dir, memory_limit, quiet)
                 if grow.requested_at is None or code != 0:
                     return code
-                plan = replan(t.global_batch, top, low, full, top_micro, cfg.launch.layouts)
+                plan, argv = plan_for(top)
                 resume = latest_checkpoint(t.checkpoint_dir) or "none"
                 done, _, _ = progress_of(cfg.log.metrics, 0)
                 lost_s = time.monotonic() - grow.requested_at
                 print(grow_line(layout_name(degrees), plan, resume, done, lost_s), flush=True)
-                argv += [*(f"--{o}" for o in plan.overrides()), "--train.resume", resume]
-                world, degrees, micro, rnd = plan.world, plan.degrees, plan.micro_batch, rnd + 1
+                argv += ["--train.resume", resume]
+                world, degrees, rnd = plan.world, plan.degrees, rnd + 1
                 continue
             except LaunchError as e:
                 lost = lost_ranks(e.failures)
@@ -169,7 +205,11 @@ def launch_elastic(
                 failures = e.failures
             survivors = world - len(lost)
             try:
-                plan = replan(t.global_batch, survivors, low, degrees, micro, cfg.launch.layouts)
+                if survivors < low:
+                    raise ConfigError(
+                        f"only {survivors} rank(s) survive, fewer than launch.min_ranks = {low}."
+                    )
+                plan, argv = plan_for(survivors)
             except PlaitError as e:
                 raise LaunchError(
                     {r: f"{failures[r]}; the job cannot go on: {e}" for r in sorted(lost)}
@@ -189,8 +229,8 @@ def launch_elastic(
                 flush=True,
             )
             sys.stdout.flush()
-            argv += [*(f"--{o}" for o in plan.overrides()), "--train.resume", resume]
-            world, degrees, micro, rnd = plan.world, plan.degrees, plan.micro_batch, rnd + 1
+            argv += ["--train.resume", resume]
+            world, degrees, rnd = plan.world, plan.degrees, rnd + 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for k, v in saved.items():
