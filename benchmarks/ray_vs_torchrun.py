@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from plait.bench.step_stamps import watch_rows  # noqa: E402  (after the path)
+
 RUN = [
     *["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4"],
     *["--model.max_seq_len", "64", "--seq-len", "64", "--global-batch", "16"],
@@ -71,29 +73,11 @@ RAY_WITH_HOOK = (
 )
 
 
-def _watch(path: Path, stamps: dict[int, float], done: threading.Event) -> None:
-    """Record when each step's row first appears in the metrics file."""
-    seen = 0
-    while not done.is_set():
-        if path.exists():
-            lines = path.read_text().splitlines()
-            for line in lines[seen:]:
-                try:
-                    step = int(json.loads(line)["step"])
-                except (ValueError, KeyError):
-                    break
-                stamps.setdefault(step, time.perf_counter())
-                seen += 1
-            if len(lines) < seen:  # rewritten after a resume
-                seen = len(lines)
-        time.sleep(0.01)
-
-
 def _run(cmd: list[str], tmp: Path, env: dict[str, str]) -> tuple[float, dict[int, float], list]:
     metrics = tmp / "m.jsonl"
     stamps: dict[int, float] = {}
     done = threading.Event()
-    w = threading.Thread(target=_watch, args=(metrics, stamps, done), daemon=True)
+    w = threading.Thread(target=watch_rows, args=(metrics, stamps, done), daemon=True)
     w.start()
     t0 = time.perf_counter()
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, check=False)

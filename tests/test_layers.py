@@ -125,7 +125,18 @@ writing; a module of ``plait.config`` imports (of plait) only errors and the par
 its own (longest prefix wins)."""
 
 PLAN_ORDER: list[tuple[str, ...]] = [
-    ("text", "hardware", "layout", "modelspec", "moe", "lora", "optimizer"),  # the words
+    # the words: what is planned; an elastic run's replanning and checkpoint interval
+    (
+        "text",
+        "hardware",
+        "layout",
+        "modelspec",
+        "moe",
+        "lora",
+        "optimizer",
+        "replan",
+        "checkpoint_interval",
+    ),
     ("profile_toml", "query"),  # the inputs: a hardware file, the query
     (  # the terms: activations, ZeRO units, links, compression, offload, kernels
         "activations",

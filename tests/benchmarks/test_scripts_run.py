@@ -209,6 +209,9 @@ CASES: dict[str, Case] = {
     "pipeline_profile": Case(tables={"rank | compute ms": _rows("0", "1")}),
     "planner_block_profile": Case(tables={"hidden x tokens": _rows("32 x 1024 (h2)")}),
     "planner_vs_measured": Case(tables={"layout | state MiB pred / meas": _rows("tp2 + SP")}),
+    "elastic_recovery": Case(
+        tables={"recovery from | ranks | detection s": _rows("memory | 3 -> 2", "disk | 3 -> 2")}
+    ),
     "ray_vs_torchrun": Case(tables={"launcher | ranks": _rows("nproc | 2", "torchrun | 2")}),
     "activation_offload": Case(
         tables={

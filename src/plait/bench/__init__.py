@@ -6,7 +6,8 @@
   rates and collectives' alpha and beta, written as a hardware profile for
   ``plait plan --hardware PATH`` (``plait bench calibrate``);
 * :mod:`plait.bench.alphabeta`, :mod:`plait.bench.timing`, :mod:`plait.bench.results` —
-  fitting, timing and the shared results file of ``benchmarks/``.
+  fitting, timing and the shared results file of ``benchmarks/``;
+  :mod:`plait.bench.step_stamps` — when each step of a run in another process finished.
 
 The command line is :mod:`plait.cli.bench`.
 """

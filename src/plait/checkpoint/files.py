@@ -158,11 +158,9 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
-    """Write ``tensors`` (CPU) as a safetensors file straight from their memory (no
-    serialized copy), fsynced; the sha256 is computed on a second thread while the
-    file is written (hashlib and large writes release the GIL). Returns ``(sha256,
-    bytes)``."""
+def safetensors_parts(tensors: dict[str, torch.Tensor]) -> list[memoryview]:
+    """The bytes of a safetensors file of ``tensors``, in order: the header, then each
+    tensor's memory (no copy of a contiguous CPU tensor)."""
     parts: list[memoryview] = []
     head: dict[str, Any] = {}
     at = 0
@@ -180,6 +178,15 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str
     raw = json.dumps(head, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     parts.insert(0, memoryview(struct.pack("<Q", len(raw)) + raw))
+    return parts
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[str, int]:
+    """Write ``tensors`` (CPU) as a safetensors file straight from their memory (no
+    serialized copy), fsynced; the sha256 is computed on a second thread while the
+    file is written (hashlib and large writes release the GIL). Returns ``(sha256,
+    bytes)``."""
+    parts = safetensors_parts(tensors)
     digest = hashlib.sha256()
 
     def _hash() -> None:

@@ -11,6 +11,8 @@ model before it is sharded and loads each rank's pieces after
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from plait.checkpoint.files import verify_collective
 from plait.checkpoint.folder import FolderLock, remove_temporaries
 from plait.checkpoint.format import CheckpointError
 from plait.checkpoint.load import check_model, load_pieces, open_weights, restore_training_state
+from plait.checkpoint.memory_copy import CopyReport, memory_copy
+from plait.checkpoint.memory_store import STORE_ENV, MemoryStore, store_from_env
 from plait.checkpoint.peft_io import is_lora_name
 from plait.checkpoint.read import CheckpointReader
 from plait.checkpoint.resume import find_checkpoint
@@ -28,6 +32,7 @@ from plait.checkpoint.state import TrainState
 from plait.checkpoint.write import SaveHook, agree, save_checkpoint
 from plait.checkpoint.write_async import AsyncSaver
 from plait.config import Config
+from plait.config.rules.elastic import check_memory_checkpoints
 from plait.mesh import Mesh
 
 
@@ -44,7 +49,18 @@ class Checkpointing:
     def __init__(self, cfg: Config, mesh: Mesh, restarts: int = 0) -> None:
         t = cfg.train
         self.root = Path(t.checkpoint_dir) if t.checkpoint_dir else None
-        self.every, self.keep = t.checkpoint_every, t.keep_checkpoints
+        self.every = 0 if t.checkpoint_every == "auto" else t.checkpoint_every
+        """Steps between disk saves (0: none; 'auto' is 0 until measured, see
+        :mod:`plait.train.intervals`)."""
+        self.keep = t.keep_checkpoints
+        m = t.memory_checkpoint_every
+        check_memory_checkpoints(m, mesh.world_size)
+        self.memory_every = 0 if m == "auto" else m
+        """Steps between memory copies (0: none, or 'auto' until measured)."""
+        self.store: MemoryStore | None = store_from_env() if m != 0 else None
+        """Where the memory copies live (``train.memory_checkpoint_every``)."""
+        self.per_node = int(os.environ.get("LOCAL_WORLD_SIZE", mesh.world_size))
+        self.copies: list[CopyReport] = []
         self.mesh = mesh
         self.restarts = restarts
         self.lock: FolderLock | None = None
@@ -108,9 +124,13 @@ class Checkpointing:
 
     def finish(self) -> None:
         """Collective, at the end of the loop: wait for an asynchronous save in flight
-        (:class:`CheckpointSaveError` on every rank if it failed)."""
+        (:class:`CheckpointSaveError` on every rank if it failed). The memory copies of a
+        run that no launcher owns (torchrun's) are removed by each node's first rank."""
         if self.writer is not None:
             self.writer.wait()
+        first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if self.store is not None and STORE_ENV not in os.environ and first_here:
+            shutil.rmtree(self.store.root, ignore_errors=True)
 
     def close(self) -> None:
         """Release the folder's lock (rank 0; at the end of the run or when it fails),
@@ -174,13 +194,30 @@ class Checkpointing:
         self.reader = None  # free the open files
         return step
 
+    def copy_to_memory(self, ts: TrainState, done: int) -> CopyReport:
+        """Collective: the memory copy of step ``done`` (:mod:`plait.checkpoint.memory_copy`)."""
+        assert self.store is not None
+        report = memory_copy(ts, done, self.store, self.per_node)
+        self.copies.append(report)
+        return report
+
     def after_step(self, ts: TrainState, done: int, last: int, stop: bool) -> Path | None:
-        """Save after ``done`` steps when due (every k, the ``last`` step, a stop request)."""
+        """Save after ``done`` steps when due (every k, the ``last`` step, a stop request);
+        copy to memory every ``memory_every`` steps before the last."""
+        copy = self.store is not None and self.memory_every and done % self.memory_every == 0
+        if copy and done < last and not stop:
+            self.copy_to_memory(ts, done)
         if self.root is None:
             return None
         due = self.every > 0 and done % self.every == 0
         if not (due or stop or done == last):
             return None
+        return self.save_now(ts, done)
+
+    def save_now(self, ts: TrainState, done: int) -> Path:
+        """Collective: save the checkpoint of step ``done`` (in the background with
+        ``train.async_checkpoint``); returns its folder."""
+        assert self.root is not None
         protect = (self.resumed_from,) if self.resumed_from else ()
         if self.writer is not None:
             path = self.writer.save(ts, done, self.on_stage, protect, self.trusted)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plait.config.choices import AUTO
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--layout",
-        choices=("auto",),
+        choices=AUTO,
         help="'auto': dp/tp/pp/cp, ZeRO stage, recomputation and micro-batch from the "
         "planner's search for this world size, device and model (docs/planner.md)",
     )
@@ -90,6 +91,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     env = torchrun_env()
     world = env.world_size if env is not None else cfg.launch.nproc
     _check_device(cfg)
+    choose: Callable[[int], tuple[list[str], list[str]]] | None = None
     if ns.layout == "auto":  # the planner's search picks the layout (plait.cli.layout_auto)
         from plait.cli.layout_auto import resolve_auto_layout
 
@@ -101,8 +103,17 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
             return config_from_dict(d)
 
         per_host = env.local_world_size if env is not None else world
+        asked, given, cuda = cfg, list(argv), _cuda_device()
+
+        def choose(n: int) -> tuple[list[str], list[str]]:
+            """The planner's layout for an elastic world of ``n`` ranks (its settings,
+            and the ranks' argument list)."""
+            return resolve_auto_layout(
+                build, asked, n, ns.hardware, overrides, given, n, cuda, say=False
+            )
+
         sets, argv = resolve_auto_layout(
-            build, cfg, world, ns.hardware, overrides, argv, per_host, _cuda_device(),
+            build, cfg, world, ns.hardware, overrides, argv, per_host, cuda,
             say=env is None or env.rank == 0,
         )  # fmt: skip
         cfg = build(sets)
@@ -123,6 +134,7 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
     from plait.parallel.checks import validate_run
 
     validate_run(cfg, world)
+    _check_elastic(cfg, world, launching=env is None)
     from plait.checkpoint import check_start, finished_step
 
     # sources exist; the folder is free, writable and roomy; a resume keeps seed and batch
@@ -162,6 +174,10 @@ def _train(rest: Sequence[str], argv: Sequence[str]) -> int:
         _check_data(cfg)  # fail here, once, before starting any process
         gb = cfg.launch.host_memory_gb
         limit = None if gb is None else int(gb * 2**30)
+        if cfg.launch.min_ranks is not None:  # --nproc MIN:MAX: shrink to the survivors
+            from plait.launch.elastic import launch_elastic
+
+            return launch_elastic(cfg, list(argv), limit, choose)
         return launch_local(world, list(argv), cfg.train.checkpoint_dir, limit)
     from plait.launch.worker import run_rank
 
@@ -186,7 +202,8 @@ def run_defaults(data: dict[str, Any]) -> list[str]:
     notes = []
     if "metrics" not in log:  # an explicit none turns them off
         log["metrics"] = str(out / "metrics.jsonl")
-    wants = int(train.get("checkpoint_every") or 0) > 0 or train.get("resume") in (
+    every = train.get("checkpoint_every") or 0
+    wants = every == "auto" or int(every) > 0 or train.get("resume") in (
         "latest",
         "auto",
     )
@@ -233,6 +250,42 @@ def pretrained_defaults(data: dict[str, Any]) -> list[str]:
         section["tokenizer"] = f"hf:{init_from}"  # a pretrained model reads its own tokens
         notes.append(f"data.tokenizer not set: hf:{init_from} (the model folder's tokenizer)")
     return notes
+
+
+def _check_elastic(cfg: Config, world: int, launching: bool) -> None:
+    """Refuse, before any rank starts, memory copies on one rank and an elastic range
+    (``--nproc MIN:MAX``) the job could not shrink to (no allowed layout of MIN ranks
+    divides the global batch) or that its launcher does not support."""
+    from plait.config.rules.elastic import check_memory_checkpoints
+
+    check_memory_checkpoints(cfg.train.memory_checkpoint_every, world)
+    low = cfg.launch.min_ranks
+    if cfg.train.memory_checkpoint_every != 0 and low is None:
+        raise ConfigError(
+            "train.memory_checkpoint_every needs an elastic run, --nproc MIN:MAX: plait's "
+            "launcher keeps the copies and restores from them (a torchrun or Ray restart "
+            "resumes from disk; docs/reliability.md)."
+        )
+    if low is None or not launching:
+        return
+    start = cfg.launch.start_ranks
+    if start is not None and start < cfg.launch.nproc and not cfg.train.checkpoint_dir:
+        raise ConfigError(
+            f"launch.start_ranks = {start} < launch.nproc = {cfg.launch.nproc}: growing saves "
+            "a checkpoint and restarts from it; set train.checkpoint_dir."
+        )
+    if cfg.launch.backend != "local":
+        raise ConfigError(
+            f"--nproc MIN:MAX (launch.min_ranks) is supported by the local launcher; "
+            f"launch.backend '{cfg.launch.backend}' restarts at the same size "
+            "(launch.max_restarts; see docs/reliability.md)."
+        )
+    from plait.launch.elastic import degrees_of
+    from plait.plan.replan import check_elastic
+
+    degrees = degrees_of(cfg, world)
+    micro = cfg.micro_batch(world)
+    check_elastic(cfg.train.global_batch, low, degrees, micro, cfg.launch.layouts)
 
 
 def _check_device(cfg: Config) -> None:

@@ -75,6 +75,8 @@ NSDType = Literal["bfloat16", "float32", "float64"]
 """The dtype Muon's Newton-Schulz iteration runs in."""
 LaunchBackend = Literal["local", "torchrun", "ray"]
 TokenDType = Literal["uint16", "uint32"]
+Auto = Literal["auto"]
+"""The word of a number field plait may choose itself (``train.checkpoint_every = auto``)."""
 PresetStyle = Literal["llama", "gpt"]
 """Block style of a model preset (:mod:`plait.config.presets`): ``llama`` (plait's built-in
 block) or ``gpt`` (GPT-2/3's block)."""
@@ -95,6 +97,8 @@ NONFINITES: tuple[NonFinite, ...] = get_args(NonFinite)
 PRESET_STYLES: tuple[PresetStyle, ...] = get_args(PresetStyle)
 TOKEN_DTYPES: tuple[TokenDType, ...] = get_args(TokenDType)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+AUTO: tuple[Auto, ...] = get_args(Auto)
+"""('auto',): a value plait chooses itself (also ``plait train --layout auto``)."""
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 """The ZeRO stages (``parallel.zero`` is a plain int: the planner counts with it)."""
 ZERO_MEANING = (

@@ -56,10 +56,23 @@ def split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def number_words(tp: Any) -> tuple[str, ...]:
+    """The words a number field also takes: ``int | Literal["auto"]`` -> ("auto",);
+    any other annotation -> ()."""
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return ()
+    args = typing.get_args(tp)
+    if int not in args:
+        return ()
+    return tuple(w for a in args if typing.get_origin(a) is Literal for w in typing.get_args(a))
+
+
 def type_name(tp: Any) -> str:
     """A short human-readable name of an annotation: int, float | None, auto|cpu|cuda."""
     inner, optional = split_optional(tp)
-    if typing.get_origin(inner) is Literal:
+    if number_words(inner):
+        name = "|".join(("int", *number_words(inner)))
+    elif typing.get_origin(inner) is Literal:
         name = "|".join(str(a) for a in typing.get_args(inner))
     else:
         name = getattr(inner, "__name__", str(inner))
@@ -119,8 +132,10 @@ def coerce_value(key: str, tp: Any, value: Any) -> Any:
         if optional:
             return None
         raise ConfigError(f"config key '{key}' expects {type_name(tp)}, got None.")
-    if typing.get_origin(inner) is Literal:
+    if typing.get_origin(inner) is Literal or value in number_words(inner):
         return value  # the section's own check refuses any other (config.check_choices)
+    if number_words(inner):
+        inner = int
     if typing.get_origin(inner) is tuple:  # tuple[str, ...]: a TOML array of strings
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from plait.config.choices import Device, LaunchBackend, check_choices
 from plait.config.rules.choices import check_positive
+from plait.config.rules.elastic import check_min_ranks, check_start_ranks, parse_layout_name
 from plait.errors import ConfigError
 
 
@@ -37,6 +38,23 @@ class LaunchConfig:
     process, a crash, a hang cut by parallel.timeout_s), at most this many times; each
     restart resumes from the checkpoint that train.checkpoint_dir's `latest` names.
     (Under torchrun use its own --max-restarts.)"""
+    min_ranks: int | None = None
+    """Elastic run (`--nproc MIN:MAX` sets it to MIN and launch.nproc to MAX): when ranks
+    die beyond the restart budget the job goes on with the survivors, replanned (the
+    largest world >= MIN whose allowed layout divides train.global_batch; gradient
+    accumulation keeps the global batch); unset: a lost rank ends the run."""
+    start_ranks: int | None = None
+    """Elastic run: ranks to start with (between launch.min_ranks and launch.nproc;
+    default launch.nproc). The job grows to launch.nproc at the next step boundary after
+    SIGUSR1 tells plait's launcher the ranks are back (it saves a checkpoint there and
+    restarts on the larger layout; needs train.checkpoint_dir)."""
+    layouts: tuple[str, ...] = ()
+    """Elastic run: the layouts the job may take, e.g. 'tp2xdp2,dp3,dp2' (each one's
+    world is the product of its degrees; axes dp, tp, pp, cp); empty: the starting
+    layout's tp, pp and cp with any dp. See docs/reliability.md."""
+    mtbf_hours: float = 24.0
+    """Expected hours between failures of the whole job, for train.checkpoint_every =
+    'auto' (Young's interval sqrt(2 C M))."""
     host_memory_gb: float | None = None
     """Host memory (GiB) the ranks on this machine may use together, for naming a rank
     the kernel killed as out of memory when neither the memory cgroup nor /proc/meminfo
@@ -45,8 +63,16 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         check_choices(self, "launch.")
         check_positive(
-            "launch.", nproc=self.nproc, threads=self.threads, host_memory_gb=self.host_memory_gb
+            "launch.",
+            nproc=self.nproc,
+            threads=self.threads,
+            host_memory_gb=self.host_memory_gb,
+            mtbf_hours=self.mtbf_hours,
         )
+        check_min_ranks(self.min_ranks, self.nproc)
+        check_start_ranks(self.start_ranks, self.min_ranks, self.nproc)
+        for name in self.layouts:
+            parse_layout_name(name)
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must not be negative, got {self.max_restarts}.")
         if self.ray_address is not None and self.backend != "ray":

@@ -15,11 +15,13 @@ from plait.config.coerce import (
     as_table,
     check_key,
     fields_of,
+    number_words,
     section_classes,
     split_optional,
     type_name,
 )
 from plait.config.rules.choices import choice_error
+from plait.config.rules.elastic import parse_nproc_range
 from plait.errors import ConfigError
 
 SHORT_ALIASES: dict[str, str] = {
@@ -68,6 +70,12 @@ def _parse_value(key: str, tp: Any, text: str) -> Any:
         raise choice_error(key, text, typing.get_args(inner))
     if typing.get_origin(inner) is tuple:  # tuple[str, ...]: comma-separated
         return tuple(part.strip() for part in text.split(",") if part.strip())
+    shown = type_name(inner)
+    words = number_words(inner)
+    if text.strip() in words:  # int | Literal["auto"]: the word, else a number
+        return text.strip()
+    if words:
+        inner = int
     try:
         if inner is bool:
             if lowered in _TRUE:
@@ -80,7 +88,7 @@ def _parse_value(key: str, tp: Any, text: str) -> Any:
         if inner is float:
             return float(text)
     except ValueError:
-        expected = type_name(inner) + (" (true/false, yes/no, 1/0)" if inner is bool else "")
+        expected = shown + (" (true/false, yes/no, 1/0)" if inner is bool else "")
         expected += " or none" if optional else ""
         raise ConfigError(f"config key '{key}' expects {expected}, got {text!r}.") from None
     return text
@@ -96,7 +104,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     section, name = check_key(key)
     current = data.get(section, {})
     table = dict(as_table(section, current))
-    table[name] = _parse_value(key, fields_of(section)[name], text)
+    if key == "launch.nproc" and ":" in text:  # --nproc MIN:MAX, an elastic run
+        table["min_ranks"], table[name] = parse_nproc_range(text)
+    else:
+        table[name] = _parse_value(key, fields_of(section)[name], text)
     data[section] = table
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.config.choices import (
+    Auto,
     LrDecayShape,
     LrSchedule,
     OptimizerName,
@@ -13,6 +14,7 @@ from plait.config.choices import (
 )
 from plait.config.rules.activation_offload import check_offload_blocks
 from plait.config.rules.choices import check_positive
+from plait.config.rules.elastic import check_interval
 from plait.config.rules.schedule import check_lr_schedule
 from plait.errors import ConfigError
 
@@ -80,9 +82,15 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     """Folder of sharded checkpoints (one step_<n> folder each and a `latest` pointer);
     must be visible to every rank (one node or a shared filesystem)."""
-    checkpoint_every: int = 0
+    checkpoint_every: int | Auto = 0
     """Save every this many optimizer steps (0: only at the end of the run and on
-    SIGTERM/SIGINT); needs checkpoint_dir."""
+    SIGTERM/SIGINT); needs checkpoint_dir. 'auto': Young's interval sqrt(2 C M) from the
+    measured cost C of a save and launch.mtbf_hours M (docs/reliability.md)."""
+    memory_checkpoint_every: int | Auto = 0
+    """Every this many steps each rank copies its checkpoint pieces into its own and a
+    buddy rank's host memory (another node's when there is one; counted by plait.comm),
+    so that a job that loses ranks resumes from memory instead of disk (0: off; 'auto':
+    Young's interval from the measured cost of a copy; needs two ranks or more)."""
     keep_checkpoints: int = 2
     """Keep the newest this many verified checkpoints; older ones are deleted after each
     save (never the one the run resumed from; see docs/reliability.md)."""
@@ -136,16 +144,14 @@ class TrainConfig:
             if not 0.0 <= beta < 1.0:
                 raise ConfigError(f"train.{name} must be in [0, 1), got {beta}.")
         check_offload_blocks(self.activation_offload, self.activation_offload_blocks)
-        if self.checkpoint_every < 0:
-            raise ConfigError(
-                f"train.checkpoint_every must not be negative, got {self.checkpoint_every}."
-            )
+        check_interval("train.checkpoint_every", self.checkpoint_every)
+        check_interval("train.memory_checkpoint_every", self.memory_checkpoint_every)
         if self.keep_checkpoints < 1 or self.straggler_factor < 0 or 0 < self.straggler_factor <= 1:
             raise ConfigError(
                 f"train.keep_checkpoints must be >= 1 (got {self.keep_checkpoints}) and "
                 f"train.straggler_factor 0 (off) or > 1 (got {self.straggler_factor})."
             )
-        needs_dir = self.checkpoint_every > 0 or self.resume in ("latest", "auto")
+        needs_dir = self.checkpoint_every != 0 or self.resume in ("latest", "auto")
         if needs_dir and not self.checkpoint_dir:
             raise ConfigError(
                 "train.checkpoint_every and train.resume = 'latest'/'auto' need "

@@ -25,7 +25,7 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,9 @@ from plait.launch import oom
 
 RUN_ID_PREFIX = "plait-"
 """Run ids of :func:`launch_local`'s jobs start with it (how a rank knows its launcher)."""
+RANK_PROGRAM: tuple[str, ...] = ("-m", "plait")
+"""What each local rank runs (``python -m plait <args>``); a test's fixture may point it
+at its own entry (one that kills a rank at a chosen step)."""
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -81,6 +84,8 @@ def _failure_text(failure: Any) -> str:
         frames = [ln.strip() for ln in stack.splitlines() if ln.strip().startswith("File ")]
         if frames:
             text += f" (at {frames[-1]})"
+        if not text and failure.exitcode and failure.exitcode < 0:
+            return f"killed by signal {-failure.exitcode}"
         return text or f"exit code {failure.exitcode}"
     if failure.exitcode and failure.exitcode < 0:
         return f"killed by signal {-failure.exitcode}"
@@ -140,7 +145,8 @@ def child_failure(
     return named if named is not None else launch_failure(failures)
 
 
-def _latest(checkpoint_dir: str | None) -> str | None:
+def latest_checkpoint(checkpoint_dir: str | None) -> str | None:
+    """The folder ``checkpoint_dir``'s ``latest`` names, or None."""
     if not checkpoint_dir:
         return None
     from plait.checkpoint import read_latest
@@ -158,7 +164,7 @@ def stopped_line(sig: int, checkpoint_dir: str | None, before: str | None) -> tu
     import signal
 
     name = signal.Signals(sig).name
-    now = _latest(checkpoint_dir)
+    now = latest_checkpoint(checkpoint_dir)
     if now is not None and now != before:
         return 0, f"plait: stopped by {name}; the ranks saved checkpoint {now} (--resume goes on)"
     if not checkpoint_dir:
@@ -171,6 +177,7 @@ def launch_local(
     args: Sequence[str],
     checkpoint_dir: str | None = None,
     memory_limit: int | None = None,
+    quiet_stop: Callable[[], bool] | None = None,
 ) -> int:
     """Run ``python -m plait <args>`` on ``nproc`` local ranks under the elastic agent;
     returns the exit status.
@@ -214,13 +221,13 @@ def launch_local(
         start_method="spawn",
         monitor_interval=0.1,
     )
-    before = _latest(checkpoint_dir)
+    before = latest_checkpoint(checkpoint_dir)
     kills_before, since_s = oom.cgroup_oom_kills(), oom.uptime_s()
     with tempfile.TemporaryDirectory(prefix="plait-memory-") as memory_dir:
         saved = os.environ.get(oom.MEMORY_DIR_ENV)
         os.environ[oom.MEMORY_DIR_ENV] = memory_dir  # the ranks report their memory here
         try:
-            elastic_launch(config, sys.executable)("-m", "plait", *args)
+            elastic_launch(config, sys.executable)(*RANK_PROGRAM, *args)
         except ChildFailedError as e:
             failures = {r: _failure_text(f) for r, f in e.failures.items()}
             raise child_failure(
@@ -229,7 +236,8 @@ def launch_local(
         except SignalException as e:  # the agent forwarded it and waited for the ranks
             code, line = stopped_line(int(e.sigval), checkpoint_dir, before)
             sys.stdout.flush()
-            print(line, flush=True)
+            if quiet_stop is None or not quiet_stop():  # (an elastic launcher's own stop)
+                print(line, flush=True)
             return code
         finally:
             if saved is None:

@@ -173,7 +173,13 @@ def outputs_note(cfg: Config, loggers: Sequence[str]) -> str:
     outs = [f"metrics {cfg.log.metrics}"] if cfg.log.metrics else []
     if t.checkpoint_dir:
         every = f"every {t.checkpoint_every} steps and " if t.checkpoint_every else ""
+        if t.checkpoint_every == "auto":
+            every = "at Young's interval (chosen at step 2 from a timed save) and "
         outs.append(f"checkpoints {every}at the end into {t.checkpoint_dir}")
+    m = t.memory_checkpoint_every
+    if m:
+        when = "at Young's interval (chosen at step 2)" if m == "auto" else f"every {m} steps"
+        outs.append(f"memory copies (own + a buddy rank's host memory) {when}")
     outs += list(loggers)
     text = f"\nplait: writes {'; '.join(outs)}" if outs else ""
     note = truncation_note(cfg.data)

@@ -52,6 +52,7 @@ from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
 from plait.train.data_reads import data_read_line, gather_read_bytes, stage_parts, to_device
 from plait.train.faults import FaultMonitor, restart_count
+from plait.train.intervals import CheckpointIntervals
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
 from plait.train.mask_documents import enable_document_mask
@@ -210,6 +211,7 @@ class Trainer:
         say = self.progress.message if self.is_main else None
         self.start_step = self.checkpoints.restore(self.state, say)  # optimizer, sampler, RNG
         self.validation.set_order(self.sampler.order)  # a resumed run's order (issue 44)
+        self.intervals = CheckpointIntervals(cfg, self.checkpoints, mesh, say)  # 'auto'
         self.profiler = StepProfiler(cfg.log, mesh.rank, self.device, self.model)
 
     @property
@@ -388,6 +390,7 @@ class Trainer:
                     text = self.faults.describe(n, health)
                     self.progress.message(straggler_note(text, self.mesh.world_size))
             saved = self.checkpoints.after_step(self.state, n, t.steps, stop=health.stop)
+            self.intervals.after_step(self.state, n, self.start_step, dt, t.steps)
             checkpoint = str(saved) if saved is not None else checkpoint
             last = n
             if health.stop:
