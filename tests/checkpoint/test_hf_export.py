@@ -96,17 +96,12 @@ def test_export_round_trip(
     loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
     for got in trained:
         assert loss == pytest.approx(got, rel=1e-5)
-    assert loss != pytest.approx(float(_hf_loss_of(src)), rel=1e-3)  # it did train
+    before = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    after = model.state_dict()
+    moved = max(float((after[k] - v).abs().max()) for k, v in before.items())
+    assert moved > 1e-5, moved  # it did train (the loss on one batch may hardly move)
     ours = _plait_logits(ckpt, family)
     torch.testing.assert_close(ours, logits, rtol=1e-5, atol=1e-5)
-
-
-def _hf_loss_of(folder: Path) -> float:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    x, y = tokens()
-    with torch.no_grad():
-        logits = model(x).logits
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
 
 
 def test_export_streams_one_tensor_at_a_time(

@@ -87,11 +87,32 @@ SETUP = ("plait.launch.rendezvous_events:speed_up_event_names",)
 interpreter it forks has them done: torch's elastic agent (``torchrun`` in a test) names
 its rendezvous events without ``inspect.stack`` (the same names, seconds faster)."""
 
-IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "SAFETENSORS_", "USE_T")
-"""Prefixes of the environment variables the preloaded Hugging Face modules read when
-imported (``HF_HOME``, ``HF_HUB_OFFLINE``, ``TRANSFORMERS_VERBOSITY``, ``USE_TORCH``...).
-The server writes its values to ``import-env.json`` beside its socket; the client
-compares its own (:func:`plait.testing.zygote_client.same_import_env`)."""
+IMPORT_ENV = (
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_HUB_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_ENDPOINT",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "TRANSFORMERS_OFFLINE",
+    "TRANSFORMERS_VERBOSITY",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS",
+    "USE_TORCH",
+    "USE_TF",
+    "USE_FLAX",
+    "USE_JAX",
+    "XDG_CACHE_HOME",
+)
+"""The environment variables that the preloaded Hugging Face modules read once, when
+imported, and that change what a test's process does: where the hub cache is, whether it
+is offline, the log verbosity, which frameworks transformers uses. The server writes its
+values to ``import-env.json`` beside its socket; a client compares its own
+(:func:`plait.testing.zygote_client.same_import_env`). Variables read when used
+(``TOKENIZERS_PARALLELISM``, which plait's prepare sets) or that only tune downloads
+(``HF_XET_HIGH_PERFORMANCE``, which importing lm_eval sets) are not listed: a forked
+interpreter sees the client's values of those, and listing them sent every later test
+to a fresh interpreter."""
 
 CLIENT = Path(__file__).with_name("zygote_client.py")
 
@@ -182,9 +203,9 @@ def serve(sock: str, shim: str, ready_fd: int, preload: list[str]) -> None:
         module, _, function = entry.partition(":")
         with contextlib.suppress(ImportError):
             getattr(importlib.import_module(module), function)()
-    env = {k: v for k, v in os.environ.items() if k.startswith(IMPORT_ENV)}
+    env = {k: os.environ[k] for k in IMPORT_ENV if k in os.environ}
     with open(os.path.join(os.path.dirname(sock), "import-env.json"), "w") as f:
-        json.dump({"prefixes": list(IMPORT_ENV), "values": env}, f)
+        json.dump({"names": list(IMPORT_ENV), "values": env}, f)
     own = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p and os.path.abspath(p) not in own]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

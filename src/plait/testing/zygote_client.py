@@ -100,8 +100,7 @@ def same_import_env(sock_path: str, env: dict[str, str]) -> bool:
             server = json.load(f)
     except (OSError, ValueError):
         return True
-    prefixes = tuple(server["prefixes"])
-    return {k: v for k, v in env.items() if k.startswith(prefixes)} == server["values"]
+    return {k: env[k] for k in server["names"] if k in env} == server["values"]
 
 
 def _fallback(real: str, args: list[str]) -> None:
