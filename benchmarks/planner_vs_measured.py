@@ -484,12 +484,17 @@ def main(argv: list[str] | None = None) -> int:
         "(plait.bench.random_shapes) instead of the fixed model; no part 2",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="the seed of --shapes")
-    ap.add_argument("--tiny", action="store_true", help="smallest run (the test suite's)")
+    ap.add_argument(
+        "--tiny", action="store_true",
+        help="smallest run (the test suite's): 1 step, quick calibrations, the --only row "
+        "(default tp2 + SP)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.shapes < 0:
         ap.error(f"--shapes must not be negative, got {args.shapes}")
     if args.tiny:  # one 2-rank row, quick calibrations, no wait for a quiet machine
-        args.steps, args.warmup, args.only, args.max_wait = 1, 0, "tp2 + SP", 0.0
+        args.steps, args.warmup, args.max_wait = 1, 0, 0.0
+        args.only = args.only or "tp2 + SP"
     shapes = draw_shapes(args.shapes, args.seed) if args.shapes else []
 
     t0 = time.time()
@@ -512,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[1:] if argv is None else argv
     )
     what = (
-        f"{len(shapes)} shapes drawn with seed {args.seed} (`plait.bench.random_shapes`)"
+        f"{len(shapes)} shape{'s' if len(shapes) > 1 else ''} drawn with seed {args.seed} "
+        "(`plait.bench.random_shapes`)"
         if shapes
         else f"Model `{MODEL}` (0.87 M parameters), sequence {SEQ}"
     )
