@@ -1,8 +1,9 @@
 """The planner's predictions against real runs on this machine, and against published runs.
 
-Part 1 (measured here). Every layout of :data:`ROWS` trains the built-in ``small`` model
-(0.87 M parameters, fp32, AdamW) with plait's own :class:`~plait.train.trainer.Trainer`
-on the built-in corpus, in a pool of gloo ranks of one thread each. Just before the
+Part 1 (measured here). Every layout of :data:`plait.bench.planner_rows.ROWS` trains the
+built-in ``small`` model (0.87 M parameters, fp32, AdamW) with plait's own
+:class:`~plait.train.trainer.Trainer` on the built-in corpus, in a pool of gloo ranks of
+one thread each (:func:`plait.bench.planner_measure.measure_body`). Just before the
 steps the same ranks calibrate the machine all at once (:func:`plait.bench.calibrate.
 calibrate_body`: matmul, attention and element-wise rates, operator overhead, optimizer
 rate, alpha-beta fits of the collectives at this rank count, and the in-step cost of a
@@ -69,115 +70,14 @@ from typing import Any
 from plait.bench.planner_rows import MODEL, ROWS, SEQ, Row, available, rows_at
 from plait.bench.published_runs import published_table
 from plait.bench.random_shapes import Shape, draw_shapes
+from plait.bench.results import wait_quiet
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the pool's workers resolve the body by module name
-    sys.path.insert(0, str(ROOT))
-
-BODY = "benchmarks.planner_vs_measured:measure_body"
+BODY = "plait.bench.planner_measure:measure_body"
 COMPUTE_BODY = "plait.bench.measure:compute_body"
 TP_GRID_BODY = "plait.bench.tp_block:grid_body"
 CALIBRATE_BODY = "plait.bench.calibrate:calibrate_body"
 QUIET = 0.10
 """Background CPU use (fraction of all cores) below which a measurement starts."""
-
-# --------------------------------------------------------------------------- rank side
-
-
-def _storage_bytes(tensors: list[Any], exclude: set[int]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if st.data_ptr() not in exclude:
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def measure_body(ctx: Any, cfg_kwargs: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
-    """On every rank: train ``warmup + steps`` steps, time them, then count bytes."""
-    import torch
-
-    from plait import comm
-    from plait.config import Config, DataConfig, LogConfig, ModelConfig, ParallelConfig, TrainConfig
-    from plait.parallel.data_parallel import DataParallel
-    from plait.train.trainer import Trainer
-
-    cfg = Config(
-        model=ModelConfig(**cfg_kwargs["model"]),
-        parallel=ParallelConfig(**cfg_kwargs["parallel"]),
-        train=TrainConfig(**cfg_kwargs["train"]),
-        data=DataConfig(max_bytes=2_000_000),
-        log=LogConfig(progress="none", peak_tflops=1.0),
-    )
-    p = cfg.parallel
-    mesh = ctx.mesh(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp)
-    trainer = Trainer(cfg, mesh, show_progress=False)
-    world = mesh.axis("pp", "dp", "cp", "tp")
-    times, cpu_times = [], []
-    for step in range(warmup + steps):
-        comm.barrier(world)
-        t0, c0 = time.perf_counter(), time.process_time()
-        trainer.train_step(step)
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-
-    # one more micro-step, with every saved tensor counted
-    base = trainer.base
-    fixed = {t.untyped_storage().data_ptr() for t in [*base.parameters(), *base.buffers()]}
-    saved: list[Any] = []
-
-    def pack(t: Any) -> Any:
-        saved.append(t)
-        return t
-
-    idx = next(iter(trainer.sampler.micro_batches(warmup + steps, trainer.micro_batch)))
-    x, y = trainer.train_set.batch(idx)
-    if trainer.model.context is not None:  # cp: this rank's tokens, as ParallelModel.step feeds
-        x, y = trainer.model.context.shard(x), trainer.model.context.shard(y)
-    stages = trainer.model.stages
-    loss_fn = trainer.model.loss_fn
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if stages is None:
-            loss = loss_fn(trainer.model(x).float(), y)
-        else:  # this rank's pipeline stage on one micro-batch, as the runtime runs it
-            piece = stages.chunks[0]
-            if piece.tok_embeddings is not None:
-                inp = x
-            else:  # the hidden states a previous stage would send: (micro, seq, dim)
-                inp = torch.randn(x.shape[0], x.shape[1], cfg.model.dim, requires_grad=True)
-            out = piece(inp)
-            loss = loss_fn(out.float(), y) if piece.output is not None else out.sum()
-    activations = _storage_bytes(saved, fixed)
-    saved.clear()
-    loss.backward()
-    # exact bytes of the state this rank holds (after a backward: gradients exist)
-    report = trainer.memory_report().bytes
-    wrapper = trainer.model.module
-    buckets = (
-        sum(b for _, _, b in wrapper.bucket_summary())
-        if isinstance(wrapper, DataParallel)
-        else None
-    )
-    # plait's gradients are views into its buckets: memory_report files the buckets as
-    # gradients, and so does the planner (state); only bucket bytes beyond the
-    # gradients they hold (copies, padding) are "DP buckets", as the planner files them
-    grad_views = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
-    extra = max(0, buckets - grad_views) if buckets is not None else None
-    grads = report["grads"] - (extra or 0)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return {
-        "wrapper": type(trainer.model.module).__name__,
-        "rank": mesh.rank,
-        "times": times[warmup:],
-        "cpu_times": cpu_times[warmup:],
-        "params": report["params"],
-        "grads": grads,
-        "master": report["master"],
-        "optimizer": report["optimizer"] + report["optimizer_scalars"],
-        "buckets": extra,
-        "activations": activations,
-    }
-
 
 # --------------------------------------------------------------------------- parent side
 
@@ -209,34 +109,6 @@ def korthikanti_bytes(row: Row, e: Any) -> float:
     if lay.pp == 1:
         edge += head_activation_bytes(e.query, lay)
     return stage_layers(s.n_layers, lay.pp, 0) * per_layer + edge
-
-
-def _cpu_busy(interval: float = 0.5) -> float:
-    """Fraction of all cores busy over ``interval`` seconds (from /proc/stat; 0 elsewhere)."""
-
-    def sample() -> tuple[int, int]:
-        try:
-            with open("/proc/stat", encoding="ascii") as f:
-                vals = [int(v) for v in f.readline().split()[1:]]
-        except OSError:
-            return 0, 0
-        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
-
-    t0, i0 = sample()
-    time.sleep(interval)
-    t1, i1 = sample()
-    return 0.0 if t1 == t0 else 1.0 - (i1 - i0) / (t1 - t0)
-
-
-def wait_quiet(threshold: float, max_wait_s: float) -> float:
-    """Wait (at most ``max_wait_s``) until other processes keep less than ``threshold``
-    of the cores busy; returns the last busy fraction seen."""
-    deadline = time.monotonic() + max_wait_s
-    busy = _cpu_busy()
-    while busy > threshold and time.monotonic() < deadline:
-        time.sleep(2.0)
-        busy = _cpu_busy()
-    return busy
 
 
 def _err(pred: float, meas: float) -> str:
