@@ -36,9 +36,10 @@ drawn away from every calibration point (:mod:`plait.bench.random_shapes`: hidde
 outside the block grid's range in its hidden size or its tokens per micro-batch), each
 layout keeping its micro-batches per step at the shape's micro-batch
 (:meth:`plait.bench.planner_rows.Row.at`). It prints the step-time error distribution per
-layout (median |error|, worst, cells within 20 %) on both clocks, the CPU-time error of
-every cell, and each shape's full table (state and activation bytes included); part 2 is
-left out.
+layout (median |error|, worst, cells within 20 %) on both clocks and, in CPU time, without
+the block grids (do they earn their place off the grid?), the CPU-time error of every
+cell, and each shape's full table (state and activation bytes included); part 2 is left
+out.
 
 Layouts the runtime does not run yet (:func:`plait.parallel.checks.validate_run` refuses
 them) are listed as "not yet available"; they become measured rows as soon as it does.
@@ -172,6 +173,9 @@ class Measured:
     cpu_err: float | None
     """(predicted - measured) / measured CPU time per step; None: not run."""
     wall_err: float | None
+    """The same in wall time."""
+    plain_err: float | None
+    """The CPU-time error of the profile without its block grids (block ratio 1)."""
 
 
 def measure_row(
@@ -188,7 +192,8 @@ def measure_row(
     from plait.testing import WorkerPool
 
     if available(row) is not None:
-        return Measured(f"| {row.name} | not yet available | | | | | | | | | | |", None, None, None)
+        line = f"| {row.name} | not yet available | | | | | | | | | | |"
+        return Measured(line, None, None, None, None)
     pool = pools.get(row.world)
     if pool is None:
         pool = pools[row.world] = WorkerPool(row.world, comm_timeout_s=120.0)
@@ -267,6 +272,7 @@ def measure_row(
         part,
         (cpu_pred - cpu_meas) / cpu_meas,
         (e.time.total - step_meas) / step_meas,
+        (plain_pred - cpu_meas) / cpu_meas,
     )
 
 
@@ -292,6 +298,7 @@ def shapes_table(
 
     cpu: list[Cell] = []
     wall: list[Cell] = []
+    plain: list[Cell] = []
     detail: list[str] = []
     pools: dict[int, Any] = {}
     try:
@@ -299,9 +306,10 @@ def shapes_table(
             rows = [r for r in rows_at(shape) if not only or only in r.name]
             lines, results = measured_table(hw, rows, steps, warmup, max_wait_s, quick, pools)
             for row, m in zip(rows, results, strict=True):
-                if m.cpu_err is not None and m.wall_err is not None:
+                if m.cpu_err is not None and m.wall_err is not None and m.plain_err is not None:
                     cpu.append(Cell(row.name, shape.name, m.cpu_err))
                     wall.append(Cell(row.name, shape.name, m.wall_err))
+                    plain.append(Cell(row.name, shape.name, m.plain_err))
             detail += [f"#### {shape.name} ({shape.tokens} tokens per micro-batch)", "", *lines, ""]
     finally:
         for pool in pools.values():
@@ -312,6 +320,12 @@ def shapes_table(
         *summary_table(cpu, "CPU"),
         "",
         *summary_table(wall, "wall"),
+        "",
+        "The same CPU-time prediction without the block grids (`block_scale`, "
+        "`tp_block_scale`, `sp_block_scale`: block ratio 1), to tell whether they earn "
+        "their place off the grid:",
+        "",
+        *summary_table(plain, "CPU no-grid"),
         "",
         "CPU time error of every cell (shape: hidden h, head dimension d, layers L, "
         "sequence s, micro-batch b):",
