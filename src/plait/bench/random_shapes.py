@@ -45,7 +45,7 @@ RING_CP = 2
 """The context-parallel degree of the benchmark's ring row: its attention runs on chunks
 of ``s / (2·cp)`` keys."""
 MAX_TRIES = 100_000
-"""Draws before :func:`draw_shape` gives up (it accepts about one in ten)."""
+"""Draws before :func:`draw_shape` gives up (it accepts about one in six)."""
 
 
 @dataclass(frozen=True)
