@@ -1,27 +1,21 @@
-"""The published-runs table (benchmarks/planner_vs_measured.py, part 2): both Llama 3
-405B layouts fit an H100 as published and every row's utilisation is within 15 % of
-the reported figure; the terms that made the 405B layouts fit, each on its own."""
+"""The published-runs table (:mod:`plait.bench.published_runs`, part 2 of
+benchmarks/planner_vs_measured.py): both Llama 3 405B layouts fit an H100 as published
+and every row's utilisation is within 15 % of the reported figure; the terms that made
+the 405B layouts fit, each on its own."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from plait.bench.published_runs import published_runs, published_table
 from plait.plan import estimate
 from plait.plan.hardware import hardware_preset
 from plait.plan.layout import PRECISIONS, RUNTIMES
 from plait.plan.memory import memory_per_rank
 from plait.plan.units import stage_layers
 from tests.plan.queries import query
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.planner_vs_measured import published_runs, published_table  # noqa: E402
 
 BF16 = PRECISIONS["bf16-mixed"]
 

@@ -14,6 +14,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,3 +64,31 @@ def command_line(script: str) -> str:
     shell-quoted: the command that reproduces a recorded run."""
     words = [os.path.relpath(script, Path.cwd()), *sys.argv[1:]]
     return "python " + " ".join(shlex.quote(a) for a in words)
+
+
+def cpu_busy(interval: float = 0.5) -> float:
+    """Fraction of all cores busy over ``interval`` seconds (from /proc/stat; 0 elsewhere)."""
+
+    def sample() -> tuple[int, int]:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                vals = [int(v) for v in f.readline().split()[1:]]
+        except OSError:
+            return 0, 0
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(interval)
+    t1, i1 = sample()
+    return 0.0 if t1 == t0 else 1.0 - (i1 - i0) / (t1 - t0)
+
+
+def wait_quiet(threshold: float, max_wait_s: float) -> float:
+    """Wait (at most ``max_wait_s``) until other processes keep less than ``threshold``
+    of the cores busy; returns the last busy fraction seen."""
+    deadline = time.monotonic() + max_wait_s
+    busy = cpu_busy()
+    while busy > threshold and time.monotonic() < deadline:
+        time.sleep(2.0)
+        busy = cpu_busy()
+    return busy
