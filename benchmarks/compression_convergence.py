@@ -135,7 +135,18 @@ def run(steps: int, flags: list[str], folder: Path) -> tuple[float, float]:
     """(mean loss of the last 5 steps, mean dp bytes per step) of one run."""
     metrics = folder / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    cmd = ["plait", "train", "--nproc", "2", "--dp", "2", "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "plait",
+        "train",
+        "--nproc",
+        "2",
+        "--dp",
+        "2",
+        "--steps",
+        str(steps),
+    ]
     cmd += ["--metrics", str(metrics), "--train.checkpoint_dir", str(folder / "ckpt"), *flags]
     subprocess.run(cmd, check=True, capture_output=True, cwd=folder)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
