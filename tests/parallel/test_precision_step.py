@@ -20,7 +20,7 @@ from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
 from plait.parallel.precision import optimizer_kernel
-from plait.train.trainer import make_optimizer
+from plait.train.start import make_optimizer
 
 CFG = ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=8)
 

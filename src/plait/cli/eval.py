@@ -94,7 +94,7 @@ def load_model(cfg: Config, mesh: Mesh) -> ParallelModel:
     rank reads its own pieces (into the optimizer's masters where it keeps them)."""
     from plait.checkpoint import Checkpointing, TrainState
     from plait.data import BatchSampler
-    from plait.train.trainer import one_device_model, start_parallel
+    from plait.train.start import one_device_model, start_parallel
 
     base = one_device_model(cfg, mesh.device)  # on the meta device: parallelize allocates
     checkpoints = Checkpointing(cfg, mesh)

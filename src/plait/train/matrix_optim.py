@@ -1,5 +1,5 @@
 """The optimizer of ``train.optimizer = 'muon' | 'adafactor'`` (AdamW is
-:func:`plait.train.trainer.make_optimizer`'s own) and the banner's line about it.
+:func:`plait.train.start.make_optimizer`'s own) and the banner's line about it.
 
 Muon's learning rate follows train.lr's schedule: each group carries ``lr_ratio`` (its
 peak over train.lr's peak) and the trainer sets ``lr = scheduled lr · lr_ratio``.

@@ -37,26 +37,20 @@ from plait.data.read_count import READ
 from plait.host_scalar import HostScalar
 from plait.mesh import Mesh
 from plait.model.factory import (
-    build_meta_model,
     describe_model,
     model_flops_per_token,
     model_params,
 )
-from plait.model.init import has_meta
-from plait.optim import Optimizer, StepReport
+from plait.optim import StepReport
 from plait.parallel.checks import validate_run
-from plait.parallel.compression import adam_in_front
 from plait.parallel.lora import adapter_parameters
-from plait.parallel.model import ParallelModel
-from plait.parallel.parallelize import parallelize
-from plait.parallel.precision import DynamicLossScaler, NonFiniteError, optimizer_kernel
+from plait.parallel.precision import NonFiniteError
 from plait.train.data_reads import data_read_line, gather_read_bytes, stage_parts, to_device
 from plait.train.faults import FaultMonitor, restart_count
 from plait.train.intervals import CheckpointIntervals
 from plait.train.loggers import Logger, make_loggers, scalars_of
 from plait.train.lr_schedule import lr_at
-from plait.train.mask_documents import enable_document_mask
-from plait.train.matrix_optim import make_adafactor, make_muon, optimizer_note
+from plait.train.matrix_optim import optimizer_note
 from plait.train.memory import (
     MemoryReport,
     PeakMemory,
@@ -81,65 +75,8 @@ from plait.train.report import (
     timeline_line,
 )
 from plait.train.sample import TrainingSamples
+from plait.train.start import one_device_model, start_parallel
 from plait.train.validation import Validation
-
-
-def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not norms, biases or 1-D parameters),
-    fused (or foreach) kernels where the device has them (:func:`optimizer_kernel`);
-    plain SGD with the same decay where top-k compression applies Adam on each rank
-    before the exchange (``parallel.compression_adam``: SGD's coupled decay then equals
-    AdamW's decoupled one). ``train.optimizer`` 'muon' / 'adafactor': see
-    :mod:`plait.train.matrix_optim`."""
-    if cfg.train.optimizer == "muon":
-        return make_muon(model, cfg, lr_at(0, cfg))
-    if cfg.train.optimizer == "adafactor":
-        return make_adafactor(model, cfg, lr_at(0, cfg))
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    t = cfg.train
-    groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if adam_in_front(model):
-        return torch.optim.SGD(groups, lr=lr_at(0, cfg), momentum=0.0)
-    kernel = optimizer_kernel(p for p in model.parameters() if p.requires_grad)
-    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(t.beta1, t.beta2), **kernel)
-
-
-def one_device_model(cfg: Config, device: torch.device) -> nn.Module:
-    """The run's one-device model (built-in, ``model.family`` or ``model.factory``) on
-    the meta device, seeded by ``train.seed``: ``parallelize`` allocates and initialises
-    only this rank's pieces. A factory model that cannot be initialised piece by piece
-    is built in full, on ``device`` (see :func:`~plait.model.factory.build_meta_model`)."""
-    torch.manual_seed(cfg.train.seed)
-    base = build_meta_model(cfg.model, seed=cfg.train.seed)
-    return base if has_meta(base) else base.to(device)
-
-
-def start_parallel(
-    base: nn.Module, cfg: Config, mesh: Mesh, checkpoints: Checkpointing
-) -> tuple[ParallelModel, Optimizer]:
-    """``base`` given its starting weights (``train.init_from``: a plait checkpoint or a
-    Hugging Face folder), sharded by ``parallelize``, and its optimizer: the one way the
-    trainer and ``plait eval`` start a model. ``checkpoints.restore`` then reads each
-    rank's own pieces of a checkpoint to resume from."""
-    checkpoints.load_weights(base)  # before sharding: every layout starts from them
-    enable_document_mask(base, cfg)  # data.mask_documents: the tokenizer's EOS id
-    model = parallelize(base, mesh, cfg)
-    prec = cfg.precision
-    scaler = (
-        DynamicLossScaler(prec.loss_scale, prec.loss_scale_window) if prec.dtype == "fp16" else None
-    )
-    optimizer = Optimizer(
-        model,
-        make_optimizer(model, cfg),
-        max_norm=0.0 if adam_in_front(model) else cfg.train.grad_clip,  # clipped per rank
-        scaler=scaler,
-        nonfinite=prec.nonfinite,
-    )
-    return model, optimizer
 
 
 class Trainer:
