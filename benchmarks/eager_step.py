@@ -114,7 +114,7 @@ def plait_step(
     from plait.config import Config, TrainConfig
     from plait.optim import Optimizer
     from plait.parallel.parallelize import parallelize
-    from plait.train.trainer import make_optimizer
+    from plait.train.start import make_optimizer
 
     mesh = init_mesh(device=args.device)
     pm = parallelize(_model(args), mesh, precision=args.dtype)

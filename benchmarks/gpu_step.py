@@ -48,7 +48,7 @@ from plait.model import Transformer
 from plait.optim import Optimizer
 from plait.parallel.float8 import check_float8
 from plait.train.metrics import peak_flops
-from plait.train.trainer import make_optimizer
+from plait.train.start import make_optimizer
 
 ROWS = ("plait eager", "plait compiled", "plait compiled + float8", "plain eager", "plain compiled")
 

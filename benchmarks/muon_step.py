@@ -47,7 +47,7 @@ def body(ctx: Any, zero: int, optimizer: str, dim: int, layers: int, steps: int)
     from plait.parallel.data_parallel import DataParallel
     from plait.parallel.zero import ZeroDataParallel
     from plait.train.matrix_optim import make_adafactor, make_muon
-    from plait.train.trainer import make_optimizer
+    from plait.train.start import make_optimizer
 
     torch.set_num_threads(1)
     mesh = ctx.mesh(dp=2)

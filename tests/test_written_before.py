@@ -34,7 +34,7 @@ from plait.data import BatchSampler
 from plait.mesh import init_mesh
 from plait.optim import Optimizer
 from plait.parallel.parallelize import parallelize
-from plait.train.trainer import make_optimizer, one_device_model
+from plait.train.start import make_optimizer, one_device_model
 
 FIXTURE = Path(__file__).parent / "fixtures" / "written_before"
 

@@ -216,7 +216,7 @@ def test_gpu_compiled_bf16_step_matches_eager() -> None:
     (bf16 keeps 8 significant bits; fused kernels round differently)."""
     from plait import init_mesh
     from plait.config import Config, TrainConfig
-    from plait.train.trainer import make_optimizer
+    from plait.train.start import make_optimizer
 
     mesh = init_mesh(device="cuda")
     cfg = Config(model=CFG, train=TrainConfig(lr=1e-2, warmup_steps=0))

@@ -182,7 +182,7 @@ def _library_step(clip: float, monkeypatch: pytest.MonkeyPatch) -> collections.C
     from plait import parallelize
     from plait.model import Transformer
     from plait.optim import Optimizer
-    from plait.train.trainer import make_optimizer
+    from plait.train.start import make_optimizer
 
     cfg = Config(
         model=ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16),
@@ -220,7 +220,7 @@ def test_optimizer_step_without_clipping_does_not_sync_on_a_gpu() -> None:
     from plait import parallelize
     from plait.model import Transformer
     from plait.optim import Optimizer
-    from plait.train.trainer import make_optimizer
+    from plait.train.start import make_optimizer
 
     cfg = Config(
         model=ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16),

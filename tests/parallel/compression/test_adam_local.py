@@ -20,7 +20,7 @@ from plait.parallel.compression import LocalAdam, TopKCompressor, adam_in_front
 from plait.parallel.compression.topk import topk_count
 from plait.parallel.parallelize import parallelize
 from plait.testing import WorkerContext, WorkerPool
-from plait.train.trainer import make_optimizer
+from plait.train.start import make_optimizer
 from tests.parallel.compression.adam_reference import local_adam_updates
 from tests.parallel.compression.test_topk_dgc import MATRICES, NUMEL, SHAPES, _grad
 
