@@ -29,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plait.arch.families.common import GEMMA_FEATURES
 from plait.config import ModelConfig, ParallelConfig
 from plait.errors import ConfigError
 from plait.model.transformer import Transformer
@@ -163,16 +164,7 @@ def test_gemma_features_change_the_model() -> None:
     base = _model("gemma")
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     want = base(x)
-    off = {
-        "norm_unit_offset": False,
-        "embedding_scale": False,
-        "activation": "silu",
-        "query_pre_attn_scalar": None,
-        "attn_logit_softcap": None,
-        "final_logit_softcap": None,
-        "rope_local_theta": None,
-        "sliding_window": None,
-    }
+    off = {**GEMMA_FEATURES, "sliding_window": None}  # every feature at its off value
     for field, value in off.items():
         cfg = ModelConfig(**{**base.cfg.__dict__, field: value})
         other = Transformer(cfg, seed=3).double()
