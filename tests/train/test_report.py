@@ -66,6 +66,14 @@ def test_banner_names_mesh_layout_model_batch_and_peak() -> None:
         "warm-up step(s), then cosine decay to x0.1; 2 steps on cpu\n"
         "plait: MFU peak log.peak_tflops = 1 TFLOP/s"
     )
+    offload = _with(cfg, train={"activation_offload": True, "activation_offload_blocks": 1})
+    assert "recompute none; activations of the first 1 block(s) offloaded to host memory\n" in (
+        banner(offload, init_mesh(), FACTS)
+    )
+    every = _with(cfg, train={"activation_offload": True})
+    assert "; activations of every block offloaded to host memory\n" in banner(
+        every, init_mesh(), FACTS
+    )
     packed = dataclasses.replace(FACTS, packing=0.9634)
     assert (
         "5,937 training / 312 validation sequences of 32 tokens (packed samples: 96.3% real "

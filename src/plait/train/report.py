@@ -97,6 +97,14 @@ def lora_line(cfg: Config, adapters: int, params: int) -> str:
     )
 
 
+def _offload_note(on: bool, blocks: int) -> str:
+    """The banner's words for ``train.activation_offload`` (nothing when off)."""
+    if not on:
+        return ""
+    which = f"the first {blocks} block(s)" if blocks else "every block"
+    return f"; activations of {which} offloaded to host memory"
+
+
 def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
     """The lines printed before the first step."""
     t = cfg.train
@@ -120,7 +128,8 @@ def banner(cfg: Config, mesh: Mesh, run: RunFacts) -> str:
     return (
         f"plait: {mesh.describe()}\n"
         f"plait: {zero_note}; {prec_note}; recompute {t.recompute}"
-        f"{'; torch.compile per block' if t.compile else ''}\n"
+        f"{'; torch.compile per block' if t.compile else ''}"
+        f"{_offload_note(t.activation_offload, t.activation_offload_blocks)}\n"
         f"plait: model {run.params / 1e6:.2f} M parameters ({run.model_note}); "
         f"{run.train_sequences:,} training / {run.val_sequences:,} validation sequences "
         f"of {t.seq_len} tokens"
